@@ -1,0 +1,103 @@
+"""Linear attention (Katharopoulos et al. 2020), phi(x) = elu(x) + 1.
+
+out_i = phi(q_i)^T S_i / (phi(q_i)^T Z_i + eps),
+S_i = sum_{j<=i} phi(k_j) v_j^T,  Z_i = sum_{j<=i} phi(k_j).
+
+The state (S, Z) has a fixed size, so every token costs the same. The
+parallel path is chunked: an exact masked product inside each block of
+`BLOCK` tokens plus the running state between blocks, so it never holds a
+(T, D, D) tensor of prefix sums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .heads import merge_heads, split_heads
+from .state import RowState
+
+BLOCK = 64
+
+
+@dataclass
+class LinearState(RowState):
+    s: torch.Tensor  # (B, H, D, D) float32: sum of phi(k) v^T
+    z: torch.Tensor  # (B, H, D) float32: sum of phi(k)
+
+
+def feature_map(x: torch.Tensor) -> torch.Tensor:
+    return F.elu(x) + 1.0
+
+
+def linear_attention_chunked(q, k, v, s0, z0, eps: float):
+    """Exact causal linear attention over a chunk, starting from (s0, z0).
+
+    q, k: (B, H, T, D) already feature-mapped; v: (B, H, T, E).
+    Returns out (B, H, T, E) and the final (S, Z).
+    """
+    b, h, t, d = q.shape
+    n = -(-t // BLOCK)
+    pad = n * BLOCK - t
+    if pad:  # zero keys/values add nothing to the sums
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    qb, kb, vb = (x.reshape(b, h, n, BLOCK, x.shape[-1]) for x in (q, k, v))  # (B, H, N, C, D)
+    kv = torch.einsum("bhncd,bhnce->bhnde", kb, vb)  # (B, H, N, D, E) per-block sums
+    ksum = kb.sum(dim=3)  # (B, H, N, D)
+    # Exclusive prefix over blocks: what every block sees from earlier blocks.
+    s_before = s0[:, :, None] + F.pad(kv.cumsum(2), (0, 0, 0, 0, 1, 0))[:, :, :n]
+    z_before = z0[:, :, None] + F.pad(ksum.cumsum(2), (0, 0, 1, 0))[:, :, :n]
+    scores = (qb @ kb.transpose(-1, -2)).tril()  # (B, H, N, C, C)
+    num = scores @ vb + qb @ s_before
+    den = scores.sum(-1) + torch.einsum("bhncd,bhnd->bhnc", qb, z_before) + eps
+    out = (num / den[..., None]).reshape(b, h, n * BLOCK, -1)[:, :, :t]
+    return out, s_before[:, :, -1] + kv[:, :, -1], z_before[:, :, -1] + ksum[:, :, -1]
+
+
+class LinearAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.eps = cfg.linear_eps
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def new_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> LinearState:
+        del dtype  # sums accumulate in float32 whatever the model's dtype
+        d = self.proj.in_features // self.n_heads
+        return LinearState(
+            torch.zeros(batch, self.n_heads, d, d, device=device),
+            torch.zeros(batch, self.n_heads, d, device=device),
+        )
+
+    def forward(self, x: torch.Tensor, start: torch.Tensor, state: LinearState | None):
+        del start  # position-free: the state is all a token needs
+        q, k, v = (split_heads(t, self.n_heads).float() for t in self.qkv(x).chunk(3, dim=-1))
+        q, k = feature_map(q), feature_map(k)
+        if state is not None and q.shape[2] == 1:
+            y = self._step(q[:, :, 0], k[:, :, 0], v[:, :, 0], state)[:, :, None]
+        else:
+            s0, z0 = (state.s, state.z) if state is not None else self._zeros(q)
+            y, s, z = linear_attention_chunked(q, k, v, s0, z0, self.eps)
+            if state is not None:
+                state.s.copy_(s)
+                state.z.copy_(z)
+        return self.proj(merge_heads(y.to(x.dtype))), state
+
+    def _zeros(self, q: torch.Tensor):
+        b, h, _, d = q.shape
+        return q.new_zeros(b, h, d, d), q.new_zeros(b, h, d)
+
+    def _step(self, q, k, v, state: LinearState) -> torch.Tensor:
+        """One token per row, state updated in place. q, k, v: (B, H, D)."""
+        b, h, d = k.shape
+        # In-place rank-1 update S += k v^T: no (B, H, D, D) temporary per step.
+        state.s.view(b * h, d, d).baddbmm_(k.reshape(b * h, d, 1), v.reshape(b * h, 1, d))
+        state.z.add_(k)
+        num = (q[..., None, :] @ state.s)[..., 0, :]  # (B, H, D)
+        den = (q * state.z).sum(-1, keepdim=True) + self.eps
+        return num / den

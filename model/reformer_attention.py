@@ -1,0 +1,175 @@
+"""Reformer LSH attention with shared QK, cached per bucket.
+
+Keys are the normalised queries. Each of R hashing rounds draws a random
+rotation and hashes x to argmax([xR; -xR]). A query at position i attends to
+earlier positions j < i in its own bucket, and to itself only when its
+bucket holds nothing earlier. The rounds are combined with weights
+softmax_r(logsumexp of round r's scores), as in the paper; unlike the paper
+we do not discount keys that two rounds both find (see README).
+
+The parallel path here computes these semantics exactly with a (T, L) mask;
+it is the reference the decoder must match. Decoding keeps, per row, head
+and round, the positions of each bucket in a preallocated list, so one step
+gathers only the members of the query's bucket: O(bucket occupancy).
+Inference hashes with the rotations stored in the weights; training may
+draw fresh ones every step (`fresh_rotations`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .heads import chunk_positions, merge_heads, split_heads
+from .state import RowState
+
+
+@dataclass
+class LSHCache(RowState):
+    k: torch.Tensor  # (B, H, L, D) normalised keys
+    v: torch.Tensor  # (B, H, L, D)
+    buckets: torch.Tensor  # (B, H, R, L) bucket of each position, per round
+    members: torch.Tensor  # (B, H, R, n_buckets, L) positions in each bucket, in order
+    counts: torch.Tensor  # (B, H, R, n_buckets) int64, occupancy of each bucket
+
+    def nbytes_in_use(self, lengths: torch.Tensor) -> int:
+        _, h, _, d = self.k.shape
+        rounds = self.buckets.shape[2]
+        per_position = 2 * h * d * self.k.element_size()
+        per_position += h * rounds * (self.buckets.element_size() + self.members.element_size())
+        return int(lengths.sum()) * per_position + self.counts.numel() * self.counts.element_size()
+
+
+def _index_dtype(max_len: int) -> torch.dtype:
+    return torch.int16 if max_len <= torch.iinfo(torch.int16).max else torch.int32
+
+
+class ReformerAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.max_len = cfg.max_len
+        self.n_buckets = cfg.reformer_buckets
+        self.fresh_rotations = bool(cfg.extra.get("reformer_fresh_rotations", True))
+        self.qk = nn.Linear(cfg.d_model, cfg.d_model)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        # Stored with the weights so a loaded model always hashes the same way.
+        self.register_buffer("rotations", torch.randn(cfg.reformer_rounds, cfg.d_head, cfg.reformer_buckets // 2))
+
+    @property
+    def rounds(self) -> int:
+        return self.rotations.shape[0]
+
+    def new_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> LSHCache:
+        h, r, d, n = self.n_heads, self.rounds, self.proj.in_features // self.n_heads, self.max_len
+        idx = _index_dtype(n)
+        return LSHCache(
+            k=torch.zeros(batch, h, n, d, device=device, dtype=dtype),
+            v=torch.zeros(batch, h, n, d, device=device, dtype=dtype),
+            buckets=torch.zeros(batch, h, r, n, device=device, dtype=idx),
+            members=torch.zeros(batch, h, r, self.n_buckets, n, device=device, dtype=idx),
+            counts=torch.zeros(batch, h, r, self.n_buckets, device=device, dtype=torch.long),
+        )
+
+    def hash(self, keys: torch.Tensor) -> torch.Tensor:
+        """(B, H, T, D) -> buckets (B, H, R, T) int64."""
+        rot = self.rotations
+        if self.training and self.fresh_rotations:
+            rot = torch.randn_like(rot)
+        projected = torch.einsum("bhtd,rdn->bhrtn", keys.float(), rot.float())
+        return torch.cat([projected, -projected], dim=-1).argmax(dim=-1)
+
+    def forward(self, x: torch.Tensor, start: torch.Tensor, state: LSHCache | None):
+        q = split_heads(self.qk(x), self.n_heads)  # (B, H, T, D)
+        v = split_heads(self.v(x), self.n_heads)
+        k = F.normalize(q, dim=-1)
+        buckets = self.hash(k)
+        t = q.shape[2]
+        pos = chunk_positions(start, t)  # (B, T)
+        if state is None:
+            y = _lsh_attend(q, k, v, buckets, buckets, pos, pos)
+        elif t == 1:
+            y = self._decode_step(q, k, v, buckets, pos[:, 0], state)
+        else:
+            y = self._attend_cached(q, k, v, buckets, pos, state)
+        return self.proj(merge_heads(y.to(x.dtype))), state
+
+    def _write(self, k, v, buckets, pos, state: LSHCache) -> None:
+        """Store a chunk's keys, values and bucket memberships in the cache."""
+        b, h, r, t = buckets.shape
+        rows = torch.arange(b, device=k.device)[:, None]
+        state.k[rows, :, pos] = k.transpose(1, 2).to(state.k.dtype)
+        state.v[rows, :, pos] = v.transpose(1, 2).to(state.v.dtype)
+        state.buckets[rows, :, :, pos] = buckets.permute(0, 3, 1, 2).to(state.buckets.dtype)
+        onehot = F.one_hot(buckets, self.n_buckets)  # (B, H, R, T, n)
+        # Slot of each token in its bucket list: occupancy before it.
+        rank = (onehot.cumsum(dim=3) - onehot).gather(-1, buckets[..., None])[..., 0]
+        slot = state.counts.gather(-1, buckets) + rank  # (B, H, R, T)
+        flat = state.members.view(b, h, r, -1)
+        flat.scatter_(-1, buckets * self.max_len + slot, pos[:, None, None, :].expand_as(slot).to(flat.dtype))
+        state.counts.add_(onehot.sum(dim=3))
+
+    def _attend_cached(self, q, k, v, buckets, pos, state: LSHCache) -> torch.Tensor:
+        self._write(k, v, buckets, pos, state)
+        used = int(pos.max()) + 1
+        key_pos = torch.arange(used, device=q.device).expand(q.shape[0], used)
+        keys, values = state.k[:, :, :used].to(q.dtype), state.v[:, :, :used].to(q.dtype)
+        return _lsh_attend(q, keys, values, buckets, state.buckets[..., :used].long(), pos, key_pos)
+
+    def _decode_step(self, q, k, v, buckets, pos, state: LSHCache) -> torch.Tensor:
+        """One token per row, touching only its bucket's members."""
+        b, h, r, _ = buckets.shape
+        d = q.shape[-1]
+        qb = buckets[..., 0]  # (B, H, R)
+        count = state.counts.gather(-1, qb[..., None])[..., 0]  # (B, H, R)
+        width = max(int(count.max()), 1)
+        lists = state.members[..., :width]  # (B, H, R, n, W)
+        index = qb[..., None, None].expand(b, h, r, 1, width)
+        members = lists.gather(3, index)[:, :, :, 0].long()  # (B, H, R, W) positions
+        flat = members.reshape(b, h, r * width, 1).expand(-1, -1, -1, d)
+        keys = state.k.gather(2, flat).view(b, h, r, width, d).to(q.dtype)
+        values = state.v.gather(2, flat).view(b, h, r, width, d).to(q.dtype)
+        # Append the token itself as a last column, used only when its bucket is empty.
+        keys = torch.cat([keys, k[:, :, None].expand(b, h, r, 1, d)], dim=3)
+        values = torch.cat([values, v[:, :, None].expand(b, h, r, 1, d)], dim=3)
+        valid = torch.arange(width, device=q.device) < count[..., None]
+        valid = torch.cat([valid, (count == 0)[..., None]], dim=-1)  # (B, H, R, W+1)
+        scores = (q[:, :, None] @ keys.transpose(-1, -2)) / math.sqrt(d)  # (B, H, R, 1, W+1)
+        scores = scores.masked_fill(~valid[..., None, :], float("-inf"))
+        self._write(k, v, buckets, pos[:, None], state)
+        return _combine_rounds(scores, values)  # (B, H, 1, D)
+
+
+def _combine_rounds(scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """scores (B, H, R, T, L) masked with -inf; values (B, H, R or 1, L, D) -> (B, H, T, D).
+
+    Each round's softmax output is weighted by the softmax over rounds of its
+    logsumexp: one softmax over the union of the rounds' keys when no key
+    appears in two rounds.
+    """
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (B, H, R, T, 1)
+    out = torch.exp(scores - lse) @ values  # (B, H, R, T, D)
+    return (torch.softmax(lse, dim=2) * out).sum(dim=2)
+
+
+def _lsh_attend(q, keys, values, q_buckets, k_buckets, q_pos, k_pos) -> torch.Tensor:
+    """Reference LSH attention over explicit keys.
+
+    q (B, H, T, D); keys, values (B, H, L, D); q_buckets (B, H, R, T);
+    k_buckets (B, H, R, L); q_pos (B, T); k_pos (B, L) absolute positions.
+    """
+    d = q.shape[-1]
+    dots = (q @ keys.transpose(-1, -2)) / math.sqrt(d)  # (B, H, T, L)
+    same = q_buckets[..., :, None] == k_buckets[..., None, :]  # (B, H, R, T, L)
+    earlier = (k_pos[:, None, :] < q_pos[:, :, None])[:, None, None]  # (B, 1, 1, T, L)
+    allowed = same & earlier
+    itself = (k_pos[:, None, :] == q_pos[:, :, None])[:, None, None]
+    allowed = allowed | (itself & ~allowed.any(dim=-1, keepdim=True))
+    scores = dots[:, :, None].masked_fill(~allowed, float("-inf"))  # (B, H, R, T, L)
+    return _combine_rounds(scores, values[:, :, None])

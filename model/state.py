@@ -1,0 +1,101 @@
+"""Typed decoding states, batched along dimension 0.
+
+Every attention kind keeps its per-layer state in a dataclass derived from
+`RowState`: all tensor fields are batched along dim 0, so resetting, copying
+or moving one row (one sequence in a continuous batch) is the same generic
+operation for every kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+
+def _tensor_fields(obj) -> Iterator[tuple[str, torch.Tensor]]:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, torch.Tensor):
+            yield f.name, value
+
+
+@dataclass
+class RowState:
+    """Base for per-layer states; every tensor field has batch on dim 0."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for _, t in _tensor_fields(self)]
+
+    @property
+    def batch_size(self) -> int:
+        return self.tensors()[0].shape[0]
+
+    def reset_rows(self, rows: torch.Tensor) -> None:
+        for t in self.tensors():
+            t[rows] = 0
+
+    def copy_rows(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for t in self.tensors():
+            t[dst] = t[src]
+
+    def write_rows(self, dst: torch.Tensor, other: "RowState") -> None:
+        """Copy every row of `other` (a smaller batch) into rows `dst` of self."""
+        for t, o in zip(self.tensors(), other.tensors(), strict=True):
+            t[dst] = o.to(t.dtype)
+
+    def nbytes(self) -> int:
+        """Bytes allocated for all rows."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def nbytes_in_use(self, lengths: torch.Tensor) -> int:
+        """Bytes that hold information for rows of the given lengths.
+
+        Constant-size states use all their bytes; caches override this.
+        """
+        del lengths
+        return self.nbytes()
+
+
+@dataclass
+class ModelState:
+    """Whole-model state: one RowState per layer plus tokens seen per row."""
+
+    layers: list[RowState]
+    lengths: torch.Tensor  # (B,) int64, tokens consumed so far per row
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def _as_index(self, rows) -> torch.Tensor:
+        return torch.as_tensor(rows, dtype=torch.long, device=self.lengths.device).reshape(-1)
+
+    def reset_rows(self, rows) -> None:
+        """Make rows empty, ready for a new sequence."""
+        idx = self._as_index(rows)
+        self.lengths[idx] = 0
+        for layer in self.layers:
+            layer.reset_rows(idx)
+
+    def copy_rows(self, src, dst) -> None:
+        """Duplicate rows src into rows dst (n > 1 samples of one prompt)."""
+        s, d = self._as_index(src), self._as_index(dst)
+        self.lengths[d] = self.lengths[s]
+        for layer in self.layers:
+            layer.copy_rows(s, d)
+
+    def write_rows(self, dst, other: "ModelState") -> None:
+        """Copy all rows of `other` (e.g. a batch-1 prefill) into rows dst."""
+        d = self._as_index(dst)
+        self.lengths[d] = other.lengths.to(self.lengths.device)
+        for layer, o in zip(self.layers, other.layers, strict=True):
+            layer.write_rows(d, o)
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers) + self.lengths.numel() * 8
+
+    def nbytes_in_use(self) -> int:
+        return sum(layer.nbytes_in_use(self.lengths) for layer in self.layers)

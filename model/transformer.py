@@ -1,0 +1,134 @@
+"""Decoder-only transformer over bytes/grey levels, any attention kind.
+
+Contract shared by training, prefill and decoding:
+    logits, state = model(tokens, state)
+tokens (B, T) with T >= 1. With state=None the chunk is a whole sequence
+from position 0 and no state is kept (training, scoring). With a state from
+`new_state`, each row continues from its own position and the state is
+updated in place and returned.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import BOS_TOKEN, ModelConfig
+from .heads import chunk_positions
+from .registry import attention_registry
+from .state import ModelState
+
+
+class SequenceTooLong(ValueError):
+    """A chunk would run past the model's max_len."""
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.up = nn.Linear(cfg.d_model, cfg.d_ff)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.down(F.gelu(self.up(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(ln(x)), then x + ff(ln(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln_attn = nn.LayerNorm(cfg.d_model)
+        self.attn = attention_registry()[cfg.attention](cfg)
+        self.ln_ff = nn.LayerNorm(cfg.d_model)
+        self.ff = FeedForward(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, start, state):
+        a, state = self.attn(self.ln_attn(x), start, state)
+        x = x + self.drop(a)
+        return x + self.ff(self.ln_ff(x)), state
+
+
+def sinusoidal_encoding(pos: torch.Tensor, dim: int) -> torch.Tensor:
+    """(B, T) positions -> (B, T, dim) fixed sin/cos features."""
+    half = dim // 2
+    freq = torch.exp(-math.log(10000.0) * torch.arange(half, device=pos.device) / half)
+    angles = pos[..., None].float() * freq
+    enc = torch.cat([angles.sin(), angles.cos()], dim=-1)
+    return F.pad(enc, (0, dim - 2 * half))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_in, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.max_len, cfg.d_model) if cfg.pos_encoding == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_out)
+        self.apply(_init_weights)
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.head.weight.dtype
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def new_state(self, batch_size: int) -> ModelState:
+        """Empty decoding state for `batch_size` rows, preallocated for max_len."""
+        layers = [blk.attn.new_state(batch_size, self.device, self.dtype) for blk in self.blocks]
+        return ModelState(layers, torch.zeros(batch_size, dtype=torch.long, device=self.device))
+
+    def state_bytes_per_sequence(self, length: int | None = None) -> int:
+        """Bytes of decode state one sequence holds at `length` (default max_len)."""
+        state = self.new_state(1)
+        state.lengths.fill_(self.config.max_len if length is None else length)
+        return state.nbytes_in_use()
+
+    def forward(self, tokens: torch.Tensor, state: ModelState | None = None):
+        b, t = tokens.shape
+        start = state.lengths if state is not None else tokens.new_zeros(b)
+        end = int(start.max()) + t
+        if end > self.config.max_len:
+            raise SequenceTooLong(f"sequence would reach {end} tokens; this model's max_len is {self.config.max_len}")
+        x = self.tok_emb(tokens) + self._positions(chunk_positions(start, t))
+        x = self.drop(x)
+        for i, block in enumerate(self.blocks):
+            x, _ = block(x, start, state.layers[i] if state is not None else None)
+        if state is not None:
+            state.lengths += t
+        return self.head(self.ln_f(x)), state
+
+    def _positions(self, pos: torch.Tensor) -> torch.Tensor:
+        if self.pos_emb is not None:
+            return self.pos_emb(pos)
+        return sinusoidal_encoding(pos, self.config.d_model).to(self.dtype)
+
+
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
+def build_model(cfg: ModelConfig) -> Transformer:
+    return Transformer(cfg)
+
+
+def with_bos(tokens: torch.Tensor) -> torch.Tensor:
+    """Prepend the start token: the input that predicts `tokens`. (B, T) -> (B, T)."""
+    bos = torch.full_like(tokens[:, :1], BOS_TOKEN)
+    return torch.cat([bos, tokens[:, :-1]], dim=1)

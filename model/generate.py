@@ -1,0 +1,38 @@
+"""A plain generation loop over the chunk-and-state contract (bench, eval pictures).
+
+The server's engine does continuous batching itself; this is the simple
+fixed-batch loop: one prefill chunk, then one token per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sampling import BatchSampling, force_tokens, sample
+from .transformer import Transformer, with_bos
+
+
+@torch.inference_mode()
+def generate(model: Transformer, prompt: torch.Tensor, total_len: int, sampling: BatchSampling,
+             forced: torch.Tensor | None = None) -> torch.Tensor:
+    """Extend (B, P) prompts to (B, total_len) tokens, P may be 0.
+
+    forced (B, total_len) holds known tokens (>= 0) to keep instead of sampling.
+    """
+    b, p = prompt.shape
+    tokens = torch.empty(b, total_len, dtype=torch.long, device=model.device)
+    tokens[:, :p] = prompt
+    state = model.new_state(b)
+    # The BOS-shifted prompt predicts positions 1..P; one chunk prefills it.
+    logits, state = model(with_bos(torch.cat([prompt, prompt.new_zeros(b, 1)], dim=1)), state)
+    logits = logits[:, -1]
+    for pos in range(p, total_len):
+        position = torch.full((b,), pos, dtype=torch.long, device=model.device)
+        nxt = sample(logits, sampling, position)
+        if forced is not None:
+            nxt = force_tokens(nxt, forced[:, pos])
+        tokens[:, pos] = nxt
+        if pos + 1 < total_len:
+            logits, state = model(nxt[:, None], state)
+            logits = logits[:, -1]
+    return tokens

@@ -1,0 +1,98 @@
+"""Sampling as small pure functions over a batch of logits.
+
+Randomness is counter-based: the noise for (seed, position, token) is a hash
+of those three integers, so a request draws the same tokens whatever else is
+in its batch, on CPU and GPU alike, with no per-row generator objects.
+Sampling is Gumbel-max: argmax(logits / T + Gumbel noise) is an exact draw
+from softmax(logits / T).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK62 = (1 << 62) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 means off
+    top_p: float = 1.0  # 1 means off
+    seed: int = 0
+
+
+@dataclass
+class BatchSampling:
+    """Per-row sampling parameters as tensors, (B,) each."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seed: torch.Tensor
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> "BatchSampling":
+        def col(name, dtype):
+            return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
+
+        return cls(col("temperature", torch.float32), col("top_k", torch.long), col("top_p", torch.float32), col("seed", torch.long))
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A splitmix-style integer hash kept within 62 bits (no sign issues)."""
+    x = (x ^ (x >> 31)) & _MASK62
+    x = (x * 0x5851F42D4C957F2D) & _MASK62
+    x = (x ^ (x >> 29)) & _MASK62
+    x = (x * 0x14057B7EF767814F) & _MASK62
+    return x ^ (x >> 32)
+
+
+def uniform_noise(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(B,) seeds and positions -> (B, V) uniforms in (0, 1), a pure function of its inputs."""
+    token = torch.arange(vocab, device=seed.device)
+    key = _mix(_mix(seed[:, None] & _MASK62) + position[:, None] * 1_000_003 + token)
+    key = _mix(key)
+    return ((key & ((1 << 24) - 1)).float() + 0.5) / float(1 << 24)
+
+
+def top_k_mask(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Set all but each row's k largest logits to -inf (k <= 0: keep all)."""
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    kth = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_mask(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's smallest set of tokens whose probability reaches p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
+    drop_sorted = before >= top_p[:, None]
+    drop_sorted[:, 0] = False  # always keep the best token
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample(logits: torch.Tensor, params: BatchSampling, position: torch.Tensor) -> torch.Tensor:
+    """(B, V) logits -> (B,) tokens; position (B,) is the index being drawn."""
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1)
+    temp = params.temperature.clamp(min=1e-5)[:, None]
+    filtered = top_p_mask(top_k_mask(logits / temp, params.top_k), params.top_p)
+    gumbel = -torch.log(-torch.log(uniform_noise(params.seed, position, logits.shape[-1])))
+    drawn = (filtered + gumbel).argmax(dim=-1)
+    return torch.where(params.temperature > 0, drawn, greedy)
+
+
+def force_tokens(sampled: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+    """Keep known tokens: where forced >= 0 it replaces the sample. (B,) each."""
+    return torch.where(forced >= 0, forced, sampled)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Log-probability of `tokens` under the model's own distribution. (..., V), (...) -> (...)."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[..., None])[..., 0]

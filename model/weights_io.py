@@ -1,0 +1,105 @@
+"""Save and load models as single safetensors files, config in the metadata.
+
+A file holds every tensor of the model plus two metadata entries:
+`rnnserve.config` (the ModelConfig as JSON) and `rnnserve.info` (free JSON:
+training data, examples seen, wall time, device, evaluation results).
+Loading checks everything before building the model, so a bad file gives
+one `WeightsError` naming the file and the problem, never half a model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .config import ConfigError, ModelConfig
+from .transformer import Transformer, build_model
+
+CONFIG_KEY = "rnnserve.config"
+INFO_KEY = "rnnserve.info"
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class WeightsError(ValueError):
+    """A weights file cannot be loaded; the message names the file and why."""
+
+    def __init__(self, path: str | os.PathLike, problem: str):
+        super().__init__(f"{path}: {problem}")
+        self.path = str(path)
+        self.problem = problem
+
+
+def save_model(model: Transformer, path: str | os.PathLike, info: dict[str, Any] | None = None,
+               dtype: torch.dtype | None = None) -> None:
+    """Write `model` (optionally cast to `dtype`, e.g. bfloat16) and its config."""
+    tensors = {name: t.detach().to(dtype or t.dtype).contiguous().cpu() for name, t in model.state_dict().items()}
+    metadata = {CONFIG_KEY: model.config.to_json(), INFO_KEY: json.dumps(info or {}, sort_keys=True)}
+    tmp = Path(f"{path}.tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    os.replace(tmp, path)  # never leave a truncated file under the final name
+
+
+def read_metadata(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
+    """Config and info of a weights file, without loading tensors."""
+    with _open(path) as f:
+        return _parse_metadata(path, f.metadata())
+
+
+def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.float32) -> tuple[Transformer, dict[str, Any]]:
+    """Build the model a file describes and fill it; returns (model, info)."""
+    with _open(path) as f:
+        cfg, info = _parse_metadata(path, f.metadata())
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    model = build_model(cfg)
+    _check_tensors(path, model, tensors)
+    model.load_state_dict(tensors, strict=True)
+    return model.to(device=device, dtype=dtype).eval(), info
+
+
+def _open(path: str | os.PathLike):
+    if not Path(path).is_file():
+        raise WeightsError(path, "no such file")
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise WeightsError(path, f"not a valid safetensors file ({exc}); expected a .safetensors file written by rnnserve") from exc
+
+
+def _parse_metadata(path, metadata: dict[str, str] | None) -> tuple[ModelConfig, dict[str, Any]]:
+    metadata = metadata or {}
+    if CONFIG_KEY not in metadata:
+        raise WeightsError(path, f"metadata has no '{CONFIG_KEY}' entry; this is not an rnnserve model file")
+    try:
+        cfg = ModelConfig.from_json(metadata[CONFIG_KEY])
+    except (ConfigError, TypeError) as exc:
+        raise WeightsError(path, f"bad model config: {exc}") from exc
+    try:
+        info = json.loads(metadata.get(INFO_KEY, "{}"))
+    except json.JSONDecodeError as exc:
+        raise WeightsError(path, f"metadata '{INFO_KEY}' is not valid JSON: {exc}") from exc
+    return cfg, info
+
+
+def _check_tensors(path, model: Transformer, tensors: dict[str, torch.Tensor]) -> None:
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing:
+        raise WeightsError(path, f"missing tensors: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    if extra:
+        raise WeightsError(path, f"unexpected tensors: {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}")
+    for name, want in expected.items():
+        got = tensors[name]
+        if tuple(got.shape) != tuple(want.shape):
+            raise WeightsError(path, f"tensor {name} has shape {tuple(got.shape)}, expected {tuple(want.shape)}")
+        if got.dtype not in FLOAT_DTYPES:
+            raise WeightsError(path, f"tensor {name} has dtype {got.dtype}, expected a float type (float32, float16, bfloat16)")
+        if not torch.isfinite(got).all():
+            raise WeightsError(path, f"tensor {name} has non-finite values (NaN or inf)")

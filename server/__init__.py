@@ -1,0 +1,1 @@
+"""rnnserve server: FastAPI app, continuous-batching engine, metrics."""

@@ -1,0 +1,47 @@
+"""Typed objects passed between the engine and the HTTP handlers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from model.sampling import SamplingParams
+
+
+@dataclass
+class GenerationRequest:
+    """One prompt to extend, possibly into n samples.
+
+    `prompt` holds the tokens known before the first one to generate (text
+    bytes, or pixels before the first unknown one). `forced` maps absolute
+    positions after the prompt to tokens that must be kept (known pixels
+    after the first unknown one). Sample i draws with seed `sampling.seed + i`.
+    """
+
+    request_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    n: int = 1
+    forced: dict[int, int] = field(default_factory=dict)
+    stop: list[bytes] = field(default_factory=list)
+    logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One generated token of one sample, as the engine emits it."""
+
+    request_id: str
+    sample: int  # which of the n samples
+    position: int  # absolute position of the token in the sequence
+    token: int
+    logprob: float | None
+    finish_reason: str | None = None  # "length", "stop", or None while running
+
+
+@dataclass(frozen=True)
+class GenerationError:
+    """The engine failed a request; the handler turns this into a 5xx."""
+
+    request_id: str
+    message: str

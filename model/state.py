@@ -46,6 +46,10 @@ class RowState:
         for t, o in zip(self.tensors(), other.tensors(), strict=True):
             t[dst] = o.to(t.dtype)
 
+    def slice(self, start: int, stop: int) -> "RowState":
+        """A view of rows [start, stop): in-place updates write through to self."""
+        return dataclasses.replace(self, **{name: t[start:stop] for name, t in _tensor_fields(self)})
+
     def nbytes(self) -> int:
         """Bytes allocated for all rows."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -93,6 +97,11 @@ class ModelState:
         self.lengths[d] = other.lengths.to(self.lengths.device)
         for layer, o in zip(self.layers, other.layers, strict=True):
             layer.write_rows(d, o)
+
+    def slice(self, start: int, stop: int) -> "ModelState":
+        """A view of rows [start, stop): the live rows of a compacted batch, or
+        one row to prefill in place. Updates write through to self."""
+        return ModelState([layer.slice(start, stop) for layer in self.layers], self.lengths[start:stop])
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers) + self.lengths.numel() * 8

@@ -1,0 +1,362 @@
+"""Continuous batching over preallocated state slots; one engine per model.
+
+A worker thread owns the model and a state of `max_batch` rows, allocated
+once. Live sequences always occupy rows [0, n): when one finishes, the last
+live row moves into its place, so each step runs the model on a contiguous
+view of exactly the live rows. Every step: waiting requests join (prefill in
+place into a free row; n samples of one prompt are copies of one prefill),
+one token is sampled for every live row, finished rows leave, and one
+batched decode step feeds the new tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+import torch
+
+from model.config import BOS_TOKEN, ModelConfig
+from model.sampling import BatchSampling, force_tokens, sample, token_logprobs
+from model.transformer import Transformer, with_bos
+
+from .metrics import Metrics
+from .types import Generation, GenerationError, GenerationRequest
+
+log = logging.getLogger("rnnserve.engine")
+IDLE_WAKEUP_SECONDS = 1.0  # refresh rate gauges while idle
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its limit; the client should retry later (429)."""
+
+
+class EngineFailure(RuntimeError):
+    """The engine failed while running a request."""
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_batch: int = 64
+    max_waiting: int = 256
+
+
+_DONE = object()  # end-of-stream marker
+
+
+class GenerationStream:
+    """What `Engine.submit` returns: iterate for Generation events, cancel on disconnect."""
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
+        self.request = request
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+        self.submitted_at = time.monotonic()
+        self.first_token_at: float | None = None
+        self.live_rows = 0  # rows still decoding for this request
+
+    def cancel(self) -> None:
+        self.cancelled = True  # the worker frees the rows at its next step
+
+    def __aiter__(self):
+        return self._events()
+
+    async def _events(self):
+        while True:
+            item = await self.queue.get()
+            if item is _DONE:
+                return
+            if isinstance(item, GenerationError):
+                raise EngineFailure(item.message)
+            yield item
+
+
+@dataclass
+class _Row:
+    """Host-side bookkeeping for one live sequence (one sample of a request)."""
+
+    stream: GenerationStream
+    sample: int
+    position: int  # absolute position of the next token to draw
+    end: int  # generation stops before this position
+    last_token_at: float = 0.0
+    tail: bytes = b""  # recent output, for stop sequences
+
+    def finish_reason(self, token: int) -> str | None:
+        stops = self.stream.request.stop
+        if stops:
+            self.tail = (self.tail + bytes([token]))[-max(map(len, stops)):]
+            if any(self.tail.endswith(s) for s in stops):
+                return "stop"
+        return "length" if self.position + 1 >= self.end else None
+
+
+@dataclass
+class _Slots:
+    """Preallocated per-row tensors, (max_batch, ...) each."""
+
+    logits: torch.Tensor  # (N, V) next-token logits per row
+    position: torch.Tensor  # (N,) position being drawn
+    forced: torch.Tensor  # (N, max_len) known token per position, -1 if free
+    sampling: BatchSampling  # (N,) each
+    state: object = field(default=None)  # ModelState
+
+    def row_tensors(self) -> list[torch.Tensor]:
+        s = self.sampling
+        return [self.logits, self.position, self.forced, s.temperature, s.top_k, s.top_p, s.seed]
+
+    def copy_row(self, src: int, dst: int) -> None:
+        for t in self.row_tensors():
+            t[dst] = t[src]
+        self.state.copy_rows(src, dst)
+
+    def batch_sampling(self, n: int) -> BatchSampling:
+        s = self.sampling
+        return BatchSampling(s.temperature[:n], s.top_k[:n], s.top_p[:n], s.seed[:n])
+
+
+class Engine:
+    def __init__(self, name: str, model: Transformer, info: dict, limits: EngineLimits, metrics: Metrics):
+        self.name = name
+        self.model = model.eval()
+        self.info = info
+        self.limits = limits
+        self.metrics = metrics
+        self.state_bytes_per_sequence = model.state_bytes_per_sequence()
+        self._waiting: deque[GenerationStream] = deque()
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._ready = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._rows: list[_Row] = []
+        self._slots: _Slots | None = None
+        metrics.register_model(name, self.attention)
+
+    # -- public API (event-loop side) ---------------------------------------
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    @property
+    def attention(self) -> str:
+        return self.model.config.attention
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and not self._stopping
+
+    @property
+    def running(self) -> int:
+        return len(self._rows)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def submit(self, request: GenerationRequest) -> GenerationStream:
+        self._validate(request)
+        stream = GenerationStream(request, asyncio.get_running_loop())
+        with self._lock:
+            if len(self._waiting) >= self.limits.max_waiting:
+                raise QueueFull(f"model {self.name!r} has {len(self._waiting)} requests waiting, the limit; retry later")
+            self._waiting.append(stream)
+        self.metrics.queue(self.name, self.attention, self.running, self.waiting)
+        self._wakeup.set()
+        return stream
+
+    async def score(self, tokens: list[int]) -> list[float]:
+        """Log-probability of each token given those before it (the first given BOS)."""
+        if not 1 <= len(tokens) <= self.config.max_len:
+            raise ValueError(f"can score 1 to {self.config.max_len} tokens, got {len(tokens)}")
+        return await asyncio.to_thread(self._score, tokens)
+
+    def _validate(self, request: GenerationRequest) -> None:
+        max_len = self.config.max_len
+        if request.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        if len(request.prompt) + request.max_new_tokens > max_len:
+            raise ValueError(f"prompt ({len(request.prompt)} tokens) plus max_new_tokens ({request.max_new_tokens}) "
+                             f"exceeds this model's max_len of {max_len}")
+        if not 1 <= request.n <= self.limits.max_batch:
+            raise ValueError(f"n must be between 1 and {self.limits.max_batch} (this server's max batch), got {request.n}")
+        if any(not 0 <= t < BOS_TOKEN for t in request.prompt):
+            raise ValueError("prompt tokens must be in 0..255")
+
+    # -- worker thread --------------------------------------------------------
+    def _run(self) -> None:
+        with torch.inference_mode():
+            self._slots = self._allocate()
+            self._ready.set()
+            while not self._stopping:
+                try:
+                    self._admit()
+                    if self._rows:
+                        self._step()
+                    else:
+                        self._idle()
+                except Exception as exc:  # keep serving: fail what was running, not the engine
+                    log.exception("engine %s failed a step", self.name)
+                    self._fail_all(f"internal error while generating: {exc}")
+            self._fail_all("server is shutting down")
+
+    def _allocate(self) -> _Slots:
+        n, cfg, device = self.limits.max_batch, self.config, self.model.device
+        sampling = BatchSampling(torch.ones(n, device=device), torch.zeros(n, dtype=torch.long, device=device),
+                                 torch.ones(n, device=device), torch.zeros(n, dtype=torch.long, device=device))
+        return _Slots(logits=torch.zeros(n, cfg.vocab_out, device=device),
+                      position=torch.zeros(n, dtype=torch.long, device=device),
+                      forced=torch.full((n, cfg.max_len), -1, dtype=torch.long, device=device),
+                      sampling=sampling, state=self.model.new_state(n))
+
+    def _idle(self) -> None:
+        self.metrics.tokens(self.name, self.attention, 0)  # let the rate gauge decay
+        self.metrics.queue(self.name, self.attention, 0, self.waiting)
+        self._wakeup.wait(IDLE_WAKEUP_SECONDS)
+        self._wakeup.clear()
+
+    def _admit(self) -> None:
+        while True:
+            with self._lock:
+                if not self._waiting or self._waiting[0].request.n > self.limits.max_batch - len(self._rows):
+                    return
+                stream = self._waiting.popleft()
+            if stream.cancelled:
+                self._deliver({stream: [_DONE]})
+                continue
+            try:
+                self._prefill(stream)
+            except Exception as exc:
+                log.exception("prefill failed")
+                self._deliver({stream: [GenerationError(stream.request.request_id, f"prefill failed: {exc}")]})
+
+    def _prefill(self, stream: GenerationStream) -> None:
+        req, slots, first = stream.request, self._slots, len(self._rows)
+        row_state = slots.state.slice(first, first + 1)
+        row_state.reset_rows([0])
+        tokens = torch.tensor([[BOS_TOKEN, *req.prompt]], device=self.model.device)
+        logits, _ = self.model(tokens, row_state)
+        slots.logits[first] = logits[0, -1].float()
+        slots.position[first] = len(req.prompt)
+        slots.forced[first] = -1
+        for pos, tok in req.forced.items():
+            slots.forced[first, pos] = tok
+        s = slots.sampling
+        s.temperature[first], s.top_k[first], s.top_p[first] = req.sampling.temperature, req.sampling.top_k, req.sampling.top_p
+        for i in range(req.n):
+            if i:
+                slots.copy_row(first, first + i)
+            s.seed[first + i] = req.sampling.seed + i
+            self._rows.append(_Row(stream, i, len(req.prompt), len(req.prompt) + req.max_new_tokens))
+        stream.live_rows = req.n
+
+    def _step(self) -> None:
+        slots, n = self._slots, len(self._rows)
+        position = slots.position[:n]
+        logits = slots.logits[:n]
+        tokens = sample(logits, slots.batch_sampling(n), position)
+        tokens = force_tokens(tokens, slots.forced[:n].gather(1, position[:, None])[:, 0])
+        logprobs = token_logprobs(logits, tokens).tolist()
+        done, emitted = self._emit(tokens.tolist(), logprobs)
+        position += 1
+        self._drop_rows(done, tokens)
+        live = len(self._rows)
+        if live:
+            out, _ = self.model(tokens[:live, None], slots.state.slice(0, live))
+            slots.logits[:live] = out[:, -1].float()
+        self.metrics.step(self.name, self.attention, batch=n, tokens=emitted,
+                          state_bytes=slots.state.slice(0, live).nbytes_in_use())
+        self.metrics.queue(self.name, self.attention, live, self.waiting)
+
+    def _emit(self, tokens: list[int], logprobs: list[float]) -> tuple[list[int], int]:
+        """Turn one step's tokens into events; return rows that finished and tokens sent."""
+        now = time.monotonic()
+        outbox: dict[GenerationStream, list] = defaultdict(list)
+        done: list[int] = []
+        for i, row in enumerate(self._rows):
+            stream = row.stream
+            if stream.cancelled:
+                done.append(i)
+                continue
+            reason = row.finish_reason(tokens[i])
+            want_logprob = stream.request.logprobs
+            outbox[stream].append(Generation(stream.request.request_id, row.sample, row.position, tokens[i],
+                                             logprobs[i] if want_logprob else None, reason))
+            self._observe_latency(row, now)
+            row.position += 1
+            if reason is not None:
+                done.append(i)
+        emitted = sum(len(events) for events in outbox.values())
+        for i in done:
+            stream = self._rows[i].stream
+            stream.live_rows -= 1
+            if stream.live_rows == 0:
+                outbox[stream].append(_DONE)
+        self._deliver(outbox)
+        return done, emitted
+
+    def _observe_latency(self, row: _Row, now: float) -> None:
+        stream = row.stream
+        if stream.first_token_at is None:
+            stream.first_token_at = now
+            self.metrics.first_token(self.name, self.attention, now - stream.submitted_at)
+        elif row.last_token_at:
+            self.metrics.inter_token(self.name, self.attention, now - row.last_token_at)
+        row.last_token_at = now
+
+    def _drop_rows(self, done: list[int], tokens: torch.Tensor) -> None:
+        """Remove finished rows, moving the last live row into each hole."""
+        for i in sorted(done, reverse=True):
+            last = len(self._rows) - 1
+            if i != last:
+                self._slots.copy_row(last, i)
+                tokens[i] = tokens[last]
+                self._rows[i] = self._rows[last]
+            self._rows.pop()
+
+    def _deliver(self, outbox: dict[GenerationStream, list]) -> None:
+        """Hand events to their streams' event loops: one thread hop per loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        for stream, items in outbox.items():
+            by_loop[stream.loop].append((stream, items))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # that loop is closed: nobody is listening
+                pass
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            streams = list(dict.fromkeys([r.stream for r in self._rows] + list(self._waiting)))
+            self._waiting.clear()
+        self._rows.clear()
+        self._deliver({s: [GenerationError(s.request.request_id, message)] for s in streams})
+        self.metrics.queue(self.name, self.attention, 0, 0)
+
+    def _score(self, tokens: list[int]) -> list[float]:
+        with torch.inference_mode():
+            x = torch.tensor([tokens], device=self.model.device)
+            logits, _ = self.model(with_bos(x))
+            return token_logprobs(logits[0], x[0]).tolist()
+
+
+def _put_all(batch: list[tuple[GenerationStream, list]]) -> None:
+    for stream, items in batch:
+        for item in items:
+            stream.queue.put_nowait(item)

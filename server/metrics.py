@@ -1,0 +1,111 @@
+"""Prometheus metrics, one registry per app (no global default registry).
+
+Every name starts with `rnnserve_` and carries its unit. Per-model series
+are labelled `model` and `attention`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+MODEL_LABELS = ("model", "attention")
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+RATE_WINDOW_SECONDS = 10.0
+
+
+class RateWindow:
+    """Events per second over the last `window` seconds (thread-safe)."""
+
+    def __init__(self, window: float = RATE_WINDOW_SECONDS):
+        self.window = window
+        self._events: deque[tuple[float, float]] = deque()
+        self._lock = threading.Lock()
+
+    def add(self, amount: float, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._events.append((now, amount))
+            while self._events and self._events[0][0] < now - self.window:
+                self._events.popleft()
+            return sum(a for _, a in self._events) / self.window
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.generated_tokens = Counter("rnnserve_generated_tokens", "Tokens generated (pixels or bytes).", MODEL_LABELS, registry=r)
+        self.completed_images = Counter("rnnserve_completed_images", "Image completions finished.", MODEL_LABELS, registry=r)
+        self.requests = Counter("rnnserve_requests", "HTTP requests by endpoint and outcome.", ("endpoint", "outcome"), registry=r)
+        self.ttft = Histogram("rnnserve_time_to_first_token_seconds", "Time from submission to a sequence's first generated token.",
+                              MODEL_LABELS, buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("rnnserve_inter_token_latency_seconds", "Time between two tokens of one sequence.",
+                             MODEL_LABELS, buckets=LATENCY_BUCKETS, registry=r)
+        self.latency = Histogram("rnnserve_request_latency_seconds", "End-to-end generation request latency.",
+                                 MODEL_LABELS, buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("rnnserve_running_sequences", "Sequences holding a decode slot.", MODEL_LABELS, registry=r)
+        self.waiting = Gauge("rnnserve_waiting_sequences", "Sequences queued for a slot.", MODEL_LABELS, registry=r)
+        self.batch_size = Gauge("rnnserve_batch_size", "Sequences in the last decoding step.", MODEL_LABELS, registry=r)
+        self.decode_steps = Counter("rnnserve_decode_steps", "Batched decoding steps run.", MODEL_LABELS, registry=r)
+        self.tokens_per_second = Gauge("rnnserve_tokens_per_second", f"Tokens generated per second over the last {RATE_WINDOW_SECONDS:g} s.",
+                                       MODEL_LABELS, registry=r)
+        self.images_per_second = Gauge("rnnserve_images_per_second", f"Images completed per second over the last {RATE_WINDOW_SECONDS:g} s.",
+                                       MODEL_LABELS, registry=r)
+        self.state_bytes = Gauge("rnnserve_decode_state_bytes", "Bytes of decode state holding live sequences.", MODEL_LABELS, registry=r)
+        self._token_rates: dict[tuple[str, str], RateWindow] = {}
+        self._image_rates: dict[tuple[str, str], RateWindow] = {}
+
+    # -- engine side -------------------------------------------------------
+    def step(self, model: str, attention: str, batch: int, tokens: int, state_bytes: int) -> None:
+        """Record one decoding step of `batch` sequences producing `tokens` tokens."""
+        labels = (model, attention)
+        self.decode_steps.labels(*labels).inc()
+        self.batch_size.labels(*labels).set(batch)
+        self.state_bytes.labels(*labels).set(state_bytes)
+        self.tokens(model, attention, tokens)
+
+    def tokens(self, model: str, attention: str, n: int) -> None:
+        labels = (model, attention)
+        self.generated_tokens.labels(*labels).inc(n)
+        rate = self._token_rates.setdefault(labels, RateWindow()).add(n)
+        self.tokens_per_second.labels(*labels).set(rate)
+
+    def queue(self, model: str, attention: str, running: int, waiting: int) -> None:
+        self.running.labels(model, attention).set(running)
+        self.waiting.labels(model, attention).set(waiting)
+
+    def first_token(self, model: str, attention: str, seconds: float) -> None:
+        self.ttft.labels(model, attention).observe(seconds)
+
+    def inter_token(self, model: str, attention: str, seconds: float) -> None:
+        self.itl.labels(model, attention).observe(seconds)
+
+    # -- handler side ------------------------------------------------------
+    def request(self, endpoint: str, outcome: str) -> None:
+        self.requests.labels(endpoint, outcome).inc()
+
+    def observe_request_latency(self, model: str, attention: str, seconds: float) -> None:
+        self.latency.labels(model, attention).observe(seconds)
+
+    def images_completed(self, model: str, attention: str, n: int) -> None:
+        labels = (model, attention)
+        self.completed_images.labels(*labels).inc(n)
+        rate = self._image_rates.setdefault(labels, RateWindow()).add(n)
+        self.images_per_second.labels(*labels).set(rate)
+
+    def register_model(self, model: str, attention: str) -> None:
+        """Create a model's series at zero so dashboards see them before traffic."""
+        labels = (model, attention)
+        for metric in (self.generated_tokens, self.completed_images, self.decode_steps):
+            metric.labels(*labels).inc(0)
+        for metric in (self.running, self.waiting, self.batch_size, self.tokens_per_second, self.images_per_second, self.state_bytes):
+            metric.labels(*labels).set(0)
+        for metric in (self.ttft, self.itl, self.latency):
+            metric.labels(*labels)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -125,16 +125,18 @@ class ReformerAttention(nn.Module):
     def _decode_step(self, q, k, v, buckets, pos, state: LSHCache) -> torch.Tensor:
         """One token per row, touching only its bucket's members."""
         b, h, r, _ = buckets.shape
-        d = q.shape[-1]
+        n, length, d = self.n_buckets, state.k.shape[2], q.shape[-1]
         qb = buckets[..., 0]  # (B, H, R)
         count = state.counts.gather(-1, qb[..., None])[..., 0]  # (B, H, R)
         width = max(int(count.max()), 1)
-        lists = state.members[..., :width]  # (B, H, R, n, W)
-        index = qb[..., None, None].expand(b, h, r, 1, width)
-        members = lists.gather(3, index)[:, :, :, 0].long()  # (B, H, R, W) positions
-        flat = members.reshape(b, h, r * width, 1).expand(-1, -1, -1, d)
-        keys = state.k.gather(2, flat).view(b, h, r, width, d).to(q.dtype)
-        values = state.v.gather(2, flat).view(b, h, r, width, d).to(q.dtype)
+        # Flat row index of each (b, h, r, bucket) list, then its first `width` members.
+        lists = torch.arange(b * h * r, device=q.device).view(b, h, r) * n + qb
+        members = state.members.view(-1, length).index_select(0, lists.view(-1))[:, :width].long()
+        # Flat key index of each member: (b, h) row times length plus position.
+        rows = torch.arange(b * h, device=q.device).view(b, h, 1, 1) * length
+        flat = (members.view(b, h, r, width) + rows).view(-1)
+        keys = state.k.view(-1, d).index_select(0, flat).view(b, h, r, width, d).to(q.dtype)
+        values = state.v.view(-1, d).index_select(0, flat).view(b, h, r, width, d).to(q.dtype)
         # Append the token itself as a last column, used only when its bucket is empty.
         keys = torch.cat([keys, k[:, :, None].expand(b, h, r, 1, d)], dim=3)
         values = torch.cat([values, v[:, :, None].expand(b, h, r, 1, d)], dim=3)

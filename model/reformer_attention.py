@@ -93,7 +93,7 @@ class ReformerAttention(nn.Module):
         t = q.shape[2]
         pos = chunk_positions(start, t)  # (B, T)
         if state is None:
-            y = _lsh_attend(q, k, v, buckets, buckets, pos, pos)
+            y = _lsh_attend_bucketed(q, k, v, buckets, self.n_buckets)
         elif t == 1:
             y = self._decode_step(q, k, v, buckets, pos[:, 0], state)
         else:
@@ -175,3 +175,45 @@ def _lsh_attend(q, keys, values, q_buckets, k_buckets, q_pos, k_pos) -> torch.Te
     allowed = allowed | (itself & ~allowed.any(dim=-1, keepdim=True))
     scores = dots[:, :, None].masked_fill(~allowed, float("-inf"))  # (B, H, R, T, L)
     return _combine_rounds(scores, values[:, :, None])
+
+
+def _lsh_attend_bucketed(q, k, v, buckets, n_buckets: int) -> torch.Tensor:
+    """The same semantics as `_lsh_attend` for a whole sequence from position 0,
+    computed inside buckets: sort positions by (bucket, position), pad every
+    bucket to the largest one (M), attend within each bucket. Costs
+    O(n_buckets * M^2) instead of O(T^2); exact, not the paper's chunk
+    approximation. Falls back to the dense form when buckets are very uneven.
+
+    q, k, v (B, H, T, D); buckets (B, H, R, T) -> (B, H, T, D).
+    """
+    b, h, r, t = buckets.shape
+    d = q.shape[-1]
+    counts = F.one_hot(buckets, n_buckets).sum(dim=3)  # (B, H, R, n)
+    m = int(counts.max())
+    if 4 * n_buckets * m * m > t * t:  # padding would cost more than it saves
+        pos = torch.arange(t, device=q.device).expand(b, t)
+        return _lsh_attend(q, k, v, buckets, buckets, pos, pos)
+    order = (buckets * t + torch.arange(t, device=q.device)).argsort(dim=-1)  # (B, H, R, T) positions by bucket
+    sorted_buckets = buckets.gather(-1, order)
+    offsets = counts.cumsum(dim=-1) - counts  # first sorted index of each bucket
+    slot = torch.arange(t, device=q.device) - offsets.gather(-1, sorted_buckets)
+    padded_index = (sorted_buckets * m + slot)[..., None].expand(b, h, r, t, d)
+    order_d = order[..., None].expand(b, h, r, t, d)
+
+    def to_buckets(x):  # (B, H, T, D) -> (B, H, R, n, M, D), zero padding
+        xs = x[:, :, None].expand(b, h, r, t, d).gather(3, order_d)
+        return x.new_zeros(b, h, r, n_buckets * m, d).scatter(3, padded_index, xs).view(b, h, r, n_buckets, m, d)
+
+    qp, kp, vp = to_buckets(q), to_buckets(k), to_buckets(v)
+    # Earlier members of the bucket; the first member (nothing earlier) sees itself.
+    allowed = torch.ones(m, m, dtype=torch.bool, device=q.device).tril(-1)
+    allowed[0, 0] = True
+    scores = (qp @ kp.transpose(-1, -2) / math.sqrt(d)).masked_fill(~allowed, float("-inf"))  # (B, H, R, n, M, M)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    out = torch.exp(scores - lse) @ vp  # (B, H, R, n, M, D)
+    out = torch.cat([out, lse], dim=-1).view(b, h, r, n_buckets * m, d + 1)
+    # Back from bucket slots to positions.
+    gathered = out.gather(3, torch.cat([padded_index, padded_index[..., :1]], dim=-1))
+    unsorted = torch.empty_like(gathered).scatter(3, torch.cat([order_d, order_d[..., :1]], dim=-1), gathered)
+    out, lse = unsorted[..., :d], unsorted[..., d:]  # (B, H, R, T, D), (B, H, R, T, 1)
+    return (torch.softmax(lse, dim=2) * out).sum(dim=2)

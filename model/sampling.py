@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 _MASK62 = (1 << 62) - 1
+_MASK23 = (1 << 23) - 1
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,9 @@ def uniform_noise(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> tor
     token = torch.arange(vocab, device=seed.device)
     key = _mix(_mix(seed[:, None] & _MASK62) + position[:, None] * 1_000_003 + token)
     key = _mix(key)
-    return ((key & ((1 << 24) - 1)).float() + 0.5) / float(1 << 24)
+    # 23 bits, not 24: (2^24 - 0.5) / 2^24 rounds to exactly 1.0 in float32, and u = 1
+    # gives infinite Gumbel noise; the largest value here, 1 - 2^-24, is exact.
+    return ((key & _MASK23).float() + 0.5) / float(1 << 23)
 
 
 def top_k_mask(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

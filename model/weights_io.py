@@ -66,10 +66,33 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
 def _open(path: str | os.PathLike):
     if not Path(path).is_file():
         raise WeightsError(path, "no such file")
+    _check_not_truncated(path)
     try:
         return safe_open(str(path), framework="pt")
     except (SafetensorError, OSError, ValueError) as exc:
         raise WeightsError(path, f"not a valid safetensors file ({exc}); expected a .safetensors file written by rnnserve") from exc
+
+
+def _check_not_truncated(path: str | os.PathLike) -> None:
+    """Compare the file's size with what its header promises, for a clear message on a cut download."""
+    size = Path(path).stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise WeightsError(path, f"truncated: {size} bytes, too short for a safetensors header")
+        header_len = int.from_bytes(prefix, "little")
+        if 8 + header_len > size:
+            return  # not a safetensors header at all: safe_open says so
+        try:
+            header = json.loads(f.read(header_len))
+            data_end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"),
+                           default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return  # malformed header: safe_open gives the precise error
+    expected = 8 + header_len + int(data_end)
+    if size < expected:
+        raise WeightsError(path, f"truncated: {size} bytes, but its header describes {expected} bytes "
+                                 "(an interrupted copy or download?); expected a complete .safetensors file")
 
 
 def _parse_metadata(path, metadata: dict[str, str] | None) -> tuple[ModelConfig, dict[str, Any]]:

@@ -1,0 +1,1 @@
+"""Training, evaluation, data loading and pictures for rnnserve models."""

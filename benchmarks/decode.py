@@ -1,0 +1,477 @@
+"""In-process decoding benchmark: every attention kind on one architecture.
+
+Three measurements, all under torch.inference_mode and with no HTTP (run
+in the reverse of this order, lightest first):
+  * images/s for whole MNIST generations (784 tokens from BOS) at several
+    batch sizes, through model.generate.generate;
+  * the paper's baseline: softmax with no cache, re-running the whole prefix
+    at every step. It is measured for the first pixels only and at a few
+    sampled later positions, then summed over all positions by linear
+    interpolation: an extrapolation, and labelled as one;
+  * time of one decoding step and decode-state bytes per sequence against
+    position, on a text-shaped copy of the architecture (sinusoidal
+    positions, max_len past --max-position) whose state is advanced by
+    chunked prefills of random tokens.
+
+Times are wall-clock seconds from time.perf_counter; on CUDA every timed
+region ends with a synchronize. Each timed quantity keeps its minimum over
+repeats (the least-disturbed run on a shared machine) and, where there are
+several samples, the median as well.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from model.config import ATTENTION_KINDS, ModelConfig
+from model.generate import generate
+from model.sampling import BatchSampling, SamplingParams, sample
+from model.transformer import Transformer, build_model, with_bos
+from model.weights_io import load_model, read_metadata
+
+from .roofline import probe_machine, roofline
+
+IMAGE_TOKENS = 784  # 28 x 28 grey levels in raster order
+PREFILL_CHUNK = 256  # tokens per prefill call while advancing a state: bounds the (T, L) masks
+STEP_ROUNDS = 4  # turns the kinds take at each position of the step-time sweep
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Same shapes for every kind; "cpu" matches the CPU-trained MNIST models,
+# "paper" the MNIST model of "Transformers are RNNs" (8 layers, 8 heads, 256 dims).
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {"d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64},
+    "cpu": {"d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512},
+    "paper": {"d_model": 256, "n_layers": 8, "n_heads": 8, "d_ff": 1024},
+}
+
+
+class BenchError(ValueError):
+    """A benchmark option or input is unusable; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    kinds: tuple[str, ...] = ATTENTION_KINDS
+    preset: str = "cpu"
+    weights: str | None = None
+    batch_sizes: tuple[int, ...] = (1, 8, 64)
+    image_tokens: int = IMAGE_TOKENS
+    repeats: int = 1
+    max_position: int = 16_384
+    positions: tuple[int, ...] = ()  # empty: chosen from max_position
+    steps_per_position: int = 16
+    position_batch: int = 1
+    nocache_pixels: int = 64
+    nocache_samples: int = 4
+    device: str = "cpu"
+    dtype: str = "float32"  # model weights; linear and Linformer states stay float32
+    seed: int = 0
+
+
+@dataclass
+class ModelInfo:
+    kind: str
+    source: str  # "preset NAME (random weights)" or a file path
+    config: dict
+    parameters: int
+    state_bytes_per_sequence: int  # at image_tokens
+
+
+@dataclass
+class ImageResult:
+    kind: str
+    batch: int
+    seconds: float  # best wall-clock time of the repeats, one whole batch
+    images_per_s: float
+    tokens_per_s: float
+    all_seconds: list[float]
+    # Process CPU time (all threads): on a shared machine it barely moves when
+    # other jobs take the cores, so ratios of it are the steadier comparison.
+    cpu_seconds: float
+    images_per_cpu_s: float
+    vs_softmax_cache: float | None = None
+    vs_no_cache: float | None = None
+    vs_softmax_cache_cpu: float | None = None
+
+
+@dataclass
+class NoCacheResult:
+    batch: int
+    measured_pixels: int
+    measured_seconds: float  # the first measured_pixels steps, really run
+    sampled_steps: list[dict]  # {"position", "seconds"}: one step at a later position
+    seconds: float  # whole image, extrapolated
+    images_per_s: float
+    tokens_per_s: float
+    extrapolated: bool = True
+    method: str = ("first pixels measured step by step; later steps timed at sampled positions; "
+                   "total = measured + linear interpolation of step time over the remaining positions")
+
+
+@dataclass
+class PositionPoint:
+    position: int  # tokens already in the state when the step runs
+    step_seconds_min: float
+    step_seconds_median: float
+    state_bytes_per_sequence: int
+
+
+@dataclass
+class DecodeReport:
+    settings: dict
+    environment: dict
+    models: dict[str, ModelInfo]
+    images: list[ImageResult]
+    no_cache: list[NoCacheResult]
+    positions: dict[str, list[PositionPoint]]
+    machine: dict = field(default_factory=dict)  # measured copy bandwidth and matmul rate
+    roofline: dict[str, dict] = field(default_factory=dict)  # kind -> per-token cost and bounds
+    targets: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------- models
+
+
+def preset_config(preset: str, kind: str, task: str = "mnist", max_len: int = IMAGE_TOKENS) -> ModelConfig:
+    if preset not in PRESETS:
+        raise BenchError(f"unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
+    return ModelConfig(attention=kind, task=task, max_len=max_len, **PRESETS[preset])
+
+
+def image_models(settings: DecodeSettings) -> dict[str, tuple[Transformer, str]]:
+    """kind -> (model, source): trained MNIST weights when --weights is given, else a random preset."""
+    device, dtype = torch.device(settings.device), DTYPES[settings.dtype]
+    if settings.weights is None:
+        out = {}
+        for kind in settings.kinds:
+            torch.manual_seed(settings.seed)
+            model = build_model(preset_config(settings.preset, kind)).to(device=device, dtype=dtype).eval()
+            out[kind] = (model, f"preset {settings.preset} (random weights)")
+        return out
+    files = _mnist_weight_files(Path(settings.weights), settings.kinds)
+    return {kind: (load_model(path, device, dtype)[0].eval(), str(path)) for kind, path in files.items()}
+
+
+def _mnist_weight_files(folder: Path, kinds: tuple[str, ...]) -> dict[str, Path]:
+    if not folder.is_dir():
+        raise BenchError(f"--weights {folder}: not a directory; expected a folder of .safetensors files")
+    found: dict[str, Path] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        cfg, _ = read_metadata(path)
+        if cfg.task == "mnist" and cfg.attention in kinds and cfg.attention not in found:
+            found[cfg.attention] = path
+    if not found:
+        raise BenchError(f"--weights {folder}: no MNIST model of kind {', '.join(kinds)} in any .safetensors file")
+    return found
+
+
+def position_model(image_model: Transformer, max_len: int, seed: int) -> Transformer:
+    """Same architecture as `image_model`, text task, sinusoidal positions, long max_len, random weights.
+
+    Random weights are fine here: step time and state size depend on shapes
+    only (Reformer's bucket occupancy depends on hashing, see README).
+    """
+    cfg = image_model.config.replace(task="text", max_len=max_len, pos_encoding="sinusoidal", dropout=0.0)
+    torch.manual_seed(seed)
+    return build_model(cfg).to(device=image_model.device, dtype=image_model.dtype).eval()
+
+
+# ---------------------------------------------------------------- timing helpers
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _sampling(batch: int, device: torch.device) -> BatchSampling:
+    return BatchSampling.from_params([SamplingParams(temperature=1.0, seed=i) for i in range(batch)], device)
+
+
+# ---------------------------------------------------------------- images/s
+
+
+def _time_generation(model: Transformer, batch: int, tokens: int) -> tuple[float, float]:
+    """(wall, CPU) seconds of `batch` generations of `tokens` tokens from BOS."""
+    sampling = _sampling(batch, model.device)
+    prompt = torch.zeros(batch, 0, dtype=torch.long, device=model.device)  # (B, 0): nothing known
+    cpu = time.process_time()
+    wall = _timed(lambda: generate(model, prompt, tokens, sampling), model.device)
+    return wall, time.process_time() - cpu
+
+
+def measure_images(models: dict[str, Transformer], settings: DecodeSettings, progress) -> list[ImageResult]:
+    """Every kind at every batch size, best of `repeats`.
+
+    The kinds take turns within each repeat, so a slow spell on a shared
+    machine hits all of them rather than one.
+    """
+    results = []
+    for batch in settings.batch_sizes:
+        for model in models.values():
+            _time_generation(model, batch, min(8, settings.image_tokens))  # warm-up: allocator, kernels
+        runs: dict[str, list[tuple[float, float]]] = {kind: [] for kind in models}
+        for _ in range(settings.repeats):
+            for kind, model in models.items():
+                runs[kind].append(_time_generation(model, batch, settings.image_tokens))
+        for kind, timings in runs.items():
+            results.append(_image_result(kind, batch, timings, settings.image_tokens))
+            progress(f"images  {kind:9s} batch {batch:4d}: {results[-1].images_per_s:10.3f} images/s")
+    return results
+
+
+def _image_result(kind: str, batch: int, timings: list[tuple[float, float]], tokens: int) -> ImageResult:
+    wall = min(w for w, _ in timings)
+    cpu = min(c for _, c in timings)
+    return ImageResult(kind, batch, wall, batch / wall, batch * tokens / wall, [w for w, _ in timings],
+                       cpu, batch / cpu)
+
+
+# ---------------------------------------------------------------- no-cache baseline
+
+
+@torch.inference_mode()
+def _no_cache_step(model: Transformer, tokens: torch.Tensor, position: int, sampling: BatchSampling) -> torch.Tensor:
+    """Predict tokens[:, position] by re-running the whole prefix: what cache-less reference code does."""
+    logits, _ = model(with_bos(tokens[:, : position + 1]), None)  # (B, position+1, V)
+    where = torch.full((tokens.shape[0],), position, dtype=torch.long, device=tokens.device)
+    return sample(logits[:, -1], sampling, where)
+
+
+def measure_no_cache(model: Transformer, batch: int, settings: DecodeSettings) -> NoCacheResult:
+    """Softmax without a cache: first pixels run for real, later steps sampled, total interpolated."""
+    device, total = model.device, settings.image_tokens
+    measured = min(settings.nocache_pixels, total)
+    sampling = _sampling(batch, device)
+    tokens = torch.zeros(batch, total, dtype=torch.long, device=device)  # (B, 784)
+    _no_cache_step(model, tokens, 0, sampling)  # warm-up
+
+    def step(pos: int) -> None:
+        tokens[:, pos] = _no_cache_step(model, tokens, pos, sampling)
+
+    first = [_timed(lambda p=pos: step(p), device) for pos in range(measured)]
+    gen = torch.Generator().manual_seed(settings.seed)
+    tokens[:, measured:] = torch.randint(0, 256, (batch, total - measured), generator=gen).to(device)
+    sampled = [{"position": pos, "seconds": _timed(lambda p=pos: _no_cache_step(model, tokens, p, sampling), device)}
+               for pos in _later_positions(measured, total, settings.nocache_samples)]
+    rest = _interpolated_sum(first, sampled, measured, total)
+    seconds = sum(first) + rest
+    return NoCacheResult(batch, measured, sum(first), sampled, seconds, batch / seconds, batch * total / seconds)
+
+
+def _later_positions(measured: int, total: int, count: int) -> list[int]:
+    if measured >= total or count < 1:
+        return []
+    return sorted({int(round(p)) for p in np.linspace(measured, total - 1, count)})
+
+
+def _interpolated_sum(first: list[float], sampled: list[dict], measured: int, total: int) -> float:
+    """Sum of step times over positions measured..total-1, linear between known points."""
+    if measured >= total:
+        return 0.0
+    xs = [measured - 1] + [s["position"] for s in sampled]
+    ys = [statistics.median(first[-4:])] + [s["seconds"] for s in sampled]  # end of the real run, denoised
+    return float(np.interp(np.arange(measured, total), xs, ys).sum())
+
+
+# ---------------------------------------------------------------- step time against position
+
+
+def choose_positions(max_position: int) -> list[int]:
+    """Default sample positions: 100 and 16,000 (the issue's targets) plus a spread up to max_position."""
+    wanted = [100, 1000, 2000, 4000, 8000, 12000, 16000, max_position]
+    chosen = sorted({p for p in wanted if 1 <= p <= max_position})
+    if len(chosen) < 4:
+        chosen = sorted({max(1, int(p)) for p in np.linspace(max_position / 8, max_position, 4)})
+    return chosen
+
+
+@torch.inference_mode()
+def _advance(model: Transformer, state, target: int, gen: torch.Generator) -> None:
+    """Prefill random tokens in chunks until every row holds `target` tokens."""
+    batch = state.batch_size
+    while int(state.lengths[0]) < target:
+        n = min(PREFILL_CHUNK, target - int(state.lengths[0]))
+        chunk = torch.randint(0, 256, (batch, n), generator=gen).to(model.device)  # (B, n)
+        model(chunk, state)
+
+
+@torch.inference_mode()
+def measure_positions(models: dict[str, Transformer], positions: list[int], settings: DecodeSettings,
+                      progress) -> dict[str, list[PositionPoint]]:
+    """Per kind, one state advanced through increasing positions; timed single-token steps at each.
+
+    At each position the kinds take turns in a few rounds, so a noisy spell
+    on a shared machine does not land on one kind only.
+    """
+    batch = settings.position_batch
+    states = {kind: model.new_state(batch) for kind, model in models.items()}
+    gens = {kind: torch.Generator().manual_seed(settings.seed) for kind in models}
+    points: dict[str, list[PositionPoint]] = {kind: [] for kind in models}
+    rounds = min(STEP_ROUNDS, settings.steps_per_position)
+    for kind, model in models.items():  # warm-up, untimed: first calls allocate and pick kernels
+        _time_steps(model, states[kind], 2)
+    for pos in positions:
+        times: dict[str, list[float]] = {kind: [] for kind in models}
+        for kind, model in models.items():
+            if pos < int(states[kind].lengths[0]):
+                raise BenchError(f"positions must grow by more than --steps-per-position; {pos} is too close to the one before")
+            _advance(model, states[kind], pos, gens[kind])
+        state_bytes = {kind: state.nbytes_in_use() // batch for kind, state in states.items()}
+        for r in range(rounds):
+            steps = settings.steps_per_position // rounds + (r < settings.steps_per_position % rounds)
+            for kind, model in models.items():
+                times[kind] += _time_steps(model, states[kind], steps)
+        for kind, t in times.items():
+            points[kind].append(PositionPoint(pos, min(t), statistics.median(t), state_bytes[kind]))
+        progress(f"steps   at {pos:6d}: " + ", ".join(f"{k} {p[-1].step_seconds_min * 1e3:.3f} ms" for k, p in points.items()))
+    return points
+
+
+def _time_steps(model: Transformer, state, steps: int) -> list[float]:
+    token = torch.zeros(state.batch_size, 1, dtype=torch.long, device=model.device)  # (B, 1)
+    return [_timed(lambda: model(token, state), model.device) for _ in range(steps)]
+
+
+# ---------------------------------------------------------------- the whole run
+
+
+def run_decode_bench(settings: DecodeSettings, progress=print) -> DecodeReport:
+    _check(settings)
+    models = image_models(settings)
+    kinds = [k for k in settings.kinds if k in models]
+    infos = {k: _model_info(k, m, src, settings.image_tokens) for k, (m, src) in models.items()}
+    # Lightest first: right after the large batch-64 allocations, single-token
+    # steps ran measurably slower for a while on the test machine.
+    positions = list(settings.positions) or choose_positions(settings.max_position)
+    max_len = max(positions) + settings.steps_per_position + 1
+    text_models = {kind: position_model(models[kind][0], max_len, settings.seed) for kind in kinds}
+    sweep = measure_positions(text_models, positions, settings, progress)
+    del text_models  # their caches reach tens of MB per kind
+    images = measure_images({k: models[k][0] for k in kinds}, settings, progress)
+    no_cache = []
+    if "softmax" in models:
+        for batch in settings.batch_sizes:
+            no_cache.append(measure_no_cache(models["softmax"][0], batch, settings))
+            progress(f"no-cache softmax   batch {batch:4d}: {no_cache[-1].images_per_s:10.4f} images/s (extrapolated)")
+    _add_ratios(images, no_cache)
+    report = DecodeReport(asdict(settings), environment(settings), infos, images, no_cache, sweep)
+    report.machine = probe_machine() if settings.device == "cpu" else {}  # a GPU is judged by its datasheet
+    batch = max(settings.batch_sizes)
+    report.roofline = {k: roofline(models[k][0].config, settings.image_tokens, batch, report.machine) for k in kinds}
+    report.targets = evaluate_targets(report)
+    return report
+
+
+def _check(settings: DecodeSettings) -> None:
+    unknown = [k for k in settings.kinds if k not in ATTENTION_KINDS]
+    if unknown:
+        raise BenchError(f"unknown attention kind(s) {', '.join(unknown)}; expected some of {', '.join(ATTENTION_KINDS)}")
+    if settings.weights is None:
+        preset_config(settings.preset, "linear")  # raises on an unknown preset
+    if settings.dtype not in DTYPES:
+        raise BenchError(f"--dtype {settings.dtype!r}: expected one of {', '.join(DTYPES)}")
+    for name in ("repeats", "steps_per_position", "position_batch", "image_tokens", "max_position"):
+        if getattr(settings, name) < 1:
+            raise BenchError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(settings, name)}")
+    if not settings.batch_sizes or min(settings.batch_sizes) < 1:
+        raise BenchError(f"--batch-sizes must be positive integers, got {settings.batch_sizes}")
+    if list(settings.positions) != sorted(set(settings.positions)) or min(settings.positions, default=3) < 3:
+        raise BenchError(f"--positions must be increasing and >= 3 (two warm-up steps come first), got {settings.positions}")
+    if settings.image_tokens > IMAGE_TOKENS:
+        raise BenchError(f"--image-tokens must be <= {IMAGE_TOKENS} (one MNIST image), got {settings.image_tokens}")
+
+
+def _model_info(kind: str, model: Transformer, source: str, tokens: int) -> ModelInfo:
+    cfg = model.config
+    return ModelInfo(kind, source, {k: v for k, v in asdict(cfg).items() if k != "extra"},
+                     model.num_parameters(), model.state_bytes_per_sequence(min(tokens, cfg.max_len)))
+
+
+def _add_ratios(images: list[ImageResult], no_cache: list[NoCacheResult]) -> None:
+    softmax = {r.batch: r for r in images if r.kind == "softmax"}
+    baseline = {r.batch: r.images_per_s for r in no_cache}
+    for r in images:
+        if r.batch in softmax:
+            r.vs_softmax_cache = r.images_per_s / softmax[r.batch].images_per_s
+            r.vs_softmax_cache_cpu = r.images_per_cpu_s / softmax[r.batch].images_per_cpu_s
+        if r.batch in baseline:
+            r.vs_no_cache = r.images_per_s / baseline[r.batch]
+
+
+def environment(settings: DecodeSettings) -> dict:
+    env = {
+        "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": settings.device,
+    }
+    if settings.device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name(torch.device(settings.device))
+    return env
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+# ---------------------------------------------------------------- targets (issue 5)
+
+
+def evaluate_targets(report: DecodeReport) -> list[dict]:
+    """The issue's CPU targets, computed from this run only (ratios measured side by side)."""
+    targets = []
+    largest = max((r.batch for r in report.images), default=None)
+    linear = next((r for r in report.images if r.kind == "linear" and r.batch == largest), None)
+    if linear is not None:
+        targets.append(_target(f"linear images/s >= 4x softmax-with-cache (batch {largest})",
+                               linear.vs_softmax_cache, 4.0))
+        targets.append(_target(f"same, by CPU time: steadier on a shared machine (batch {largest})",
+                               linear.vs_softmax_cache_cpu, 4.0))
+        targets.append(_target(f"linear images/s >= 100x softmax no-cache, extrapolated (batch {largest})",
+                               linear.vs_no_cache, 100.0))
+    points = report.positions.get("linear", [])
+    if len(points) >= 2:
+        near = min(points, key=lambda p: abs(p.position - 100))
+        far = min(points, key=lambda p: abs(p.position - 16000))
+        ratio = far.step_seconds_min / near.step_seconds_min
+        targets.append({"name": f"linear step time at {far.position} within 10% of at {near.position}",
+                        "measured": ratio, "threshold": "<= 1.10", "met": ratio <= 1.10})
+        sizes = {p.state_bytes_per_sequence for p in points}
+        targets.append({"name": "linear state bytes identical at every position", "measured": sorted(sizes),
+                        "threshold": "one value", "met": len(sizes) == 1})
+    return targets
+
+
+def _target(name: str, measured: float | None, minimum: float) -> dict:
+    return {"name": name, "measured": measured, "threshold": f">= {minimum:g}",
+            "met": measured is not None and measured >= minimum}

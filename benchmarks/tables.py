@@ -1,0 +1,104 @@
+"""Plain-text tables for the decode benchmark report (also pasted into README.md)."""
+
+from __future__ import annotations
+
+from .decode import DecodeReport
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}x"
+
+
+def _rate(value: float) -> str:
+    return f"{value:,.2f}" if value >= 1 else f"{value:.4f}"
+
+
+def images_table(report: DecodeReport) -> str:
+    tokens = report.settings["image_tokens"]
+    head = ("| kind | batch | images/s | tokens/s | vs softmax+cache | vs softmax no-cache | images per CPU-s | "
+            f"vs softmax+cache by CPU time | state bytes/seq @{tokens} |")
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in report.images:
+        state = report.models[r.kind].state_bytes_per_sequence
+        lines.append(f"| {r.kind} | {r.batch} | {_rate(r.images_per_s)} | {r.tokens_per_s:,.0f} | "
+                     f"{_ratio(r.vs_softmax_cache)} | {_ratio(r.vs_no_cache)} | {_rate(r.images_per_cpu_s)} | "
+                     f"{_ratio(r.vs_softmax_cache_cpu)} | {state:,} |")
+    for n in report.no_cache:
+        lines.append(f"| softmax, no cache (extrapolated from {n.measured_pixels} px + "
+                     f"{len(n.sampled_steps)} sampled steps) | {n.batch} | {_rate(n.images_per_s)} | "
+                     f"{n.tokens_per_s:,.1f} | - | 1.0x | - | - | 0 |")
+    return "\n".join(lines)
+
+
+def positions_table(report: DecodeReport) -> str:
+    kinds = list(report.positions)
+    if not kinds:
+        return ""
+    head = "| position | " + " | ".join(f"{k} ms/step | {k} state KiB/seq" for k in kinds) + " |"
+    lines = [head, "|---:|" + "---:|---:|" * len(kinds)]
+    by_kind = {k: {p.position: p for p in pts} for k, pts in report.positions.items()}
+    for pos in sorted({p for pts in by_kind.values() for p in pts}):
+        cells = []
+        for k in kinds:
+            p = by_kind[k].get(pos)
+            cells += ["-", "-"] if p is None else [f"{p.step_seconds_min * 1e3:.3f}",
+                                                   f"{p.state_bytes_per_sequence / 1024:,.1f}"]
+        lines.append(f"| {pos:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def targets_table(report: DecodeReport) -> str:
+    lines = ["| target | measured | threshold | met |", "|---|---:|---|---|"]
+    for t in report.targets:
+        measured = t["measured"]
+        if isinstance(measured, float):
+            measured = f"{measured:,.2f}"
+        lines.append(f"| {t['name']} | {measured} | {t['threshold']} | {'yes' if t['met'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def _bound(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def roofline_table(report: DecodeReport) -> str:
+    if not report.roofline:
+        return ""
+    m = report.machine
+    measured_here = (f"this machine measured: {m['copy_bytes_per_s'] / 1e9:.1f} GB/s copy, "
+                     f"{m['fp32_matmul_flops'] / 1e9:.0f} GFLOP/s fp32 matmul, {m['threads']} threads") if m else \
+        "no bound for this device: its rates were not measured"
+    lines = [f"Per generated token at the mean position of a generation, batch "
+             f"{next(iter(report.roofline.values()))['batch']} ({measured_here}):",
+             "| kind | MFLOP/token | attention kFLOP/token | state KB moved/token | bound here images/s | "
+             "measured images/s | bound H100 images/s (datasheet, not measured) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    measured = {(r.kind, r.batch): r.images_per_s for r in report.images}
+    for kind, c in report.roofline.items():
+        lines.append(f"| {kind} | {c['flops'] / 1e6:.2f} | {c['attention_flops'] / 1e3:,.1f} | "
+                     f"{c['state_bytes_moved'] / 1e3:,.1f} | {_bound(c['bound_images_per_s_here'])} | "
+                     f"{_rate(measured.get((kind, c['batch']), float('nan')))} | {c['bound_images_per_s_h100']:,.0f} |")
+    return "\n".join(lines)
+
+
+def full_report(report: DecodeReport) -> str:
+    env = report.environment
+    s = report.settings
+    parts = [
+        f"Machine: {env['processor']}, {env['cpu_count']} CPUs, torch {env['torch']} "
+        f"({env['torch_threads']} threads), device {env['device']}. Times: best of {s['repeats']} run(s), "
+        "kinds taking turns.",
+        "",
+        f"Generations of {s['image_tokens']} tokens from BOS, batch at a time (model.generate.generate):",
+        images_table(report),
+        "",
+        f"One decoding step (model forward of 1 token, batch {s['position_batch']}, best of "
+        f"{s['steps_per_position']} steps) and decode state per sequence, against position:",
+        positions_table(report),
+        "",
+        roofline_table(report),
+        "",
+        "Targets (issue 5):",
+        targets_table(report),
+    ]
+    return "\n".join(parts)

@@ -1,0 +1,68 @@
+"""The FastAPI app factory: `build_app(settings)`.
+
+The lifespan loads the models (unless the caller already did), starts one
+engine per model, and puts everything handlers need on `app.state.server`;
+handlers reach it through the one dependency `deps.get_server`.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from . import errors
+from .deps import ServerState
+from .engine import Engine, EngineLimits
+from .metrics import Metrics
+from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestMetricsMiddleware
+from .registry import EngineRegistry, LoadedModel, load_models
+from .routes_images import router as images_router
+from .routes_models import router as models_router
+from .routes_text import router as text_router
+from .settings import Settings
+
+log = logging.getLogger("rnnserve.app")
+
+
+def build_app(settings: Settings, models: list[LoadedModel] | None = None) -> FastAPI:
+    """An app serving `models`, or the models `settings` names (loaded at start-up)."""
+    metrics = Metrics(CollectorRegistry())
+    app = FastAPI(title="rnnserve", version="0.1.0", lifespan=_lifespan(settings, metrics, models),
+                  description="Image completion, streaming text and metrics for RNN-mode transformers.")
+    errors.install(app)
+    routers = (models_router, text_router, images_router)
+    for router in routers:
+        app.include_router(router)
+    known_paths = {route.path for router in routers for route in router.routes}
+    # Added innermost first: metrics see every answer, the key is checked before the body is read.
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
+    if settings.api_key_value():
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key_value())
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics, known_paths=known_paths)
+    return app
+
+
+def _lifespan(settings: Settings, metrics: Metrics, models: list[LoadedModel] | None):
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loaded = models if models is not None else load_models(settings)
+        limits = EngineLimits(max_batch=settings.max_batch, max_waiting=settings.max_waiting)
+        engines = [Engine(m.name, m.model, m.info, limits, metrics) for m in loaded]
+        started: list[Engine] = []
+        try:
+            for engine in engines:
+                engine.start()
+                started.append(engine)
+            created = {m.name: int(m.path.stat().st_mtime) for m in loaded}
+            app.state.server = ServerState(settings, metrics, EngineRegistry(engines, created))
+            log.info("serving %s", ", ".join(e.name for e in engines))
+            yield
+        finally:
+            for engine in started:
+                engine.stop()
+
+    return lifespan

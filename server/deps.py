@@ -1,0 +1,23 @@
+"""What handlers share, and the one dependency that hands it to them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from .metrics import Metrics
+from .registry import EngineRegistry
+from .settings import Settings
+
+
+@dataclass
+class ServerState:
+    settings: Settings
+    metrics: Metrics
+    engines: EngineRegistry
+
+
+def get_server(request: Request) -> ServerState:
+    """Settings, metrics and engines of this app (set by the lifespan)."""
+    return request.app.state.server

@@ -1,0 +1,141 @@
+"""Pure ASGI middleware: API key check, body size limit, request counting.
+
+Pure ASGI (not BaseHTTPMiddleware) so streamed responses pass through
+untouched and a client disconnect still reaches the handler.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .errors import error_response
+from .metrics import Metrics
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers need no key
+TOO_LARGE = object()
+
+
+class ApiKeyMiddleware:
+    """Require `Authorization: Bearer KEY` everywhere but the open paths."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+            await self.app(scope, receive, send)
+            return
+        response = error_response(401, "missing or wrong API key; send the header 'Authorization: Bearer YOUR_KEY'",
+                                  None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        # constant time: the key cannot be guessed byte by byte from response times
+        return hmac.compare_digest(token.strip(), self.key) and scheme.lower() == b"bearer"
+
+
+class BodyLimitMiddleware:
+    """Refuse bodies over `limit` bytes with 413, declared or streamed.
+
+    The body is read here (bounded by the limit) and replayed to the app;
+    after it, the app's receive() goes to the server again, so it still
+    sees the client disconnect.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._too_large(scope, receive, send, int(declared))
+            return
+        body = await self._read(receive)
+        if body is TOO_LARGE:
+            await self._too_large(scope, receive, send, None)
+        elif body is not None:  # None: the client left while sending
+            await self.app(scope, _replay(body, receive), send)
+
+    async def _read(self, receive: Receive) -> bytes | object | None:
+        """The whole body; TOO_LARGE once it passes the limit; None on disconnect."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return TOO_LARGE
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send, declared: int | None) -> None:
+        size = f"{declared} bytes" if declared is not None else "more than that"
+        response = error_response(413, f"request body is {size}; the limit is {self.limit} bytes (--max-body-bytes)",
+                                  None, "request_too_large")
+        await response(scope, receive, send)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+class RequestMetricsMiddleware:
+    """Count every request by endpoint (route template) and outcome.
+
+    Handlers may name the outcome in `request.state.outcome` (e.g. a stream
+    the client left, "cancelled"); otherwise it follows the status code.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, known_paths: set[str]):
+        self.app = app
+        self.metrics = metrics
+        self.known_paths = known_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_and_watch(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_watch)
+        finally:
+            outcome = scope.get("state", {}).get("outcome") or outcome_of(status)
+            self.metrics.request(self._endpoint(scope), outcome)
+
+    def _endpoint(self, scope: Scope) -> str:
+        route = scope.get("route")
+        path = getattr(route, "path", None) or scope["path"]
+        return path if path in self.known_paths else "other"  # unknown paths: bounded label values
+
+
+def outcome_of(status: int) -> str:
+    if status < 400:
+        return "ok"
+    return {401: "unauthorized", 404: "not_found", 413: "too_large", 429: "rejected"}.get(
+        status, "invalid" if status < 500 else "error")

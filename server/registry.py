@@ -1,0 +1,108 @@
+"""Loading the served models and finding the engine a request names."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from model.transformer import Transformer
+from model.weights_io import load_model, read_metadata
+
+from .engine import Engine
+from .errors import APIError
+from .settings import Settings, SettingsError
+
+log = logging.getLogger("rnnserve.registry")
+
+# Metric used to pick each task's default model, lower is better.
+DEFAULT_RANKING = {"mnist": "bits_per_dim", "text": "bits_per_byte"}
+
+
+@dataclass
+class LoadedModel:
+    name: str  # file stem: what requests pass as `model`
+    path: Path
+    model: Transformer
+    info: dict[str, Any]
+
+
+def check_model_files(settings: Settings) -> list[Path]:
+    """Resolve the files to serve and read their headers, so a bad file fails fast."""
+    paths = settings.model_paths()
+    names: dict[str, Path] = {}
+    for path in paths:
+        read_metadata(path)  # raises WeightsError naming the file and the problem
+        if path.stem in names:
+            raise SettingsError(f"two model files are both named '{path.stem}': {names[path.stem]} and {path}; "
+                                "model names come from file names, so rename one")
+        names[path.stem] = path
+    return paths
+
+
+def load_models(settings: Settings) -> list[LoadedModel]:
+    device = settings.torch_device()
+    loaded = []
+    for path in check_model_files(settings):
+        model, info = load_model(path, device=device)
+        log.info("loaded %s (%s %s, %d parameters) on %s", path, model.config.attention, model.config.task,
+                 model.num_parameters(), device)
+        loaded.append(LoadedModel(path.stem, path, model, info))
+    return loaded
+
+
+def stored_metric(info: dict[str, Any], name: str) -> float | None:
+    """An evaluation result stored in the weights file's info (under "eval", or top level)."""
+    for place in (info.get("eval"), info.get("metrics"), info):
+        if isinstance(place, dict) and isinstance(place.get(name), (int, float)):
+            return float(place[name])
+    return None
+
+
+def eval_metrics(info: dict[str, Any]) -> dict[str, Any]:
+    evaluation = info.get("eval", info.get("metrics", {}))
+    return evaluation if isinstance(evaluation, dict) else {}
+
+
+class EngineRegistry:
+    """The engines by model name, in load order."""
+
+    def __init__(self, engines: list[Engine], created: dict[str, int] | None = None):
+        self.engines = {e.name: e for e in engines}
+        self.created = created or {}  # unix time of each weights file
+
+    def __iter__(self):
+        return iter(self.engines.values())
+
+    def get(self, name: str | None, task: str) -> Engine:
+        """The named engine, or the task's default; 404/400 with the loaded names otherwise."""
+        if name is None:
+            return self.default(task)
+        engine = self.engines.get(name)
+        if engine is None:
+            raise APIError(404, f"model '{name}' is not loaded; loaded models: {self._names()}", "model", "model_not_found")
+        if engine.config.task != task:
+            raise APIError(400, f"model '{name}' is a {engine.config.task} model and cannot serve {task} requests; "
+                           f"{task} models loaded: {self._names(task)}", "model", "wrong_model_task")
+        return engine
+
+    def default(self, task: str) -> Engine:
+        """The best model for a task by its stored evaluation (lowest wins), then by name."""
+        candidates = [e for e in self.engines.values() if e.config.task == task]
+        if not candidates:
+            raise APIError(404, f"no {task} model is loaded; loaded models: {self._names()}", "model", "model_not_found")
+        metric = DEFAULT_RANKING[task]
+
+        def rank(engine: Engine) -> tuple[float, str]:
+            value = stored_metric(engine.info, metric)
+            return (value if value is not None else float("inf"), engine.name)
+
+        return min(candidates, key=rank)
+
+    def _names(self, task: str | None = None) -> str:
+        names = [n for n, e in self.engines.items() if task is None or e.config.task == task]
+        return ", ".join(names) or "none"
+
+    def not_ready(self) -> list[str]:
+        return [name for name, engine in self.engines.items() if not engine.ready]

@@ -1,0 +1,270 @@
+"""POST /v1/images/completions: complete occluded 28x28 digits.
+
+JSON (`image` base64 PNG or `pixels`) or multipart/form-data (`image`
+file). The answer is JSON with each completion as base64 PNG and pixels,
+one PNG strip with `Accept: image/png`, or rows as server-sent events with
+`stream: true`.
+"""
+
+from __future__ import annotations
+
+import base64
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import numpy as np
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from starlette.datastructures import UploadFile
+
+from model.sampling import SamplingParams
+
+from . import imaging
+from .deps import ServerState, get_server
+from .engine import Engine, GenerationStream
+from .errors import APIError, invalid_request, raise_validation
+from .imaging import PIXELS, SIDE, ImageError, OccludedImage
+from .streaming import DONE_EVENT, SSE_HEADERS, ClientGone, collect, sse, sse_error, submit
+from .types import Generation, GenerationRequest
+
+router = APIRouter()
+MAX_N = 64
+FILE_FIELDS = ("image", "mask", "pixels")
+Grid = list[list[int]]
+
+
+class ImageOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, description="an mnist model from GET /v1/models; default: lowest stored bits/dim")
+    n: int = Field(1, ge=1, le=MAX_N, description="completions to draw")
+    temperature: float = Field(1.0, ge=0.0, le=10.0, description="0 = greedy")
+    top_k: int = Field(0, ge=0, le=256, description="0 = off")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, lt=2**62, description="completion i uses seed + i; default random")
+    stream: bool = Field(False, description="send rows as server-sent events as they complete")
+    keep_rows: int | None = Field(None, ge=0, le=SIDE, description="rows 0..k-1 known, the rest unknown")
+
+    def sampling(self) -> SamplingParams:
+        seed = self.seed if self.seed is not None else secrets.randbits(31)
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed)
+
+
+class ImageCompletionRequest(ImageOptions):
+    image: str | None = Field(None, description="base64 PNG, 28x28; alpha 0 marks unknown pixels")
+    pixels: Grid | None = Field(None, description="28 rows of 28 grey levels 0-255")
+    mask: str | Grid | None = Field(None, description="base64 PNG (white = unknown) or 28x28 of 0/1 (1 = unknown)")
+
+    @model_validator(mode="after")
+    def _one_image(self) -> "ImageCompletionRequest":
+        if (self.image is None) == (self.pixels is None):
+            raise ValueError("give the digit as exactly one of `image` (base64 PNG) or `pixels` (28x28 grey levels)")
+        return self
+
+
+@dataclass
+class ImageInput:
+    """The digit and its occlusion as sent, before decoding."""
+
+    options: ImageOptions
+    png: bytes | None = None
+    pixels: Grid | None = None
+    mask_png: bytes | None = None
+    mask_grid: Grid | None = None
+
+    def occluded(self) -> OccludedImage:
+        transparent = None
+        if self.png is not None:
+            decoded = imaging.decode_png(self.png, "image")
+            pixels, transparent = decoded.grey, decoded.transparent
+        else:
+            pixels = imaging.grid_from_lists(self.pixels, "pixels")
+        mask = None
+        if self.mask_png is not None:
+            mask = imaging.mask_from_png(imaging.decode_png(self.mask_png, "mask"))
+        elif self.mask_grid is not None:
+            mask = imaging.grid_from_lists(self.mask_grid, "mask", 0, 1).astype(bool)
+        unknown, source = imaging.choose_unknown(transparent, mask, self.options.keep_rows)
+        return imaging.occlude(pixels, unknown, source)
+
+
+@dataclass
+class Canvases:
+    """The n completions, filled in as pixels arrive. (n, 784) uint8."""
+
+    occluded: OccludedImage
+    n: int
+    images: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.images = np.repeat(self.occluded.pixels.reshape(1, PIXELS), self.n, axis=0)
+
+    def add(self, event: Generation) -> int | None:
+        """Place one pixel; return its row if that row is now complete."""
+        self.images[event.sample, event.position] = event.token
+        return event.position // SIDE if event.position % SIDE == SIDE - 1 else None
+
+    def image(self, sample: int) -> np.ndarray:
+        return self.images[sample].reshape(SIDE, SIDE)
+
+    def entry(self, sample: int) -> dict[str, Any]:
+        png = base64.b64encode(imaging.encode_png(self.image(sample))).decode("ascii")
+        return {"index": sample, "png_base64": png, "pixels": self.image(sample).tolist()}
+
+
+@dataclass
+class ImageJob:
+    id: str
+    engine: Engine
+    canvases: Canvases
+    started: float = field(default_factory=time.monotonic)
+
+    def usage(self) -> dict[str, Any]:
+        seconds = time.monotonic() - self.started
+        pixels = self.canvases.n * self.canvases.occluded.unknown_count
+        return {"pixels_generated": pixels, "seconds": round(seconds, 4),
+                "pixels_per_second": round(pixels / seconds, 1) if seconds > 0 else None}
+
+    def record(self, server: ServerState) -> None:
+        name, attention = self.engine.name, self.engine.attention
+        server.metrics.observe_request_latency(name, attention, time.monotonic() - self.started)
+        server.metrics.images_completed(name, attention, self.canvases.n)
+
+
+@router.post("/v1/images/completions", response_model=None,
+             openapi_extra={"requestBody": {"content": {
+                 "application/json": {"schema": ImageCompletionRequest.model_json_schema()},
+                 "multipart/form-data": {"schema": {"type": "object", "properties": {
+                     "image": {"type": "string", "format": "binary"}, "mask": {"type": "string", "format": "binary"}}}},
+             }}})
+async def complete_image(request: Request, server: ServerState = Depends(get_server)) -> Response | dict[str, Any]:
+    try:
+        given = await read_input(request)
+        occluded = given.occluded()
+    except ImageError as exc:
+        raise invalid_request(str(exc), exc.param, "invalid_image") from None
+    options = given.options
+    engine = server.engines.get(options.model, "mnist")
+    job = ImageJob(f"imgcmpl-{uuid.uuid4().hex}", engine, Canvases(occluded, options.n))
+    stream = submit(engine, generation_request(job, options, engine))
+    if options.stream:
+        return StreamingResponse(row_events(job, stream, request, server), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    try:
+        events = await collect(request, stream)
+    except ClientGone:
+        request.state.outcome = "cancelled"
+        return Response(status_code=499)
+    for event in events:
+        job.canvases.add(event)
+    job.record(server)
+    usage = job.usage()
+    if "image/png" in request.headers.get("accept", ""):
+        strip = imaging.encode_strip([job.canvases.image(i) for i in range(options.n)])
+        return Response(strip, media_type="image/png", headers={"X-Pixels-Generated": str(usage["pixels_generated"]),
+                                                                 "X-Seconds": str(usage["seconds"])})
+    return {"id": job.id, "object": "image.completion", "created": int(time.time()), "model": engine.name,
+            "data": [job.canvases.entry(i) for i in range(options.n)], "usage": usage}
+
+
+def generation_request(job: ImageJob, options: ImageOptions, engine: Engine) -> GenerationRequest:
+    if engine.config.max_len < PIXELS:
+        raise invalid_request(f"model '{engine.name}' has max_len {engine.config.max_len}, shorter than a "
+                              f"{SIDE}x{SIDE} image ({PIXELS} pixels)", "model")
+    if options.n > engine.limits.max_batch:
+        raise invalid_request(f"n is {options.n}; this server decodes at most {engine.limits.max_batch} "
+                              "sequences per model at once (--max-batch)", "n")
+    occluded = job.canvases.occluded
+    prompt = occluded.prompt()
+    return GenerationRequest(request_id=job.id, prompt=prompt, max_new_tokens=PIXELS - len(prompt),
+                             sampling=options.sampling(), n=options.n, forced=occluded.forced())
+
+
+async def read_input(request: Request) -> ImageInput:
+    content_type = request.headers.get("content-type", "application/json")
+    if content_type.startswith("multipart/form-data"):
+        return await _from_form(request)
+    if content_type.startswith("application/json"):
+        return await _from_json(request)
+    raise APIError(415, f"content type '{content_type}' is not supported; send application/json "
+                   "or multipart/form-data with an `image` file", None, "unsupported_media_type")
+
+
+async def _from_json(request: Request) -> ImageInput:
+    try:
+        body = ImageCompletionRequest.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise_validation(exc)
+    png = imaging.decode_base64(body.image, "image") if body.image is not None else None
+    mask_png = imaging.decode_base64(body.mask, "mask") if isinstance(body.mask, str) else None
+    mask_grid = body.mask if isinstance(body.mask, list) else None
+    return ImageInput(body, png, body.pixels, mask_png, mask_grid)
+
+
+async def _from_form(request: Request) -> ImageInput:
+    form = await request.form()
+    scalars = {k: v for k, v in form.multi_items() if k not in FILE_FIELDS}
+    try:
+        options = ImageOptions.model_validate({k: v for k, v in scalars.items() if v != ""})
+    except ValidationError as exc:
+        raise_validation(exc)
+    image, mask, pixels = form.get("image"), form.get("mask"), form.get("pixels")
+    if (image is None) == (pixels is None):
+        raise invalid_request("give the digit as exactly one of an `image` file (PNG) or a `pixels` field "
+                              "(JSON, 28x28 grey levels)", "image")
+    return _form_input(options, image, mask, pixels, await _read_files(image, mask))
+
+
+async def _read_files(*parts: Any) -> dict[int, bytes]:
+    return {id(p): await p.read() for p in parts if isinstance(p, UploadFile)}
+
+
+def _form_input(options: ImageOptions, image: Any, mask: Any, pixels: Any, files: dict[int, bytes]) -> ImageInput:
+    png = files[id(image)] if isinstance(image, UploadFile) else (
+        imaging.decode_base64(image, "image") if image is not None else None)
+    grid = _json_grid(pixels, "pixels") if pixels is not None else None
+    given = ImageInput(options, png, grid)
+    if isinstance(mask, UploadFile):
+        given.mask_png = files[id(mask)]
+    elif isinstance(mask, str) and mask.lstrip().startswith("["):
+        given.mask_grid = _json_grid(mask, "mask")
+    elif isinstance(mask, str) and mask:
+        given.mask_png = imaging.decode_base64(mask, "mask")
+    return given
+
+
+def _json_grid(text: Any, param: str) -> Grid:
+    try:
+        return TypeAdapter(Grid).validate_json(text)
+    except ValidationError:
+        raise ImageError(f"{param} must be JSON: 28 lists of 28 integers", param) from None
+
+
+async def row_events(job: ImageJob, stream: GenerationStream, request: Request, server: ServerState) -> AsyncIterator[str]:
+    """One event per completed row of each completion, one per finished image, then usage and [DONE]."""
+    finished = False
+    try:
+        async for event in stream:
+            row = job.canvases.add(event)
+            if row is not None:
+                pixels = job.canvases.image(event.sample)[row].tolist()
+                yield sse({"object": "image.completion.row", "index": event.sample, "row": row, "pixels": pixels})
+            if event.finish_reason is not None:
+                entry = job.canvases.entry(event.sample)
+                yield sse({"object": "image.completion", "index": event.sample, "png_base64": entry["png_base64"]})
+        job.record(server)
+        yield sse({"object": "image.completion.usage", "id": job.id, "model": job.engine.name, "usage": job.usage()})
+        finished = True
+    except Exception as exc:  # the status line is gone: report in-band
+        request.state.outcome = "error"
+        yield sse_error(exc)
+        finished = True
+    finally:
+        stream.cancel()
+        if not finished:
+            request.state.outcome = "cancelled"
+    yield DONE_EVENT

@@ -1,0 +1,203 @@
+"""POST /v1/completions: OpenAI-compatible text completion over byte tokens."""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Annotated, Any, AsyncIterator
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from model.sampling import SamplingParams
+
+from .deps import ServerState, get_server
+from .engine import Engine, GenerationStream
+from .errors import invalid_request
+from .streaming import DONE_EVENT, SSE_HEADERS, ClientGone, collect, sse, sse_error, submit
+from .textcodec import SampleText, TextChunk, token_text
+from .types import Generation, GenerationRequest
+
+router = APIRouter()
+MAX_N = 64
+MAX_STOPS = 4
+Byte = Annotated[int, Field(ge=0, le=255)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, description="a text model from GET /v1/models; default: the best loaded one")
+    prompt: str | list[Byte] = Field("", description="text (sent as UTF-8 bytes) or a list of byte tokens 0-255")
+    max_tokens: int = Field(16, ge=0, description="bytes to generate; 0 with echo scores the prompt")
+    temperature: float = Field(1.0, ge=0.0, le=10.0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, le=256, description="0 = off")
+    seed: int | None = Field(None, ge=0, lt=2**62, description="sample i uses seed + i; default random")
+    stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOPS} sequences that end a sample (not included)")
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: int | None = Field(None, ge=0, le=5, description="return each token's log-probability (no top alternatives)")
+    echo: bool = False
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return stop
+
+    def stop_bytes(self) -> list[bytes]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s.encode("utf-8") for s in stops]
+
+    def prompt_bytes(self) -> bytes:
+        return self.prompt.encode("utf-8") if isinstance(self.prompt, str) else bytes(self.prompt)
+
+    def sampling(self) -> SamplingParams:
+        seed = self.seed if self.seed is not None else secrets.randbits(31)
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed)
+
+
+@dataclass
+class Completion:
+    """One request's samples as they build up."""
+
+    body: CompletionRequest
+    engine: Engine
+    prompt: bytes
+    prompt_logprobs: list[float | None]
+    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+    started: float = field(default_factory=time.monotonic)
+    texts: list[SampleText] = field(init=False)
+    finish: list[str | None] = field(init=False)
+    generated_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        prefix = self.prompt if self.body.echo else b""
+        prefix_logprobs = self.prompt_logprobs if self.body.echo else []
+        self.texts = [SampleText(self.body.stop_bytes(), prefix, prefix_logprobs) for _ in range(self.body.n)]
+        self.finish = [None] * self.body.n
+
+    def add(self, event: Generation) -> None:
+        self.generated_tokens += 1
+        stopped = self.texts[event.sample].push(event.token, event.logprob)
+        if event.finish_reason or stopped:
+            self.finish[event.sample] = "stop" if stopped else event.finish_reason
+
+    def choice(self, index: int, chunk: TextChunk) -> dict[str, Any]:
+        return {"text": chunk.text, "index": index, "logprobs": self._logprobs(chunk), "finish_reason": self.finish[index]}
+
+    def _logprobs(self, chunk: TextChunk) -> dict[str, Any] | None:
+        if self.body.logprobs is None:
+            return None
+        return {"tokens": [token_text(t) for t in chunk.tokens], "token_logprobs": chunk.logprobs,
+                "top_logprobs": None, "text_offset": chunk.offsets}
+
+    def envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.engine.name,
+                "choices": choices}
+
+    def usage(self) -> dict[str, int]:
+        prompt = len(self.prompt)
+        return {"prompt_tokens": prompt, "completion_tokens": self.generated_tokens,
+                "total_tokens": prompt + self.generated_tokens}
+
+
+@router.post("/v1/completions", response_model=None)
+async def create_completion(body: CompletionRequest, request: Request,
+                            server: ServerState = Depends(get_server)) -> Response | dict[str, Any]:
+    engine = server.engines.get(body.model, "text")
+    prompt = body.prompt_bytes()
+    check_fits(body, prompt, engine)
+    wants_scores = body.echo and body.logprobs is not None and len(prompt) > 0
+    prompt_logprobs = list(await engine.score(list(prompt))) if wants_scores else []
+    completion = Completion(body, engine, prompt, prompt_logprobs)
+    stream = submit(engine, generation_request(completion)) if body.max_tokens > 0 else None
+    if body.stream:
+        return StreamingResponse(stream_events(completion, stream, request, server), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    try:
+        events = await collect(request, stream) if stream is not None else []
+    except ClientGone:
+        request.state.outcome = "cancelled"
+        return Response(status_code=499)
+    for event in events:
+        completion.add(event)
+    finish_without_generating(completion)
+    server.metrics.observe_request_latency(engine.name, engine.attention, time.monotonic() - completion.started)
+    choices = [completion.choice(i, text.take(final=True)) for i, text in enumerate(completion.texts)]
+    return {**completion.envelope(choices), "usage": completion.usage()}
+
+
+def check_fits(body: CompletionRequest, prompt: bytes, engine: Engine) -> None:
+    max_len = engine.config.max_len
+    if len(prompt) + body.max_tokens > max_len:
+        raise invalid_request(f"prompt ({len(prompt)} tokens) plus max_tokens ({body.max_tokens}) is "
+                              f"{len(prompt) + body.max_tokens}; model '{engine.name}' handles at most {max_len} tokens",
+                              "max_tokens", "context_length_exceeded")
+    if body.max_tokens > 0 and body.n > engine.limits.max_batch:
+        raise invalid_request(f"n is {body.n}; this server decodes at most {engine.limits.max_batch} sequences "
+                              "per model at once (--max-batch)", "n")
+
+
+def generation_request(completion: Completion) -> GenerationRequest:
+    body = completion.body
+    return GenerationRequest(request_id=completion.id, prompt=list(completion.prompt), max_new_tokens=body.max_tokens,
+                             sampling=body.sampling(), n=body.n, stop=body.stop_bytes(),
+                             logprobs=body.logprobs is not None)
+
+
+def finish_without_generating(completion: Completion) -> None:
+    """max_tokens 0: every sample ends at once, by length."""
+    if completion.body.max_tokens == 0:
+        completion.finish = ["length"] * completion.body.n
+
+
+async def stream_events(completion: Completion, stream: GenerationStream | None, request: Request,
+                        server: ServerState) -> AsyncIterator[str]:
+    """SSE chunks as text becomes safe to show, then usage (if asked) and [DONE]."""
+    finished = False
+    try:
+        if completion.body.echo:
+            for i, text in enumerate(completion.texts):
+                yield sse(completion.envelope([completion.choice(i, text.take())]))
+        if stream is not None:
+            async for event in stream:
+                completion.add(event)
+                chunk = completion.texts[event.sample].take(final=event.finish_reason is not None)
+                if chunk.text or chunk.tokens or event.finish_reason:
+                    yield sse(completion.envelope([completion.choice(event.sample, chunk)]))
+        else:
+            finish_without_generating(completion)
+            for i, text in enumerate(completion.texts):
+                yield sse(completion.envelope([completion.choice(i, text.take(final=True))]))
+        engine = completion.engine
+        server.metrics.observe_request_latency(engine.name, engine.attention, time.monotonic() - completion.started)
+        if completion.body.stream_options and completion.body.stream_options.include_usage:
+            yield sse({**completion.envelope([]), "usage": completion.usage()})
+        finished = True
+    except Exception as exc:  # the status line is gone: report in-band
+        request.state.outcome = "error"
+        yield sse_error(exc)
+        finished = True
+    finally:
+        if stream is not None:
+            stream.cancel()
+        if not finished:
+            request.state.outcome = "cancelled"
+    yield DONE_EVENT

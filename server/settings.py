@@ -1,0 +1,82 @@
+"""Server settings: one pydantic-settings object, built once at start-up.
+
+Values come from `rnnserve serve` flags first, then `RNNSERVE_*` environment
+variables, then the defaults below. Nothing here runs at import time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MIB = 1024 * 1024
+
+
+class SettingsError(ValueError):
+    """A setting is invalid; the message says which and what is expected."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RNNSERVE_", extra="forbid", frozen=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)  # 0: any free port
+    weights: Path = Path("weights")  # every *.safetensors in it is served
+    models: list[Path] = Field(default_factory=list)  # explicit files; when given, `weights` is ignored
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_batch: int = Field(64, ge=1, le=65536)  # sequences decoded together, per model
+    max_waiting: int = Field(256, ge=0)  # sequences queued per model before 429
+    max_body_bytes: int = Field(4 * MIB, ge=1024)
+    api_key: SecretStr | None = None
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    def torch_device(self) -> str:
+        """The device to load models on; 'auto' picks CUDA when present."""
+        import torch  # imported here so reading settings stays cheap
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise SettingsError("--device cuda was asked for but no CUDA GPU is available; use --device cpu or auto")
+        return self.device
+
+    def model_paths(self) -> list[Path]:
+        """The weights files to serve, checked to exist; sorted for a stable order."""
+        if self.models:
+            missing = [str(p) for p in self.models if not p.is_file()]
+            if missing:
+                raise SettingsError(f"--model file not found: {', '.join(missing)}")
+            return list(self.models)
+        if not self.weights.is_dir():
+            raise SettingsError(f"weights directory '{self.weights}' does not exist; pass --weights DIR or --model PATH")
+        paths = sorted(self.weights.glob("*.safetensors"))
+        if not paths:
+            raise SettingsError(f"weights directory '{self.weights}' has no .safetensors files; "
+                                "train one with `rnnserve train` or pass --model PATH")
+        return paths
+
+    def api_key_value(self) -> str | None:
+        return self.api_key.get_secret_value() if self.api_key else None
+
+
+def build_settings(**overrides: Any) -> Settings:
+    """Settings from flags (`overrides`, None = not given) over env over defaults."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return Settings(**given)
+    except ValidationError as exc:
+        raise SettingsError(describe_validation_error(exc)) from None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line per bad setting, named as the flag a user would type."""
+    lines = []
+    for err in exc.errors():
+        name = str(err["loc"][0]) if err["loc"] else "settings"
+        flag = "--" + name.replace("_", "-")
+        value = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+        lines.append(f"{flag} / RNNSERVE_{name.upper()}: {err['msg']}{value}")
+    return "invalid settings: " + "; ".join(lines)

@@ -1,0 +1,77 @@
+"""What the generation handlers share: submitting, collecting, SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from fastapi import Request
+
+from .engine import Engine, EngineFailure, GenerationStream, QueueFull
+from .errors import APIError, error_body, invalid_request
+from .types import Generation, GenerationRequest
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # proxies must not buffer events
+DONE_EVENT = "data: [DONE]\n\n"
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+def submit(engine: Engine, request: GenerationRequest) -> GenerationStream:
+    """engine.submit with its refusals turned into 429 / 400 / 503 answers."""
+    if not engine.ready:  # a stopped engine would never answer
+        raise APIError(503, f"model '{engine.name}' is not ready; see GET /health", "model", "not_ready")
+    try:
+        return engine.submit(request)
+    except QueueFull as exc:
+        raise APIError(429, f"{exc} (the server queues at most --max-waiting requests per model)", None,
+                       "queue_full", {"Retry-After": "1"}) from None
+    except ValueError as exc:
+        raise invalid_request(str(exc)) from None
+
+
+async def collect(request: Request, stream: GenerationStream) -> list[Generation]:
+    """Every event of a non-streamed request. If the client leaves first the
+    request is cancelled, so its slots are freed at the engine's next step."""
+    consume = asyncio.ensure_future(_all_events(stream))
+    watch = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({consume, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if consume in done:
+            return consume.result()
+        raise ClientGone()
+    except EngineFailure as exc:
+        raise engine_error(exc) from None
+    finally:
+        watch.cancel()
+        consume.cancel()
+        stream.cancel()  # no-op once finished; frees slots otherwise
+
+
+async def _all_events(stream: GenerationStream) -> list[Generation]:
+    return [event async for event in stream]
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def engine_error(exc: EngineFailure) -> APIError:
+    status = 503 if "shutting down" in str(exc) else 500
+    return APIError(status, f"generation failed: {exc}", None, "engine_error")
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def sse_error(exc: Exception) -> str:
+    """An error after the stream started: the status is already sent, so it goes in an event."""
+    if isinstance(exc, EngineFailure):
+        err = engine_error(exc)
+        return sse(error_body(err.status, err.message, None, err.code))
+    return sse(error_body(500, f"internal server error ({type(exc).__name__})", None, "internal_error"))

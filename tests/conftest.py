@@ -1,0 +1,102 @@
+"""Shared fixtures for the model-core tests: tiny configs and models, random tokens.
+
+Tiny means d_model 32, 2 layers, 4 heads and a short max_len, so every test
+file runs in seconds on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from model import ModelConfig, Transformer, build_model
+from model.transformer import with_bos
+
+KINDS = ("softmax", "linear", "linformer", "reformer")
+TINY_MAX_LEN = 96  # above the linear kind's 64-token block, so several blocks are exercised
+
+
+def make_tiny_config(kind: str, **overrides) -> ModelConfig:
+    """A tiny config of `kind`; keyword overrides replace any field."""
+    fields = dict(
+        attention=kind, task="text", d_model=32, n_layers=2, n_heads=4, d_ff=64,
+        max_len=TINY_MAX_LEN, dropout=0.0, pos_encoding="learned",
+        linformer_k=8, reformer_rounds=2, reformer_buckets=4,  # few buckets: each holds several keys
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def sharpen_(model: Transformer, seed: int) -> Transformer:
+    """Re-draw weights at unit scale, in place.
+
+    The training init (std 0.02) makes attention nearly uniform and barely
+    visible in the logits, so a wrong attention output could hide under a
+    1e-4 tolerance. Unit-scale weights make every position matter.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.copy_(torch.randn(module.weight.shape, generator=gen) / math.sqrt(module.in_features))
+                module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=gen))
+            elif isinstance(module, nn.Embedding):
+                module.weight.copy_(torch.randn(module.weight.shape, generator=gen))
+    return model
+
+
+def make_tiny_model(kind: str, seed: int = 0, **overrides) -> Transformer:
+    """A tiny eval-mode float32 model with unit-scale weights, deterministic in `seed`."""
+    torch.manual_seed(seed)  # Linformer E/F and Reformer rotations are drawn at build time
+    return sharpen_(build_model(make_tiny_config(kind, **overrides)), seed).eval()
+
+
+def random_bytes(seed: int, batch: int, length: int) -> torch.Tensor:
+    """(batch, length) random tokens 0..255, deterministic in `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (batch, length), generator=gen)
+
+
+def make_tokens(seed: int, batch: int, length: int) -> torch.Tensor:
+    """(batch, length) BOS-shifted random bytes: the input a model sees at a sequence start."""
+    return with_bos(random_bytes(seed, batch, length))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def single_torch_thread():
+    """Run torch on one thread during tests.
+
+    Tiny tensors gain nothing from a second thread, and on the shared 2-core
+    machine intra-op threads spin while waiting for a busy core: tests ran
+    10x slower with two threads than with one.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session", params=KINDS)
+def kind(request) -> str:
+    """Each of the four attention kinds."""
+    return request.param
+
+
+# Session-scoped factories: hypothesis tests may use them (no per-example fixture state).
+@pytest.fixture(scope="session")
+def tiny_config() -> Callable[..., ModelConfig]:
+    return make_tiny_config
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Callable[..., Transformer]:
+    return make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tokens() -> Callable[[int, int, int], torch.Tensor]:
+    return make_tokens

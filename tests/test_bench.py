@@ -1,0 +1,269 @@
+"""`rnnserve bench`: the in-process benchmark end to end on tiny models, and the
+HTTP load generator against a real `rnnserve serve` process.
+
+No timing is asserted: only that every kind is measured, the numbers are
+consistent with each other, and state sizes follow from the model's shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from benchmarks.decode import _interpolated_sum, _later_positions, choose_positions
+from benchmarks.load import LoadSettings, run_load
+from benchmarks.roofline import attention_cost, dense_flops
+from benchmarks.run import add_arguments, run
+from model import ModelConfig, build_model
+from model.weights_io import save_model
+from server_support import free_port, metric_value, save_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+KINDS = ("softmax", "linear", "linformer", "reformer")
+FLOAT32 = 4
+
+
+def bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the real console entry point; one thread keeps it fast on a shared 2-core machine."""
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "server", "bench", "--threads", "1", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def quick_result(tmp_path_factory) -> tuple[dict, Path, str]:
+    out = tmp_path_factory.mktemp("bench")
+    done = bench("--quick", "--json-out", str(out / "bench.json"), "--plot", str(out / "bench.png"))
+    assert done.returncode == 0, done.stderr
+    return json.loads((out / "bench.json").read_text()), out, done.stdout
+
+
+def test_quick_bench_measures_every_kind_at_every_batch(quick_result):
+    result, _, _ = quick_result
+    batches = result["settings"]["batch_sizes"]
+    measured = {(r["kind"], r["batch"]) for r in result["images"]}
+    assert measured == {(k, b) for k in KINDS for b in batches}
+    tokens = result["settings"]["image_tokens"]
+    for r in result["images"]:
+        assert r["images_per_s"] > 0
+        assert r["images_per_s"] == pytest.approx(r["batch"] / r["seconds"])
+        assert r["tokens_per_s"] == pytest.approx(r["images_per_s"] * tokens)
+        assert r["images_per_cpu_s"] == pytest.approx(r["batch"] / r["cpu_seconds"])
+        assert r["vs_softmax_cache"] == pytest.approx(
+            r["images_per_s"] / next(s["images_per_s"] for s in result["images"]
+                                     if s["kind"] == "softmax" and s["batch"] == r["batch"]))
+    assert set(result["positions"]) == set(KINDS)
+    assert result["command"].startswith("rnnserve bench")
+
+
+def test_state_bytes_follow_the_model_shapes(quick_result):
+    result, _, _ = quick_result
+    cfg = result["models"]["linear"]["config"]
+    layers, heads, d_head = cfg["n_layers"], cfg["n_heads"], cfg["d_model"] // cfg["n_heads"]
+    linear = [p["state_bytes_per_sequence"] for p in result["positions"]["linear"]]
+    assert linear == [layers * heads * (d_head * d_head + d_head) * FLOAT32] * len(linear)  # S and Z, flat
+    linformer = {p["state_bytes_per_sequence"] for p in result["positions"]["linformer"]}
+    assert len(linformer) == 1
+    for p in result["positions"]["softmax"]:  # K and V for every position so far
+        assert p["state_bytes_per_sequence"] == p["position"] * layers * 2 * cfg["d_model"] * FLOAT32
+    reformer = [p["state_bytes_per_sequence"] for p in result["positions"]["reformer"]]
+    assert reformer == sorted(reformer) and reformer[0] < reformer[-1]
+
+
+def test_no_cache_baseline_is_labelled_and_consistent(quick_result):
+    result, _, stdout = quick_result
+    settings = result["settings"]
+    assert [n["batch"] for n in result["no_cache"]] == list(settings["batch_sizes"])
+    for n in result["no_cache"]:
+        assert n["extrapolated"] is True
+        assert n["measured_pixels"] == settings["nocache_pixels"]
+        assert n["seconds"] > n["measured_seconds"] > 0
+        assert all(settings["nocache_pixels"] <= s["position"] < settings["image_tokens"] for s in n["sampled_steps"])
+    assert "extrapolated" in stdout
+
+
+def test_table_targets_and_plot_are_written(quick_result):
+    result, out, stdout = quick_result
+    names = [t["name"] for t in result["targets"]]
+    assert any("softmax-with-cache" in n for n in names) and any("state bytes identical" in n for n in names)
+    assert next(t for t in result["targets"] if "state bytes identical" in t["name"])["met"] is True
+    for kind in KINDS:
+        assert re.search(rf"^\| {kind} \| 4 \|", stdout, re.MULTILINE), stdout
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_uses_trained_weights_from_a_folder(tmp_path):
+    for kind in ("linear", "softmax"):
+        cfg = ModelConfig(attention=kind, task="mnist", d_model=16, n_layers=1, n_heads=2, d_ff=32, max_len=784)
+        save_model(build_model(cfg), tmp_path / f"mnist-{kind}.safetensors", {"note": "test"})
+    done = bench("--quick", "--weights", str(tmp_path), "--kinds", "linear,softmax", "--batch-sizes", "2",
+                 "--json-out", str(tmp_path / "out.json"))
+    assert done.returncode == 0, done.stderr
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert set(result["models"]) == {"linear", "softmax"}
+    for kind, info in result["models"].items():
+        assert info["source"].endswith(f"mnist-{kind}.safetensors")
+        assert info["config"]["d_model"] == 16
+    assert {r["batch"] for r in result["images"]} == {2}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch-sizes", "1,zero"], "comma-separated integers"),
+    (["--batch-sizes", "0"], "positive integers"),
+    (["--kinds", "softmax,lstm"], "unknown attention kind"),
+    (["--weights", "/nonexistent-folder"], "not a directory"),
+    (["--url", "ftp://127.0.0.1:1"], "expected http://HOST:PORT"),
+    (["--url", "http://127.0.0.1:1", "--concurrency", "0"], "--concurrency must be between"),
+    (["--positions", "500,100"], "--positions must be increasing"),
+])
+def test_bad_flags_say_what_is_expected(args, message, capsys):
+    parser = argparse.ArgumentParser(prog="rnnserve bench")
+    add_arguments(parser)
+    try:  # argparse rejects malformed values itself; run() rejects unusable ones before measuring
+        code = run(parser.parse_args(args))
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_later_positions_and_interpolated_sum():
+    assert _later_positions(8, 64, 2) == [8, 63]
+    # Steps measured 1 s each up to position 3, then 1 s at 4 and 5 s at 8: linear in between.
+    sampled = [{"position": 4, "seconds": 1.0}, {"position": 8, "seconds": 5.0}]
+    assert _interpolated_sum([1.0] * 4, sampled, 4, 9) == pytest.approx(1 + 2 + 3 + 4 + 5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_roofline_state_traffic_matches_the_models_own_state(kind):
+    """The per-token byte formulas agree with the state the model really allocates."""
+    cfg = ModelConfig(attention=kind, task="text", d_model=32, n_layers=2, n_heads=4, d_ff=64, max_len=512,
+                      linformer_k=8, reformer_rounds=2, reformer_buckets=4)
+    model = build_model(cfg)
+    t = 256
+    _, moved = attention_cost(cfg, t)
+    if kind in ("linear", "linformer"):  # the whole fixed-size state is read and written
+        assert moved == 2 * model.state_bytes_per_sequence(t)
+    elif kind == "softmax":  # K, V of t positions read, one position written
+        assert moved == model.state_bytes_per_sequence(t) + model.state_bytes_per_sequence(1)
+    else:  # the expected bucket share of the cached keys and values, per round
+        kv_per_position = 2 * cfg.d_model * FLOAT32 * cfg.n_layers
+        assert moved == kv_per_position * (cfg.reformer_rounds * t / cfg.reformer_buckets + 1)
+    # Dense FLOPs are two per weight of the blocks and the output head.
+    matrices = sum(p.numel() for n, p in model.named_parameters()
+                   if p.dim() == 2 and n.endswith(".weight") and not n.startswith(("tok_emb", "pos_emb")))
+    assert dense_flops(cfg) == 2 * matrices
+
+
+def test_default_positions_include_the_issue_targets():
+    positions = choose_positions(16_384)
+    assert positions[0] == 100 and 16_000 in positions and positions[-1] == 16_384
+    assert choose_positions(256) == sorted(set(choose_positions(256))) and max(choose_positions(256)) == 256
+
+
+# ---------------------------------------------------------------- load generator against a real server
+
+
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory):
+    """`python -m server serve` as a separate process on a free loopback port, tiny linear models."""
+    folder = tmp_path_factory.mktemp("weights")
+    save_tiny_model(folder, "mnist-linear", "linear", "mnist")
+    save_tiny_model(folder, "text-linear", "linear", "text")
+    port = free_port()
+    log = folder / "server.log"
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "server", "serve", "--weights", str(folder), "--port", str(port),
+                                    "--log-level", "warning"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(process, url, log)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _wait_healthy(process: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"server exited with {process.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"server not healthy after 90 s:\n{log.read_text()}")
+
+
+def _metrics(url: str) -> str:
+    return httpx.get(f"{url}/metrics", timeout=10).text
+
+
+def test_image_load_counts_match_the_servers_counters(server_url):
+    before = _metrics(server_url)
+    result = run_load(LoadSettings(url=server_url, kind="image", concurrency=3, duration=2.0, max_requests=1000,
+                                   keep_rows=20, timeout=60))
+    after = _metrics(server_url)
+
+    def delta(name, **labels):
+        return metric_value(after, name, **labels) - metric_value(before, name, **labels)
+
+    assert result["completed"] >= 1
+    assert result["outcomes"] == {"200": result["sent"]}
+    assert delta("rnnserve_requests_total", endpoint="/v1/images/completions", outcome="ok") == result["completed"]
+    assert delta("rnnserve_completed_images_total", model="mnist-linear") == result["images"] == result["completed"]
+    assert result["tokens"] == result["images"] * (28 - 20) * 28  # only the occluded rows are generated
+    assert delta("rnnserve_generated_tokens_total", model="mnist-linear") == result["tokens"]
+    assert result["latency_s"]["count"] == result["completed"]
+
+
+def test_text_stream_load_stops_at_the_request_budget(server_url):
+    before = _metrics(server_url)
+    result = run_load(LoadSettings(url=server_url, kind="text", concurrency=2, duration=120.0, max_requests=5,
+                                   max_tokens=12, prompt="Hi", timeout=60))
+    after = _metrics(server_url)
+    assert result["sent"] == result["completed"] == 5
+    assert metric_value(after, "rnnserve_requests_total", endpoint="/v1/completions", outcome="ok") - \
+        metric_value(before, "rnnserve_requests_total", endpoint="/v1/completions", outcome="ok") == 5
+    assert result["tokens"] == 5 * 12
+    assert metric_value(after, "rnnserve_generated_tokens_total", model="text-linear") - \
+        metric_value(before, "rnnserve_generated_tokens_total", model="text-linear") == 5 * 12
+    assert result["ttft_s"]["count"] == 5
+    # One gap between consecutive events; bytes of a split UTF-8 character arrive together.
+    assert 0 < result["inter_token_s"]["count"] <= 5 * (12 - 1)
+
+
+def test_load_errors_are_counted_by_status(server_url):
+    before = _metrics(server_url)
+    result = run_load(LoadSettings(url=server_url, kind="text", concurrency=2, duration=60.0, max_requests=4,
+                                   model="no-such-model", timeout=30))
+    after = _metrics(server_url)
+    assert result["completed"] == 0
+    assert result["outcomes"] == {"404": 4}
+    assert metric_value(after, "rnnserve_requests_total", endpoint="/v1/completions", outcome="not_found") - \
+        metric_value(before, "rnnserve_requests_total", endpoint="/v1/completions", outcome="not_found") == 4
+
+
+def test_load_against_a_closed_port_reports_connection_errors():
+    result = run_load(LoadSettings(url=f"http://127.0.0.1:{free_port()}", kind="image", concurrency=2,
+                                   duration=30.0, max_requests=3, timeout=5))
+    assert result["sent"] == 3 and result["completed"] == 0
+    assert result["outcomes"] == {"connect_error": 3}

@@ -1,0 +1,226 @@
+"""Settings, /v1/models, /health, /metrics, API key, body limit and the error shape, over real HTTP."""
+
+from __future__ import annotations
+
+import argparse
+
+import httpx
+import pytest
+import torch
+
+from model.weights_io import WeightsError
+from server.registry import check_model_files
+from server.serve import add_arguments, settings_from_args
+from server.settings import SettingsError, build_settings
+from server_support import make_settings, metric_value, running_server, save_tiny_model
+
+METRIC_NAMES = (
+    "rnnserve_generated_tokens_total", "rnnserve_completed_images_total", "rnnserve_requests_total",
+    "rnnserve_time_to_first_token_seconds", "rnnserve_inter_token_latency_seconds", "rnnserve_request_latency_seconds",
+    "rnnserve_running_sequences", "rnnserve_waiting_sequences", "rnnserve_batch_size", "rnnserve_decode_steps_total",
+    "rnnserve_tokens_per_second", "rnnserve_images_per_second", "rnnserve_decode_state_bytes",
+)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in ("HOST", "PORT", "WEIGHTS", "MODELS", "DEVICE", "MAX_BATCH", "MAX_WAITING", "MAX_BODY_BYTES", "API_KEY", "LOG_LEVEL"):
+        monkeypatch.delenv(f"RNNSERVE_{name}", raising=False)
+    return monkeypatch
+
+
+# -- settings -------------------------------------------------------------------
+
+def test_settings_defaults(clean_env):
+    s = build_settings()
+    assert (s.host, s.port, str(s.weights), s.device) == ("127.0.0.1", 8000, "weights", "auto")
+    assert (s.max_batch, s.max_waiting, s.api_key, s.models) == (64, 256, None, [])
+
+
+def test_flags_override_env_over_defaults(clean_env):
+    clean_env.setenv("RNNSERVE_PORT", "9001")
+    clean_env.setenv("RNNSERVE_API_KEY", "k")
+    clean_env.setenv("RNNSERVE_MODELS", '["a.safetensors", "b.safetensors"]')
+    assert build_settings().port == 9001 and build_settings().api_key_value() == "k"
+    assert [str(p) for p in build_settings().models] == ["a.safetensors", "b.safetensors"]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--port", "9002", "--model", "x.safetensors", "--model", "y.safetensors", "--max-batch", "4"])
+    s = settings_from_args(args)
+    assert (s.port, s.max_batch, [str(p) for p in s.models]) == (9002, 4, ["x.safetensors", "y.safetensors"])
+
+
+def test_bad_settings_name_the_flag(clean_env):
+    with pytest.raises(SettingsError, match="--max-batch / RNNSERVE_MAX_BATCH: Input should be greater than or equal to 1"):
+        build_settings(max_batch=0)
+    clean_env.setenv("RNNSERVE_PORT", "http")
+    with pytest.raises(SettingsError, match="--port .*'http'"):
+        build_settings()
+
+
+def test_model_paths_explain_what_is_missing(tmp_path):
+    with pytest.raises(SettingsError, match="has no .safetensors files"):
+        make_settings(weights=tmp_path).model_paths()
+    with pytest.raises(SettingsError, match="does not exist"):
+        make_settings(weights=tmp_path / "nope").model_paths()
+    with pytest.raises(SettingsError, match="--model file not found: .*missing.safetensors"):
+        make_settings(models=[tmp_path / "missing.safetensors"]).model_paths()
+
+
+def test_bad_and_duplicate_weight_files(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = save_tiny_model(tmp_path / "a", "m", "linear", "text")
+    second = save_tiny_model(tmp_path / "b", "m", "linear", "text")
+    with pytest.raises(SettingsError, match="both named 'm'"):
+        check_model_files(make_settings(models=[first, second]))
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not weights")
+    with pytest.raises(WeightsError, match="junk.safetensors: not a valid safetensors file"):
+        check_model_files(make_settings(models=[junk]))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error when no GPU is present")
+def test_cuda_without_gpu_is_a_clear_error():
+    assert make_settings(device="auto").torch_device() == "cpu"
+    with pytest.raises(SettingsError, match="no CUDA GPU is available"):
+        make_settings(device="cuda").torch_device()
+
+
+# -- models, health, metrics, errors ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("misc_weights")
+    save_tiny_model(folder, "linear-text", "linear", "text", info={"eval": {"bits_per_byte": 3.5}, "steps": 10})
+    save_tiny_model(folder, "softmax-text", "softmax", "text")
+    save_tiny_model(folder, "linear-mnist", "linear", "mnist")
+    with running_server(make_settings(weights=folder, max_batch=4, max_waiting=4)) as (url, _app):
+        with httpx.Client(base_url=url, timeout=60) as client:
+            yield client
+
+
+def test_models_list_shape(server):
+    body = server.get("/v1/models").json()
+    assert body["object"] == "list"
+    by_id = {m["id"]: m for m in body["data"]}
+    assert set(by_id) == {"linear-text", "softmax-text", "linear-mnist"}
+    linear, softmax = by_id["linear-text"], by_id["softmax-text"]
+    assert linear["object"] == "model" and linear["owned_by"] == "rnnserve" and linear["created"] > 0
+    assert (linear["task"], linear["attention"], linear["max_len"]) == ("text", "linear", 64)
+    assert by_id["linear-mnist"]["task"] == "mnist" and by_id["linear-mnist"]["max_len"] == 784
+    assert linear["parameters"] > 0 and linear["metrics"] == {"bits_per_byte": 3.5}
+    # a softmax cache grows to max_len; the linear state does not
+    assert 0 < linear["state_bytes_per_sequence"] < softmax["state_bytes_per_sequence"]
+    assert server.get("/v1/models/softmax-text").json() == softmax
+
+
+def test_unknown_model_id_lists_loaded(server):
+    response = server.get("/v1/models/nope")
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "model_not_found" and "linear-text" in response.json()["error"]["message"]
+
+
+def test_health_ready(server):
+    response = server.get("/health")
+    assert response.status_code == 200 and response.json()["models"]["linear-mnist"] == "ready"
+
+
+def test_metrics_exports_every_name_and_moves(server):
+    text = server.get("/metrics").text
+    for name in METRIC_NAMES:
+        assert f"\n{name}" in text, name
+    labels = {"model": "linear-text", "attention": "linear"}
+    before = {name: metric_value(text, name, **labels) for name in
+              ("rnnserve_generated_tokens_total", "rnnserve_decode_steps_total", "rnnserve_request_latency_seconds_count")}
+    ok_before = metric_value(text, "rnnserve_requests_total", endpoint="/v1/completions", outcome="ok")
+    bad_before = metric_value(text, "rnnserve_requests_total", endpoint="/v1/completions", outcome="invalid")
+    assert server.post("/v1/completions", json={"model": "linear-text", "prompt": "a", "max_tokens": 5}).status_code == 200
+    assert server.post("/v1/completions", json={"model": "linear-text", "n": 0}).status_code == 400
+    response = server.get("/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    after = response.text
+    assert metric_value(after, "rnnserve_generated_tokens_total", **labels) == before["rnnserve_generated_tokens_total"] + 5
+    assert metric_value(after, "rnnserve_decode_steps_total", **labels) >= before["rnnserve_decode_steps_total"] + 5
+    assert metric_value(after, "rnnserve_request_latency_seconds_count", **labels) == before["rnnserve_request_latency_seconds_count"] + 1
+    assert metric_value(after, "rnnserve_requests_total", endpoint="/v1/completions", outcome="ok") == ok_before + 1
+    assert metric_value(after, "rnnserve_requests_total", endpoint="/v1/completions", outcome="invalid") == bad_before + 1
+    assert metric_value(after, "rnnserve_running_sequences", **labels) == 0
+
+
+def test_unknown_route_and_method_use_the_error_shape(server):
+    response = server.get("/v2/nothing")
+    assert response.status_code == 404
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert response.json()["error"]["type"] == "not_found_error"
+    response = server.get("/v1/completions")
+    assert response.status_code == 405 and "GET" in response.json()["error"]["message"]
+    text = server.get("/metrics").text
+    assert metric_value(text, "rnnserve_requests_total", endpoint="other", outcome="not_found") >= 1
+
+
+def test_validation_error_shape(server):
+    response = server.post("/v1/completions", json={"model": "linear-text", "max_tokens": "many"})
+    error = response.json()["error"]
+    assert response.status_code == 400
+    assert error == {"message": error["message"], "type": "invalid_request_error", "param": "max_tokens", "code": "invalid_value"}
+    assert "max_tokens: Input should be a valid integer" in error["message"] and "'many'" in error["message"]
+
+
+def test_health_503_names_a_model_that_is_not_ready(tmp_path):
+    save_tiny_model(tmp_path, "one", "linear", "text")
+    save_tiny_model(tmp_path, "two", "softmax", "text")
+    with running_server(make_settings(weights=tmp_path)) as (url, app):
+        assert httpx.get(f"{url}/health").status_code == 200
+        app.state.server.engines.engines["two"].stop()
+        response = httpx.get(f"{url}/health")
+        assert response.status_code == 503
+        assert response.json()["error"]["message"] == "models not ready: two"
+        refused = httpx.post(f"{url}/v1/completions", json={"model": "two", "prompt": "a"})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"
+        assert httpx.post(f"{url}/v1/completions", json={"model": "one", "prompt": "a"}).status_code == 200
+
+
+# -- API key and body limit -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("guarded_weights")
+    save_tiny_model(folder, "linear-text", "linear", "text")
+    with running_server(make_settings(weights=folder, api_key="s3cret", max_body_bytes=2048)) as (url, _app):
+        with httpx.Client(base_url=url, timeout=60) as client:
+            yield client
+
+
+KEY = {"authorization": "Bearer s3cret"}
+
+
+def test_api_key_required_except_health_and_metrics(guarded):
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
+        response = guarded.get("/v1/models", headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+        assert "Authorization: Bearer" in response.json()["error"]["message"]
+        assert response.headers["www-authenticate"] == "Bearer"
+    assert guarded.post("/v1/completions", json={"n": "bad"}).status_code == 401  # key before validation
+    assert guarded.get("/v1/models", headers=KEY).status_code == 200
+    assert guarded.get("/v1/models", headers={"authorization": "bearer s3cret"}).status_code == 200  # scheme: any case
+    assert guarded.post("/v1/completions", headers=KEY, json={"prompt": "a", "max_tokens": 2}).status_code == 200
+    assert guarded.get("/health").status_code == 200
+    assert guarded.get("/metrics").status_code == 200
+
+
+def test_body_over_the_limit_is_413(guarded):
+    response = guarded.post("/v1/completions", headers=KEY, json={"prompt": "a" * 5000})
+    assert response.status_code == 413
+    error = response.json()["error"]
+    assert error["code"] == "request_too_large" and "limit is 2048 bytes" in error["message"]
+
+    def chunks():  # no Content-Length: the limit must hold while streaming in
+        for _ in range(10):
+            yield b" " * 500
+
+    response = guarded.post("/v1/completions", headers={**KEY, "content-type": "application/json"}, content=chunks())
+    assert response.status_code == 413 and "limit is 2048 bytes" in response.json()["error"]["message"]
+    small = guarded.post("/v1/completions", headers=KEY, json={"prompt": "a" * 10, "max_tokens": 1})
+    assert small.status_code == 200

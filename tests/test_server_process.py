@@ -1,0 +1,169 @@
+"""The real `rnnserve serve` process on a free port, over real HTTP.
+
+One sequence slot and one waiting place per model (--max-batch 1
+--max-waiting 1), so queueing, 429 and freed slots are observable.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from server_support import free_port, metric_value, save_tiny_model
+
+MODEL = "digits"  # the mnist model; 784 decode steps when nothing is known, long enough to watch
+GAUGES = ("rnnserve_running_sequences", "rnnserve_waiting_sequences")
+
+
+def serve_command() -> list[str]:
+    """The installed console script when present, else `python -m server`."""
+    script = Path(sys.executable).parent / "rnnserve"
+    return [str(script), "serve"] if script.exists() else [sys.executable, "-m", "server", "serve"]
+
+
+def start(args: list[str], log: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RNNSERVE_")}  # only the flags count
+    env["OMP_NUM_THREADS"] = "1"
+    with open(log, "wb") as out:
+        return subprocess.Popen(serve_command() + args, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"server did not become healthy:\n{log.read_text()}")
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("process_weights")
+    save_tiny_model(folder, MODEL, "linear", "mnist")
+    save_tiny_model(folder, "chat", "linear", "text")
+    port, log = free_port(), folder / "server.log"
+    proc = start(["--weights", str(folder), "--port", str(port), "--device", "cpu",
+                  "--max-batch", "1", "--max-waiting", "1"], log)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, base, log)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def gauges(url: str) -> tuple[float, float, float]:
+    text = httpx.get(f"{url}/metrics").text
+    labels = {"model": MODEL, "attention": "linear"}
+    return (*(metric_value(text, g, **labels) for g in GAUGES),
+            metric_value(text, "rnnserve_generated_tokens_total", **labels))
+
+
+def wait_for(url: str, condition, what: str) -> tuple[float, float, float]:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        values = gauges(url)
+        if condition(*values):
+            return values
+        time.sleep(0.02)
+    pytest.fail(f"timed out waiting for {what}; running, waiting, tokens = {gauges(url)}")
+
+
+def blank_digit_request(**extra) -> dict:
+    return {"model": MODEL, "pixels": np.zeros((28, 28), dtype=int).tolist(), "keep_rows": 0, "seed": 1, **extra}
+
+
+def test_health_models_text_and_image(url):
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    ids = [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
+    assert ids == ["chat", MODEL]
+    text = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4, "seed": 1}, timeout=30)
+    assert text.status_code == 200 and text.json()["usage"]["completion_tokens"] == 4
+    image = httpx.post(f"{url}/v1/images/completions", json=blank_digit_request(keep_rows=27, n=1), timeout=30,
+                       headers={"accept": "image/png"})
+    assert image.status_code == 200 and image.content.startswith(b"\x89PNG")
+
+
+def test_429_past_the_queue_then_slots_come_back(url):
+    client = httpx.Client(base_url=url, timeout=30)
+    _, _, tokens_before = gauges(url)
+    with client.stream("POST", "/v1/images/completions", json=blank_digit_request(stream=True)) as running:
+        lines = running.iter_lines()  # keep the iterator: dropping it closes the connection
+        assert next(lines).startswith("data: ")  # holds the only slot
+        with client.stream("POST", "/v1/images/completions", json=blank_digit_request(stream=True)) as queued:
+            assert queued.status_code == 200  # submitted: takes the only waiting place
+            wait_for(url, lambda r, w, t: r == 1 and w == 1, "one running and one waiting")
+            refused = client.post("/v1/images/completions", json=blank_digit_request())
+            assert refused.status_code == 429
+            error = refused.json()["error"]
+            assert error["type"] == "rate_limit_error" and error["code"] == "queue_full"
+            assert "retry later" in error["message"] and refused.headers["retry-after"] == "1"
+    # both clients left mid-generation: their slots are freed, not run to the end
+    _, _, tokens = wait_for(url, lambda r, w, t: r == 0 and w == 0, "gauges back to zero")
+    assert tokens - tokens_before < 2 * 784
+    again = client.post("/v1/images/completions", json=blank_digit_request(keep_rows=27))
+    assert again.status_code == 200
+
+
+def test_stream_disconnect_frees_the_slot(url):
+    _, _, tokens_before = gauges(url)
+    with httpx.stream("POST", f"{url}/v1/images/completions", json=blank_digit_request(stream=True), timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        wait_for(url, lambda r, w, t: r == 1, "the stream to hold its slot")
+    _, _, tokens = wait_for(url, lambda r, w, t: r == 0 and w == 0, "running gauge back to zero")
+    assert tokens - tokens_before < 784
+
+
+def test_unstreamed_disconnect_frees_the_slot(url):
+    _, _, tokens_before = gauges(url)
+    host, port = url.removeprefix("http://").split(":")
+    body = httpx.Request("POST", f"{url}/v1/images/completions", json=blank_digit_request()).read()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/images/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        wait_for(url, lambda r, w, t: r == 1, "the request to start")
+    _, _, tokens = wait_for(url, lambda r, w, t: r == 0 and w == 0, "running gauge back to zero")
+    assert tokens - tokens_before < 784
+    text = httpx.get(f"{url}/metrics").text
+    assert metric_value(text, "rnnserve_requests_total", endpoint="/v1/images/completions", outcome="cancelled") >= 1
+
+
+def run_to_exit(args: list[str], tmp_path: Path) -> tuple[int, str]:
+    log = tmp_path / "out.log"
+    proc = start(args, log)
+    return proc.wait(timeout=90), log.read_text()
+
+
+def test_empty_weights_dir_fails_at_start(tmp_path):
+    code, out = run_to_exit(["--weights", str(tmp_path), "--port", str(free_port())], tmp_path)
+    assert code == 2
+    assert "rnnserve serve: error:" in out and "has no .safetensors files" in out and "Traceback" not in out
+
+
+def test_bad_weights_file_fails_at_start(tmp_path):
+    bad = tmp_path / "broken.safetensors"
+    bad.write_bytes(b"\x00" * 64)
+    code, out = run_to_exit(["--model", str(bad), "--port", str(free_port())], tmp_path)
+    assert code == 2
+    assert f"{bad}: not a valid safetensors file" in out and "Traceback" not in out
+
+
+def test_bad_flag_value_fails_at_start(tmp_path):
+    code, out = run_to_exit(["--weights", str(tmp_path), "--max-batch", "0"], tmp_path)
+    assert code == 2 and "--max-batch / RNNSERVE_MAX_BATCH: Input should be greater than or equal to 1" in out

@@ -1,0 +1,243 @@
+"""POST /v1/completions over real HTTP, plus the UTF-8 / stop-sequence logic it relies on."""
+
+from __future__ import annotations
+
+import codecs
+
+import httpx
+import pytest
+from hypothesis import given, settings as hsettings, strategies as st
+
+from server.textcodec import SampleText, char_offsets, incomplete_utf8_suffix, longest_stop_prefix, token_text
+from server_support import (KINDS, TEXT_MAX_LEN, make_settings, running_server, save_script_model, save_tiny_model,
+                            sse_payloads, token_bytes)
+
+SCRIPT = "> €é😀 ok".encode()  # 3-, 2- and 4-byte characters, written one byte per token
+
+
+# -- UTF-8 hold-back and stop sequences (no server) ---------------------------
+
+@pytest.mark.parametrize("data, held", [
+    (b"abc", 0), (b"\xe2\x82", 2), (b"\xe2\x82\xac", 0), (b"a\xf0\x9f\x98", 3), (b"\xf0\x9f\x98\x80", 0),
+    (b"\xc3", 1), (b"\x80", 0), (b"\xff", 0), (b"\xe0\x80", 0),  # never valid: shown now, not held
+])
+def test_incomplete_utf8_suffix(data, held):
+    assert incomplete_utf8_suffix(data) == held
+
+
+@given(st.binary(max_size=40), st.lists(st.integers(0, 40), max_size=8))
+@hsettings(max_examples=300, deadline=None)
+def test_chunks_join_to_the_whole_decode(data, cuts):
+    """Taking text after every byte (any bytes) gives exactly the text of the whole."""
+    text = SampleText()
+    pieces = []
+    for byte in data:
+        text.push(byte, None)
+        pieces.append(text.take().text)
+    pieces.append(text.take(final=True).text)
+    assert "".join(pieces) == data.decode("utf-8", errors="replace")
+
+
+@given(st.text(max_size=20))
+@hsettings(max_examples=200, deadline=None)
+def test_valid_utf8_never_shows_a_split_character(s):
+    text = SampleText()
+    for byte in s.encode():
+        text.push(byte, None)
+        assert "\ufffd" not in text.take().text
+    assert text.take(final=True).text == "" and text.chars_sent == len(s)
+
+
+def test_char_offsets_point_at_the_character_of_each_byte():
+    assert char_offsets("a€b".encode()) == [0, 1, 1, 1, 2]
+    assert char_offsets(b"xy", start=5) == [5, 6]
+
+
+def test_token_text_uses_openai_bytes_form():
+    assert token_text(ord("a")) == "a"
+    assert token_text(0xE2) == "bytes:\\xe2"
+
+
+def test_stop_sequence_is_cut_and_its_prefix_held_back():
+    text = SampleText(stops=[b"END"])
+    for byte in b"abE":
+        text.push(byte, -1.0)
+    assert text.take().text == "ab"  # "E" may start "END": held
+    text.push(ord("N"), -1.0)
+    assert text.take().text == ""
+    assert text.push(ord("D"), -1.0) is True
+    chunk = text.take()
+    assert chunk.text == "" and text.stopped
+    assert text.data == bytearray(b"ab")
+
+
+def test_false_stop_prefix_is_released():
+    text = SampleText(stops=[b"END"])
+    for byte in b"aEx":
+        text.push(byte, None)
+    assert text.take().text == "aEx"
+    assert longest_stop_prefix(b"xxEN", [b"END"]) == 2
+
+
+def test_stop_is_only_searched_in_generated_bytes():
+    text = SampleText(stops=[b"b"], prefix=b"ab")
+    assert not text.push(ord("c"), None)
+    assert text.take(final=True).text == "abc"
+
+
+def test_incremental_decoder_agrees_on_pending_bytes():
+    """incomplete_utf8_suffix is exactly what Python's decoder keeps pending."""
+    for data in (b"\xf0\x9f", b"ab\xe2", b"\xc3\xa9\xe2\x82"):
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        decoder.decode(data)
+        assert incomplete_utf8_suffix(data) == len(decoder.getstate()[0])
+
+
+# -- over HTTP ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("text_weights")
+    for kind in KINDS:
+        save_tiny_model(folder, f"{kind}-text", kind, "text", seed=1)
+    save_tiny_model(folder, "linear-mnist", "linear", "mnist")
+    save_script_model(folder, "script", SCRIPT)
+    with running_server(make_settings(weights=folder, max_batch=8, max_waiting=8)) as (url, _app):
+        with httpx.Client(base_url=url, timeout=60) as client:
+            yield client
+
+
+def complete(client: httpx.Client, **body) -> dict:
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_completion_shape_and_usage(server):
+    out = complete(server, model="linear-text", prompt="Hello", max_tokens=6, n=2, seed=3)
+    assert out["object"] == "text_completion" and out["model"] == "linear-text" and out["id"].startswith("cmpl-")
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    assert all(c["finish_reason"] == "length" and c["logprobs"] is None for c in out["choices"])
+    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+
+
+def test_seed_fixes_samples_and_sample_i_uses_seed_plus_i(server):
+    body = dict(model="softmax-text", prompt="ab", max_tokens=8, logprobs=0)
+    pair = complete(server, **body, n=2, seed=40)["choices"]
+    again = complete(server, **body, n=1, seed=40)["choices"]
+    next_seed = complete(server, **body, n=1, seed=41)["choices"]
+    assert pair[0]["logprobs"]["tokens"] == again[0]["logprobs"]["tokens"]
+    assert pair[1]["logprobs"]["tokens"] == next_seed[0]["logprobs"]["tokens"]
+    assert pair[0]["logprobs"]["tokens"] != pair[1]["logprobs"]["tokens"]
+
+
+def test_stream_framing_and_same_text_as_unstreamed(server):
+    body = dict(model="linear-text", prompt="Hi", max_tokens=10, seed=7, n=2)
+    whole = complete(server, **body)
+    response = server.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    chunks = sse_payloads(response.text)
+    assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
+    for i in range(2):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        assert "".join(c["text"] for c in mine) == whole["choices"][i]["text"]
+        assert [c["finish_reason"] for c in mine][-1] == "length"
+        assert all(c["finish_reason"] is None for c in mine[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 20
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_generated_logprobs_match_echo_scoring(server, kind):
+    """RNN-mode decoding and one parallel forward pass give the same log-probabilities."""
+    prompt = list(b"The cat")
+    gen = complete(server, model=f"{kind}-text", prompt=prompt, max_tokens=24, logprobs=1, seed=5, temperature=1.0)
+    lp = gen["choices"][0]["logprobs"]
+    generated = token_bytes(lp["tokens"])
+    assert len(generated) == 24
+    scored = complete(server, model=f"{kind}-text", prompt=prompt + generated, max_tokens=0, echo=True, logprobs=1)
+    choice = scored["choices"][0]
+    assert token_bytes(choice["logprobs"]["tokens"]) == prompt + generated
+    assert choice["logprobs"]["token_logprobs"][len(prompt):] == pytest.approx(lp["token_logprobs"], abs=1e-3)
+    assert scored["usage"]["completion_tokens"] == 0 and choice["finish_reason"] == "length"
+
+
+def test_echo_without_logprobs_returns_the_prompt(server):
+    out = complete(server, model="linear-text", prompt="héllo", max_tokens=0, echo=True)
+    assert out["choices"][0]["text"] == "héllo" and out["choices"][0]["logprobs"] is None
+
+
+def test_echo_with_generation_prefixes_the_prompt(server):
+    out = complete(server, model="script", prompt="> ", max_tokens=3, echo=True, logprobs=1, temperature=0)
+    choice = out["choices"][0]
+    assert choice["text"] == "> €"
+    assert choice["logprobs"]["tokens"] == [">", " ", "bytes:\\xe2", "bytes:\\x82", "bytes:\\xac"]
+    assert choice["logprobs"]["text_offset"] == [0, 1, 2, 2, 2]
+    assert all(lp > -1e-3 for lp in choice["logprobs"]["token_logprobs"][2:])  # the script is certain
+
+
+def test_stream_never_splits_a_utf8_character(server):
+    response = server.post("/v1/completions", json=dict(model="script", prompt="> ", max_tokens=len(SCRIPT) - 2,
+                                                        stream=True, logprobs=0, seed=1))
+    chunks = [c["choices"][0] for c in sse_payloads(response.text)]
+    texts = [c["text"] for c in chunks]
+    assert "".join(texts) == SCRIPT.decode()[2:]
+    assert all("\ufffd" not in t for t in texts)
+    assert "😀" in texts  # four tokens, one chunk
+    tokens = [t for c in chunks for t in c["logprobs"]["tokens"]]
+    assert bytes(token_bytes(tokens)) == SCRIPT[2:]
+
+
+def test_stop_sequence_ends_the_sample_without_it(server):
+    out = complete(server, model="script", prompt="> ", max_tokens=10, stop=["é", "zz"], temperature=0)
+    assert out["choices"][0]["text"] == "€" and out["choices"][0]["finish_reason"] == "stop"
+    response = server.post("/v1/completions", json=dict(model="script", prompt="> ", max_tokens=10, stop="😀",
+                                                        stream=True, temperature=0))
+    chunks = [c["choices"][0] for c in sse_payloads(response.text)]
+    assert "".join(c["text"] for c in chunks) == "€é" and chunks[-1]["finish_reason"] == "stop"
+
+
+def test_empty_prompt_and_default_model(server):
+    out = complete(server, prompt="", max_tokens=3, seed=1)
+    assert out["model"] in {f"{k}-text" for k in KINDS} | {"script"}
+    assert out["usage"]["prompt_tokens"] == 0 and out["usage"]["completion_tokens"] == 3
+
+
+def test_max_tokens_zero_without_echo_is_empty(server):
+    out = complete(server, model="linear-text", prompt="x", max_tokens=0)
+    assert out["choices"][0]["text"] == "" and out["usage"]["completion_tokens"] == 0
+
+
+@pytest.mark.parametrize("body, status, param, words", [
+    (dict(prompt="a" * 60, max_tokens=10), 400, "max_tokens", ["60", "10", str(TEXT_MAX_LEN)]),
+    (dict(prompt="a", max_tokens=-1), 400, "max_tokens", ["greater than or equal to 0"]),
+    (dict(prompt="a", n=0), 400, "n", ["greater than or equal to 1"]),
+    (dict(prompt="a", n=65), 400, "n", ["less than or equal to 64"]),
+    (dict(prompt="a", n=9), 400, "n", ["--max-batch", "8"]),
+    (dict(prompt="a", temperature=-1), 400, "temperature", ["greater than or equal to 0"]),
+    (dict(prompt="a", top_p=0), 400, "top_p", ["greater than 0"]),
+    (dict(prompt=[1, 300]), 400, "prompt", ["255"]),
+    (dict(prompt="a", stop=["a", "b", "c", "d", "e"]), 400, "stop", ["at most 4"]),
+    (dict(prompt="a", stop=[""]), 400, "stop", ["must not be empty"]),
+    (dict(prompt="a", logprobs=6), 400, "logprobs", ["less than or equal to 5"]),
+    (dict(prompt="a", best_of=2), 400, "best_of", ["Extra inputs"]),
+])
+def test_bad_requests_say_what_to_fix(server, body, status, param, words):
+    response = server.post("/v1/completions", json={"model": "linear-text", **body})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert all(w in error["message"] for w in words), error["message"]
+
+
+def test_unknown_and_wrong_task_models(server):
+    missing = server.post("/v1/completions", json={"model": "nope", "prompt": "a"})
+    assert missing.status_code == 404
+    assert "linear-text" in missing.json()["error"]["message"] and missing.json()["error"]["code"] == "model_not_found"
+    wrong = server.post("/v1/completions", json={"model": "linear-mnist", "prompt": "a"})
+    assert wrong.status_code == 400 and "mnist model" in wrong.json()["error"]["message"]
+
+
+def test_body_that_is_not_json(server):
+    response = server.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]

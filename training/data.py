@@ -1,0 +1,127 @@
+"""Training data: MNIST in IDX files (gzip or plain) and raw UTF-8 text as bytes.
+
+Nothing here is global: each loader takes a path and returns uint8 tensors.
+MNIST image sets are found by glob so that both the standard names
+(`train-images-idx3-ubyte.gz`, `t10k-images-idx3-ubyte.gz`) and renamed
+subsets (`train10k-images-idx3-ubyte.gz`) work from any folder.
+"""
+
+from __future__ import annotations
+
+import gzip
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+IMAGES_MAGIC = 2051
+LABELS_MAGIC = 2049
+MNIST_SIDE = 28
+MNIST_PIXELS = MNIST_SIDE * MNIST_SIDE
+TEXT_TRAIN_FRACTION = 0.9
+
+
+class DataError(ValueError):
+    """A data file or folder is missing or malformed; the message says what was expected."""
+
+
+@dataclass(frozen=True)
+class MnistSplit:
+    images: torch.Tensor  # (N, 784) uint8 grey levels, raster order
+    path: str  # the images file it came from
+
+
+@dataclass(frozen=True)
+class TextSplits:
+    train: torch.Tensor  # (N_train,) uint8 bytes
+    valid: torch.Tensor  # (N_valid,) uint8 bytes
+    path: str
+
+
+def _read_bytes(path: Path) -> bytes:
+    raw = path.read_bytes()
+    if raw[:2] == b"\x1f\x8b":  # gzip magic, whatever the file is called
+        try:
+            return gzip.decompress(raw)
+        except (OSError, EOFError) as exc:
+            raise DataError(f"{path}: corrupt gzip data ({exc})") from exc
+    return raw
+
+
+def read_idx_images(path: str | Path) -> torch.Tensor:
+    """One IDX3 images file -> (N, rows*cols) uint8. Checks magic and sizes."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file; expected an IDX images file such as train-images-idx3-ubyte.gz")
+    raw = _read_bytes(path)
+    if len(raw) < 16:
+        raise DataError(f"{path}: {len(raw)} bytes is too short for an IDX images header (16 bytes)")
+    magic, count, rows, cols = struct.unpack(">iiii", raw[:16])
+    if magic != IMAGES_MAGIC:
+        raise DataError(f"{path}: magic number {magic}, expected {IMAGES_MAGIC} (IDX3 unsigned-byte images)")
+    if (rows, cols) != (MNIST_SIDE, MNIST_SIDE):
+        raise DataError(f"{path}: images are {rows}x{cols}, expected {MNIST_SIDE}x{MNIST_SIDE}")
+    expected = 16 + count * rows * cols
+    if len(raw) != expected:
+        raise DataError(f"{path}: {len(raw)} bytes, expected {expected} for {count} images of {rows}x{cols}")
+    pixels = np.frombuffer(raw, dtype=np.uint8, offset=16).reshape(count, rows * cols)
+    return torch.from_numpy(pixels.copy())
+
+
+def write_idx_images(path: str | Path, images: torch.Tensor, compress: bool = True) -> None:
+    """Write (N, 784) uint8 images as an IDX3 file (tests and users with their own digits)."""
+    images = images.to(torch.uint8).reshape(-1, MNIST_PIXELS)
+    header = struct.pack(">iiii", IMAGES_MAGIC, images.shape[0], MNIST_SIDE, MNIST_SIDE)
+    payload = header + images.numpy().tobytes()
+    Path(path).write_bytes(gzip.compress(payload) if compress else payload)
+
+
+def find_images_file(folder: str | Path, split: str) -> Path:
+    """The images file of `split` ("train" or "test") in `folder`, by glob.
+
+    train matches train*-images-idx3-ubyte[.gz]; test matches t10k*/test*.
+    """
+    folder = Path(folder)
+    if folder.is_file():
+        return folder
+    if not folder.is_dir():
+        raise DataError(f"{folder}: no such file or folder; expected a folder holding MNIST IDX files")
+    prefixes = ("train",) if split == "train" else ("t10k", "test")
+    found = sorted(p for pre in prefixes for p in folder.glob(f"{pre}*-images-idx3-ubyte*")
+                   if p.suffix in ("", ".gz"))
+    if not found:
+        names = ", ".join(sorted(p.name for p in folder.iterdir())[:10]) or "nothing"
+        raise DataError(f"{folder}: no {split} images file; expected e.g. "
+                        f"{prefixes[0]}-images-idx3-ubyte.gz (found: {names})")
+    if len(found) > 1:
+        raise DataError(f"{folder}: several {split} images files ({', '.join(p.name for p in found)}); "
+                        f"pass the one to use as --data")
+    return found[0]
+
+
+def load_mnist(path: str | Path, split: str) -> MnistSplit:
+    """MNIST `split` ("train" or "test") from a folder or an images file."""
+    if split not in ("train", "test"):
+        raise DataError(f"unknown MNIST split {split!r}; expected train or test")
+    file = find_images_file(path, split)
+    return MnistSplit(read_idx_images(file), str(file))
+
+
+def load_text(path: str | Path) -> TextSplits:
+    """A UTF-8 text file as bytes: first 90% train, last 10% validation."""
+    path = Path(path)
+    if not path.is_file():
+        what = "is a folder" if path.is_dir() else "no such file"
+        raise DataError(f"{path}: {what}; expected a UTF-8 text file (e.g. tinyshakespeare/input.txt)")
+    raw = path.read_bytes()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not valid UTF-8 at byte {exc.start}; expected a UTF-8 text file") from exc
+    if len(raw) < 20:
+        raise DataError(f"{path}: only {len(raw)} bytes; need at least 20 to split 90/10 into train and validation")
+    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    cut = int(len(raw) * TEXT_TRAIN_FRACTION)
+    return TextSplits(data[:cut].clone(), data[cut:].clone(), str(path))

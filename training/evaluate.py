@@ -1,0 +1,156 @@
+"""`rnnserve eval`: MNIST bits/dim on the test set, or text validation loss.
+
+bits/dim is the mean of -log2 p(pixel) over every pixel of the test images,
+read exactly off the model's 256-way logits. Text loss is the mean -ln p(byte)
+over the validation split (last 10% of the file), cut into non-overlapping
+windows of the model's max_len, each starting from BOS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from model import Transformer
+from model.sampling import token_logprobs
+from model.transformer import with_bos
+from model.weights_io import WeightsError, load_model
+
+from .data import DataError, load_mnist, load_text
+
+TASK_DATA = {"mnist": "a folder with t10k-images-idx3-ubyte[.gz] (or that file)", "text": "a UTF-8 text file"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("models", nargs="+", help="one or more .safetensors files")
+    parser.add_argument("--data", required=True,
+                        help="MNIST: folder with t10k-images-idx3-ubyte[.gz] (or the file); text: the UTF-8 file")
+    parser.add_argument("--limit", type=int, help="only the first N test images / validation windows")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise DataError("--device cuda: no CUDA GPU is visible to torch; use --device cpu or auto")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def sum_nll(model: Transformer, tokens: torch.Tensor) -> float:
+    """Sum of -ln p(tokens) over a (B, T) batch, each row predicted from BOS."""
+    logits, _ = model(with_bos(tokens))  # (B, T, 256)
+    return float(-token_logprobs(logits, tokens).double().sum())
+
+
+def _batches(rows: torch.Tensor, batch_size: int, show_progress: bool, what: str):
+    starts = range(0, rows.shape[0], batch_size)
+    for start in tqdm(starts, desc=what, disable=not show_progress, mininterval=2.0):
+        yield rows[start:start + batch_size]
+
+
+@torch.inference_mode()
+def evaluate_mnist(model: Transformer, images: torch.Tensor, batch_size: int = 32,
+                   show_progress: bool = False) -> dict[str, Any]:
+    """images (N, 784) uint8 -> bits/dim and nats/dim over all N*784 pixels."""
+    total = 0.0
+    for batch in _batches(images, batch_size, show_progress, "eval images"):
+        total += sum_nll(model, batch.long().to(model.device))
+    nats = total / images.numel()
+    return {"metric": "bits/dim", "bits_per_dim": nats / math.log(2), "nats_per_dim": nats,
+            "images": int(images.shape[0])}
+
+
+def text_windows(data: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N,) bytes -> full windows (W, length) and the leftover tail (R,)."""
+    full = data.shape[0] // length
+    return data[: full * length].view(full, length), data[full * length:]
+
+
+@torch.inference_mode()
+def evaluate_text(model: Transformer, valid: torch.Tensor, batch_size: int = 32, limit: int | None = None,
+                  show_progress: bool = False) -> dict[str, Any]:
+    """Mean -ln p(byte) over the validation bytes (or the first `limit` windows)."""
+    windows, tail = text_windows(valid, model.config.max_len)
+    if limit is not None:
+        windows, tail = windows[:limit], tail[:0]
+    total = 0.0
+    for batch in _batches(windows, batch_size, show_progress, "eval windows"):
+        total += sum_nll(model, batch.long().to(model.device))
+    if tail.numel():
+        total += sum_nll(model, tail[None].long().to(model.device))
+    count = windows.numel() + tail.numel()
+    nats = total / count
+    return {"metric": "val loss", "loss_nats_per_byte": nats, "bits_per_byte": nats / math.log(2), "bytes": count}
+
+
+def evaluate_file(path: str | Path, data: str | Path, device: torch.device, limit: int | None = None,
+                  batch_size: int = 32, show_progress: bool = False) -> dict[str, Any]:
+    """Load a weights file (float32 compute) and evaluate it on its task's held-out data."""
+    model, _ = load_model(path, device=device, dtype=torch.float32)
+    try:
+        result = _evaluate_on_task(model, data, limit, batch_size, show_progress)
+    except DataError as exc:  # say which kind of data this model needed
+        raise DataError(f"{path} is a {model.config.task} model, so --data must be "
+                        f"{TASK_DATA[model.config.task]}: {exc}") from exc
+    result.update(attention=model.config.attention, task=model.config.task, parameters=model.num_parameters())
+    return result
+
+
+def _evaluate_on_task(model: Transformer, data: str | Path, limit: int | None, batch_size: int,
+                      show_progress: bool) -> dict[str, Any]:
+    if model.config.task == "mnist":
+        split = load_mnist(data, "test")
+        result = evaluate_mnist(model, split.images[:limit] if limit else split.images, batch_size, show_progress)
+        result["data"] = split.path + (f" (first {limit} images)" if limit else "")
+    else:
+        result = evaluate_text(model, load_text(data).valid, batch_size, limit, show_progress)
+        result["data"] = f"{data} (last 10%)" + (f", first {limit} windows" if limit else "")
+    return result
+
+
+def format_metric(result: dict[str, Any]) -> str:
+    if result["metric"] == "bits/dim":
+        return f"{result['bits_per_dim']:.4f} bits/dim over {result['images']} images"
+    return (f"{result['loss_nats_per_byte']:.4f} nats/byte ({result['bits_per_byte']:.4f} bits/byte) "
+            f"over {result['bytes']} bytes")
+
+
+def print_table(rows: list[tuple[str, dict[str, Any]]]) -> None:
+    width = max(len(str(name)) for name, _ in rows)
+    print(f"{'model':<{width}}  {'attention':<9}  {'params':>9}  result")
+    for name, result in rows:
+        print(f"{str(name):<{width}}  {result['attention']:<9}  {result['parameters']:>9,}  {format_metric(result)}")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.limit is not None and args.limit <= 0:
+            raise DataError(f"--limit must be positive, got {args.limit}")
+        device = resolve_device(args.device)
+        rows = [(m, evaluate_file(m, args.data, device, args.limit, args.batch_size,
+                                  show_progress=not args.no_progress and not args.json)) for m in args.models]
+    except (DataError, WeightsError) as exc:
+        print(f"rnnserve eval: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({name: result for name, result in rows}, indent=2))
+    else:
+        print_table(rows)
+    return 0

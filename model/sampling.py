@@ -65,7 +65,9 @@ def top_k_mask(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """Set all but each row's k largest logits to -inf (k <= 0: keep all)."""
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-    kth = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
+    # topk of the largest k asked for, not a full sort of the vocabulary.
+    largest = logits.topk(int(k.max()), dim=-1).values
+    kth = largest.gather(-1, (k - 1)[:, None])
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
@@ -85,7 +87,13 @@ def sample(logits: torch.Tensor, params: BatchSampling, position: torch.Tensor) 
     logits = logits.float()
     greedy = logits.argmax(dim=-1)
     temp = params.temperature.clamp(min=1e-5)[:, None]
-    filtered = top_p_mask(top_k_mask(logits / temp, params.top_k), params.top_p)
+    filtered = logits / temp
+    # Both filters sort the vocabulary: skip them when no row asks (a quarter of a
+    # small model's decode step on CPU). The check reads two flags back from the device.
+    if bool((params.top_k > 0).any()):
+        filtered = top_k_mask(filtered, params.top_k)
+    if bool((params.top_p < 1).any()):
+        filtered = top_p_mask(filtered, params.top_p)
     gumbel = -torch.log(-torch.log(uniform_noise(params.seed, position, logits.shape[-1])))
     drawn = (filtered + gumbel).argmax(dim=-1)
     return torch.where(params.temperature > 0, drawn, greedy)

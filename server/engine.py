@@ -272,7 +272,7 @@ class Engine:
         logits = slots.logits[:n]
         tokens = sample(logits, slots.batch_sampling(n), position)
         tokens = force_tokens(tokens, slots.forced[:n].gather(1, position[:, None])[:, 0])
-        logprobs = token_logprobs(logits, tokens).tolist()
+        logprobs = token_logprobs(logits, tokens).tolist() if self._any_wants_logprobs() else [None] * n
         done, emitted = self._emit(tokens.tolist(), logprobs)
         position += 1
         self._drop_rows(done, tokens)
@@ -284,7 +284,10 @@ class Engine:
                           state_bytes=slots.state.slice(0, live).nbytes_in_use())
         self.metrics.queue(self.name, self.attention, live, self.waiting)
 
-    def _emit(self, tokens: list[int], logprobs: list[float]) -> tuple[list[int], int]:
+    def _any_wants_logprobs(self) -> bool:
+        return any(row.stream.request.logprobs for row in self._rows)
+
+    def _emit(self, tokens: list[int], logprobs: list[float | None]) -> tuple[list[int], int]:
         """Turn one step's tokens into events; return rows that finished and tokens sent."""
         now = time.monotonic()
         outbox: dict[GenerationStream, list] = defaultdict(list)

@@ -1,0 +1,192 @@
+"""Every command in README.md runs, as written, and does what the README says.
+
+- `make serve` is started for real (on a free port) and serves the shipped weights;
+  `make test` is what CI runs, so it needs no test of its own.
+- Each command of the "Try it" block runs in bash against that server, with only the
+  port changed, and its output is checked.
+- Each command of "Train your own" runs on small generated data under the paths the
+  README names, with the horizon cut to a step or two.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from server_support import free_port, sse_payloads
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+README_PORT = "127.0.0.1:8000"
+SERVER_START_SECONDS = 180
+COMMAND_SECONDS = 300
+
+
+def bash_blocks(section: str) -> list[str]:
+    """The ```bash blocks of one `## section` of the README."""
+    text = README.read_text()
+    match = re.search(rf"^## {re.escape(section)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert match, f"README has no '## {section}' section"
+    return re.findall(r"```bash\n(.*?)```", match.group(1), re.S)
+
+
+def commands(block: str) -> list[str]:
+    """One string per command: continuation lines joined, comments and blank lines dropped."""
+    joined = block.replace("\\\n", " ")
+    return [line.strip() for line in joined.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
+def run_bash(command: str, cwd: Path) -> subprocess.CompletedProcess:
+    result = subprocess.run(["bash", "-c", "set -o pipefail; " + command], cwd=cwd, capture_output=True,
+                            timeout=COMMAND_SECONDS)
+    assert result.returncode == 0, f"{command}\nexit {result.returncode}\n{result.stderr.decode()[-3000:]}"
+    return result
+
+
+# ---------------------------------------------------------------- make serve + "Try it"
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """`make serve` from the README, on a free port: (base URL, a working folder with examples/)."""
+    assert "make serve" in commands(bash_blocks("Two commands")[0])[0]
+    port = free_port()
+    log = tmp_path_factory.mktemp("make_serve") / "serve.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RNNSERVE_")}
+    env["OMP_NUM_THREADS"] = "1"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(["make", "serve", f"ARGS=--port {port} --device cpu --log-level warning"],
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    workdir = tmp_path_factory.mktemp("readme_cwd")
+    (workdir / "examples").symlink_to(ROOT / "examples")
+    try:
+        _wait_healthy(proc, base, log)
+        yield base, workdir
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+def _wait_healthy(proc: subprocess.Popen, base: str, log: Path) -> None:
+    deadline = time.monotonic() + SERVER_START_SECONDS
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"make serve exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"make serve did not become healthy in {SERVER_START_SECONDS} s:\n{log.read_text()}")
+
+
+def check_png_strip(result, workdir: Path) -> None:
+    strip = np.asarray(Image.open(workdir / "completions.png").convert("L"))
+    assert strip.shape == (28, 4 * 28)
+    digit = Image.open(ROOT / "examples" / "occluded-digit.png")
+    rgba = np.asarray(digit.convert("RGBA"))
+    known = rgba[..., 3] > 0
+    for i in range(4):  # every panel keeps the visible pixels exactly
+        panel = strip[:, 28 * i: 28 * (i + 1)]
+        assert np.array_equal(panel[known], rgba[..., 0][known])
+
+
+def check_json_image(result, workdir: Path) -> None:
+    body = json.loads(result.stdout)
+    assert len(body["data"]) == 1
+    assert np.asarray(body["data"][0]["pixels"]).shape == (28, 28)
+    assert body["usage"]["pixels_generated"] == 784
+
+
+def check_stream(result, workdir: Path) -> None:
+    text = result.stdout.decode()
+    assert text.rstrip().endswith("data: [DONE]")
+    chunks = sse_payloads(text)
+    assert chunks and all(c["object"] == "text_completion" for c in chunks)
+    generated = "".join(c["choices"][0]["text"] for c in chunks)
+    assert 0 < len(generated.encode()) <= 64
+
+
+def check_scores(result, workdir: Path) -> None:
+    choice = json.loads(result.stdout)["choices"][0]
+    assert choice["text"] == "To be, or not to be"
+    logprobs = choice["logprobs"]["token_logprobs"]
+    assert len(logprobs) == len("To be, or not to be")
+    assert all(lp is not None and lp <= 0 for lp in logprobs)
+
+
+def check_models(result, workdir: Path) -> None:
+    names = {m["id"] for m in json.loads(result.stdout)["data"]}
+    kinds = ("softmax", "linear", "linformer", "reformer")
+    assert names == {f"{task}-{kind}" for task in ("mnist", "shakespeare") for kind in kinds}
+
+
+def check_rates(result, workdir: Path) -> None:
+    lines = result.stdout.decode().splitlines()
+    assert any(line.startswith('rnnserve_tokens_per_second{') for line in lines)
+    assert any(line.startswith('rnnserve_images_per_second{') for line in lines)
+
+
+TRY_IT_CHECKS = [check_png_strip, check_json_image, check_stream, check_scores, check_models, check_rates]
+
+
+def test_try_it_commands_work_against_make_serve(served):
+    base, workdir = served
+    try_it = [c for block in bash_blocks("Try it") for c in commands(block)]
+    assert len(try_it) == len(TRY_IT_CHECKS), "a README command was added or removed: update TRY_IT_CHECKS"
+    for command, check in zip(try_it, TRY_IT_CHECKS):
+        assert README_PORT in command
+        result = run_bash(command.replace(f"http://{README_PORT}", base), workdir)
+        check(result, workdir)
+
+
+# ---------------------------------------------------------------- "Train your own"
+
+def shortened(command: str) -> str:
+    """The README's training horizon, cut to a step or two."""
+    return re.sub(r"--(steps \d+|minutes [\d.]+)", "--steps 2 --eval-limit 4", command)
+
+
+def make_train_workdir(root: Path) -> Path:
+    from training.data import write_idx_images
+    import torch
+
+    (root / ".venv").symlink_to(Path(sys.executable).parent.parent)
+    (root / "weights").mkdir()
+    rng = np.random.default_rng(0)
+    (root / "my-corpus.txt").write_text("".join(rng.choice(list("abc de\n"), 4000)))
+    mnist = root / "path" / "to" / "mnist"
+    mnist.mkdir(parents=True)
+    write_idx_images(mnist / "train-images-idx3-ubyte.gz", torch.randint(0, 256, (16, 784)))
+    write_idx_images(mnist / "t10k-images-idx3-ubyte.gz", torch.randint(0, 256, (4, 784)))
+    return root
+
+
+def test_train_your_own_commands_run(tmp_path):
+    if not (Path(sys.executable).parent / "rnnserve").exists():
+        pytest.skip("the rnnserve console script is not installed in this Python's environment (make test installs it)")
+    workdir = make_train_workdir(tmp_path)
+    train = [c for block in bash_blocks("Train your own") for c in commands(block)]
+    assert any("--task text" in c for c in train) and any("--task mnist" in c for c in train)
+    for command in train:
+        result = run_bash(shortened(command) if " train " in command else command, workdir)
+        if " eval " in command:
+            assert re.search(r"\d\.\d+", result.stdout.decode()), result.stdout.decode()
+    from model.weights_io import read_metadata
+
+    for name in ("my-text-linear", "my-mnist-linear"):
+        config, info = read_metadata(workdir / "weights" / f"{name}.safetensors")
+        assert info["steps"] == 2 and "eval" in info

@@ -136,6 +136,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._rows: list[_Row] = []
         self._slots: _Slots | None = None
+        self._start_error: Exception | None = None
+        self._scoring = 0  # score() calls in flight, bounded like the waiting queue
         metrics.register_model(name, self.attention)
 
     # -- public API (event-loop side) ---------------------------------------
@@ -160,9 +162,14 @@ class Engine:
         return len(self._waiting)
 
     def start(self) -> None:
+        """Start the worker; raises EngineFailure if it cannot allocate its state slots."""
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
         self._thread.start()
         self._ready.wait()
+        if self._start_error is not None:
+            self._thread.join()
+            raise EngineFailure(f"model {self.name!r}: cannot allocate {self.limits.max_batch} decode slots "
+                                f"({self._start_error}); lower --max-batch")
 
     def stop(self) -> None:
         self._stopping = True
@@ -174,7 +181,9 @@ class Engine:
         self._validate(request)
         stream = GenerationStream(request, asyncio.get_running_loop())
         with self._lock:
-            if len(self._waiting) >= self.limits.max_waiting:
+            self._drop_cancelled_waiting()
+            free_slots = max(0, self.limits.max_batch - len(self._rows) - sum(s.request.n for s in self._waiting))
+            if len(self._waiting) >= self.limits.max_waiting and request.n > free_slots:
                 raise QueueFull(f"model {self.name!r} has {len(self._waiting)} requests waiting, the limit; retry later")
             self._waiting.append(stream)
         self.metrics.queue(self.name, self.attention, self.running, self.waiting)
@@ -185,7 +194,13 @@ class Engine:
         """Log-probability of each token given those before it (the first given BOS)."""
         if not 1 <= len(tokens) <= self.config.max_len:
             raise ValueError(f"can score 1 to {self.config.max_len} tokens, got {len(tokens)}")
-        return await asyncio.to_thread(self._score, tokens)
+        if self._scoring >= max(1, self.limits.max_waiting):
+            raise QueueFull(f"model {self.name!r} is scoring {self._scoring} prompts, the limit; retry later")
+        self._scoring += 1  # event-loop side only: no lock needed
+        try:
+            return await asyncio.to_thread(self._score, tokens)
+        finally:
+            self._scoring -= 1
 
     def _validate(self, request: GenerationRequest) -> None:
         max_len = self.config.max_len
@@ -202,7 +217,12 @@ class Engine:
     # -- worker thread --------------------------------------------------------
     def _run(self) -> None:
         with torch.inference_mode():
-            self._slots = self._allocate()
+            try:
+                self._slots = self._allocate()
+            except (RuntimeError, MemoryError) as exc:  # out of memory: report, do not hang start()
+                self._start_error = exc
+                self._ready.set()
+                return
             self._ready.set()
             while not self._stopping:
                 try:
@@ -213,7 +233,7 @@ class Engine:
                         self._idle()
                 except Exception as exc:  # keep serving: fail what was running, not the engine
                     log.exception("engine %s failed a step", self.name)
-                    self._fail_all(f"internal error while generating: {exc}")
+                    self._fail_running(f"internal error while generating: {exc}")
             self._fail_all("server is shutting down")
 
     def _allocate(self) -> _Slots:
@@ -226,12 +246,21 @@ class Engine:
                       sampling=sampling, state=self.model.new_state(n))
 
     def _idle(self) -> None:
-        self.metrics.tokens(self.name, self.attention, 0)  # let the rate gauge decay
+        self.metrics.idle(self.name, self.attention)  # let the rate gauges decay, batch size 0
         self.metrics.queue(self.name, self.attention, 0, self.waiting)
         self._wakeup.wait(IDLE_WAKEUP_SECONDS)
         self._wakeup.clear()
 
+    def _drop_cancelled_waiting(self) -> None:
+        """Remove requests whose clients left while queued (call with the lock held)."""
+        gone = [s for s in self._waiting if s.cancelled]
+        for stream in gone:
+            self._waiting.remove(stream)
+        self._deliver({s: [_DONE] for s in gone})
+
     def _admit(self) -> None:
+        with self._lock:
+            self._drop_cancelled_waiting()
         while True:
             with self._lock:
                 if not self._waiting or self._waiting[0].request.n > self.limits.max_batch - len(self._rows):
@@ -255,8 +284,9 @@ class Engine:
         slots.logits[first] = logits[0, -1].float()
         slots.position[first] = len(req.prompt)
         slots.forced[first] = -1
-        for pos, tok in req.forced.items():
-            slots.forced[first, pos] = tok
+        if req.forced:  # one indexed write, not one per known pixel
+            positions, values = zip(*req.forced.items())
+            slots.forced[first, list(positions)] = torch.tensor(values, device=slots.forced.device)
         s = slots.sampling
         s.temperature[first], s.top_k[first], s.top_p[first] = req.sampling.temperature, req.sampling.top_k, req.sampling.top_p
         for i in range(req.n):
@@ -292,19 +322,20 @@ class Engine:
         now = time.monotonic()
         outbox: dict[GenerationStream, list] = defaultdict(list)
         done: list[int] = []
+        gaps: list[float] = []
         for i, row in enumerate(self._rows):
             stream = row.stream
             if stream.cancelled:
                 done.append(i)
                 continue
             reason = row.finish_reason(tokens[i])
-            want_logprob = stream.request.logprobs
             outbox[stream].append(Generation(stream.request.request_id, row.sample, row.position, tokens[i],
-                                             logprobs[i] if want_logprob else None, reason))
-            self._observe_latency(row, now)
+                                             logprobs[i] if stream.request.logprobs else None, reason))
+            self._time_token(row, now, gaps)
             row.position += 1
             if reason is not None:
                 done.append(i)
+        self.metrics.inter_tokens(self.name, self.attention, gaps)
         emitted = sum(len(events) for events in outbox.values())
         for i in done:
             stream = self._rows[i].stream
@@ -314,13 +345,14 @@ class Engine:
         self._deliver(outbox)
         return done, emitted
 
-    def _observe_latency(self, row: _Row, now: float) -> None:
+    def _time_token(self, row: _Row, now: float, gaps: list[float]) -> None:
+        """Time to first token goes to its histogram at once; later gaps are collected for one batch."""
         stream = row.stream
         if stream.first_token_at is None:
             stream.first_token_at = now
             self.metrics.first_token(self.name, self.attention, now - stream.submitted_at)
         elif row.last_token_at:
-            self.metrics.inter_token(self.name, self.attention, now - row.last_token_at)
+            gaps.append(now - row.last_token_at)
         row.last_token_at = now
 
     def _drop_rows(self, done: list[int], tokens: torch.Tensor) -> None:
@@ -344,13 +376,18 @@ class Engine:
             except RuntimeError:  # that loop is closed: nobody is listening
                 pass
 
-    def _fail_all(self, message: str) -> None:
-        with self._lock:
-            streams = list(dict.fromkeys([r.stream for r in self._rows] + list(self._waiting)))
-            self._waiting.clear()
+    def _fail_running(self, message: str) -> None:
+        streams = list(dict.fromkeys(r.stream for r in self._rows))
         self._rows.clear()
         self._deliver({s: [GenerationError(s.request.request_id, message)] for s in streams})
-        self.metrics.queue(self.name, self.attention, 0, 0)
+        self.metrics.queue(self.name, self.attention, 0, self.waiting)
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        self._deliver({s: [GenerationError(s.request.request_id, message)] for s in waiting})
+        self._fail_running(message)
 
     def _score(self, tokens: list[int]) -> list[float]:
         with torch.inference_mode():

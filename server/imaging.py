@@ -123,7 +123,11 @@ def grid_from_lists(rows: list[list[int]], param: str, low: int = 0, high: int =
     if len(rows) != SIDE or any(len(r) != SIDE for r in rows):
         shape = f"{len(rows)} rows" + (f" of lengths {sorted({len(r) for r in rows})}" if rows else "")
         raise ImageError(f"{param} has {shape}; expected {SIDE} rows of {SIDE} values", param)
-    grid = np.asarray(rows, dtype=np.int64)
+    try:
+        grid = np.asarray(rows, dtype=np.int64)
+    except OverflowError:
+        raise ImageError(f"{param} holds an integer too large for a grey level; expected values in {low}..{high}",
+                         param) from None
     bad = (grid < low) | (grid > high)
     if bad.any():
         r, c = map(int, np.argwhere(bad)[0])

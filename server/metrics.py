@@ -23,15 +23,17 @@ class RateWindow:
     def __init__(self, window: float = RATE_WINDOW_SECONDS):
         self.window = window
         self._events: deque[tuple[float, float]] = deque()
+        self._total = 0.0
         self._lock = threading.Lock()
 
     def add(self, amount: float, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
         with self._lock:
             self._events.append((now, amount))
+            self._total += amount  # a running total: the engine adds once per step
             while self._events and self._events[0][0] < now - self.window:
-                self._events.popleft()
-            return sum(a for _, a in self._events) / self.window
+                self._total -= self._events.popleft()[1]
+            return self._total / self.window
 
 
 class Metrics:
@@ -58,44 +60,63 @@ class Metrics:
         self.state_bytes = Gauge("rnnserve_decode_state_bytes", "Bytes of decode state holding live sequences.", MODEL_LABELS, registry=r)
         self._token_rates: dict[tuple[str, str], RateWindow] = {}
         self._image_rates: dict[tuple[str, str], RateWindow] = {}
+        self._children: dict[tuple[str, tuple[str, ...]], object] = {}
+
+    def _bound(self, metric, *labels: str):
+        """metric.labels(*labels), memoised: the lookup costs more than an observe, and the
+        engine records a latency for every row at every step."""
+        key = (metric._name, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     # -- engine side -------------------------------------------------------
     def step(self, model: str, attention: str, batch: int, tokens: int, state_bytes: int) -> None:
         """Record one decoding step of `batch` sequences producing `tokens` tokens."""
         labels = (model, attention)
-        self.decode_steps.labels(*labels).inc()
-        self.batch_size.labels(*labels).set(batch)
-        self.state_bytes.labels(*labels).set(state_bytes)
+        self._bound(self.decode_steps, *labels).inc()
+        self._bound(self.batch_size, *labels).set(batch)
+        self._bound(self.state_bytes, *labels).set(state_bytes)
         self.tokens(model, attention, tokens)
 
     def tokens(self, model: str, attention: str, n: int) -> None:
         labels = (model, attention)
-        self.generated_tokens.labels(*labels).inc(n)
+        self._bound(self.generated_tokens, *labels).inc(n)
         rate = self._token_rates.setdefault(labels, RateWindow()).add(n)
-        self.tokens_per_second.labels(*labels).set(rate)
+        self._bound(self.tokens_per_second, *labels).set(rate)
+
+    def idle(self, model: str, attention: str) -> None:
+        """No sequence is running: the batch is empty and the windows slide on."""
+        self._bound(self.batch_size, model, attention).set(0)
+        self.tokens(model, attention, 0)
+        self.images_completed(model, attention, 0)
 
     def queue(self, model: str, attention: str, running: int, waiting: int) -> None:
-        self.running.labels(model, attention).set(running)
-        self.waiting.labels(model, attention).set(waiting)
+        self._bound(self.running, model, attention).set(running)
+        self._bound(self.waiting, model, attention).set(waiting)
 
     def first_token(self, model: str, attention: str, seconds: float) -> None:
-        self.ttft.labels(model, attention).observe(seconds)
+        self._bound(self.ttft, model, attention).observe(seconds)
 
-    def inter_token(self, model: str, attention: str, seconds: float) -> None:
-        self.itl.labels(model, attention).observe(seconds)
+    def inter_tokens(self, model: str, attention: str, gaps: list[float]) -> None:
+        """Seconds between consecutive tokens of a sequence, one value per sequence of a step."""
+        histogram = self._bound(self.itl, model, attention)
+        for seconds in gaps:
+            histogram.observe(seconds)
 
     # -- handler side ------------------------------------------------------
     def request(self, endpoint: str, outcome: str) -> None:
-        self.requests.labels(endpoint, outcome).inc()
+        self._bound(self.requests, endpoint, outcome).inc()
 
     def observe_request_latency(self, model: str, attention: str, seconds: float) -> None:
-        self.latency.labels(model, attention).observe(seconds)
+        self._bound(self.latency, model, attention).observe(seconds)
 
     def images_completed(self, model: str, attention: str, n: int) -> None:
         labels = (model, attention)
-        self.completed_images.labels(*labels).inc(n)
+        self._bound(self.completed_images, *labels).inc(n)
         rate = self._image_rates.setdefault(labels, RateWindow()).add(n)
-        self.images_per_second.labels(*labels).set(rate)
+        self._bound(self.images_per_second, *labels).set(rate)
 
     def register_model(self, model: str, attention: str) -> None:
         """Create a model's series at zero so dashboards see them before traffic."""

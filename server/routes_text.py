@@ -17,7 +17,7 @@ from model.sampling import SamplingParams
 from .deps import ServerState, get_server
 from .engine import Engine, GenerationStream
 from .errors import invalid_request
-from .streaming import DONE_EVENT, SSE_HEADERS, ClientGone, collect, sse, sse_error, submit
+from .streaming import DONE_EVENT, SSE_HEADERS, ClientGone, collect, score, sse, sse_error, submit
 from .textcodec import SampleText, TextChunk, token_text
 from .types import Generation, GenerationRequest
 
@@ -125,7 +125,7 @@ async def create_completion(body: CompletionRequest, request: Request,
     prompt = body.prompt_bytes()
     check_fits(body, prompt, engine)
     wants_scores = body.echo and body.logprobs is not None and len(prompt) > 0
-    prompt_logprobs = list(await engine.score(list(prompt))) if wants_scores else []
+    prompt_logprobs = list(await score(engine, list(prompt))) if wants_scores else []
     completion = Completion(body, engine, prompt, prompt_logprobs)
     stream = submit(engine, generation_request(completion)) if body.max_tokens > 0 else None
     if body.stream:

@@ -56,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
     except (SettingsError, WeightsError) as exc:
         print(f"rnnserve serve: error: {exc}", file=sys.stderr)
         return 2
+    except (RuntimeError, MemoryError) as exc:  # e.g. out of memory while loading onto the device
+        print(f"rnnserve serve: error: could not load the models: {exc}", file=sys.stderr)
+        return 2
     names = ", ".join(f"{m.name} ({m.model.config.attention} {m.model.config.task})" for m in models)
     print(f"rnnserve: serving {names} on {models[0].model.device}", file=sys.stderr, flush=True)
     app = build_app(settings, models)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 from fastapi import Request
 
@@ -20,17 +21,29 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
-def submit(engine: Engine, request: GenerationRequest) -> GenerationStream:
-    """engine.submit with its refusals turned into 429 / 400 / 503 answers."""
+@contextmanager
+def engine_refusals(engine: Engine) -> Iterator[None]:
+    """Turn an engine's refusals into 503 (not ready) / 429 (queue full) / 400 (bad request) answers."""
     if not engine.ready:  # a stopped engine would never answer
         raise APIError(503, f"model '{engine.name}' is not ready; see GET /health", "model", "not_ready")
     try:
-        return engine.submit(request)
+        yield
     except QueueFull as exc:
         raise APIError(429, f"{exc} (the server queues at most --max-waiting requests per model)", None,
                        "queue_full", {"Retry-After": "1"}) from None
     except ValueError as exc:
         raise invalid_request(str(exc)) from None
+
+
+def submit(engine: Engine, request: GenerationRequest) -> GenerationStream:
+    with engine_refusals(engine):
+        return engine.submit(request)
+
+
+async def score(engine: Engine, tokens: list[int]) -> list[float]:
+    """Log-probabilities of a prompt in one parallel pass, bounded like generation requests."""
+    with engine_refusals(engine):
+        return await engine.score(tokens)
 
 
 async def collect(request: Request, stream: GenerationStream) -> list[Generation]:

@@ -89,6 +89,12 @@ def test_grid_checks_shape_and_range():
         imaging.grid_from_lists([[2] * 28] * 28, "mask", 0, 1)
 
 
+def test_grid_with_an_integer_too_large_for_numpy_is_a_range_error():
+    huge = [[10**30] * 28 for _ in range(28)]
+    with pytest.raises(imaging.ImageError, match="too large .* expected values in 0..255"):
+        imaging.grid_from_lists(huge, "pixels")
+
+
 def test_mask_with_no_unknown_pixel_is_refused():
     with pytest.raises(imaging.ImageError, match="marks no unknown pixel"):
         imaging.occlude(digit(), np.zeros((28, 28), dtype=bool), "mask")

@@ -224,3 +224,11 @@ def test_body_over_the_limit_is_413(guarded):
     assert response.status_code == 413 and "limit is 2048 bytes" in response.json()["error"]["message"]
     small = guarded.post("/v1/completions", headers=KEY, json={"prompt": "a" * 10, "max_tokens": 1})
     assert small.status_code == 200
+
+
+def test_no_waiting_queue_still_serves_when_a_slot_is_free(tmp_path):
+    save_tiny_model(tmp_path, "linear-text", "linear", "text")
+    with running_server(make_settings(weights=tmp_path, max_batch=2, max_waiting=0)) as (url, _app):
+        answer = httpx.post(f"{url}/v1/completions", json={"prompt": "ab", "max_tokens": 4, "seed": 1}, timeout=30)
+        assert answer.status_code == 200, answer.text
+        assert len(answer.json()["choices"][0]["text"].encode("utf-8", "surrogateescape")) >= 1

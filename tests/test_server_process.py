@@ -120,6 +120,30 @@ def test_429_past_the_queue_then_slots_come_back(url):
     assert again.status_code == 200
 
 
+def test_a_client_that_leaves_while_queued_frees_its_waiting_place(url):
+    client = httpx.Client(base_url=url, timeout=30)
+    with client.stream("POST", "/v1/images/completions", json=blank_digit_request(stream=True)) as running:
+        lines = running.iter_lines()
+        assert next(lines).startswith("data: ")  # holds the only slot
+        with client.stream("POST", "/v1/images/completions", json=blank_digit_request(stream=True)) as queued:
+            assert queued.status_code == 200
+            wait_for(url, lambda r, w, t: r == 1 and w == 1, "one running and one waiting")
+        # the queued client left; the running one still holds the slot, so the queue must be free again
+        wait_for(url, lambda r, w, t: r == 1 and w == 0, "the waiting place to be freed")
+        with client.stream("POST", "/v1/images/completions", json=blank_digit_request(stream=True)) as next_in:
+            assert next_in.status_code == 200  # not 429: the place was given back
+            wait_for(url, lambda r, w, t: r == 1 and w == 1, "the new request to wait")
+
+
+def test_batch_size_gauge_returns_to_zero_when_idle(url):
+    ok = httpx.post(f"{url}/v1/images/completions", json=blank_digit_request(keep_rows=27), timeout=30)
+    assert ok.status_code == 200
+    deadline = time.monotonic() + 10
+    while metric_value(httpx.get(f"{url}/metrics").text, "rnnserve_batch_size", model=MODEL, attention="linear") != 0:
+        assert time.monotonic() < deadline, "batch size gauge stayed above zero while idle"
+        time.sleep(0.1)
+
+
 def test_stream_disconnect_frees_the_slot(url):
     _, _, tokens_before = gauges(url)
     with httpx.stream("POST", f"{url}/v1/images/completions", json=blank_digit_request(stream=True), timeout=30) as r:

@@ -48,13 +48,21 @@ class EngineLimits:
 _DONE = object()  # end-of-stream marker
 
 
+def _is_terminal(item) -> bool:
+    return item is _DONE or isinstance(item, GenerationError)
+
+
 class GenerationStream:
     """What `Engine.submit` returns: iterate for Generation events, cancel on disconnect."""
 
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, each_event: bool = True):
         self.request = request
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
+        # False: the handler only wants the whole answer, so events are held by the engine and
+        # handed over at the end, instead of waking the event loop once per token.
+        self.each_event = each_event
+        self._held: list = []  # engine thread only
         self.cancelled = False
         self.submitted_at = time.monotonic()
         self.first_token_at: float | None = None
@@ -62,6 +70,17 @@ class GenerationStream:
 
     def cancel(self) -> None:
         self.cancelled = True  # the worker frees the rows at its next step
+
+    def release(self, items: list) -> list:
+        """(Engine thread.) What to hand to the event loop now: everything when streaming,
+        else nothing until the stream ends."""
+        if self.each_event:
+            return items
+        self._held.extend(items)
+        if not self._held or not _is_terminal(self._held[-1]):
+            return []
+        ready, self._held = self._held, []
+        return ready
 
     def __aiter__(self):
         return self._events()
@@ -177,9 +196,10 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
 
-    def submit(self, request: GenerationRequest) -> GenerationStream:
+    def submit(self, request: GenerationRequest, each_event: bool = True) -> GenerationStream:
+        """Queue a request; each_event=False hands its events over only once it has finished."""
         self._validate(request)
-        stream = GenerationStream(request, asyncio.get_running_loop())
+        stream = GenerationStream(request, asyncio.get_running_loop(), each_event)
         with self._lock:
             self._drop_cancelled_waiting()
             free_slots = max(0, self.limits.max_batch - len(self._rows) - sum(s.request.n for s in self._waiting))
@@ -369,7 +389,9 @@ class Engine:
         """Hand events to their streams' event loops: one thread hop per loop."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         for stream, items in outbox.items():
-            by_loop[stream.loop].append((stream, items))
+            ready = stream.release(items)
+            if ready:
+                by_loop[stream.loop].append((stream, ready))
         for loop, batch in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, batch)

@@ -150,7 +150,7 @@ async def complete_image(request: Request, server: ServerState = Depends(get_ser
     options = given.options
     engine = server.engines.get(options.model, "mnist")
     job = ImageJob(f"imgcmpl-{uuid.uuid4().hex}", engine, Canvases(occluded, options.n))
-    stream = submit(engine, generation_request(job, options, engine))
+    stream = submit(engine, generation_request(job, options, engine), each_event=options.stream)
     if options.stream:
         return StreamingResponse(row_events(job, stream, request, server), media_type="text/event-stream",
                                  headers=SSE_HEADERS)

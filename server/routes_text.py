@@ -127,7 +127,7 @@ async def create_completion(body: CompletionRequest, request: Request,
     wants_scores = body.echo and body.logprobs is not None and len(prompt) > 0
     prompt_logprobs = list(await score(engine, list(prompt))) if wants_scores else []
     completion = Completion(body, engine, prompt, prompt_logprobs)
-    stream = submit(engine, generation_request(completion)) if body.max_tokens > 0 else None
+    stream = submit(engine, generation_request(completion), each_event=body.stream) if body.max_tokens > 0 else None
     if body.stream:
         return StreamingResponse(stream_events(completion, stream, request, server), media_type="text/event-stream",
                                  headers=SSE_HEADERS)

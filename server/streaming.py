@@ -35,9 +35,10 @@ def engine_refusals(engine: Engine) -> Iterator[None]:
         raise invalid_request(str(exc)) from None
 
 
-def submit(engine: Engine, request: GenerationRequest) -> GenerationStream:
+def submit(engine: Engine, request: GenerationRequest, each_event: bool = True) -> GenerationStream:
+    """Queue a request; each_event=False (a non-streamed answer) gets its events only at the end."""
     with engine_refusals(engine):
-        return engine.submit(request)
+        return engine.submit(request, each_event)
 
 
 async def score(engine: Engine, tokens: list[int]) -> list[float]:

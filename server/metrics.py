@@ -42,7 +42,8 @@ class Metrics:
         r = self.registry
         self.generated_tokens = Counter("rnnserve_generated_tokens", "Tokens generated (pixels or bytes).", MODEL_LABELS, registry=r)
         self.completed_images = Counter("rnnserve_completed_images", "Image completions finished.", MODEL_LABELS, registry=r)
-        self.requests = Counter("rnnserve_requests", "HTTP requests by endpoint and outcome.", ("endpoint", "outcome"), registry=r)
+        self.requests = Counter("rnnserve_requests", "HTTP requests by endpoint, outcome, and the model they named (none: no model).",
+                                ("endpoint", "outcome", *MODEL_LABELS), registry=r)
         self.ttft = Histogram("rnnserve_time_to_first_token_seconds", "Time from submission to a sequence's first generated token.",
                               MODEL_LABELS, buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("rnnserve_inter_token_latency_seconds", "Time between two tokens of one sequence.",
@@ -106,8 +107,8 @@ class Metrics:
             histogram.observe(seconds)
 
     # -- handler side ------------------------------------------------------
-    def request(self, endpoint: str, outcome: str) -> None:
-        self._bound(self.requests, endpoint, outcome).inc()
+    def request(self, endpoint: str, outcome: str, model: str = "none", attention: str = "none") -> None:
+        self._bound(self.requests, endpoint, outcome, model, attention).inc()
 
     def observe_request_latency(self, model: str, attention: str, seconds: float) -> None:
         self._bound(self.latency, model, attention).observe(seconds)

@@ -102,7 +102,8 @@ class RequestMetricsMiddleware:
     """Count every request by endpoint (route template) and outcome.
 
     Handlers may name the outcome in `request.state.outcome` (e.g. a stream
-    the client left, "cancelled"); otherwise it follows the status code.
+    the client left, "cancelled"); otherwise it follows the status code. The
+    model a request named comes from `request.state.model` and `.attention`.
     """
 
     def __init__(self, app: ASGIApp, metrics: Metrics, known_paths: set[str]):
@@ -125,8 +126,9 @@ class RequestMetricsMiddleware:
         try:
             await self.app(scope, receive, send_and_watch)
         finally:
-            outcome = scope.get("state", {}).get("outcome") or outcome_of(status)
-            self.metrics.request(self._endpoint(scope), outcome)
+            state = scope.get("state", {})
+            outcome = state.get("outcome") or outcome_of(status)
+            self.metrics.request(self._endpoint(scope), outcome, state.get("model", "none"), state.get("attention", "none"))
 
     def _endpoint(self, scope: Scope) -> str:
         route = scope.get("route")

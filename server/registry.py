@@ -75,6 +75,12 @@ class EngineRegistry:
     def __iter__(self):
         return iter(self.engines.values())
 
+    def for_request(self, request, name: str | None, task: str) -> Engine:
+        """`get`, and label the request's metrics with the model it chose."""
+        engine = self.get(name, task)
+        request.state.model, request.state.attention = engine.name, engine.attention
+        return engine
+
     def get(self, name: str | None, task: str) -> Engine:
         """The named engine, or the task's default; 404/400 with the loaded names otherwise."""
         if name is None:

@@ -148,7 +148,7 @@ async def complete_image(request: Request, server: ServerState = Depends(get_ser
     except ImageError as exc:
         raise invalid_request(str(exc), exc.param, "invalid_image") from None
     options = given.options
-    engine = server.engines.get(options.model, "mnist")
+    engine = server.engines.for_request(request, options.model, "mnist")
     job = ImageJob(f"imgcmpl-{uuid.uuid4().hex}", engine, Canvases(occluded, options.n))
     stream = submit(engine, generation_request(job, options, engine), each_event=options.stream)
     if options.stream:

@@ -121,7 +121,7 @@ class Completion:
 @router.post("/v1/completions", response_model=None)
 async def create_completion(body: CompletionRequest, request: Request,
                             server: ServerState = Depends(get_server)) -> Response | dict[str, Any]:
-    engine = server.engines.get(body.model, "text")
+    engine = server.engines.for_request(request, body.model, "text")
     prompt = body.prompt_bytes()
     check_fits(body, prompt, engine)
     wants_scores = body.echo and body.logprobs is not None and len(prompt) > 0

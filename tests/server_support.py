@@ -128,14 +128,15 @@ def sse_payloads(body: str) -> list[Any]:
 
 
 def metric_value(metrics_text: str, name: str, **labels: str) -> float:
-    """The value of one Prometheus sample (0.0 when absent)."""
+    """The sum of the samples of `name` whose labels include `labels` (0.0 when none)."""
+    total = 0.0
     for line in metrics_text.splitlines():
         if line.startswith("#"):
             continue
         series, _, value = line.rpartition(" ")
         if series.split("{")[0] == name and all(f'{k}="{v}"' in series for k, v in labels.items()):
-            return float(value)
-    return 0.0
+            total += float(value)
+    return total
 
 
 def token_bytes(tokens: list[str]) -> list[int]:

@@ -135,6 +135,7 @@ def test_metrics_exports_every_name_and_moves(server):
               ("rnnserve_generated_tokens_total", "rnnserve_decode_steps_total", "rnnserve_request_latency_seconds_count")}
     ok_before = metric_value(text, "rnnserve_requests_total", endpoint="/v1/completions", outcome="ok")
     bad_before = metric_value(text, "rnnserve_requests_total", endpoint="/v1/completions", outcome="invalid")
+    ok_model_before = metric_value(text, "rnnserve_requests_total", endpoint="/v1/completions", outcome="ok", **labels)
     assert server.post("/v1/completions", json={"model": "linear-text", "prompt": "a", "max_tokens": 5}).status_code == 200
     assert server.post("/v1/completions", json={"model": "linear-text", "n": 0}).status_code == 400
     response = server.get("/metrics")
@@ -145,6 +146,9 @@ def test_metrics_exports_every_name_and_moves(server):
     assert metric_value(after, "rnnserve_request_latency_seconds_count", **labels) == before["rnnserve_request_latency_seconds_count"] + 1
     assert metric_value(after, "rnnserve_requests_total", endpoint="/v1/completions", outcome="ok") == ok_before + 1
     assert metric_value(after, "rnnserve_requests_total", endpoint="/v1/completions", outcome="invalid") == bad_before + 1
+    # the request names its model; the one refused before choosing a model is labelled "none"
+    assert metric_value(after, "rnnserve_requests_total", endpoint="/v1/completions", outcome="ok", **labels) == ok_model_before + 1
+    assert metric_value(after, "rnnserve_requests_total", endpoint="/v1/completions", outcome="invalid", model="none") >= 1
     assert metric_value(after, "rnnserve_running_sequences", **labels) == 0
 
 

@@ -28,7 +28,7 @@ from .deps import ServerState, get_server
 from .engine import Engine, GenerationStream
 from .errors import APIError, invalid_request, raise_validation
 from .imaging import PIXELS, SIDE, ImageError, OccludedImage
-from .streaming import DONE_EVENT, SSE_HEADERS, ClientGone, collect, sse, sse_error, submit
+from .streaming import SSE_HEADERS, ClientGone, collect, sse, sse_stream, submit
 from .types import Generation, GenerationRequest
 
 router = APIRouter()
@@ -152,7 +152,7 @@ async def complete_image(request: Request, server: ServerState = Depends(get_ser
     job = ImageJob(f"imgcmpl-{uuid.uuid4().hex}", engine, Canvases(occluded, options.n))
     stream = submit(engine, generation_request(job, options, engine), each_event=options.stream)
     if options.stream:
-        return StreamingResponse(row_events(job, stream, request, server), media_type="text/event-stream",
+        return StreamingResponse(sse_stream(request, row_events(job, stream, server), stream), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     try:
         events = await collect(request, stream)
@@ -244,27 +244,15 @@ def _json_grid(text: Any, param: str) -> Grid:
         raise ImageError(f"{param} must be JSON: 28 lists of 28 integers", param) from None
 
 
-async def row_events(job: ImageJob, stream: GenerationStream, request: Request, server: ServerState) -> AsyncIterator[str]:
-    """One event per completed row of each completion, one per finished image, then usage and [DONE]."""
-    finished = False
-    try:
-        async for event in stream:
-            row = job.canvases.add(event)
-            if row is not None:
-                pixels = job.canvases.image(event.sample)[row].tolist()
-                yield sse({"object": "image.completion.row", "index": event.sample, "row": row, "pixels": pixels})
-            if event.finish_reason is not None:
-                entry = job.canvases.entry(event.sample)
-                yield sse({"object": "image.completion", "index": event.sample, "png_base64": entry["png_base64"]})
-        job.record(server)
-        yield sse({"object": "image.completion.usage", "id": job.id, "model": job.engine.name, "usage": job.usage()})
-        finished = True
-    except Exception as exc:  # the status line is gone: report in-band
-        request.state.outcome = "error"
-        yield sse_error(exc)
-        finished = True
-    finally:
-        stream.cancel()
-        if not finished:
-            request.state.outcome = "cancelled"
-    yield DONE_EVENT
+async def row_events(job: ImageJob, stream: GenerationStream, server: ServerState) -> AsyncIterator[str]:
+    """One event per completed row of each completion, one per finished image, then usage."""
+    async for event in stream:
+        row = job.canvases.add(event)
+        if row is not None:
+            pixels = job.canvases.image(event.sample)[row].tolist()
+            yield sse({"object": "image.completion.row", "index": event.sample, "row": row, "pixels": pixels})
+        if event.finish_reason is not None:
+            entry = job.canvases.entry(event.sample)
+            yield sse({"object": "image.completion", "index": event.sample, "png_base64": entry["png_base64"]})
+    job.record(server)
+    yield sse({"object": "image.completion.usage", "id": job.id, "model": job.engine.name, "usage": job.usage()})

@@ -17,7 +17,7 @@ from model.sampling import SamplingParams
 from .deps import ServerState, get_server
 from .engine import Engine, GenerationStream
 from .errors import invalid_request
-from .streaming import DONE_EVENT, SSE_HEADERS, ClientGone, collect, score, sse, sse_error, submit
+from .streaming import SSE_HEADERS, ClientGone, collect, score, sse, sse_stream, submit
 from .textcodec import SampleText, TextChunk, token_text
 from .types import Generation, GenerationRequest
 
@@ -129,7 +129,7 @@ async def create_completion(body: CompletionRequest, request: Request,
     completion = Completion(body, engine, prompt, prompt_logprobs)
     stream = submit(engine, generation_request(completion), each_event=body.stream) if body.max_tokens > 0 else None
     if body.stream:
-        return StreamingResponse(stream_events(completion, stream, request, server), media_type="text/event-stream",
+        return StreamingResponse(sse_stream(request, stream_events(completion, stream, server), stream), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     try:
         events = await collect(request, stream) if stream is not None else []
@@ -168,36 +168,22 @@ def finish_without_generating(completion: Completion) -> None:
         completion.finish = ["length"] * completion.body.n
 
 
-async def stream_events(completion: Completion, stream: GenerationStream | None, request: Request,
-                        server: ServerState) -> AsyncIterator[str]:
-    """SSE chunks as text becomes safe to show, then usage (if asked) and [DONE]."""
-    finished = False
-    try:
-        if completion.body.echo:
-            for i, text in enumerate(completion.texts):
-                yield sse(completion.envelope([completion.choice(i, text.take())]))
-        if stream is not None:
-            async for event in stream:
-                completion.add(event)
-                chunk = completion.texts[event.sample].take(final=event.finish_reason is not None)
-                if chunk.text or chunk.tokens or event.finish_reason:
-                    yield sse(completion.envelope([completion.choice(event.sample, chunk)]))
-        else:
-            finish_without_generating(completion)
-            for i, text in enumerate(completion.texts):
-                yield sse(completion.envelope([completion.choice(i, text.take(final=True))]))
-        engine = completion.engine
-        server.metrics.observe_request_latency(engine.name, engine.attention, time.monotonic() - completion.started)
-        if completion.body.stream_options and completion.body.stream_options.include_usage:
-            yield sse({**completion.envelope([]), "usage": completion.usage()})
-        finished = True
-    except Exception as exc:  # the status line is gone: report in-band
-        request.state.outcome = "error"
-        yield sse_error(exc)
-        finished = True
-    finally:
-        if stream is not None:
-            stream.cancel()
-        if not finished:
-            request.state.outcome = "cancelled"
-    yield DONE_EVENT
+async def stream_events(completion: Completion, stream: GenerationStream | None, server: ServerState) -> AsyncIterator[str]:
+    """SSE chunks as text becomes safe to show, then usage (if asked)."""
+    if completion.body.echo:
+        for i, text in enumerate(completion.texts):
+            yield sse(completion.envelope([completion.choice(i, text.take())]))
+    if stream is not None:
+        async for event in stream:
+            completion.add(event)
+            chunk = completion.texts[event.sample].take(final=event.finish_reason is not None)
+            if chunk.text or chunk.tokens or event.finish_reason:
+                yield sse(completion.envelope([completion.choice(event.sample, chunk)]))
+    else:
+        finish_without_generating(completion)
+        for i, text in enumerate(completion.texts):
+            yield sse(completion.envelope([completion.choice(i, text.take(final=True))]))
+    engine = completion.engine
+    server.metrics.observe_request_latency(engine.name, engine.attention, time.monotonic() - completion.started)
+    if completion.body.stream_options and completion.body.stream_options.include_usage:
+        yield sse({**completion.envelope([]), "usage": completion.usage()})

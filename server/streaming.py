@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 from fastapi import Request
 
@@ -89,3 +89,23 @@ def sse_error(exc: Exception) -> str:
         err = engine_error(exc)
         return sse(error_body(err.status, err.message, None, err.code))
     return sse(error_body(500, f"internal server error ({type(exc).__name__})", None, "internal_error"))
+
+
+async def sse_stream(request: Request, chunks: AsyncIterator[str], stream: GenerationStream | None) -> AsyncIterator[str]:
+    """Frame a handler's SSE chunks: an error after the status line goes in-band, the generation
+    is cancelled if the client leaves (its slots are freed), and the stream always ends with [DONE]."""
+    finished = False
+    try:
+        async for chunk in chunks:
+            yield chunk
+        finished = True
+    except Exception as exc:  # the status line is gone: report in-band
+        request.state.outcome = "error"
+        yield sse_error(exc)
+        finished = True
+    finally:
+        if stream is not None:
+            stream.cancel()
+        if not finished:
+            request.state.outcome = "cancelled"
+    yield DONE_EVENT

@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+import httpx
 import pytest
 import torch
 
@@ -114,6 +116,21 @@ def running_server(settings: Settings) -> Iterator[tuple[str, Any]]:
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+def wait_healthy(process: subprocess.Popen, url: str, log: Path, seconds: float = 90) -> None:
+    """Wait for a server process's /health to answer 200; fail with its log if it exits or takes too long."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"server exited with {process.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"server not healthy after {seconds:g} s:\n{log.read_text()}")
 
 
 def sse_payloads(body: str) -> list[Any]:

@@ -13,12 +13,10 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from benchmarks.decode import _interpolated_sum, _later_positions, choose_positions
 from benchmarks.load import LoadSettings, run_load
@@ -26,7 +24,7 @@ from benchmarks.roofline import attention_cost, dense_flops
 from benchmarks.run import add_arguments, run
 from model import ModelConfig, build_model
 from model.weights_io import save_model
-from server_support import free_port, metric_value, save_tiny_model
+from server_support import free_port, metric_value, save_tiny_model, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("softmax", "linear", "linformer", "reformer")
@@ -188,7 +186,7 @@ def server_url(tmp_path_factory):
                                     "--log-level", "warning"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(process, url, log)
+        wait_healthy(process, url, log)
         yield url
     finally:
         process.terminate()
@@ -197,20 +195,6 @@ def server_url(tmp_path_factory):
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-def _wait_healthy(process: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"server exited with {process.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"server not healthy after 90 s:\n{log.read_text()}")
 
 
 def _metrics(url: str) -> str:

@@ -17,7 +17,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from model import ModelConfig, build_model
 from model.weights_io import save_model
+from server_support import wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "rnnserve.json"
@@ -131,20 +131,6 @@ def _write_tiny_models(folder: Path) -> dict[str, ModelConfig]:
     return configs
 
 
-def _wait_until_healthy(process: subprocess.Popen, base_url: str, log: Path) -> None:
-    deadline = time.monotonic() + SERVER_START_SECONDS
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"server exited with {process.returncode}: {log.read_text()}")
-        try:
-            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    pytest.fail(f"server not healthy after {SERVER_START_SECONDS} s")
-
-
 def _serve(weights: Path, port: int, log: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RNNSERVE_")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")  # the test machine's 2 cores are shared
@@ -176,7 +162,7 @@ def live_server(tmp_path_factory):
     log = weights / "server.log"
     process = _serve(weights, port, log)
     try:
-        _wait_until_healthy(process, base_url, log)
+        wait_healthy(process, base_url, log, SERVER_START_SECONDS)
         _send_traffic(base_url)
         response = httpx.get(f"{base_url}/metrics", timeout=10)
         assert response.status_code == 200

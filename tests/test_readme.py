@@ -10,22 +10,19 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 from PIL import Image
 
-from server_support import free_port, sse_payloads
+from server_support import free_port, sse_payloads, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -72,25 +69,11 @@ def served(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("readme_cwd")
     (workdir / "examples").symlink_to(ROOT / "examples")
     try:
-        _wait_healthy(proc, base, log)
+        wait_healthy(proc, base, log, SERVER_START_SECONDS)
         yield base, workdir
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
-
-
-def _wait_healthy(proc: subprocess.Popen, base: str, log: Path) -> None:
-    deadline = time.monotonic() + SERVER_START_SECONDS
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"make serve exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"make serve did not become healthy in {SERVER_START_SECONDS} s:\n{log.read_text()}")
 
 
 def check_png_strip(result, workdir: Path) -> None:

@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
-from server_support import free_port, metric_value, save_tiny_model
+from server_support import free_port, metric_value, save_tiny_model, wait_healthy
 
 MODEL = "digits"  # the mnist model; 784 decode steps when nothing is known, long enough to watch
 GAUGES = ("rnnserve_running_sequences", "rnnserve_waiting_sequences")
@@ -34,20 +34,6 @@ def start(args: list[str], log: Path) -> subprocess.Popen:
     env["OMP_NUM_THREADS"] = "1"
     with open(log, "wb") as out:
         return subprocess.Popen(serve_command() + args, stdout=out, stderr=subprocess.STDOUT, env=env)
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"server did not become healthy:\n{log.read_text()}")
 
 
 @pytest.fixture(scope="module")

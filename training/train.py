@@ -73,6 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
     run.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for torch")
     run.add_argument("--save-dtype", choices=sorted(SAVE_DTYPES), default="bfloat16")
+    run.add_argument("--autocast", choices=("auto", "bf16", "off"), default="auto",
+                     help="bfloat16 autocast; auto: on for CUDA and for CPUs with native bf16 (AVX512-BF16, AMX)")
     run.add_argument("--checkpoint", help="checkpoint path (default: OUT with .ckpt)")
     run.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (0: never)")
     run.add_argument("--resume", action="store_true", help="continue from the checkpoint if it exists")
@@ -226,12 +228,31 @@ def optimizer_step(model: Transformer, opt: torch.optim.Optimizer, tokens: torch
     return loss.item()
 
 
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: bf16 matmuls 2-3x faster than fp32 (measured 136 vs 50 GFLOP/s on an AMD EPYC
+    with AVX512-BF16); without them bf16 is emulated and slower (1.49 vs 0.85 s/step on an Intel Xeon)."""
+    checks = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
+    return any(check() for check in checks if check is not None)
+
+
+def uses_autocast(device: torch.device, choice: str) -> bool:
+    if choice != "auto":
+        return choice == "bf16"
+    return device.type == "cuda" or cpu_has_native_bf16()
+
+
+def autocast_context(device: torch.device, choice: str):
+    """bfloat16 autocast (weights and optimiser stay float32), or nothing."""
+    if uses_autocast(device, choice):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
 def train_steps(model: Transformer, opt: torch.optim.Optimizer, batches: Batches, prog: Progress,
                 args: argparse.Namespace, lr: float, stop_after: int | None = None) -> None:
     """The loop: until the horizon (or `stop_after` steps, to simulate an interruption)."""
     device = model.device
-    # bf16 autocast on GPU; plain fp32 on CPU, where bf16 was measured slower (1.49 vs 0.85 s/step).
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    autocast = autocast_context(device, args.autocast)
     ckpt = checkpoint_path(args)
     bar = tqdm(total=args.steps, initial=prog.step, disable=args.no_progress, unit="step",
                mininterval=2.0, dynamic_ncols=True)
@@ -281,6 +302,7 @@ def training_info(args: argparse.Namespace, data_path: str, prog: Progress, devi
         "steps": prog.step,
         "wall_time_s": round(prog.elapsed_s, 1),
         "device": device_description(device),
+        "autocast_bf16": uses_autocast(device, args.autocast),
         "batch_size": batch_size,
         "lr": lr,
         "seed": args.seed,

@@ -43,11 +43,12 @@ def check_model_files(settings: Settings) -> list[Path]:
 
 def load_models(settings: Settings) -> list[LoadedModel]:
     device = settings.torch_device()
+    dtype = settings.torch_dtype(device)
     loaded = []
     for path in check_model_files(settings):
-        model, info = load_model(path, device=device)
-        log.info("loaded %s (%s %s, %d parameters) on %s", path, model.config.attention, model.config.task,
-                 model.num_parameters(), device)
+        model, info = load_model(path, device=device, dtype=dtype)
+        log.info("loaded %s (%s %s, %d parameters) on %s in %s", path, model.config.attention, model.config.task,
+                 model.num_parameters(), device, dtype)
         loaded.append(LoadedModel(path.stem, path, model, info))
     return loaded
 

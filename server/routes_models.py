@@ -27,6 +27,8 @@ def describe(engine: Engine, created: int) -> dict[str, Any]:
         "attention": cfg.attention,
         "parameters": engine.model.num_parameters(),
         "max_len": cfg.max_len,
+        "device": str(engine.model.device),
+        "dtype": str(engine.model.dtype).removeprefix("torch."),
         "state_bytes_per_sequence": engine.state_bytes_per_sequence,
         "metrics": eval_metrics(engine.info),
         "config": {"d_model": cfg.d_model, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "pos_encoding": cfg.pos_encoding},

@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help=f"address to listen on {default('host')}")
     parser.add_argument("--port", type=int, help=f"port to listen on, 0 = any free one {default('port')}")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help=f"where the models run; auto = CUDA if present {default('device')}")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"),
+                        help=f"weights and activations; auto = bfloat16 on CUDA, float32 on CPU {default('dtype')}")
     parser.add_argument("--max-batch", type=int, help=f"sequences decoded together per model {default('max_batch')}")
     parser.add_argument("--max-waiting", type=int, help=f"requests queued per model before 429 {default('max_waiting')}")
     parser.add_argument("--max-body-bytes", type=int, help=f"largest request body accepted {default('max_body_bytes')}")
@@ -39,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    flags = ("weights", "models", "host", "port", "device", "max_batch", "max_waiting", "max_body_bytes", "api_key", "log_level")
+    flags = ("weights", "models", "host", "port", "device", "dtype", "max_batch", "max_waiting", "max_body_bytes", "api_key", "log_level")
     return build_settings(**{name: getattr(args, name, None) for name in flags})
 
 
@@ -60,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"rnnserve serve: error: could not load the models: {exc}", file=sys.stderr)
         return 2
     names = ", ".join(f"{m.name} ({m.model.config.attention} {m.model.config.task})" for m in models)
-    print(f"rnnserve: serving {names} on {models[0].model.device}", file=sys.stderr, flush=True)
+    first = models[0].model
+    print(f"rnnserve: serving {names} on {first.device} in {str(first.dtype).removeprefix('torch.')}", file=sys.stderr, flush=True)
     app = build_app(settings, models)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)

@@ -27,6 +27,7 @@ class Settings(BaseSettings):
     weights: Path = Path("weights")  # every *.safetensors in it is served
     models: list[Path] = Field(default_factory=list)  # explicit files; when given, `weights` is ignored
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     max_batch: int = Field(64, ge=1, le=65536)  # sequences decoded together, per model
     max_waiting: int = Field(256, ge=0)  # sequences queued per model before 429
     max_body_bytes: int = Field(4 * MIB, ge=1024)
@@ -42,6 +43,13 @@ class Settings(BaseSettings):
         if self.device == "cuda" and not torch.cuda.is_available():
             raise SettingsError("--device cuda was asked for but no CUDA GPU is available; use --device cpu or auto")
         return self.device
+
+    def torch_dtype(self, device: str):
+        """The weights' dtype on `device`; recurrent sums (linear S, Z; Linformer K~, V~) stay float32."""
+        import torch
+
+        name = self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+        return getattr(torch, name)
 
     def model_paths(self) -> list[Path]:
         """The weights files to serve, checked to exist; sorted for a stable order."""

@@ -241,3 +241,28 @@ def test_unknown_and_wrong_task_models(server):
 def test_body_that_is_not_json(server):
     response = server.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def bf16_server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bf16_weights")
+    for kind in KINDS:
+        save_tiny_model(folder, f"{kind}-text", kind, "text")
+    with running_server(make_settings(weights=folder, device="cpu", dtype="bfloat16", max_batch=4)) as (url, _app):
+        with httpx.Client(base_url=url, timeout=60) as client:
+            yield client
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bfloat16_serving_decodes_like_its_parallel_pass(bf16_server, kind):
+    """--dtype bfloat16: every kind runs in 16-bit, and RNN-mode decoding still agrees with one
+    parallel pass, to bfloat16's precision (8 bits of mantissa) rather than float32's."""
+    entry = bf16_server.get(f"/v1/models/{kind}-text").json()
+    assert entry["dtype"] == "bfloat16"
+    prompt = list(b"The cat")
+    gen = complete(bf16_server, model=f"{kind}-text", prompt=prompt, max_tokens=16, logprobs=1, seed=3)
+    lp = gen["choices"][0]["logprobs"]
+    generated = token_bytes(lp["tokens"])
+    scored = complete(bf16_server, model=f"{kind}-text", prompt=prompt + generated, max_tokens=0, echo=True, logprobs=1)
+    parallel = scored["choices"][0]["logprobs"]["token_logprobs"][len(prompt):]
+    assert parallel == pytest.approx(lp["token_logprobs"], abs=0.15)

@@ -178,7 +178,8 @@ class Engine:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        """Sequences queued: a request for n samples waits for n slots."""
+        return sum(stream.request.n for stream in list(self._waiting))
 
     def start(self) -> None:
         """Start the worker; raises EngineFailure if it cannot allocate its state slots."""

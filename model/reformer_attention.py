@@ -42,7 +42,8 @@ class LSHCache(RowState):
         rounds = self.buckets.shape[2]
         per_position = 2 * h * d * self.k.element_size()
         per_position += h * rounds * (self.buckets.element_size() + self.members.element_size())
-        return int(lengths.sum()) * per_position + self.counts.numel() * self.counts.element_size()
+        counts = self.counts[: lengths.numel()]  # the given rows' bucket occupancy
+        return int(lengths.sum()) * per_position + counts.numel() * counts.element_size()
 
 
 def _index_dtype(max_len: int) -> torch.dtype:

@@ -55,12 +55,11 @@ class RowState:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def nbytes_in_use(self, lengths: torch.Tensor) -> int:
-        """Bytes that hold information for rows of the given lengths.
+        """Bytes that hold information for rows 0..len(lengths)-1, of the given lengths.
 
-        Constant-size states use all their bytes; caches override this.
+        A constant-size state uses all of its rows' bytes; caches override this.
         """
-        del lengths
-        return self.nbytes()
+        return self.nbytes() * lengths.numel() // self.batch_size
 
 
 @dataclass
@@ -106,5 +105,7 @@ class ModelState:
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers) + self.lengths.numel() * 8
 
-    def nbytes_in_use(self) -> int:
-        return sum(layer.nbytes_in_use(self.lengths) for layer in self.layers)
+    def nbytes_in_use(self, rows: int | None = None) -> int:
+        """Bytes holding information for all rows, or for rows [0, rows) (the live rows of a compacted batch)."""
+        lengths = self.lengths if rows is None else self.lengths[:rows]
+        return sum(layer.nbytes_in_use(lengths) for layer in self.layers)

@@ -95,7 +95,7 @@ class GenerationStream:
             yield item
 
 
-@dataclass
+@dataclass(slots=True)
 class _Row:
     """Host-side bookkeeping for one live sequence (one sample of a request)."""
 
@@ -332,7 +332,7 @@ class Engine:
             out, _ = self.model(tokens[:live, None], slots.state.slice(0, live))
             slots.logits[:live] = out[:, -1].float()
         self.metrics.step(self.name, self.attention, batch=n, tokens=emitted,
-                          state_bytes=slots.state.slice(0, live).nbytes_in_use())
+                          state_bytes=slots.state.nbytes_in_use(live))
         self.metrics.queue(self.name, self.attention, live, self.waiting)
 
     def _any_wants_logprobs(self) -> bool:

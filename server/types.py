@@ -27,7 +27,7 @@ class GenerationRequest:
     logprobs: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Generation:
     """One generated token of one sample, as the engine emits it."""
 

@@ -249,3 +249,17 @@ def test_softmax_cache_holds_keys_and_values_for_each_token():
     cfg = model.config
     per_token = cfg.n_layers * 2 * cfg.d_model * 4  # K and V, float32
     assert state.nbytes_in_use() == 2 * 10 * per_token
+
+
+@pytest.mark.parametrize("kind", ["softmax", "linear", "linformer", "reformer"])
+def test_bytes_in_use_of_the_first_rows_count_only_those_rows(kind):
+    """The engine's gauge: live rows [0, n) of a compacted batch, without slicing the state."""
+    model = make_tiny_model(kind)
+    state = model.new_state(4)
+    _feed(model, state, 10, 10)
+    whole = state.nbytes_in_use()
+    first_two = state.nbytes_in_use(2)
+    assert 0 < first_two < whole
+    assert first_two == state.slice(0, 2).nbytes_in_use()
+    if kind in ("linear", "linformer"):  # constant size: exactly two sequences' worth
+        assert first_two == 2 * model.state_bytes_per_sequence()

@@ -133,6 +133,16 @@ def wait_healthy(process: subprocess.Popen, url: str, log: Path, seconds: float 
     pytest.fail(f"server not healthy after {seconds:g} s:\n{log.read_text()}")
 
 
+def stop_process(process: subprocess.Popen, seconds: float = 15) -> None:
+    """SIGTERM (a graceful shutdown), then SIGKILL if it has not exited in `seconds`."""
+    process.terminate()
+    try:
+        process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def sse_payloads(body: str) -> list[Any]:
     """Parse an SSE body, checking framing: `data: ...` events split by blank lines, ending in [DONE]."""
     assert body.endswith("\n\n"), "every event ends with a blank line"

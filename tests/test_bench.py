@@ -24,7 +24,7 @@ from benchmarks.roofline import attention_cost, dense_flops
 from benchmarks.run import add_arguments, run
 from model import ModelConfig, build_model
 from model.weights_io import save_model
-from server_support import free_port, metric_value, save_tiny_model, wait_healthy
+from server_support import free_port, metric_value, save_tiny_model, stop_process, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("softmax", "linear", "linformer", "reformer")
@@ -189,12 +189,7 @@ def server_url(tmp_path_factory):
         wait_healthy(process, url, log)
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
 
 
 def _metrics(url: str) -> str:

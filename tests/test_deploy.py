@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from model import ModelConfig, build_model
 from model.weights_io import save_model
-from server_support import wait_healthy
+from server_support import stop_process, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "rnnserve.json"
@@ -168,12 +168,7 @@ def live_server(tmp_path_factory):
         assert response.status_code == 200
         yield base_url, Scrape.parse(response.text)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
 
 
 def _dashboard() -> dict:

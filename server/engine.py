@@ -181,6 +181,10 @@ class Engine:
         """Sequences queued: a request for n samples waits for n slots."""
         return sum(stream.request.n for stream in list(self._waiting))
 
+    def _free_slots(self) -> int:
+        """Slots neither running nor promised to a queued request."""
+        return max(0, self.limits.max_batch - self.running - self.waiting)
+
     def start(self) -> None:
         """Start the worker; raises EngineFailure if it cannot allocate its state slots."""
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
@@ -203,8 +207,7 @@ class Engine:
         stream = GenerationStream(request, asyncio.get_running_loop(), each_event)
         with self._lock:
             self._drop_cancelled_waiting()
-            free_slots = max(0, self.limits.max_batch - len(self._rows) - sum(s.request.n for s in self._waiting))
-            if len(self._waiting) >= self.limits.max_waiting and request.n > free_slots:
+            if len(self._waiting) >= self.limits.max_waiting and request.n > self._free_slots():
                 raise QueueFull(f"model {self.name!r} has {len(self._waiting)} requests waiting, the limit; retry later")
             self._waiting.append(stream)
         self.metrics.queue(self.name, self.attention, self.running, self.waiting)
@@ -275,9 +278,10 @@ class Engine:
     def _drop_cancelled_waiting(self) -> None:
         """Remove requests whose clients left while queued (call with the lock held)."""
         gone = [s for s in self._waiting if s.cancelled]
-        for stream in gone:
-            self._waiting.remove(stream)
-        self._deliver({s: [_DONE] for s in gone})
+        if gone:  # runs every step: nothing to hand over in the usual case
+            for stream in gone:
+                self._waiting.remove(stream)
+            self._deliver({s: [_DONE] for s in gone})
 
     def _admit(self) -> None:
         with self._lock:

@@ -61,12 +61,12 @@ class Metrics:
         self.state_bytes = Gauge("rnnserve_decode_state_bytes", "Bytes of decode state holding live sequences.", MODEL_LABELS, registry=r)
         self._token_rates: dict[tuple[str, str], RateWindow] = {}
         self._image_rates: dict[tuple[str, str], RateWindow] = {}
-        self._children: dict[tuple[str, tuple[str, ...]], object] = {}
+        self._children: dict[tuple[int, tuple[str, ...]], object] = {}
 
     def _bound(self, metric, *labels: str):
         """metric.labels(*labels), memoised: the lookup costs more than an observe, and the
         engine records a latency for every row at every step."""
-        key = (metric._name, labels)
+        key = (id(metric), labels)
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = metric.labels(*labels)
@@ -123,11 +123,11 @@ class Metrics:
         """Create a model's series at zero so dashboards see them before traffic."""
         labels = (model, attention)
         for metric in (self.generated_tokens, self.completed_images, self.decode_steps):
-            metric.labels(*labels).inc(0)
+            self._bound(metric, *labels).inc(0)
         for metric in (self.running, self.waiting, self.batch_size, self.tokens_per_second, self.images_per_second, self.state_bytes):
-            metric.labels(*labels).set(0)
+            self._bound(metric, *labels).set(0)
         for metric in (self.ttft, self.itl, self.latency):
-            metric.labels(*labels)
+            self._bound(metric, *labels)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -32,10 +32,12 @@ import numpy as np
 import torch
 
 from model.config import ATTENTION_KINDS, ModelConfig
+from model.cuda_graphs import EagerDecoder, make_decoder
 from model.generate import generate
 from model.sampling import BatchSampling, SamplingParams, sample
 from model.transformer import Transformer, build_model, with_bos
 from model.weights_io import load_model, read_metadata
+from training.presets import REFORMER_LOCAL_WINDOW
 
 from .roofline import probe_machine, roofline
 
@@ -73,6 +75,7 @@ class DecodeSettings:
     nocache_samples: int = 4
     device: str = "cpu"
     dtype: str = "float32"  # model weights; linear and Linformer states stay float32
+    cuda_graphs: bool = True  # on CUDA, linear and Linformer decode steps replay captured graphs
     seed: int = 0
 
 
@@ -100,6 +103,7 @@ class ImageResult:
     vs_softmax_cache: float | None = None
     vs_no_cache: float | None = None
     vs_softmax_cache_cpu: float | None = None
+    cuda_graphs: bool = False  # decode steps replayed CUDA graphs
 
 
 @dataclass
@@ -146,7 +150,9 @@ class DecodeReport:
 def preset_config(preset: str, kind: str, task: str = "mnist", max_len: int = IMAGE_TOKENS) -> ModelConfig:
     if preset not in PRESETS:
         raise BenchError(f"unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
-    return ModelConfig(attention=kind, task=task, max_len=max_len, **PRESETS[preset])
+    # Reformer as `rnnserve train` builds it, so random-weight timings match trained models.
+    return ModelConfig(attention=kind, task=task, max_len=max_len, reformer_local_window=REFORMER_LOCAL_WINDOW,
+                       **PRESETS[preset])
 
 
 def image_models(settings: DecodeSettings) -> dict[str, tuple[Transformer, str]]:
@@ -210,12 +216,13 @@ def _sampling(batch: int, device: torch.device) -> BatchSampling:
 # ---------------------------------------------------------------- images/s
 
 
-def _time_generation(model: Transformer, batch: int, tokens: int) -> tuple[float, float]:
-    """(wall, CPU) seconds of `batch` generations of `tokens` tokens from BOS."""
+def _time_generation(decoder: EagerDecoder, tokens: int) -> tuple[float, float]:
+    """(wall, CPU) seconds of one generation of `tokens` tokens from BOS in every row of the decoder's state."""
+    model, batch = decoder.model, decoder.state.batch_size
     sampling = _sampling(batch, model.device)
     prompt = torch.zeros(batch, 0, dtype=torch.long, device=model.device)  # (B, 0): nothing known
     cpu = time.process_time()
-    wall = _timed(lambda: generate(model, prompt, tokens, sampling), model.device)
+    wall = _timed(lambda: generate(model, prompt, tokens, sampling, decoder=decoder), model.device)
     return wall, time.process_time() - cpu
 
 
@@ -227,14 +234,18 @@ def measure_images(models: dict[str, Transformer], settings: DecodeSettings, pro
     """
     results = []
     for batch in settings.batch_sizes:
-        for model in models.values():
-            _time_generation(model, batch, min(8, settings.image_tokens))  # warm-up: allocator, kernels
+        # State and CUDA graphs made once per batch size, outside the timings, as a server does at start-up.
+        decoders = {kind: make_decoder(model, model.new_state(batch), settings.cuda_graphs, sizes=[batch])
+                    for kind, model in models.items()}
+        for decoder in decoders.values():
+            _time_generation(decoder, min(8, settings.image_tokens))  # warm-up: allocator, kernels
         runs: dict[str, list[tuple[float, float]]] = {kind: [] for kind in models}
         for _ in range(settings.repeats):
-            for kind, model in models.items():
-                runs[kind].append(_time_generation(model, batch, settings.image_tokens))
+            for kind, decoder in decoders.items():
+                runs[kind].append(_time_generation(decoder, settings.image_tokens))
         for kind, timings in runs.items():
             results.append(_image_result(kind, batch, timings, settings.image_tokens))
+            results[-1].cuda_graphs = decoders[kind].graphed
             progress(f"images  {kind:9s} batch {batch:4d}: {results[-1].images_per_s:10.3f} images/s")
     return results
 

@@ -9,8 +9,9 @@ buckets):
   linear         4 H D^2 per layer (S += phi(k) v^T, phi(q)^T S) plus O(H D);
                  reads and writes S, Z: 2 * H (D^2 + D) * 4 bytes
   linformer      8 H k D per layer; reads and writes K~, V~: 2 * 2 H k D * 4
-  reformer       4 R (t / n) d per layer over the expected bucket occupancy;
-                 reads R (t / n) keys and values: 2 R (t / n) d * 4 bytes
+  reformer       4 (R t / n + W) d per layer over the expected bucket occupancy
+                 and the local window W; reads as many keys and values:
+                 2 (R t / n + W) d * 4 bytes
 Weights (4 bytes per parameter in fp32) are read once per batched step, so
 per token they cost weight_bytes / batch.
 """
@@ -48,8 +49,8 @@ def attention_cost(cfg: ModelConfig, t: float) -> tuple[float, float]:
         flops, moved = 4 * h * dh * dh + 6 * h * dh, 2 * h * (dh * dh + dh) * FP32
     elif cfg.attention == "linformer":
         flops, moved = 8 * h * cfg.linformer_k * dh, 2 * 2 * h * cfg.linformer_k * dh * FP32
-    else:  # reformer: the query's bucket in each round
-        occupancy = cfg.reformer_rounds * t / cfg.reformer_buckets
+    else:  # reformer: the query's bucket in each round, and its local window
+        occupancy = cfg.reformer_rounds * t / cfg.reformer_buckets + min(cfg.reformer_local_window, t)
         flops, moved = 4 * occupancy * d, (2 * occupancy * d + 2 * d) * FP32
     return cfg.n_layers * flops, cfg.n_layers * moved
 

@@ -57,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ins.add_argument("--seed", type=int)
     ins.add_argument("--device", default="cpu", help="cpu, cuda, or auto")
     ins.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="model weights (default float32)")
+    ins.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
+                     help="on CUDA, replay linear and Linformer decode steps as CUDA graphs (default on)")
     ins.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     ins.add_argument("--plot", type=Path, help="draw step time and state bytes against position to this PNG")
     ins.add_argument("--quick", action="store_true", help="tiny model, few steps: finishes in seconds (tests)")

@@ -20,7 +20,8 @@ def images_table(report: DecodeReport) -> str:
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report.images:
         state = report.models[r.kind].state_bytes_per_sequence
-        lines.append(f"| {r.kind} | {r.batch} | {_rate(r.images_per_s)} | {r.tokens_per_s:,.0f} | "
+        kind = f"{r.kind} (CUDA graphs)" if r.cuda_graphs else r.kind
+        lines.append(f"| {kind} | {r.batch} | {_rate(r.images_per_s)} | {r.tokens_per_s:,.0f} | "
                      f"{_ratio(r.vs_softmax_cache)} | {_ratio(r.vs_no_cache)} | {_rate(r.images_per_cpu_s)} | "
                      f"{_ratio(r.vs_softmax_cache_cpu)} | {state:,} |")
     for n in report.no_cache:

@@ -43,6 +43,9 @@ class ModelConfig:
     # Reformer: hashing rounds and buckets (even: bucket = argmax([xR; -xR]))
     reformer_rounds: int = 1
     reformer_buckets: int = 32
+    # Reformer: one more round over the W positions before each query (0: none;
+    # files from before this option have none)
+    reformer_local_window: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -57,6 +60,8 @@ class ModelConfig:
             raise ConfigError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.reformer_buckets < 2 or self.reformer_buckets % 2:
             raise ConfigError(f"reformer_buckets must be an even number >= 2, got {self.reformer_buckets}")
+        if self.reformer_local_window < 0:
+            raise ConfigError(f"reformer_local_window must be >= 0, got {self.reformer_local_window}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
 

@@ -8,21 +8,29 @@ from __future__ import annotations
 
 import torch
 
+from .cuda_graphs import EagerDecoder
 from .sampling import BatchSampling, force_tokens, sample
 from .transformer import Transformer, with_bos
 
 
 @torch.inference_mode()
 def generate(model: Transformer, prompt: torch.Tensor, total_len: int, sampling: BatchSampling,
-             forced: torch.Tensor | None = None) -> torch.Tensor:
+             forced: torch.Tensor | None = None, decoder: EagerDecoder | None = None) -> torch.Tensor:
     """Extend (B, P) prompts to (B, total_len) tokens, P may be 0.
 
     forced (B, total_len) holds known tokens (>= 0) to keep instead of sampling.
+    decoder: decode steps over a B-row state made once (e.g. CUDA graphs,
+    `make_decoder`) and reused across calls; by default eager steps on a new state.
     """
     b, p = prompt.shape
     tokens = torch.empty(b, total_len, dtype=torch.long, device=model.device)
     tokens[:, :p] = prompt
-    state = model.new_state(b)
+    if decoder is None:
+        decoder = EagerDecoder(model, model.new_state(b))
+    state = decoder.state
+    if state.batch_size != b:
+        raise ValueError(f"decoder has {state.batch_size} rows for a batch of {b}")
+    state.reset_rows(range(b))
     # The BOS-shifted prompt predicts positions 1..P; one chunk prefills it.
     logits, state = model(with_bos(torch.cat([prompt, prompt.new_zeros(b, 1)], dim=1)), state)
     logits = logits[:, -1]
@@ -33,6 +41,5 @@ def generate(model: Transformer, prompt: torch.Tensor, total_len: int, sampling:
             nxt = force_tokens(nxt, forced[:, pos])
         tokens[:, pos] = nxt
         if pos + 1 < total_len:
-            logits, state = model(nxt[:, None], state)
-            logits = logits[:, -1]
+            logits = decoder(nxt)
     return tokens

@@ -7,6 +7,12 @@ bucket holds nothing earlier. The rounds are combined with weights
 softmax_r(logsumexp of round r's scores), as in the paper; unlike the paper
 we do not discount keys that two rounds both find (see README).
 
+Optionally (`reformer_local_window` W > 0) one more round attends to the W
+positions just before the query, like reformer-pytorch's local hash and the
+local layers that Hugging Face's Reformer interleaves with LSH layers. Why:
+with shared QK a byte hashes with earlier copies of itself, rarely with its
+neighbours, and a character model stuck there learns no more than a bigram.
+
 The parallel path here computes these semantics exactly with a (T, L) mask;
 it is the reference the decoder must match. Decoding keeps, per row, head
 and round, the positions of each bucket in a preallocated list, so one step
@@ -56,6 +62,7 @@ class ReformerAttention(nn.Module):
         self.n_heads = cfg.n_heads
         self.max_len = cfg.max_len
         self.n_buckets = cfg.reformer_buckets
+        self.window = cfg.reformer_local_window
         self.fresh_rotations = bool(cfg.extra.get("reformer_fresh_rotations", True))
         self.qk = nn.Linear(cfg.d_model, cfg.d_model)
         self.v = nn.Linear(cfg.d_model, cfg.d_model)
@@ -94,7 +101,7 @@ class ReformerAttention(nn.Module):
         t = q.shape[2]
         pos = chunk_positions(start, t)  # (B, T)
         if state is None:
-            y = _lsh_attend_bucketed(q, k, v, buckets, self.n_buckets)
+            y = _lsh_attend_bucketed(q, k, v, buckets, self.n_buckets, self.window)
         elif t == 1:
             y = self._decode_step(q, k, v, buckets, pos[:, 0], state)
         else:
@@ -121,7 +128,7 @@ class ReformerAttention(nn.Module):
         used = int(pos.max()) + 1
         key_pos = torch.arange(used, device=q.device).expand(q.shape[0], used)
         keys, values = state.k[:, :, :used].to(q.dtype), state.v[:, :, :used].to(q.dtype)
-        return _lsh_attend(q, keys, values, buckets, state.buckets[..., :used].long(), pos, key_pos)
+        return _lsh_attend(q, keys, values, buckets, state.buckets[..., :used].long(), pos, key_pos, self.window)
 
     def _decode_step(self, q, k, v, buckets, pos, state: LSHCache) -> torch.Tensor:
         """One token per row, touching only its bucket's members."""
@@ -145,55 +152,123 @@ class ReformerAttention(nn.Module):
         valid = torch.cat([valid, (count == 0)[..., None]], dim=-1)  # (B, H, R, W+1)
         scores = (q[:, :, None] @ keys.transpose(-1, -2)) / math.sqrt(d)  # (B, H, R, 1, W+1)
         scores = scores.masked_fill(~valid[..., None, :], float("-inf"))
+        out, lse = _round_results(scores, values)  # (B, H, R, 1, D), (B, H, R, 1, 1)
+        if self.window:
+            local_out, local_lse = self._local_step(q, k, v, pos, state)
+            out, lse = torch.cat([out, local_out], dim=2), torch.cat([lse, local_lse], dim=2)
         self._write(k, v, buckets, pos[:, None], state)
-        return _combine_rounds(scores, values)  # (B, H, 1, D)
+        return _mix_rounds(out, lse)  # (B, H, 1, D)
+
+    def _local_step(self, q, k, v, pos, state: LSHCache):
+        """The local round for one token per row: the W cached positions before it."""
+        b, h, _, d = q.shape
+        before = pos[:, None] - self.window + torch.arange(self.window, device=q.device)  # (B, W)
+        rows = torch.arange(b, device=q.device)[:, None]
+        index = before.clamp(min=0)
+        keys = state.k[rows, :, index].transpose(1, 2).to(q.dtype)  # (B, H, W, D)
+        values = state.v[rows, :, index].transpose(1, 2).to(q.dtype)
+        keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)  # itself last
+        valid = torch.cat([before >= 0, (pos == 0)[:, None]], dim=1)  # (B, W+1): itself only at 0
+        scores = (q @ keys.transpose(-1, -2)) / math.sqrt(d)  # (B, H, 1, W+1)
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        return _round_results(scores[:, :, None], values[:, :, None])  # (B, H, 1, 1, D), (B, H, 1, 1, 1)
 
 
-def _combine_rounds(scores: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """scores (B, H, R, T, L) masked with -inf; values (B, H, R or 1, L, D) -> (B, H, T, D).
+def _round_results(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores (B, H, R, T, L) masked with -inf; values (B, H, R or 1, L, D) ->
+    each round's softmax output (B, H, R, T, D) and logsumexp (B, H, R, T, 1)."""
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return torch.exp(scores - lse) @ values, lse
 
-    Each round's softmax output is weighted by the softmax over rounds of its
+
+def _mix_rounds(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """(B, H, R, T, D), (B, H, R, T, 1) -> (B, H, T, D).
+
+    Each round's output is weighted by the softmax over rounds of its
     logsumexp: one softmax over the union of the rounds' keys when no key
     appears in two rounds.
     """
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (B, H, R, T, 1)
-    out = torch.exp(scores - lse) @ values  # (B, H, R, T, D)
     return (torch.softmax(lse, dim=2) * out).sum(dim=2)
 
 
-def _lsh_attend(q, keys, values, q_buckets, k_buckets, q_pos, k_pos) -> torch.Tensor:
-    """Reference LSH attention over explicit keys.
+def _lsh_attend(q, keys, values, q_buckets, k_buckets, q_pos, k_pos, window: int = 0) -> torch.Tensor:
+    """Reference LSH attention over explicit keys (see `_dense_rounds`): (B, H, T, D)."""
+    return _mix_rounds(*_dense_rounds(q, keys, values, q_buckets, k_buckets, q_pos, k_pos, window))
+
+
+def _dense_rounds(q, keys, values, q_buckets, k_buckets, q_pos, k_pos, window: int = 0):
+    """Each round's output and logsumexp over explicit keys, the local round last when window > 0.
 
     q (B, H, T, D); keys, values (B, H, L, D); q_buckets (B, H, R, T);
-    k_buckets (B, H, R, L); q_pos (B, T); k_pos (B, L) absolute positions.
+    k_buckets (B, H, R, L); q_pos (B, T); k_pos (B, L) absolute positions
+    -> (B, H, R (+1), T, D), (B, H, R (+1), T, 1).
     """
-    d = q.shape[-1]
+    b, h, d = q.shape[0], q.shape[1], q.shape[-1]
     dots = (q @ keys.transpose(-1, -2)) / math.sqrt(d)  # (B, H, T, L)
     same = q_buckets[..., :, None] == k_buckets[..., None, :]  # (B, H, R, T, L)
     earlier = (k_pos[:, None, :] < q_pos[:, :, None])[:, None, None]  # (B, 1, 1, T, L)
     allowed = same & earlier
+    if window:  # one more round: the `window` positions just before the query
+        near = (k_pos[:, None, :] >= q_pos[:, :, None] - window)[:, None, None]
+        allowed = torch.cat([allowed, (earlier & near).expand(b, h, 1, -1, -1)], dim=2)
     itself = (k_pos[:, None, :] == q_pos[:, :, None])[:, None, None]
     allowed = allowed | (itself & ~allowed.any(dim=-1, keepdim=True))
     scores = dots[:, :, None].masked_fill(~allowed, float("-inf"))  # (B, H, R, T, L)
-    return _combine_rounds(scores, values[:, :, None])
+    return _round_results(scores, values[:, :, None])
 
 
-def _lsh_attend_bucketed(q, k, v, buckets, n_buckets: int) -> torch.Tensor:
+def _local_round(q, k, v, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The local round over a whole sequence from position 0, in blocks of `window`:
+    each block's queries see their own block and the one before, masked to the
+    `window` positions before each query. O(T W) instead of O(T^2).
+
+    q, k, v (B, H, T, D) -> out (B, H, 1, T, D), lse (B, H, 1, T, 1).
+    """
+    b, h, t, d = q.shape
+    n = -(-t // window)  # blocks
+    pad = n * window - t
+    # One block of zeros in front, so block 0 has a "previous" block (masked out).
+    qb = F.pad(q, (0, 0, 0, pad)).view(b, h, n, window, d)
+    kb, vb = (F.pad(x, (0, 0, window, pad)).view(b, h, n + 1, window, d) for x in (k, v))
+    keys = torch.cat([kb[:, :, :-1], kb[:, :, 1:]], dim=3)  # (B, H, n, 2W, D)
+    values = torch.cat([vb[:, :, :-1], vb[:, :, 1:]], dim=3)
+    q_pos = torch.arange(n * window, device=q.device).view(n, window, 1)
+    k_pos = (torch.arange(n, device=q.device) * window).view(n, 1, 1) + torch.arange(-window, window, device=q.device)
+    allowed = (k_pos < q_pos) & (k_pos >= q_pos - window) & (k_pos >= 0)  # (n, W, 2W)
+    allowed[0, 0, window] = True  # position 0 has nothing before it: itself
+    scores = (qb @ keys.transpose(-1, -2) / math.sqrt(d)).masked_fill(~allowed, float("-inf"))
+    out, lse = _round_results(scores, values)  # (B, H, n, W, D), (B, H, n, W, 1)
+    return out.view(b, h, 1, n * window, d)[:, :, :, :t], lse.view(b, h, 1, n * window, 1)[:, :, :, :t]
+
+
+def _lsh_attend_bucketed(q, k, v, buckets, n_buckets: int, window: int = 0) -> torch.Tensor:
     """The same semantics as `_lsh_attend` for a whole sequence from position 0,
     computed inside buckets: sort positions by (bucket, position), pad every
     bucket to the largest one (M), attend within each bucket. Costs
     O(n_buckets * M^2) instead of O(T^2); exact, not the paper's chunk
     approximation. Falls back to the dense form when buckets are very uneven.
+    The local round runs in blocks either way: O(T W).
 
     q, k, v (B, H, T, D); buckets (B, H, R, T) -> (B, H, T, D).
     """
-    b, h, r, t = buckets.shape
-    d = q.shape[-1]
+    b, t = buckets.shape[0], buckets.shape[3]
     counts = F.one_hot(buckets, n_buckets).sum(dim=3)  # (B, H, R, n)
     m = int(counts.max())
     if 4 * n_buckets * m * m > t * t:  # padding would cost more than it saves
         pos = torch.arange(t, device=q.device).expand(b, t)
-        return _lsh_attend(q, k, v, buckets, buckets, pos, pos)
+        out, lse = _dense_rounds(q, k, v, buckets, buckets, pos, pos)
+    else:
+        out, lse = _bucket_rounds(q, k, v, buckets, n_buckets, counts, m)
+    if window:
+        local_out, local_lse = _local_round(q, k, v, window)
+        out, lse = torch.cat([out, local_out], dim=2), torch.cat([lse, local_lse], dim=2)
+    return _mix_rounds(out, lse)
+
+
+def _bucket_rounds(q, k, v, buckets, n_buckets: int, counts, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hashed rounds, sorted and padded to buckets of m: (B, H, R, T, D), (B, H, R, T, 1)."""
+    b, h, r, t = buckets.shape
+    d = q.shape[-1]
     order = (buckets * t + torch.arange(t, device=q.device)).argsort(dim=-1)  # (B, H, R, T) positions by bucket
     sorted_buckets = buckets.gather(-1, order)
     offsets = counts.cumsum(dim=-1) - counts  # first sorted index of each bucket
@@ -216,5 +291,4 @@ def _lsh_attend_bucketed(q, k, v, buckets, n_buckets: int) -> torch.Tensor:
     # Back from bucket slots to positions.
     gathered = out.gather(3, torch.cat([padded_index, padded_index[..., :1]], dim=-1))
     unsorted = torch.empty_like(gathered).scatter(3, torch.cat([order_d, order_d[..., :1]], dim=-1), gathered)
-    out, lse = unsorted[..., :d], unsorted[..., d:]  # (B, H, R, T, D), (B, H, R, T, 1)
-    return (torch.softmax(lse, dim=2) * out).sum(dim=2)
+    return unsorted[..., :d], unsorted[..., d:]  # (B, H, R, T, D), (B, H, R, T, 1)

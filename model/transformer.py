@@ -103,13 +103,26 @@ class Transformer(nn.Module):
         end = int(start.max()) + t
         if end > self.config.max_len:
             raise SequenceTooLong(f"sequence would reach {end} tokens; this model's max_len is {self.config.max_len}")
-        x = self.tok_emb(tokens) + self._positions(chunk_positions(start, t))
+        return self._run(tokens, start, state), state
+
+    def decode_step(self, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
+        """One token per row: (B,) -> next-token logits (B, V); the state moves on in place.
+
+        Unlike `forward` there is no max_len check: reading the lengths on the host
+        would wait for the device, and a CUDA graph cannot capture that wait.
+        Callers keep every row below max_len (the engine checks at admission).
+        """
+        return self._run(tokens[:, None], state.lengths, state)[:, -1]
+
+    def _run(self, tokens: torch.Tensor, start: torch.Tensor, state: ModelState | None) -> torch.Tensor:
+        """(B, T) tokens from positions `start` -> (B, T, V) logits."""
+        x = self.tok_emb(tokens) + self._positions(chunk_positions(start, tokens.shape[1]))
         x = self.drop(x)
         for i, block in enumerate(self.blocks):
             x, _ = block(x, start, state.layers[i] if state is not None else None)
         if state is not None:
-            state.lengths += t
-        return self.head(self.ln_f(x)), state
+            state.lengths += tokens.shape[1]
+        return self.head(self.ln_f(x))
 
     def _positions(self, pos: torch.Tensor) -> torch.Tensor:
         if self.pos_emb is not None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model.config import BOS_TOKEN, ModelConfig
+from model.cuda_graphs import EagerDecoder, make_decoder
 from model.sampling import BatchSampling, force_tokens, sample, token_logprobs
 from model.transformer import Transformer, with_bos
 
@@ -43,6 +44,7 @@ class EngineFailure(RuntimeError):
 class EngineLimits:
     max_batch: int = 64
     max_waiting: int = 256
+    cuda_graphs: bool = True  # capture decode steps on CUDA (linear, Linformer)
 
 
 _DONE = object()  # end-of-stream marker
@@ -155,6 +157,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._rows: list[_Row] = []
         self._slots: _Slots | None = None
+        self._decoder: EagerDecoder | None = None
         self._start_error: Exception | None = None
         self._scoring = 0  # score() calls in flight, bounded like the waiting queue
         metrics.register_model(name, self.attention)
@@ -171,6 +174,11 @@ class Engine:
     @property
     def ready(self) -> bool:
         return self._ready.is_set() and not self._stopping
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether decode steps replay captured CUDA graphs (known once started)."""
+        return self._decoder is not None and self._decoder.graphed
 
     @property
     def running(self) -> int:
@@ -243,6 +251,7 @@ class Engine:
         with torch.inference_mode():
             try:
                 self._slots = self._allocate()
+                self._decoder = make_decoder(self.model, self._slots.state, self.limits.cuda_graphs)
             except (RuntimeError, MemoryError) as exc:  # out of memory: report, do not hang start()
                 self._start_error = exc
                 self._ready.set()
@@ -332,9 +341,8 @@ class Engine:
         position += 1
         self._drop_rows(done, tokens)
         live = len(self._rows)
-        if live:
-            out, _ = self.model(tokens[:live, None], slots.state.slice(0, live))
-            slots.logits[:live] = out[:, -1].float()
+        if live:  # rows [0, live) hold the live sequences, so one decode step over them
+            slots.logits[:live] = self._decoder(tokens[:live])
         self.metrics.step(self.name, self.attention, batch=n, tokens=emitted,
                           state_bytes=slots.state.nbytes_in_use(live))
         self.metrics.queue(self.name, self.attention, live, self.waiting)

@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help=f"where the models run; auto = CUDA if present {default('device')}")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"),
                         help=f"weights and activations; auto = bfloat16 on CUDA, float32 on CPU {default('dtype')}")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
+                        help="on CUDA, capture linear and Linformer decode steps as CUDA graphs at padded batch sizes "
+                             f"{default('cuda_graphs')}")
     parser.add_argument("--max-batch", type=int, help=f"sequences decoded together per model {default('max_batch')}")
     parser.add_argument("--max-waiting", type=int, help=f"requests queued per model before 429 {default('max_waiting')}")
     parser.add_argument("--max-body-bytes", type=int, help=f"largest request body accepted {default('max_body_bytes')}")
@@ -41,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    flags = ("weights", "models", "host", "port", "device", "dtype", "max_batch", "max_waiting", "max_body_bytes", "api_key", "log_level")
+    flags = ("weights", "models", "host", "port", "device", "dtype", "cuda_graphs", "max_batch", "max_waiting", "max_body_bytes", "api_key", "log_level")
     return build_settings(**{name: getattr(args, name, None) for name in flags})
 
 

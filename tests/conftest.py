@@ -26,6 +26,7 @@ def make_tiny_config(kind: str, **overrides) -> ModelConfig:
         attention=kind, task="text", d_model=32, n_layers=2, n_heads=4, d_ff=64,
         max_len=TINY_MAX_LEN, dropout=0.0, pos_encoding="learned",
         linformer_k=8, reformer_rounds=2, reformer_buckets=4,  # few buckets: each holds several keys
+        reformer_local_window=8,  # shorter than max_len: the window slides
     )
     fields.update(overrides)
     return ModelConfig(**fields)

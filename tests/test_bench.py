@@ -146,7 +146,7 @@ def test_later_positions_and_interpolated_sum():
 def test_roofline_state_traffic_matches_the_models_own_state(kind):
     """The per-token byte formulas agree with the state the model really allocates."""
     cfg = ModelConfig(attention=kind, task="text", d_model=32, n_layers=2, n_heads=4, d_ff=64, max_len=512,
-                      linformer_k=8, reformer_rounds=2, reformer_buckets=4)
+                      linformer_k=8, reformer_rounds=2, reformer_buckets=4, reformer_local_window=16)
     model = build_model(cfg)
     t = 256
     _, moved = attention_cost(cfg, t)
@@ -156,7 +156,8 @@ def test_roofline_state_traffic_matches_the_models_own_state(kind):
         assert moved == model.state_bytes_per_sequence(t) + model.state_bytes_per_sequence(1)
     else:  # the expected bucket share of the cached keys and values, per round
         kv_per_position = 2 * cfg.d_model * FLOAT32 * cfg.n_layers
-        assert moved == kv_per_position * (cfg.reformer_rounds * t / cfg.reformer_buckets + 1)
+        window = cfg.reformer_local_window
+        assert moved == kv_per_position * (cfg.reformer_rounds * t / cfg.reformer_buckets + window + 1)
     # Dense FLOPs are two per weight of the blocks and the output head.
     matrices = sum(p.numel() for n, p in model.named_parameters()
                    if p.dim() == 2 and n.endswith(".weight") and not n.startswith(("tok_emb", "pos_emb")))

@@ -169,7 +169,8 @@ def reference_linformer(attn, x):
 
 def reference_reformer(attn, x):
     """Shared-QK LSH attention: earlier keys in the query's bucket, itself only when
-    the bucket holds nothing earlier; rounds weighted by softmax of their logsumexp."""
+    the bucket holds nothing earlier; rounds weighted by softmax of their logsumexp.
+    With a local window W, one more round whose keys are the W positions before."""
     q = _heads(attn.qk(x), attn.n_heads)
     v = _heads(attn.v(x), attn.n_heads)
     keys = F.normalize(q, dim=-1)
@@ -178,10 +179,12 @@ def reference_reformer(attn, x):
     t, d = q.shape[2], q.shape[3]
     dots = (q @ keys.transpose(-1, -2)) / math.sqrt(d)  # (B, H, T, T)
     earlier = torch.ones(t, t, dtype=torch.bool).tril(-1)
+    rounds = [(buckets[:, :, r, :, None] == buckets[:, :, r, None, :]) & earlier  # (B, H, T, T)
+              for r in range(attn.rotations.shape[0])]
+    if attn.window:
+        rounds.append(earlier & ~torch.ones(t, t, dtype=torch.bool).tril(-attn.window - 1))
     lse, outs = [], []
-    for r in range(attn.rotations.shape[0]):
-        bucket = buckets[:, :, r]  # (B, H, T)
-        allowed = (bucket[..., :, None] == bucket[..., None, :]) & earlier
+    for allowed in rounds:
         alone = ~allowed.any(dim=-1)  # nothing earlier in the bucket: attend to itself
         allowed = allowed | (torch.eye(t, dtype=torch.bool) & alone[..., None])
         scores = dots.masked_fill(~allowed, float("-inf"))
@@ -205,6 +208,8 @@ REFERENCES = {"softmax": reference_softmax, "linear": reference_linear,
     ("softmax", {}), ("linear", {}),
     ("linformer", {"linformer_sharing": "none"}), ("linformer", {"linformer_sharing": "headwise"}),
     ("linformer", {"linformer_sharing": "kv"}), ("reformer", {"reformer_rounds": 1}), ("reformer", {}),
+    ("reformer", {"reformer_local_window": 0}), ("reformer", {"reformer_local_window": 1}),
+    ("reformer", {"reformer_local_window": 64}),  # wider than the input: every earlier position
 ])
 @torch.no_grad()
 def test_attention_matches_reference_formula(kind, overrides):
@@ -215,11 +220,12 @@ def test_attention_matches_reference_formula(kind, overrides):
     torch.testing.assert_close(got, REFERENCES[kind](attn, x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [0, 24])  # 24 does not divide 512: a padded last block
 @torch.no_grad()
-def test_reformer_bucketed_parallel_path_matches_reference_and_decoding():
-    cfg = make_tiny_config("reformer", reformer_buckets=16, max_len=512)
+def test_reformer_bucketed_parallel_path_matches_reference_and_decoding(window):
+    cfg = make_tiny_config("reformer", reformer_buckets=16, max_len=512, reformer_local_window=window)
     assert cfg.reformer_buckets // 2 == cfg.d_head  # square rotations, so they can be orthogonal
-    attn = make_tiny_model("reformer", reformer_buckets=16, max_len=512).blocks[0].attn
+    attn = make_tiny_model("reformer", reformer_buckets=16, max_len=512, reformer_local_window=window).blocks[0].attn
     gen = torch.Generator().manual_seed(0)
     # Identity QK and orthogonal rotations: keys uniform on the sphere fall in equally
     # likely buckets, balanced enough for the bucketed (sort and pad) parallel path.
@@ -240,8 +246,9 @@ def test_reformer_bucketed_parallel_path_matches_reference_and_decoding():
     torch.testing.assert_close(torch.cat(outputs, dim=1), parallel, atol=CHUNK_TOLERANCE, rtol=0)
 
 
-def test_reformer_long_sequence_decodes_like_the_parallel_path():
-    model = make_tiny_model("reformer", reformer_buckets=16, max_len=256)
+@pytest.mark.parametrize("window", [0, 16])
+def test_reformer_long_sequence_decodes_like_the_parallel_path(window):
+    model = make_tiny_model("reformer", reformer_buckets=16, max_len=256, reformer_local_window=window)
     tokens = make_tokens(21, 2, 256)
     expected = run_parallel(model, tokens)
     for sizes in ([1] * 256, [100, 1, 60, 95]):

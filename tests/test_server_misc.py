@@ -24,7 +24,8 @@ METRIC_NAMES = (
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in ("HOST", "PORT", "WEIGHTS", "MODELS", "DEVICE", "MAX_BATCH", "MAX_WAITING", "MAX_BODY_BYTES", "API_KEY", "LOG_LEVEL"):
+    for name in ("HOST", "PORT", "WEIGHTS", "MODELS", "DEVICE", "DTYPE", "CUDA_GRAPHS", "MAX_BATCH", "MAX_WAITING",
+                 "MAX_BODY_BYTES", "API_KEY", "LOG_LEVEL"):
         monkeypatch.delenv(f"RNNSERVE_{name}", raising=False)
     return monkeypatch
 
@@ -35,6 +36,7 @@ def test_settings_defaults(clean_env):
     s = build_settings()
     assert (s.host, s.port, str(s.weights), s.device) == ("127.0.0.1", 8000, "weights", "auto")
     assert (s.max_batch, s.max_waiting, s.api_key, s.models) == (64, 256, None, [])
+    assert s.cuda_graphs is True
 
 
 def test_flags_override_env_over_defaults(clean_env):
@@ -48,6 +50,9 @@ def test_flags_override_env_over_defaults(clean_env):
     args = parser.parse_args(["--port", "9002", "--model", "x.safetensors", "--model", "y.safetensors", "--max-batch", "4"])
     s = settings_from_args(args)
     assert (s.port, s.max_batch, [str(p) for p in s.models]) == (9002, 4, ["x.safetensors", "y.safetensors"])
+    clean_env.setenv("RNNSERVE_CUDA_GRAPHS", "false")
+    assert settings_from_args(parser.parse_args([])).cuda_graphs is False
+    assert settings_from_args(parser.parse_args(["--cuda-graphs"])).cuda_graphs is True
 
 
 def test_bad_settings_name_the_flag(clean_env):

@@ -259,6 +259,7 @@ def test_bfloat16_serving_decodes_like_its_parallel_pass(bf16_server, kind):
     parallel pass, to bfloat16's precision (8 bits of mantissa) rather than float32's."""
     entry = bf16_server.get(f"/v1/models/{kind}-text").json()
     assert entry["dtype"] == "bfloat16"
+    assert entry["cuda_graphs"] is False  # a CPU server never captures graphs
     prompt = list(b"The cat")
     gen = complete(bf16_server, model=f"{kind}-text", prompt=prompt, max_tokens=16, logprobs=1, seed=3)
     lp = gen["choices"][0]["logprobs"]

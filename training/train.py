@@ -33,7 +33,7 @@ from model.weights_io import save_model
 
 from .data import MNIST_PIXELS, DataError, load_mnist, load_text
 from .evaluate import device_description, evaluate_file, print_table, resolve_device
-from .presets import PRESETS
+from .presets import PRESETS, REFORMER_LOCAL_WINDOW
 
 SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 MIN_LR_FRACTION = 0.1  # the cosine ends at 10% of the peak rate
@@ -61,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arch.add_argument("--linformer-k", type=int, default=64)
     arch.add_argument("--reformer-buckets", type=int, default=32)
     arch.add_argument("--reformer-rounds", type=int, default=1)
+    arch.add_argument("--reformer-local-window", type=int, default=REFORMER_LOCAL_WINDOW,
+                      help="Reformer: also attend to the W positions before each query (0: hashed buckets only)")
     opt = parser.add_argument_group("optimisation")
     opt.add_argument("--minutes", type=float, help="wall-clock budget for training (eval not included)")
     opt.add_argument("--steps", type=int, help="number of optimiser steps")
@@ -128,6 +130,7 @@ def build_config(args: argparse.Namespace) -> ModelConfig:
         linformer_k=args.linformer_k,
         reformer_buckets=args.reformer_buckets,
         reformer_rounds=args.reformer_rounds,
+        reformer_local_window=args.reformer_local_window,
     )
 
 

@@ -1,0 +1,127 @@
+"""Decode steps at a few fixed batch sizes, replayed as CUDA graphs.
+
+On a GPU a decode step of a small model is a few hundred tiny kernels, and
+launching them one by one from Python costs more than running them. A CUDA
+graph replays all of a step's kernels with one launch, but only for the
+shapes and tensor addresses it was captured with. So the step is captured
+once per padded batch size (1, 2, 4, ... up to the slot count) on static
+buffers: the token buffer, the preallocated state slots and the logits. A
+step with n live rows replays the smallest captured size >= n. Live rows
+are always rows [0, n) (the engine compacts them), so the padding rows are
+free slots: what a step writes there is never read, and a sequence that
+joins resets its row first.
+
+Only kinds whose decode step has fixed shapes can be captured: linear and
+Linformer (constant-size state). Softmax reads a prefix and Reformer a
+bucket whose length changes every step; they run eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from .state import ModelState
+from .transformer import Transformer
+
+GRAPHABLE_KINDS = ("linear", "linformer")
+WARMUP_STEPS = 3  # eager runs before capture: cuBLAS handles, allocator pools
+
+
+def padded_sizes(max_batch: int) -> list[int]:
+    """Powers of two below max_batch, then max_batch: 1, 2, 4, ..., max_batch."""
+    sizes = [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch]
+    return sizes + [max_batch]
+
+
+class EagerDecoder:
+    """Decode steps on the first n rows of a preallocated state, as launched."""
+
+    def __init__(self, model: Transformer, state: ModelState):
+        self.model = model
+        self.state = state
+
+    @property
+    def graphed(self) -> bool:
+        return False
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Tokens (n,) for rows [0, n) -> their next-token logits (n, V)."""
+        return self.model.decode_step(tokens, self.state.slice(0, tokens.shape[0]))
+
+
+class PaddedDecoder(EagerDecoder):
+    """Decode steps run at the smallest of `sizes` >= n, on static buffers."""
+
+    def __init__(self, model: Transformer, state: ModelState, sizes: list[int]):
+        super().__init__(model, state)
+        if not sizes or max(sizes) > state.batch_size:
+            raise ValueError(f"padded sizes {sizes} must be non-empty and fit the state's {state.batch_size} rows")
+        self.sizes = sorted(sizes)
+        self.tokens = torch.zeros(self.sizes[-1], dtype=torch.long, device=model.device)  # valid ids when padding
+        self.logits = torch.zeros(self.sizes[-1], model.config.vocab_out, device=model.device)
+
+    def size_for(self, n: int) -> int:
+        i = bisect.bisect_left(self.sizes, n)
+        if i == len(self.sizes):
+            raise ValueError(f"{n} rows is more than the largest padded size {self.sizes[-1]}")
+        return self.sizes[i]
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[0]
+        size = self.size_for(n)
+        self.tokens[:n].copy_(tokens)
+        self.state.lengths[n:size] = 0  # padding rows: any in-range position will do
+        self._run(size)
+        return self.logits[:n]
+
+    def _run(self, size: int) -> None:
+        self._step(size)
+
+    def _step(self, size: int) -> None:
+        self.logits[:size] = self.model.decode_step(self.tokens[:size], self.state.slice(0, size)).float()
+
+
+class CudaGraphDecoder(PaddedDecoder):
+    """A PaddedDecoder whose step at each size is one CUDA graph replay."""
+
+    def __init__(self, model: Transformer, state: ModelState, sizes: list[int]):
+        super().__init__(model, state, sizes)
+        if model.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA model, this one is on {model.device}")
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._capture()
+
+    @property
+    def graphed(self) -> bool:
+        return True
+
+    def _capture(self) -> None:
+        # Warm up on a side stream, as torch.cuda.graph asks; the steps scribble on the state.
+        side = torch.cuda.Stream(self.model.device)
+        side.wait_stream(torch.cuda.current_stream(self.model.device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_STEPS):
+                self._step(self.sizes[-1])
+        torch.cuda.current_stream(self.model.device).wait_stream(side)
+        pool = None
+        for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
+            self.state.lengths.zero_()  # capture records kernels only, but keep positions in range anyway
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._step(size)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        self.state.reset_rows(range(self.state.batch_size))  # undo the warm-up steps
+
+    def _run(self, size: int) -> None:
+        self.graphs[size].replay()
+
+
+def make_decoder(model: Transformer, state: ModelState, cuda_graphs: bool,
+                 sizes: list[int] | None = None) -> EagerDecoder:
+    """CUDA graphs when asked for and possible (a CUDA model of a graphable kind), else eager."""
+    if cuda_graphs and model.device.type == "cuda" and model.config.attention in GRAPHABLE_KINDS:
+        return CudaGraphDecoder(model, state, sizes or padded_sizes(state.batch_size))
+    return EagerDecoder(model, state)

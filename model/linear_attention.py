@@ -26,8 +26,17 @@ BLOCK = 64
 
 @dataclass
 class LinearState(RowState):
-    s: torch.Tensor  # (B, H, D, D) float32: sum of phi(k) v^T
-    z: torch.Tensor  # (B, H, D) float32: sum of phi(k)
+    # S and Z side by side, [S | Z]: one rank-1 update k [v; 1]^T and one read
+    # phi(q)^T [S | Z] per step give numerator and denominator together.
+    sz: torch.Tensor  # (B, H, D, D + 1) float32
+
+    @property
+    def s(self) -> torch.Tensor:
+        return self.sz[..., :-1]  # (B, H, D, D): sum of phi(k) v^T
+
+    @property
+    def z(self) -> torch.Tensor:
+        return self.sz[..., -1]  # (B, H, D): sum of phi(k)
 
 
 def feature_map(x: torch.Tensor) -> torch.Tensor:
@@ -69,10 +78,7 @@ class LinearAttention(nn.Module):
     def new_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> LinearState:
         del dtype  # sums accumulate in float32 whatever the model's dtype
         d = self.proj.in_features // self.n_heads
-        return LinearState(
-            torch.zeros(batch, self.n_heads, d, d, device=device),
-            torch.zeros(batch, self.n_heads, d, device=device),
-        )
+        return LinearState(torch.zeros(batch, self.n_heads, d, d + 1, device=device))
 
     def forward(self, x: torch.Tensor, start: torch.Tensor, state: LinearState | None):
         del start  # position-free: the state is all a token needs
@@ -95,9 +101,8 @@ class LinearAttention(nn.Module):
     def _step(self, q, k, v, state: LinearState) -> torch.Tensor:
         """One token per row, state updated in place. q, k, v: (B, H, D)."""
         b, h, d = k.shape
-        # In-place rank-1 update S += k v^T: no (B, H, D, D) temporary per step.
-        state.s.view(b * h, d, d).baddbmm_(k.reshape(b * h, d, 1), v.reshape(b * h, 1, d))
-        state.z.add_(k)
-        num = (q[..., None, :] @ state.s)[..., 0, :]  # (B, H, D)
-        den = (q * state.z).sum(-1, keepdim=True) + self.eps
-        return num / den
+        v1 = torch.cat([v, v.new_ones(b, h, 1)], dim=-1)  # (B, H, D + 1): [v; 1]
+        # In place, [S | Z] += k [v; 1]^T: no (B, H, D, D) temporary per step.
+        state.sz.view(b * h, d, d + 1).baddbmm_(k.reshape(b * h, d, 1), v1.reshape(b * h, 1, d + 1))
+        out = (q[..., None, :] @ state.sz)[..., 0, :]  # (B, H, D + 1): [phi(q)^T S, phi(q)^T Z]
+        return out[..., :d] / (out[..., d:] + self.eps)

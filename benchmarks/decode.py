@@ -235,8 +235,9 @@ def measure_images(models: dict[str, Transformer], settings: DecodeSettings, pro
     results = []
     for batch in settings.batch_sizes:
         # State and CUDA graphs made once per batch size, outside the timings, as a server does at start-up.
-        decoders = {kind: make_decoder(model, model.new_state(batch), settings.cuda_graphs, sizes=[batch])
-                    for kind, model in models.items()}
+        with torch.inference_mode():
+            decoders = {kind: make_decoder(model, model.new_state(batch), settings.cuda_graphs, sizes=[batch])
+                        for kind, model in models.items()}
         for decoder in decoders.values():
             _time_generation(decoder, min(8, settings.image_tokens))  # warm-up: allocator, kernels
         runs: dict[str, list[tuple[float, float]]] = {kind: [] for kind in models}

@@ -19,13 +19,19 @@ bucket whose length changes every step; they run eagerly.
 from __future__ import annotations
 
 import bisect
+import logging
 
 import torch
 
 from .state import ModelState
 from .transformer import Transformer
 
+log = logging.getLogger("rnnserve.cuda_graphs")
+
 GRAPHABLE_KINDS = ("linear", "linformer")
+# Padding rows restart at position 0 every step: harmless when a row's state is fixed-size or
+# written by position, not for Reformer, whose bucket lists would keep growing past max_len.
+PADDABLE_KINDS = ("softmax", "linear", "linformer")
 WARMUP_STEPS = 3  # eager runs before capture: cuBLAS handles, allocator pools
 
 
@@ -56,6 +62,8 @@ class PaddedDecoder(EagerDecoder):
 
     def __init__(self, model: Transformer, state: ModelState, sizes: list[int]):
         super().__init__(model, state)
+        if model.config.attention not in PADDABLE_KINDS:
+            raise ValueError(f"{model.config.attention} decode steps cannot be padded; padded kinds: {', '.join(PADDABLE_KINDS)}")
         if not sizes or max(sizes) > state.batch_size:
             raise ValueError(f"padded sizes {sizes} must be non-empty and fit the state's {state.batch_size} rows")
         self.sizes = sorted(sizes)
@@ -109,7 +117,8 @@ class CudaGraphDecoder(PaddedDecoder):
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory pool
             self.state.lengths.zero_()  # capture records kernels only, but keep positions in range anyway
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: another engine's thread using CUDA meanwhile does not break this capture
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 self._step(size)
             pool = graph.pool()
             self.graphs[size] = graph
@@ -121,7 +130,12 @@ class CudaGraphDecoder(PaddedDecoder):
 
 def make_decoder(model: Transformer, state: ModelState, cuda_graphs: bool,
                  sizes: list[int] | None = None) -> EagerDecoder:
-    """CUDA graphs when asked for and possible (a CUDA model of a graphable kind), else eager."""
+    """CUDA graphs when asked for and possible (a CUDA model of a graphable kind), else eager.
+    A capture that fails (e.g. out of memory) is logged and decoding stays eager."""
     if cuda_graphs and model.device.type == "cuda" and model.config.attention in GRAPHABLE_KINDS:
-        return CudaGraphDecoder(model, state, sizes or padded_sizes(state.batch_size))
+        try:
+            return CudaGraphDecoder(model, state, sizes or padded_sizes(state.batch_size))
+        except RuntimeError as exc:
+            log.warning("CUDA graph capture failed for a %s model (%s); decoding eagerly", model.config.attention, exc)
+            state.reset_rows(range(state.batch_size))
     return EagerDecoder(model, state)

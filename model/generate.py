@@ -10,7 +10,7 @@ import torch
 
 from .cuda_graphs import EagerDecoder
 from .sampling import BatchSampling, force_tokens, sample
-from .transformer import Transformer, with_bos
+from .transformer import SequenceTooLong, Transformer, with_bos
 
 
 @torch.inference_mode()
@@ -23,6 +23,8 @@ def generate(model: Transformer, prompt: torch.Tensor, total_len: int, sampling:
     `make_decoder`) and reused across calls; by default eager steps on a new state.
     """
     b, p = prompt.shape
+    if total_len > model.config.max_len:  # decode steps do not check (see Transformer.decode_step)
+        raise SequenceTooLong(f"cannot generate {total_len} tokens; this model's max_len is {model.config.max_len}")
     tokens = torch.empty(b, total_len, dtype=torch.long, device=model.device)
     tokens[:, :p] = prompt
     if decoder is None:

@@ -192,29 +192,40 @@ def _mix_rounds(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 
 def _lsh_attend(q, keys, values, q_buckets, k_buckets, q_pos, k_pos, window: int = 0) -> torch.Tensor:
-    """Reference LSH attention over explicit keys (see `_dense_rounds`): (B, H, T, D)."""
-    return _mix_rounds(*_dense_rounds(q, keys, values, q_buckets, k_buckets, q_pos, k_pos, window))
-
-
-def _dense_rounds(q, keys, values, q_buckets, k_buckets, q_pos, k_pos, window: int = 0):
-    """Each round's output and logsumexp over explicit keys, the local round last when window > 0.
+    """Dense LSH attention over explicit keys, the local round included when window > 0.
 
     q (B, H, T, D); keys, values (B, H, L, D); q_buckets (B, H, R, T);
-    k_buckets (B, H, R, L); q_pos (B, T); k_pos (B, L) absolute positions
-    -> (B, H, R (+1), T, D), (B, H, R (+1), T, 1).
+    k_buckets (B, H, R, L); q_pos (B, T); k_pos (B, L) absolute positions -> (B, H, T, D).
+
+    Mixing the rounds' softmaxes with weights softmax_r(logsumexp_r) equals one
+    softmax over all keys in which key j counts once per round that holds it:
+    scores + log(count_j). So the rounds become one additive mask (log 0 = -inf
+    hides a key) and one fused scaled_dot_product_attention call, instead of a
+    (B, H, R, T, L) float tensor of scores per round.
     """
-    b, h, d = q.shape[0], q.shape[1], q.shape[-1]
-    dots = (q @ keys.transpose(-1, -2)) / math.sqrt(d)  # (B, H, T, L)
-    same = q_buckets[..., :, None] == k_buckets[..., None, :]  # (B, H, R, T, L)
-    earlier = (k_pos[:, None, :] < q_pos[:, :, None])[:, None, None]  # (B, 1, 1, T, L)
-    allowed = same & earlier
-    if window:  # one more round: the `window` positions just before the query
-        near = (k_pos[:, None, :] >= q_pos[:, :, None] - window)[:, None, None]
-        allowed = torch.cat([allowed, (earlier & near).expand(b, h, 1, -1, -1)], dim=2)
-    itself = (k_pos[:, None, :] == q_pos[:, :, None])[:, None, None]
-    allowed = allowed | (itself & ~allowed.any(dim=-1, keepdim=True))
-    scores = dots[:, :, None].masked_fill(~allowed, float("-inf"))  # (B, H, R, T, L)
-    return _round_results(scores, values[:, :, None])
+    count = _key_counts(q_buckets, k_buckets, q_pos, k_pos, window)  # (B, H, T, L) uint8
+    bias = torch.zeros(count.shape, dtype=q.dtype, device=q.device).masked_fill_(count == 0, float("-inf"))
+    for c in range(2, q_buckets.shape[2] + 2 if window else q_buckets.shape[2] + 1):  # log(count) without a log pass
+        bias.masked_fill_(count == c, math.log(c))
+    return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=bias)
+
+
+def _key_counts(q_buckets, k_buckets, q_pos, k_pos, window: int) -> torch.Tensor:
+    """How many rounds hold key j for query i: (B, H, T, L) uint8. Each round holds the
+    earlier keys of the query's bucket (the local round: of its window), or else itself."""
+    b, h, rounds, t = q_buckets.shape
+    earlier = k_pos[:, None, :] < q_pos[:, :, None]  # (B, T, L)
+    itself = k_pos[:, None, :] == q_pos[:, :, None]
+    count = torch.zeros(b, h, t, k_pos.shape[1], dtype=torch.uint8, device=q_buckets.device)
+    for r in range(rounds):
+        allowed = (q_buckets[:, :, r, :, None] == k_buckets[:, :, r, None, :]) & earlier[:, None]
+        allowed |= itself[:, None] & ~allowed.any(dim=-1, keepdim=True)
+        count += allowed
+    if window:
+        local = earlier & (k_pos[:, None, :] >= q_pos[:, :, None] - window)
+        local |= itself & ~local.any(dim=-1, keepdim=True)
+        count += local[:, None]
+    return count
 
 
 def _local_round(q, k, v, window: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,9 +267,8 @@ def _lsh_attend_bucketed(q, k, v, buckets, n_buckets: int, window: int = 0) -> t
     m = int(counts.max())
     if 4 * n_buckets * m * m > t * t:  # padding would cost more than it saves
         pos = torch.arange(t, device=q.device).expand(b, t)
-        out, lse = _dense_rounds(q, k, v, buckets, buckets, pos, pos)
-    else:
-        out, lse = _bucket_rounds(q, k, v, buckets, n_buckets, counts, m)
+        return _lsh_attend(q, k, v, buckets, buckets, pos, pos, window)
+    out, lse = _bucket_rounds(q, k, v, buckets, n_buckets, counts, m)
     if window:
         local_out, local_lse = _local_round(q, k, v, window)
         out, lse = torch.cat([out, local_out], dim=2), torch.cat([lse, local_lse], dim=2)

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# HTTP images/s against in-process images/s at the same batch size (issue 5's 80% target).
+#
+# Serves one random-weight `cpu`-preset linear MNIST model with one torch thread, then takes
+# turns: in-process bench, HTTP load (64 concurrent full-image requests), in-process, HTTP, ...
+# so a slow spell of a shared machine lands on both sides. Each HTTP run is compared with
+# the mean of the in-process runs just before and after it.
+#
+#   benchmarks/http_vs_inprocess.sh [ROUNDS (default 3)] [HTTP SECONDS (default 30)]
+#
+# Writes benchmarks/results/http-vs-inprocess.json and prints one line per round.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rounds=${1:-3}
+seconds=${2:-30}
+port=${PORT:-18124}
+py=${PYTHON:-.venv/bin/python}
+work=$(mktemp -d)
+trap 'kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; rm -rf "$work"' EXIT
+
+"$py" -c "import torch; from benchmarks.decode import preset_config; from model import build_model; \
+from model.weights_io import save_model; torch.manual_seed(0); \
+save_model(build_model(preset_config('cpu', 'linear')), '$work/mnist-linear-cpu.safetensors', {})"
+OMP_NUM_THREADS=1 "$py" -m server serve --weights "$work" --port "$port" --max-batch 64 --log-level warning &
+server=$!
+for _ in $(seq 120); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
+
+inprocess() {  # images/s of one batch-64 in-process run
+    "$py" -m server.cli bench --preset cpu --kinds linear --batch-sizes 64 --repeats 1 --threads 1 \
+        --positions 100 --steps-per-position 2 --nocache-pixels 4 --nocache-samples 1 \
+        --json-out "$work/inproc.json" >/dev/null 2>&1
+    "$py" -c "import json; print(json.load(open('$work/inproc.json'))['images'][0]['images_per_s'])"
+}
+http() {  # images/s of one HTTP load run
+    "$py" -m server.cli bench --url "http://127.0.0.1:$port" --kind image --concurrency 64 --keep-rows 0 \
+        --duration "$seconds" --requests 100000 --timeout 120 --json-out "$work/http.json" >/dev/null
+    "$py" -c "import json; d = json.load(open('$work/http.json')); \
+assert d['completed'] == d['sent'], d['outcomes']; print(d['images_per_s'])"
+}
+
+before=$(inprocess)
+runs=()
+for round in $(seq "$rounds"); do
+    over_http=$(http)
+    after=$(inprocess)
+    runs+=("$before $over_http $after")
+    echo "round $round: in-process $before, HTTP $over_http, in-process $after" >&2
+    before=$after
+done
+
+printf '%s\n' "${runs[@]}" | "$py" -c "
+import json, statistics, sys
+rows = [dict(zip(('inprocess_before', 'http', 'inprocess_after'), map(float, line.split()))) for line in sys.stdin]
+for r in rows:
+    r['ratio'] = r['http'] / ((r['inprocess_before'] + r['inprocess_after']) / 2)
+    print(f\"HTTP {r['http']:.2f} images/s vs in-process {r['inprocess_before']:.2f} / {r['inprocess_after']:.2f}: {100 * r['ratio']:.0f}%\")
+median = statistics.median(r['ratio'] for r in rows)
+print(f'median HTTP / in-process: {100 * median:.0f}% over {len(rows)} rounds')
+json.dump({'rounds': rows, 'median_ratio': median, 'http_seconds': $seconds, 'concurrency': 64, 'batch': 64},
+          open('benchmarks/results/http-vs-inprocess.json', 'w'), indent=1)
+"

@@ -40,6 +40,19 @@ def save_model(model: Transformer, path: str | os.PathLike, info: dict[str, Any]
     """Write `model` (optionally cast to `dtype`, e.g. bfloat16) and its config."""
     tensors = {name: t.detach().to(dtype or t.dtype).contiguous().cpu() for name, t in model.state_dict().items()}
     metadata = {CONFIG_KEY: model.config.to_json(), INFO_KEY: json.dumps(info or {}, sort_keys=True)}
+    _write(tensors, metadata, path)
+
+
+def update_info(path: str | os.PathLike, info: dict[str, Any]) -> None:
+    """Replace a file's info (e.g. new evaluation results); its tensors are written back as stored."""
+    with _open(path) as f:
+        metadata = f.metadata() or {}
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    _parse_metadata(path, metadata)  # only a valid rnnserve file
+    _write(tensors, metadata | {INFO_KEY: json.dumps(info, sort_keys=True)}, path)
+
+
+def _write(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: str | os.PathLike) -> None:
     tmp = Path(f"{path}.tmp")
     save_file(tensors, str(tmp), metadata=metadata)
     os.replace(tmp, path)  # never leave a truncated file under the final name

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from model import ModelConfig, build_model
 from model.generate import generate
@@ -237,6 +238,23 @@ def test_text_loss_covers_every_validation_byte_once(tmp_path: Path) -> None:
     assert result["bytes"] == 21
     assert result["loss_nats_per_byte"] == pytest.approx(nats / 21, abs=1e-5)
     assert result["bits_per_byte"] == pytest.approx(nats / 21 / math.log(2), abs=1e-5)
+
+
+def test_eval_store_writes_the_result_into_the_file_and_keeps_its_tensors(tmp_path: Path, mnist_dir: Path,
+                                                                         capsys) -> None:
+    torch.manual_seed(0)
+    cfg = ModelConfig(attention="linear", task="mnist", d_model=32, n_layers=1, n_heads=2, d_ff=32, max_len=784)
+    path = tmp_path / "s.safetensors"
+    save_model(build_model(cfg), path, {"examples_seen": 7}, dtype=torch.bfloat16)
+    before = load_file(path)
+    args = ["--data", str(mnist_dir), "--device", "cpu", "--threads", "1", "--json", "--store"]
+    assert evaluate.run(parse(evaluate, [str(path), *args])) == 0
+    printed = json.loads(capsys.readouterr().out)[str(path)]
+    _, info = read_metadata(path)
+    assert info["examples_seen"] == 7 and info["eval"] == printed
+    after = load_file(path)
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert all(t.dtype == torch.bfloat16 for t in after.values())
 
 
 def test_eval_cli_reports_a_missing_data_folder(tmp_path: Path, capsys) -> None:

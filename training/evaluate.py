@@ -21,7 +21,7 @@ from tqdm import tqdm
 from model import Transformer
 from model.sampling import token_logprobs
 from model.transformer import with_bos
-from model.weights_io import WeightsError, load_model
+from model.weights_io import WeightsError, load_model, read_metadata, update_info
 
 from .data import DataError, load_mnist, load_text
 
@@ -35,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, help="only the first N test images / validation windows")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
+    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    parser.add_argument("--store", action="store_true",
+                        help="also write each result into its file's metadata (info['eval']), as `rnnserve train` "
+                             "does at its end; the tensors are written back unchanged")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--no-progress", action="store_true")
 
@@ -143,9 +147,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.limit is not None and args.limit <= 0:
             raise DataError(f"--limit must be positive, got {args.limit}")
+        if args.threads is not None:
+            if args.threads < 1:
+                raise DataError(f"--threads must be at least 1, got {args.threads}")
+            torch.set_num_threads(args.threads)
         device = resolve_device(args.device)
         rows = [(m, evaluate_file(m, args.data, device, args.limit, args.batch_size,
                                   show_progress=not args.no_progress and not args.json)) for m in args.models]
+        if args.store:
+            for path, result in rows:
+                update_info(path, read_metadata(path)[1] | {"eval": result})
     except (DataError, WeightsError) as exc:
         print(f"rnnserve eval: error: {exc}", file=sys.stderr)
         return 2

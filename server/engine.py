@@ -60,7 +60,8 @@ class GenerationStream:
     def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, each_event: bool = True):
         self.request = request
         self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+        # Lists of events, one list per hand-over: a whole image is one put and one get, not 785.
+        self.queue: asyncio.Queue[list] = asyncio.Queue()
         # False: the handler only wants the whole answer, so events are held by the engine and
         # handed over at the end, instead of waking the event loop once per token.
         self.each_event = each_event
@@ -89,12 +90,12 @@ class GenerationStream:
 
     async def _events(self):
         while True:
-            item = await self.queue.get()
-            if item is _DONE:
-                return
-            if isinstance(item, GenerationError):
-                raise EngineFailure(item.message)
-            yield item
+            for item in await self.queue.get():
+                if item is _DONE:
+                    return
+                if isinstance(item, GenerationError):
+                    raise EngineFailure(item.message)
+                yield item
 
 
 @dataclass(slots=True)
@@ -293,42 +294,57 @@ class Engine:
             self._deliver({s: [_DONE] for s in gone})
 
     def _admit(self) -> None:
+        """Move every waiting request that fits into the batch; prompts of one length prefill together."""
         with self._lock:
             self._drop_cancelled_waiting()
-        while True:
-            with self._lock:
-                if not self._waiting or self._waiting[0].request.n > self.limits.max_batch - len(self._rows):
-                    return
-                stream = self._waiting.popleft()
-            if stream.cancelled:
-                self._deliver({stream: [_DONE]})
-                continue
+            taken, free = [], self.limits.max_batch - len(self._rows)
+            while self._waiting and self._waiting[0].request.n <= free:
+                taken.append(self._waiting.popleft())
+                free -= taken[-1].request.n
+        gone = [s for s in taken if s.cancelled]
+        if gone:
+            self._deliver({s: [_DONE] for s in gone})
+        groups: dict[int, list[GenerationStream]] = defaultdict(list)
+        for stream in taken:
+            if not stream.cancelled:
+                groups[len(stream.request.prompt)].append(stream)
+        for streams in groups.values():
             try:
-                self._prefill(stream)
+                self._prefill(streams)
             except Exception as exc:
                 log.exception("prefill failed")
-                self._deliver({stream: [GenerationError(stream.request.request_id, f"prefill failed: {exc}")]})
+                self._deliver({s: [GenerationError(s.request.request_id, f"prefill failed: {exc}")] for s in streams})
 
-    def _prefill(self, stream: GenerationStream) -> None:
-        req, slots, first = stream.request, self._slots, len(self._rows)
-        row_state = slots.state.slice(first, first + 1)
-        row_state.reset_rows([0])
-        tokens = torch.tensor([[BOS_TOKEN, *req.prompt]], device=self.model.device)
-        logits, _ = self.model(tokens, row_state)
-        slots.logits[first] = logits[0, -1].float()
-        slots.position[first] = len(req.prompt)
-        slots.forced[first] = -1
+    def _prefill(self, streams: list[GenerationStream]) -> None:
+        """One forward over prompts of equal length, into rows [first, first + len(streams));
+        each request's further samples then copy its row."""
+        slots, first, count = self._slots, len(self._rows), len(streams)
+        row_state = slots.state.slice(first, first + count)
+        row_state.reset_rows(range(count))
+        tokens = torch.tensor([[BOS_TOKEN, *s.request.prompt] for s in streams], device=self.model.device)
+        logits, _ = self.model(tokens, row_state)  # (count, P + 1, V)
+        slots.logits[first:first + count] = logits[:, -1].float()
+        for row, stream in enumerate(streams, start=first):
+            self._fill_row(row, stream.request)
+            self._rows.append(_Row(stream, 0, len(stream.request.prompt), len(stream.request.prompt) + stream.request.max_new_tokens))
+            stream.live_rows = stream.request.n
+        for row, stream in enumerate(streams, start=first):
+            req = stream.request
+            for i in range(1, req.n):
+                slots.copy_row(row, len(self._rows))
+                slots.sampling.seed[len(self._rows)] = req.sampling.seed + i
+                self._rows.append(_Row(stream, i, len(req.prompt), len(req.prompt) + req.max_new_tokens))
+
+    def _fill_row(self, row: int, req: GenerationRequest) -> None:
+        """A new sequence's per-row slots: position, known tokens, sampling parameters."""
+        slots, s = self._slots, self._slots.sampling
+        slots.position[row] = len(req.prompt)
+        slots.forced[row] = -1
         if req.forced:  # one indexed write, not one per known pixel
             positions, values = zip(*req.forced.items())
-            slots.forced[first, list(positions)] = torch.tensor(values, device=slots.forced.device)
-        s = slots.sampling
-        s.temperature[first], s.top_k[first], s.top_p[first] = req.sampling.temperature, req.sampling.top_k, req.sampling.top_p
-        for i in range(req.n):
-            if i:
-                slots.copy_row(first, first + i)
-            s.seed[first + i] = req.sampling.seed + i
-            self._rows.append(_Row(stream, i, len(req.prompt), len(req.prompt) + req.max_new_tokens))
-        stream.live_rows = req.n
+            slots.forced[row, list(positions)] = torch.tensor(values, device=slots.forced.device)
+        s.temperature[row], s.top_k[row], s.top_p[row] = req.sampling.temperature, req.sampling.top_k, req.sampling.top_p
+        s.seed[row] = req.sampling.seed
 
     def _step(self) -> None:
         slots, n = self._slots, len(self._rows)
@@ -355,7 +371,7 @@ class Engine:
         now = time.monotonic()
         outbox: dict[GenerationStream, list] = defaultdict(list)
         done: list[int] = []
-        gaps: list[float] = []
+        previous: dict[float, int] = {}  # time of a row's previous token -> rows (all alike but new rows)
         for i, row in enumerate(self._rows):
             stream = row.stream
             if stream.cancelled:
@@ -364,11 +380,12 @@ class Engine:
             reason = row.finish_reason(tokens[i])
             outbox[stream].append(Generation(stream.request.request_id, row.sample, row.position, tokens[i],
                                              logprobs[i] if stream.request.logprobs else None, reason))
-            self._time_token(row, now, gaps)
+            self._time_token(row, now, previous)
             row.position += 1
             if reason is not None:
                 done.append(i)
-        self.metrics.inter_tokens(self.name, self.attention, gaps)
+        for then, rows in previous.items():
+            self.metrics.inter_tokens(self.name, self.attention, now - then, rows)
         emitted = sum(len(events) for events in outbox.values())
         for i in done:
             stream = self._rows[i].stream
@@ -378,14 +395,15 @@ class Engine:
         self._deliver(outbox)
         return done, emitted
 
-    def _time_token(self, row: _Row, now: float, gaps: list[float]) -> None:
-        """Time to first token goes to its histogram at once; later gaps are collected for one batch."""
+    def _time_token(self, row: _Row, now: float, previous: dict[float, int]) -> None:
+        """Time to first token goes to its histogram at once; later tokens are counted by the
+        time of their previous one, so a step records its inter-token gaps in one or two updates."""
         stream = row.stream
         if stream.first_token_at is None:
             stream.first_token_at = now
             self.metrics.first_token(self.name, self.attention, now - stream.submitted_at)
         elif row.last_token_at:
-            gaps.append(now - row.last_token_at)
+            previous[row.last_token_at] = previous.get(row.last_token_at, 0) + 1
         row.last_token_at = now
 
     def _drop_rows(self, done: list[int], tokens: torch.Tensor) -> None:
@@ -433,5 +451,4 @@ class Engine:
 
 def _put_all(batch: list[tuple[GenerationStream, list]]) -> None:
     for stream, items in batch:
-        for item in items:
-            stream.queue.put_nowait(item)
+        stream.queue.put_nowait(items)

@@ -27,9 +27,9 @@ class GenerationRequest:
     logprobs: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen __init__ costs 4x, and the engine makes one per row per step
 class Generation:
-    """One generated token of one sample, as the engine emits it."""
+    """One generated token of one sample, as the engine emits it. Read-only by convention."""
 
     request_id: str
     sample: int  # which of the n samples

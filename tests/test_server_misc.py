@@ -241,3 +241,27 @@ def test_no_waiting_queue_still_serves_when_a_slot_is_free(tmp_path):
         answer = httpx.post(f"{url}/v1/completions", json={"prompt": "ab", "max_tokens": 4, "seed": 1}, timeout=30)
         assert answer.status_code == 200, answer.text
         assert len(answer.json()["choices"][0]["text"].encode("utf-8", "surrogateescape")) >= 1
+
+
+def test_counted_histogram_exposes_what_one_observe_per_value_would():
+    """The engine records a step's shared inter-token gap once with a count; the scrape
+    must read exactly as prometheus_client's own histogram fed every value one by one."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from server.metrics import LATENCY_BUCKETS, CountedHistogram
+
+    ours_registry, reference_registry = CollectorRegistry(), CollectorRegistry()
+    ours = CountedHistogram("x_seconds", "doc", ("model",), LATENCY_BUCKETS, ours_registry)
+    reference = Histogram("x_seconds", "doc", ("model",), buckets=LATENCY_BUCKETS, registry=reference_registry)
+    observations = [(0.004, 64), (0.0025, 3), (0.001, 1), (200.0, 2), (0.05, 0)]  # on a bound, past the last
+    for value, count in observations:
+        ours.observe(("m",), value, count)
+        for _ in range(count):
+            reference.labels("m").observe(value)
+
+    def samples(registry):
+        lines = generate_latest(registry).decode().splitlines()
+        return sorted(line for line in lines if line.startswith("x_seconds") and "_created" not in line)
+
+    assert samples(ours_registry) == samples(reference_registry)
+    assert 'x_seconds_count{model="m"} 70.0' in samples(ours_registry)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import codecs
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -129,6 +131,28 @@ def test_seed_fixes_samples_and_sample_i_uses_seed_plus_i(server):
     assert pair[0]["logprobs"]["tokens"] == again[0]["logprobs"]["tokens"]
     assert pair[1]["logprobs"]["tokens"] == next_seed[0]["logprobs"]["tokens"]
     assert pair[0]["logprobs"]["tokens"] != pair[1]["logprobs"]["tokens"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_requests_that_arrive_together_get_what_they_get_alone(server, kind):
+    """Requests queued together join the batch together (prompts of one length share one
+    prefill forward, further samples copy their row): each still gets its solo answer."""
+    bodies = [dict(model=f"{kind}-text", prompt=prompt, max_tokens=12, n=n, seed=seed, logprobs=0)
+              for prompt, n, seed in [("abc", 1, 1), ("xyz", 2, 2), ("abc", 1, 3), ("hello", 1, 4), ("world", 1, 5)]]
+    alone = [complete(server, **body)["choices"] for body in bodies]
+    barrier = threading.Barrier(len(bodies))
+
+    def together(body):
+        with httpx.Client(base_url=server.base_url, timeout=60) as client:
+            barrier.wait()
+            return complete(client, **body)["choices"]
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        concurrent = list(pool.map(together, bodies))
+    for solo, joint in zip(alone, concurrent):
+        assert [c["logprobs"]["tokens"] for c in joint] == [c["logprobs"]["tokens"] for c in solo]
+        for a, b in zip(solo, joint):
+            assert b["logprobs"]["token_logprobs"] == pytest.approx(a["logprobs"]["token_logprobs"], abs=1e-4)
 
 
 def test_stream_framing_and_same_text_as_unstreamed(server):

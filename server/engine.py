@@ -161,6 +161,7 @@ class Engine:
         self._decoder: EagerDecoder | None = None
         self._start_error: Exception | None = None
         self._scoring = 0  # score() calls in flight, bounded like the waiting queue
+        self._admitting = 0  # sequences taken off the queue whose rows are not registered yet
         metrics.register_model(name, self.attention)
 
     # -- public API (event-loop side) ---------------------------------------
@@ -192,7 +193,7 @@ class Engine:
 
     def _free_slots(self) -> int:
         """Slots neither running nor promised to a queued request."""
-        return max(0, self.limits.max_batch - self.running - self.waiting)
+        return max(0, self.limits.max_batch - self.running - self.waiting - self._admitting)
 
     def start(self) -> None:
         """Start the worker; raises EngineFailure if it cannot allocate its state slots."""
@@ -301,6 +302,14 @@ class Engine:
             while self._waiting and self._waiting[0].request.n <= free:
                 taken.append(self._waiting.popleft())
                 free -= taken[-1].request.n
+            self._admitting = sum(s.request.n for s in taken)  # still promised: submit must not hand them out
+        try:
+            self._prefill_groups(taken)
+        finally:
+            self._admitting = 0
+
+    def _prefill_groups(self, taken: list[GenerationStream]) -> None:
+        """Prefill the taken requests, one forward per prompt length; a failed group fails only itself."""
         gone = [s for s in taken if s.cancelled]
         if gone:
             self._deliver({s: [_DONE] for s in gone})
@@ -317,23 +326,27 @@ class Engine:
 
     def _prefill(self, streams: list[GenerationStream]) -> None:
         """One forward over prompts of equal length, into rows [first, first + len(streams));
-        each request's further samples then copy its row."""
+        each request's further samples then copy its row. Rows go live only once all is written,
+        so a failure leaves none of the group decoding."""
         slots, first, count = self._slots, len(self._rows), len(streams)
         row_state = slots.state.slice(first, first + count)
         row_state.reset_rows(range(count))
         tokens = torch.tensor([[BOS_TOKEN, *s.request.prompt] for s in streams], device=self.model.device)
         logits, _ = self.model(tokens, row_state)  # (count, P + 1, V)
         slots.logits[first:first + count] = logits[:, -1].float()
+        rows = []
         for row, stream in enumerate(streams, start=first):
             self._fill_row(row, stream.request)
-            self._rows.append(_Row(stream, 0, len(stream.request.prompt), len(stream.request.prompt) + stream.request.max_new_tokens))
-            stream.live_rows = stream.request.n
+            rows.append(_Row(stream, 0, len(stream.request.prompt), len(stream.request.prompt) + stream.request.max_new_tokens))
         for row, stream in enumerate(streams, start=first):
             req = stream.request
             for i in range(1, req.n):
-                slots.copy_row(row, len(self._rows))
-                slots.sampling.seed[len(self._rows)] = req.sampling.seed + i
-                self._rows.append(_Row(stream, i, len(req.prompt), len(req.prompt) + req.max_new_tokens))
+                slots.copy_row(row, first + len(rows))
+                slots.sampling.seed[first + len(rows)] = req.sampling.seed + i
+                rows.append(_Row(stream, i, len(req.prompt), len(req.prompt) + req.max_new_tokens))
+        self._rows.extend(rows)
+        for stream in streams:
+            stream.live_rows = stream.request.n
 
     def _fill_row(self, row: int, req: GenerationRequest) -> None:
         """A new sequence's per-row slots: position, known tokens, sampling parameters."""

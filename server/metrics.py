@@ -13,6 +13,7 @@ from collections import deque
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 MODEL_LABELS = ("model", "attention")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -68,7 +69,7 @@ class CountedHistogram:
             cumulative, buckets = 0, []
             for bound, n in zip(self.bounds, counts):
                 cumulative += n
-                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+                buckets.append((floatToGoString(bound), cumulative))  # "+Inf", "1e+06": as prometheus_client writes them
             family.add_metric(list(labels), buckets, total)
         yield family
 

@@ -1,0 +1,93 @@
+"""The engine's admission: requests queued together join together, prompts of one length in one
+prefill forward, and a failed group leaves nothing of itself decoding. A real engine thread on a
+tiny model; requests are queued before the engine starts, so they are admitted in one step."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from model.sampling import SamplingParams
+from server.engine import Engine, EngineFailure, EngineLimits, _Slots
+from server.metrics import Metrics
+from server.types import GenerationRequest
+from conftest import make_tiny_model
+
+PROMPTS = [([1, 2, 3], 1, 10), ([4, 5, 6], 2, 20), ([7, 8, 9, 10, 11], 1, 30), ([12, 13, 14], 1, 40)]
+
+
+def make_engine(kind: str) -> Engine:
+    return Engine("tiny", make_tiny_model(kind, seed=2), {}, EngineLimits(max_batch=8, max_waiting=8), Metrics())
+
+
+def request(i: int, prompt: list[int], n: int, seed: int) -> GenerationRequest:
+    return GenerationRequest(f"r{i}", prompt, max_new_tokens=12, sampling=SamplingParams(seed=seed), n=n, logprobs=True)
+
+
+async def answers(engine: Engine, requests: list[GenerationRequest]) -> list[list[tuple[int, int, float]]]:
+    """Queue all requests, then start the engine: (sample, token, logprob) events per request."""
+    streams = [engine.submit(r, each_event=False) for r in requests]
+    if engine._thread is None:
+        engine.start()
+    return [[(e.sample, e.token, e.logprob) async for e in stream] for stream in streams]
+
+
+@pytest.mark.parametrize("kind", ["softmax", "linear", "linformer", "reformer"])
+def test_requests_admitted_together_get_their_solo_answers(kind, monkeypatch):
+    groups = []
+    prefill = Engine._prefill
+    monkeypatch.setattr(Engine, "_prefill", lambda self, streams: groups.append(len(streams)) or prefill(self, streams))
+    requests = [request(i, *p) for i, p in enumerate(PROMPTS)]
+    together = make_engine(kind)
+    try:
+        joint = asyncio.run(answers(together, requests))
+    finally:
+        together.stop()
+    assert groups == [3, 1]  # the three 3-token prompts in one forward, the 5-token one alone
+    for req, got in zip(requests, joint):
+        alone = make_engine(kind)
+        try:
+            solo = asyncio.run(answers(alone, [req]))[0]
+        finally:
+            alone.stop()
+        assert [(s, t) for s, t, _ in got] == [(s, t) for s, t, _ in solo]
+        assert [lp for *_, lp in got] == pytest.approx([lp for *_, lp in solo], abs=1e-4)
+
+
+def test_a_failed_group_prefill_fails_its_requests_and_leaves_no_row_decoding(monkeypatch):
+    copy_row = _Slots.copy_row
+    failing = {"on": True}
+
+    def copy_or_fail(self, src, dst):
+        if failing["on"]:
+            raise RuntimeError("copy failed")
+        copy_row(self, src, dst)
+
+    monkeypatch.setattr(_Slots, "copy_row", copy_or_fail)
+    engine = make_engine("linear")
+
+    async def scenario():
+        streams = [engine.submit(request(i, *p), each_event=False) for i, p in enumerate(PROMPTS)]
+        engine.start()
+        outcomes = []
+        for stream in streams:
+            try:
+                outcomes.append(len([e async for e in stream]))
+            except EngineFailure as exc:
+                outcomes.append(str(exc))
+        failing["on"] = False
+        later = await answers(engine, [request(9, [1, 2, 3], 2, 5)])
+        return outcomes, later
+
+    try:
+        outcomes, later = asyncio.run(scenario())
+    finally:
+        engine.stop()
+    generated = engine.metrics.registry.get_sample_value("rnnserve_generated_tokens_total",
+                                                         {"model": "tiny", "attention": "linear"})
+    # The 3-token group needed a copy (n = 2) and failed whole; the 5-token request went on.
+    assert outcomes[0] == outcomes[1] == outcomes[3] == "prefill failed: copy failed"
+    assert outcomes[2] == 12
+    assert len(later[0]) == 24 and {s for s, _, _ in later[0]} == {0, 1}
+    assert generated == 12 + 24  # no row of the failed group decoded a token

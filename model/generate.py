@@ -28,11 +28,12 @@ def generate(model: Transformer, prompt: torch.Tensor, total_len: int, sampling:
     tokens = torch.empty(b, total_len, dtype=torch.long, device=model.device)
     tokens[:, :p] = prompt
     if decoder is None:
-        decoder = EagerDecoder(model, model.new_state(b))
+        decoder = EagerDecoder(model, model.new_state(b))  # a new state is already empty
+    elif decoder.state.batch_size != b:
+        raise ValueError(f"decoder has {decoder.state.batch_size} rows for a batch of {b}")
+    else:
+        decoder.state.reset_rows(range(b))  # a reused state still holds the last generation
     state = decoder.state
-    if state.batch_size != b:
-        raise ValueError(f"decoder has {state.batch_size} rows for a batch of {b}")
-    state.reset_rows(range(b))
     # The BOS-shifted prompt predicts positions 1..P; one chunk prefills it.
     logits, state = model(with_bos(torch.cat([prompt, prompt.new_zeros(b, 1)], dim=1)), state)
     logits = logits[:, -1]

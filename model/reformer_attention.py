@@ -205,7 +205,8 @@ def _lsh_attend(q, keys, values, q_buckets, k_buckets, q_pos, k_pos, window: int
     """
     count = _key_counts(q_buckets, k_buckets, q_pos, k_pos, window)  # (B, H, T, L) uint8
     bias = torch.zeros(count.shape, dtype=q.dtype, device=q.device).masked_fill_(count == 0, float("-inf"))
-    for c in range(2, q_buckets.shape[2] + 2 if window else q_buckets.shape[2] + 1):  # log(count) without a log pass
+    most = q_buckets.shape[2] + (1 if window else 0)  # a key can be in every round
+    for c in range(2, most + 1):  # log(count) without a log pass over the whole mask
         bias.masked_fill_(count == c, math.log(c))
     return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=bias)
 

@@ -109,6 +109,12 @@ class _Row:
     last_token_at: float = 0.0
     tail: bytes = b""  # recent output, for stop sequences
 
+    @classmethod
+    def first_token_of(cls, stream: GenerationStream, sample: int) -> "_Row":
+        """A row about to draw the first token after its request's prompt."""
+        req = stream.request
+        return cls(stream, sample, len(req.prompt), len(req.prompt) + req.max_new_tokens)
+
     def finish_reason(self, token: int) -> str | None:
         stops = self.stream.request.stop
         if stops:
@@ -302,6 +308,8 @@ class Engine:
             while self._waiting and self._waiting[0].request.n <= free:
                 taken.append(self._waiting.popleft())
                 free -= taken[-1].request.n
+            if not taken:  # the usual step: nothing to admit
+                return
             self._admitting = sum(s.request.n for s in taken)  # still promised: submit must not hand them out
         try:
             self._prefill_groups(taken)
@@ -337,13 +345,12 @@ class Engine:
         rows = []
         for row, stream in enumerate(streams, start=first):
             self._fill_row(row, stream.request)
-            rows.append(_Row(stream, 0, len(stream.request.prompt), len(stream.request.prompt) + stream.request.max_new_tokens))
+            rows.append(_Row.first_token_of(stream, 0))
         for row, stream in enumerate(streams, start=first):
-            req = stream.request
-            for i in range(1, req.n):
+            for i in range(1, stream.request.n):
                 slots.copy_row(row, first + len(rows))
-                slots.sampling.seed[first + len(rows)] = req.sampling.seed + i
-                rows.append(_Row(stream, i, len(req.prompt), len(req.prompt) + req.max_new_tokens))
+                slots.sampling.seed[first + len(rows)] = stream.request.sampling.seed + i
+                rows.append(_Row.first_token_of(stream, i))
         self._rows.extend(rows)
         for stream in streams:
             stream.live_rows = stream.request.n

@@ -55,11 +55,20 @@ class CountedHistogram:
         self._lock = threading.Lock()
         registry.register(self)
 
+    def add_series(self, labels: tuple[str, ...]) -> None:
+        """Expose the series of `labels` at zero before anything is observed."""
+        with self._lock:
+            self._series_of(labels)
+
     def observe(self, labels: tuple[str, ...], value: float, count: int = 1) -> None:
         with self._lock:
-            counts, total = self._series.setdefault(labels, [[0] * len(self.bounds), 0.0])
-            counts[bisect.bisect_left(self.bounds, value)] += count  # first bucket with value <= le
-            self._series[labels][1] = total + value * count
+            series = self._series_of(labels)
+            series[0][bisect.bisect_left(self.bounds, value)] += count  # first bucket with value <= le
+            series[1] += value * count
+
+    def _series_of(self, labels: tuple[str, ...]) -> list:
+        """[per-bucket counts, sum] of `labels`, created at zero if new (call with the lock held)."""
+        return self._series.setdefault(labels, [[0] * len(self.bounds), 0.0])
 
     def collect(self):
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
@@ -167,7 +176,7 @@ class Metrics:
             self._bound(metric, *labels).set(0)
         for metric in (self.ttft, self.latency):
             self._bound(metric, *labels)
-        self.itl.observe(labels, 0.0, 0)
+        self.itl.add_series(labels)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

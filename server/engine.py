@@ -7,6 +7,11 @@ view of exactly the live rows. Every step: waiting requests join (prefill in
 place into a free row; n samples of one prompt are copies of one prefill),
 one token is sampled for every live row, finished rows leave, and one
 batched decode step feeds the new tokens.
+
+Streamed requests get a Generation event per token. A non-streamed request
+gets one SampleResult per sample when it ends: its tokens are written into
+a preallocated (rows, max_len) buffer by position meanwhile, so a step
+builds no per-token objects for it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from typing import AsyncIterator
 
 import torch
 
@@ -26,7 +32,7 @@ from model.sampling import BatchSampling, force_tokens, sample, token_logprobs
 from model.transformer import Transformer, with_bos
 
 from .metrics import Metrics
-from .types import Generation, GenerationError, GenerationRequest
+from .types import Generation, GenerationError, GenerationRequest, SampleResult
 
 log = logging.getLogger("rnnserve.engine")
 IDLE_WAKEUP_SECONDS = 1.0  # refresh rate gauges while idle
@@ -55,15 +61,16 @@ def _is_terminal(item) -> bool:
 
 
 class GenerationStream:
-    """What `Engine.submit` returns: iterate for Generation events, cancel on disconnect."""
+    """What `Engine.submit` returns, cancelled on disconnect. Iterate for events: a Generation
+    per token when streaming (each_event), else a SampleResult per sample at the end."""
 
     def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, each_event: bool = True):
         self.request = request
         self.loop = loop
         # Lists of events, one list per hand-over: a whole image is one put and one get, not 785.
         self.queue: asyncio.Queue[list] = asyncio.Queue()
-        # False: the handler only wants the whole answer, so events are held by the engine and
-        # handed over at the end, instead of waking the event loop once per token.
+        # False: the handler only wants the whole answer, so the samples' results are held by
+        # the engine and handed over together at the end.
         self.each_event = each_event
         self._held: list = []  # engine thread only
         self.cancelled = False
@@ -88,7 +95,7 @@ class GenerationStream:
     def __aiter__(self):
         return self._events()
 
-    async def _events(self):
+    async def _events(self) -> AsyncIterator[Generation | SampleResult]:
         while True:
             for item in await self.queue.get():
                 if item is _DONE:
@@ -115,6 +122,11 @@ class _Row:
         req = stream.request
         return cls(stream, sample, len(req.prompt), len(req.prompt) + req.max_new_tokens)
 
+    @property
+    def start(self) -> int:
+        """Position of the sample's first generated token."""
+        return len(self.stream.request.prompt)
+
     def finish_reason(self, token: int) -> str | None:
         stops = self.stream.request.stop
         if stops:
@@ -131,12 +143,15 @@ class _Slots:
     logits: torch.Tensor  # (N, V) next-token logits per row
     position: torch.Tensor  # (N,) position being drawn
     forced: torch.Tensor  # (N, max_len) known token per position, -1 if free
+    generated: torch.Tensor  # (N, max_len) token drawn at each position, for SampleResults
+    logprobs: torch.Tensor  # (N, max_len) its log-probability, written while a row asks for them
     sampling: BatchSampling  # (N,) each
     state: object = field(default=None)  # ModelState
 
     def row_tensors(self) -> list[torch.Tensor]:
         s = self.sampling
-        return [self.logits, self.position, self.forced, s.temperature, s.top_k, s.top_p, s.seed]
+        return [self.logits, self.position, self.forced, self.generated, self.logprobs,
+                s.temperature, s.top_k, s.top_p, s.seed]
 
     def copy_row(self, src: int, dst: int) -> None:
         for t in self.row_tensors():
@@ -284,6 +299,8 @@ class Engine:
         return _Slots(logits=torch.zeros(n, cfg.vocab_out, device=device),
                       position=torch.zeros(n, dtype=torch.long, device=device),
                       forced=torch.full((n, cfg.max_len), -1, dtype=torch.long, device=device),
+                      generated=torch.zeros(n, cfg.max_len, dtype=torch.long, device=device),
+                      logprobs=torch.zeros(n, cfg.max_len, device=device),
                       sampling=sampling, state=self.model.new_state(n))
 
     def _idle(self) -> None:
@@ -372,8 +389,8 @@ class Engine:
         logits = slots.logits[:n]
         tokens = sample(logits, slots.batch_sampling(n), position)
         tokens = force_tokens(tokens, slots.forced[:n].gather(1, position[:, None])[:, 0])
-        logprobs = token_logprobs(logits, tokens).tolist() if self._any_wants_logprobs() else [None] * n
-        done, emitted = self._emit(tokens.tolist(), logprobs)
+        slots.generated[:n].scatter_(1, position[:, None], tokens[:, None])
+        done, emitted = self._emit(tokens.tolist(), self._logprobs(logits, tokens, position))
         position += 1
         self._drop_rows(done, tokens)
         live = len(self._rows)
@@ -383,30 +400,40 @@ class Engine:
                           state_bytes=slots.state.nbytes_in_use(live))
         self.metrics.queue(self.name, self.attention, live, self.waiting)
 
-    def _any_wants_logprobs(self) -> bool:
-        return any(row.stream.request.logprobs for row in self._rows)
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, position: torch.Tensor) -> list[float] | None:
+        """The drawn tokens' log-probabilities, only while some row asks: kept by position for
+        SampleResults and returned for Generation events."""
+        if not any(row.stream.request.logprobs for row in self._rows):
+            return None
+        logprobs = token_logprobs(logits, tokens)  # (n,)
+        self._slots.logprobs[:len(tokens)].scatter_(1, position[:, None], logprobs[:, None])
+        return logprobs.tolist()
 
-    def _emit(self, tokens: list[int], logprobs: list[float | None]) -> tuple[list[int], int]:
-        """Turn one step's tokens into events; return rows that finished and tokens sent."""
+    def _emit(self, tokens: list[int], logprobs: list[float] | None) -> tuple[list[int], int]:
+        """Turn one step's tokens into events and results; return rows that finished and tokens drawn."""
         now = time.monotonic()
         outbox: dict[GenerationStream, list] = defaultdict(list)
         done: list[int] = []
         previous: dict[float, int] = {}  # time of a row's previous token -> rows (all alike but new rows)
+        emitted = 0
         for i, row in enumerate(self._rows):
             stream = row.stream
             if stream.cancelled:
                 done.append(i)
                 continue
             reason = row.finish_reason(tokens[i])
-            outbox[stream].append(Generation(stream.request.request_id, row.sample, row.position, tokens[i],
-                                             logprobs[i] if stream.request.logprobs else None, reason))
+            if stream.each_event:
+                outbox[stream].append(Generation(stream.request.request_id, row.sample, row.position, tokens[i],
+                                                 logprobs[i] if stream.request.logprobs else None, reason))
             self._time_token(row, now, previous)
             row.position += 1
+            emitted += 1
             if reason is not None:
                 done.append(i)
+                if not stream.each_event:
+                    outbox[stream].append(self._result(i, row, reason))
         for then, rows in previous.items():
             self.metrics.inter_tokens(self.name, self.attention, now - then, rows)
-        emitted = sum(len(events) for events in outbox.values())
         for i in done:
             stream = self._rows[i].stream
             stream.live_rows -= 1
@@ -414,6 +441,13 @@ class Engine:
                 outbox[stream].append(_DONE)
         self._deliver(outbox)
         return done, emitted
+
+    def _result(self, i: int, row: _Row, reason: str) -> SampleResult:
+        """A finished row's tokens (and log-probabilities), read from the slots in one go."""
+        request, span = row.stream.request, slice(row.start, row.position)
+        logprobs = self._slots.logprobs[i, span].tolist() if request.logprobs else None
+        return SampleResult(request.request_id, row.sample, row.start, self._slots.generated[i, span].tolist(),
+                            logprobs, reason)
 
     def _time_token(self, row: _Row, now: float, previous: dict[float, int]) -> None:
         """Time to first token goes to its histogram at once; later tokens are counted by the

@@ -29,7 +29,7 @@ from .engine import Engine, GenerationStream
 from .errors import APIError, invalid_request, raise_validation
 from .imaging import PIXELS, SIDE, ImageError, OccludedImage
 from .streaming import SSE_HEADERS, ClientGone, collect, sse, sse_stream, submit
-from .types import Generation, GenerationRequest
+from .types import Generation, GenerationRequest, SampleResult
 
 router = APIRouter()
 MAX_N = 64
@@ -108,6 +108,10 @@ class Canvases:
         self.images[event.sample, event.position] = event.token
         return event.position // SIDE if event.position % SIDE == SIDE - 1 else None
 
+    def fill(self, result: SampleResult) -> None:
+        """Place a whole sample's generated pixels at once."""
+        self.images[result.sample, result.start:result.start + len(result.tokens)] = result.tokens
+
     def image(self, sample: int) -> np.ndarray:
         return self.images[sample].reshape(SIDE, SIDE)
 
@@ -155,12 +159,12 @@ async def complete_image(request: Request, server: ServerState = Depends(get_ser
         return StreamingResponse(sse_stream(request, row_events(job, stream, server), stream), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     try:
-        events = await collect(request, stream)
+        results = await collect(request, stream)
     except ClientGone:
         request.state.outcome = "cancelled"
         return Response(status_code=499)
-    for event in events:
-        job.canvases.add(event)
+    for result in results:
+        job.canvases.fill(result)
     job.record(server)
     usage = job.usage()
     if "image/png" in request.headers.get("accept", ""):

@@ -19,7 +19,7 @@ from .engine import Engine, GenerationStream
 from .errors import invalid_request
 from .streaming import SSE_HEADERS, ClientGone, collect, score, sse, sse_stream, submit
 from .textcodec import SampleText, TextChunk, token_text
-from .types import Generation, GenerationRequest
+from .types import Generation, GenerationRequest, SampleResult
 
 router = APIRouter()
 MAX_N = 64
@@ -94,10 +94,20 @@ class Completion:
         self.finish = [None] * self.body.n
 
     def add(self, event: Generation) -> None:
+        self._push(event.sample, event.token, event.logprob, event.finish_reason)
+
+    def add_result(self, result: SampleResult) -> None:
+        """A whole sample at once (non-streamed); its last token carries the finish reason."""
+        logprobs = result.logprobs or [None] * len(result.tokens)
+        last = len(result.tokens) - 1
+        for i, (token, logprob) in enumerate(zip(result.tokens, logprobs)):
+            self._push(result.sample, token, logprob, result.finish_reason if i == last else None)
+
+    def _push(self, sample: int, token: int, logprob: float | None, finish_reason: str | None) -> None:
         self.generated_tokens += 1
-        stopped = self.texts[event.sample].push(event.token, event.logprob)
-        if event.finish_reason or stopped:
-            self.finish[event.sample] = "stop" if stopped else event.finish_reason
+        stopped = self.texts[sample].push(token, logprob)
+        if finish_reason or stopped:
+            self.finish[sample] = "stop" if stopped else finish_reason
 
     def choice(self, index: int, chunk: TextChunk) -> dict[str, Any]:
         return {"text": chunk.text, "index": index, "logprobs": self._logprobs(chunk), "finish_reason": self.finish[index]}
@@ -132,12 +142,12 @@ async def create_completion(body: CompletionRequest, request: Request,
         return StreamingResponse(sse_stream(request, stream_events(completion, stream, server), stream), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     try:
-        events = await collect(request, stream) if stream is not None else []
+        results = await collect(request, stream) if stream is not None else []
     except ClientGone:
         request.state.outcome = "cancelled"
         return Response(status_code=499)
-    for event in events:
-        completion.add(event)
+    for result in results:
+        completion.add_result(result)
     finish_without_generating(completion)
     server.metrics.observe_request_latency(engine.name, engine.attention, time.monotonic() - completion.started)
     choices = [completion.choice(i, text.take(final=True)) for i, text in enumerate(completion.texts)]

@@ -11,7 +11,7 @@ from fastapi import Request
 
 from .engine import Engine, EngineFailure, GenerationStream, QueueFull
 from .errors import APIError, error_body, invalid_request
-from .types import Generation, GenerationRequest
+from .types import GenerationRequest, SampleResult
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # proxies must not buffer events
 DONE_EVENT = "data: [DONE]\n\n"
@@ -47,8 +47,8 @@ async def score(engine: Engine, tokens: list[int]) -> list[float]:
         return await engine.score(tokens)
 
 
-async def collect(request: Request, stream: GenerationStream) -> list[Generation]:
-    """Every event of a non-streamed request. If the client leaves first the
+async def collect(request: Request, stream: GenerationStream) -> list[SampleResult]:
+    """The samples of a non-streamed request. If the client leaves first the
     request is cancelled, so its slots are freed at the engine's next step."""
     consume = asyncio.ensure_future(_all_events(stream))
     watch = asyncio.ensure_future(wait_for_disconnect(request))
@@ -65,7 +65,7 @@ async def collect(request: Request, stream: GenerationStream) -> list[Generation
         stream.cancel()  # no-op once finished; frees slots otherwise
 
 
-async def _all_events(stream: GenerationStream) -> list[Generation]:
+async def _all_events(stream: GenerationStream) -> list[SampleResult]:
     return [event async for event in stream]
 
 

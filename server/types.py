@@ -39,6 +39,19 @@ class Generation:
     finish_reason: str | None = None  # "length", "stop", or None while running
 
 
+@dataclass(slots=True)
+class SampleResult:
+    """One whole sample of a non-streamed request, handed over once it has finished:
+    the engine keeps its tokens in a device buffer meanwhile, with no per-token event."""
+
+    request_id: str
+    sample: int  # which of the n samples
+    start: int  # absolute position of tokens[0]
+    tokens: list[int]
+    logprobs: list[float] | None  # one per token when asked for
+    finish_reason: str  # "length" or "stop"
+
+
 @dataclass(frozen=True)
 class GenerationError:
     """The engine failed a request; the handler turns this into a 5xx."""

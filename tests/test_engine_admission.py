@@ -26,11 +26,12 @@ def request(i: int, prompt: list[int], n: int, seed: int) -> GenerationRequest:
 
 
 async def answers(engine: Engine, requests: list[GenerationRequest]) -> list[list[tuple[int, int, float]]]:
-    """Queue all requests, then start the engine: (sample, token, logprob) events per request."""
+    """Queue all requests, then start the engine: (sample, token, logprob) per generated token, per request."""
     streams = [engine.submit(r, each_event=False) for r in requests]
     if engine._thread is None:
         engine.start()
-    return [[(e.sample, e.token, e.logprob) async for e in stream] for stream in streams]
+    return [[(r.sample, token, logprob) async for r in stream for token, logprob in zip(r.tokens, r.logprobs)]
+            for stream in streams]
 
 
 @pytest.mark.parametrize("kind", ["softmax", "linear", "linformer", "reformer"])
@@ -73,7 +74,7 @@ def test_a_failed_group_prefill_fails_its_requests_and_leaves_no_row_decoding(mo
         outcomes = []
         for stream in streams:
             try:
-                outcomes.append(len([e async for e in stream]))
+                outcomes.append(sum([len(r.tokens) async for r in stream]))
             except EngineFailure as exc:
                 outcomes.append(str(exc))
         failing["on"] = False
@@ -91,3 +92,48 @@ def test_a_failed_group_prefill_fails_its_requests_and_leaves_no_row_decoding(mo
     assert outcomes[2] == 12
     assert len(later[0]) == 24 and {s for s, _, _ in later[0]} == {0, 1}
     assert generated == 12 + 24  # no row of the failed group decoded a token
+
+
+async def streamed(engine: Engine, req: GenerationRequest) -> list[tuple[int, int, float]]:
+    """(sample, token, logprob) of one request's per-token events, streamed."""
+    stream = engine.submit(req, each_event=True)
+    if engine._thread is None:
+        engine.start()
+    return [(e.sample, e.token, e.logprob) async for e in stream]
+
+
+def test_whole_samples_match_their_streamed_tokens_as_rows_move(monkeypatch):
+    """Non-streamed samples are read from the slot buffers at the end; requests of different
+    lengths finish at different steps, so live rows move into freed slots on the way."""
+    moves = []
+    copy_row = _Slots.copy_row
+    monkeypatch.setattr(_Slots, "copy_row", lambda self, src, dst: moves.append((src, dst)) or copy_row(self, src, dst))
+    lengths = [3, 12, 7, 20]
+    requests = [GenerationRequest(f"r{i}", [1, 2, 3], max_new_tokens=m, sampling=SamplingParams(seed=i), n=2,
+                                  logprobs=i % 2 == 0) for i, m in enumerate(lengths)]
+    together = make_engine("linear")
+    try:
+        streams_results = asyncio.run(_whole_results(together, requests))
+    finally:
+        together.stop()
+    assert any(src > dst for src, dst in moves)  # a later row moved into an earlier one's slot
+    for req, results in zip(requests, streams_results):
+        alone = make_engine("linear")
+        try:
+            events = asyncio.run(streamed(alone, req))
+        finally:
+            alone.stop()
+        for result in results:
+            mine = [(t, lp) for s, t, lp in events if s == result.sample]
+            assert result.start == 3 and result.finish_reason == "length"
+            assert result.tokens == [t for t, _ in mine]
+            if req.logprobs:
+                assert result.logprobs == pytest.approx([lp for _, lp in mine], abs=1e-4)
+            else:
+                assert result.logprobs is None
+
+
+async def _whole_results(engine: Engine, requests: list[GenerationRequest]) -> list[list]:
+    streams = [engine.submit(r, each_event=False) for r in requests]
+    engine.start()
+    return [[r async for r in stream] for stream in streams]

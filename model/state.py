@@ -91,7 +91,7 @@ class ModelState:
             layer.copy_rows(s, d)
 
     def write_rows(self, dst, other: "ModelState") -> None:
-        """Copy all rows of `other` (e.g. a batch-1 prefill) into rows dst."""
+        """Copy all rows of `other` (e.g. a batch-1 prefill) into rows dst; a 1-row `other` fills every one."""
         d = self._as_index(dst)
         self.lengths[d] = other.lengths.to(self.lengths.device)
         for layer, o in zip(self.layers, other.layers, strict=True):

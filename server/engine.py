@@ -29,6 +29,7 @@ import torch
 from model.config import BOS_TOKEN, ModelConfig
 from model.cuda_graphs import EagerDecoder, make_decoder
 from model.sampling import BatchSampling, force_tokens, sample, token_logprobs
+from model.state import ModelState
 from model.transformer import Transformer, with_bos
 
 from .metrics import Metrics
@@ -180,6 +181,7 @@ class Engine:
         self._rows: list[_Row] = []
         self._slots: _Slots | None = None
         self._decoder: EagerDecoder | None = None
+        self._after_bos: tuple[ModelState, torch.Tensor] | None = None  # see _prefill_bos
         self._start_error: Exception | None = None
         self._scoring = 0  # score() calls in flight, bounded like the waiting queue
         self._admitting = 0  # sequences taken off the queue whose rows are not registered yet
@@ -274,6 +276,7 @@ class Engine:
         with torch.inference_mode():
             try:
                 self._slots = self._allocate()
+                self._after_bos = self._prefill_bos()
                 self._decoder = make_decoder(self.model, self._slots.state, self.limits.cuda_graphs)
             except (RuntimeError, MemoryError) as exc:  # out of memory: report, do not hang start()
                 self._start_error = exc
@@ -354,11 +357,7 @@ class Engine:
         each request's further samples then copy its row. Rows go live only once all is written,
         so a failure leaves none of the group decoding."""
         slots, first, count = self._slots, len(self._rows), len(streams)
-        row_state = slots.state.slice(first, first + count)
-        row_state.reset_rows(range(count))
-        tokens = torch.tensor([[BOS_TOKEN, *s.request.prompt] for s in streams], device=self.model.device)
-        logits, _ = self.model(tokens, row_state)  # (count, P + 1, V)
-        slots.logits[first:first + count] = logits[:, -1].float()
+        slots.logits[first:first + count] = self._run_prompts(streams, slots.state.slice(first, first + count))
         rows = []
         for row, stream in enumerate(streams, start=first):
             self._fill_row(row, stream.request)
@@ -371,6 +370,25 @@ class Engine:
         self._rows.extend(rows)
         for stream in streams:
             stream.live_rows = stream.request.n
+
+    def _run_prompts(self, streams: list[GenerationStream], row_state: ModelState) -> torch.Tensor:
+        """Prefill one row per stream with BOS + its prompt -> (count, V) next-token logits.
+        Empty prompts (e.g. images with no known first pixel) copy the state after BOS alone,
+        computed once at start-up, instead of running the model."""
+        if not streams[0].request.prompt:
+            after_bos, logits = self._after_bos
+            row_state.write_rows(range(len(streams)), after_bos)
+            return logits
+        row_state.reset_rows(range(len(streams)))
+        tokens = torch.tensor([[BOS_TOKEN, *s.request.prompt] for s in streams], device=self.model.device)
+        logits, _ = self.model(tokens, row_state)  # (count, P + 1, V)
+        return logits[:, -1].float()
+
+    def _prefill_bos(self) -> tuple[ModelState, torch.Tensor]:
+        """The state after BOS alone and its next-token logits (1, V): where every empty prompt starts."""
+        state = self.model.new_state(1)
+        logits, _ = self.model(torch.tensor([[BOS_TOKEN]], device=self.model.device), state)
+        return state, logits[:, -1].float()
 
     def _fill_row(self, row: int, req: GenerationRequest) -> None:
         """A new sequence's per-row slots: position, known tokens, sampling parameters."""

@@ -137,3 +137,19 @@ async def _whole_results(engine: Engine, requests: list[GenerationRequest]) -> l
     streams = [engine.submit(r, each_event=False) for r in requests]
     engine.start()
     return [[r async for r in stream] for stream in streams]
+
+
+@pytest.mark.parametrize("kind", ["softmax", "linear", "linformer", "reformer"])
+def test_empty_prompts_start_from_the_state_after_bos(kind):
+    """Empty prompts copy a state computed once at start-up instead of running the model: their
+    tokens' log-probabilities must still be those of one parallel pass over BOS + the tokens."""
+    engine = make_engine(kind)
+    requests = [GenerationRequest(f"e{i}", [], max_new_tokens=10, sampling=SamplingParams(seed=i), n=2, logprobs=True)
+                for i in range(2)]
+    try:
+        results = asyncio.run(_whole_results(engine, requests))
+        for result in (r for rs in results for r in rs):
+            assert result.start == 0 and len(result.tokens) == 10
+            assert result.logprobs == pytest.approx(engine._score(result.tokens), abs=1e-4)
+    finally:
+        engine.stop()

@@ -42,23 +42,34 @@ class BatchSampling:
         return cls(col("temperature", torch.float32), col("top_k", torch.long), col("top_p", torch.float32), col("seed", torch.long))
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """A splitmix-style integer hash kept within 62 bits (no sign issues)."""
-    x = (x ^ (x >> 31)) & _MASK62
-    x = (x * 0x5851F42D4C957F2D) & _MASK62
-    x = (x ^ (x >> 29)) & _MASK62
-    x = (x * 0x14057B7EF767814F) & _MASK62
-    return x ^ (x >> 32)
+def _mix(x: torch.Tensor, below_2_62: bool = False) -> torch.Tensor:
+    """A splitmix-style integer hash kept within 62 bits (no sign issues).
+
+    Only products can leave [0, 2^62), and an input that may be outside it
+    (below_2_62=False): a xor-shift of a value inside stays inside, so those
+    steps need no mask. In place after the first step: a step of sampling
+    is dozens of these small integer operations.
+    """
+    x = x ^ (x >> 31)
+    if not below_2_62:
+        x &= _MASK62
+    x *= 0x5851F42D4C957F2D
+    x &= _MASK62
+    x ^= x >> 29
+    x *= 0x14057B7EF767814F
+    x &= _MASK62
+    x ^= x >> 32
+    return x
 
 
 def uniform_noise(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
     """(B,) seeds and positions -> (B, V) uniforms in (0, 1), a pure function of its inputs."""
     token = torch.arange(vocab, device=seed.device)
-    key = _mix(_mix(seed[:, None] & _MASK62) + position[:, None] * 1_000_003 + token)
-    key = _mix(key)
+    key = _mix(_mix(seed[:, None] & _MASK62, below_2_62=True) + position[:, None] * 1_000_003 + token)
+    key = _mix(key, below_2_62=True)
     # 23 bits, not 24: (2^24 - 0.5) / 2^24 rounds to exactly 1.0 in float32, and u = 1
     # gives infinite Gumbel noise; the largest value here, 1 - 2^-24, is exact.
-    return ((key & _MASK23).float() + 0.5) / float(1 << 23)
+    return (key & _MASK23).float().add_(0.5).mul_(1.0 / (1 << 23))
 
 
 def top_k_mask(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -94,8 +105,8 @@ def sample(logits: torch.Tensor, params: BatchSampling, position: torch.Tensor) 
         filtered = top_k_mask(filtered, params.top_k)
     if bool((params.top_p < 1).any()):
         filtered = top_p_mask(filtered, params.top_p)
-    gumbel = -torch.log(-torch.log(uniform_noise(params.seed, position, logits.shape[-1])))
-    drawn = (filtered + gumbel).argmax(dim=-1)
+    # Gumbel noise -log(-log u), subtracted as log(-log u): in place, one temporary.
+    drawn = (filtered - uniform_noise(params.seed, position, logits.shape[-1]).log_().neg_().log_()).argmax(dim=-1)
     return torch.where(params.temperature > 0, drawn, greedy)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.decode import _interpolated_sum, _later_positions, choose_positions
+from benchmarks.decode import FLAT_ROUNDS, FLAT_STEPS_PER_ROUND, _interpolated_sum, _later_positions, choose_positions
 from benchmarks.load import LoadSettings, run_load
 from benchmarks.roofline import attention_cost, dense_flops
 from benchmarks.run import add_arguments, run
@@ -247,3 +247,17 @@ def test_load_against_a_closed_port_reports_connection_errors():
                                    duration=30.0, max_requests=3, timeout=5))
     assert result["sent"] == 3 and result["completed"] == 0
     assert result["outcomes"] == {"connect_error": 3}
+
+
+def test_flatness_alternates_two_states_of_each_constant_state_kind(quick_result):
+    result, _, stdout = quick_result
+    positions = [p["position"] for p in result["positions"]["linear"]]
+    near, far = min(positions, key=lambda p: abs(p - 100)), max(positions)  # quick sweep ends below 16,000
+    assert [f["kind"] for f in result["flatness"]] == ["linear", "linformer"]
+    for f in result["flatness"]:
+        assert (f["near"], f["far"]) == (near, far) and f["steps"] == FLAT_ROUNDS * FLAT_STEPS_PER_ROUND
+        assert 0 < f["near_seconds_min"] <= f["near_seconds_median"] and 0 < f["far_seconds_min"] <= f["far_seconds_median"]
+        assert f["ratio"] == pytest.approx(f["far_seconds_median"] / f["near_seconds_median"])
+    target = next(t for t in result["targets"] if t["name"].startswith("linear step time"))
+    assert target["measured"] == result["flatness"][0]["ratio"] and target["met"] == (target["measured"] <= 1.10)
+    assert "alternating steps" in stdout

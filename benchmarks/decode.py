@@ -379,6 +379,7 @@ def measure_positions(models: dict[str, Transformer], positions: list[int], sett
     return points
 
 
+@torch.inference_mode()
 def measure_flatness(models: dict[str, Transformer], near: int, far: int, gen_seed: int,
                      progress) -> list[FlatnessResult]:
     """Kinds with a constant-size state: one state at `near`, one at `far`, single steps timed

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
+from benchmarks import decode
 from benchmarks.decode import FLAT_ROUNDS, FLAT_STEPS_PER_ROUND, _interpolated_sum, _later_positions, choose_positions
 from benchmarks.load import LoadSettings, run_load
 from benchmarks.roofline import attention_cost, dense_flops
@@ -261,3 +263,14 @@ def test_flatness_alternates_two_states_of_each_constant_state_kind(quick_result
     target = next(t for t in result["targets"] if t["name"].startswith("linear step time"))
     assert target["measured"] == result["flatness"][0]["ratio"] and target["met"] == (target["measured"] <= 1.10)
     assert "alternating steps" in stdout
+
+
+def test_flatness_steps_run_without_autograd(monkeypatch):
+    """Autograd on would add a fixed cost to every step and pull the ratio towards 1."""
+    seen = []
+    real = decode._time_steps
+    monkeypatch.setattr(decode, "_time_steps", lambda model, state, steps: seen.append(
+        torch.is_inference_mode_enabled()) or real(model, state, steps))
+    model = build_model(decode.preset_config("tiny", "linear", task="text", max_len=512)).eval()
+    (result,) = decode.measure_flatness({"linear": model}, 10, 200, 0, lambda line: None)
+    assert seen and all(seen) and result.steps == FLAT_ROUNDS * FLAT_STEPS_PER_ROUND

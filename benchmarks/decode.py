@@ -11,7 +11,9 @@ in the reverse of this order, lightest first):
   * time of one decoding step and decode-state bytes per sequence against
     position, on a text-shaped copy of the architecture (sinusoidal
     positions, max_len past --max-position) whose state is advanced by
-    chunked prefills of random tokens.
+    chunked prefills of random tokens; for the constant-state kinds, also
+    steps timed in alternation on two states, near position 100 and 16,000
+    (the flatness figure the targets use).
 
 Times are wall-clock seconds from time.perf_counter; on CUDA every timed
 region ends with a synchronize. Each timed quantity keeps its minimum over

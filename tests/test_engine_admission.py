@@ -1,6 +1,8 @@
-"""The engine's admission: requests queued together join together, prompts of one length in one
-prefill forward, and a failed group leaves nothing of itself decoding. A real engine thread on a
-tiny model; requests are queued before the engine starts, so they are admitted in one step."""
+"""The engine's admission and results: requests queued together join together, prompts of one
+length in one prefill forward, a failed group leaves nothing of itself decoding, empty prompts start
+from the cached state after BOS, and non-streamed samples (read from the slot buffers at the end)
+equal their streamed tokens. A real engine thread on a tiny model; requests are queued before the
+engine starts, so they are admitted in one step."""
 
 from __future__ import annotations
 
@@ -32,6 +34,13 @@ async def answers(engine: Engine, requests: list[GenerationRequest]) -> list[lis
         engine.start()
     return [[(r.sample, token, logprob) async for r in stream for token, logprob in zip(r.tokens, r.logprobs)]
             for stream in streams]
+
+
+async def _whole_results(engine: Engine, requests: list[GenerationRequest]) -> list[list]:
+    """Queue all requests, then start the engine: the SampleResults of each request."""
+    streams = [engine.submit(r, each_event=False) for r in requests]
+    engine.start()
+    return [[r async for r in stream] for stream in streams]
 
 
 @pytest.mark.parametrize("kind", ["softmax", "linear", "linformer", "reformer"])
@@ -131,12 +140,6 @@ def test_whole_samples_match_their_streamed_tokens_as_rows_move(monkeypatch):
                 assert result.logprobs == pytest.approx([lp for _, lp in mine], abs=1e-4)
             else:
                 assert result.logprobs is None
-
-
-async def _whole_results(engine: Engine, requests: list[GenerationRequest]) -> list[list]:
-    streams = [engine.submit(r, each_event=False) for r in requests]
-    engine.start()
-    return [[r async for r in stream] for stream in streams]
 
 
 @pytest.mark.parametrize("kind", ["softmax", "linear", "linformer", "reformer"])

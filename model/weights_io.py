@@ -43,13 +43,13 @@ def save_model(model: Transformer, path: str | os.PathLike, info: dict[str, Any]
     _write(tensors, metadata, path)
 
 
-def update_info(path: str | os.PathLike, info: dict[str, Any]) -> None:
-    """Replace a file's info (e.g. new evaluation results); its tensors are written back as stored."""
+def update_info(path: str | os.PathLike, changes: dict[str, Any]) -> None:
+    """Merge `changes` into a file's info (e.g. new evaluation results); its tensors are written back as stored."""
     with _open(path) as f:
         metadata = f.metadata() or {}
         tensors = {name: f.get_tensor(name) for name in f.keys()}
-    _parse_metadata(path, metadata)  # only a valid rnnserve file
-    _write(tensors, metadata | {INFO_KEY: json.dumps(info, sort_keys=True)}, path)
+    _, info = _parse_metadata(path, metadata)  # only a valid rnnserve file
+    _write(tensors, metadata | {INFO_KEY: json.dumps(info | changes, sort_keys=True)}, path)
 
 
 def _write(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: str | os.PathLike) -> None:

@@ -27,20 +27,23 @@ def request(i: int, prompt: list[int], n: int, seed: int) -> GenerationRequest:
     return GenerationRequest(f"r{i}", prompt, max_new_tokens=12, sampling=SamplingParams(seed=seed), n=n, logprobs=True)
 
 
-async def answers(engine: Engine, requests: list[GenerationRequest]) -> list[list[tuple[int, int, float]]]:
-    """Queue all requests, then start the engine: (sample, token, logprob) per generated token, per request."""
-    streams = [engine.submit(r, each_event=False) for r in requests]
+def queue_then_start(engine: Engine, requests: list[GenerationRequest], each_event: bool) -> list:
+    """Queue all requests, then start the engine if it is not running yet: their streams."""
+    streams = [engine.submit(r, each_event=each_event) for r in requests]
     if engine._thread is None:
         engine.start()
-    return [[(r.sample, token, logprob) async for r in stream for token, logprob in zip(r.tokens, r.logprobs)]
-            for stream in streams]
+    return streams
 
 
 async def _whole_results(engine: Engine, requests: list[GenerationRequest]) -> list[list]:
-    """Queue all requests, then start the engine: the SampleResults of each request."""
-    streams = [engine.submit(r, each_event=False) for r in requests]
-    engine.start()
-    return [[r async for r in stream] for stream in streams]
+    """The SampleResults of each request, non-streamed."""
+    return [[r async for r in stream] for stream in queue_then_start(engine, requests, each_event=False)]
+
+
+async def answers(engine: Engine, requests: list[GenerationRequest]) -> list[list[tuple[int, int, float]]]:
+    """(sample, token, logprob) per generated token, per request, non-streamed."""
+    return [[(r.sample, token, logprob) for r in results for token, logprob in zip(r.tokens, r.logprobs)]
+            for results in await _whole_results(engine, requests)]
 
 
 @pytest.mark.parametrize("kind", ["softmax", "linear", "linformer", "reformer"])
@@ -78,8 +81,7 @@ def test_a_failed_group_prefill_fails_its_requests_and_leaves_no_row_decoding(mo
     engine = make_engine("linear")
 
     async def scenario():
-        streams = [engine.submit(request(i, *p), each_event=False) for i, p in enumerate(PROMPTS)]
-        engine.start()
+        streams = queue_then_start(engine, [request(i, *p) for i, p in enumerate(PROMPTS)], each_event=False)
         outcomes = []
         for stream in streams:
             try:
@@ -105,9 +107,7 @@ def test_a_failed_group_prefill_fails_its_requests_and_leaves_no_row_decoding(mo
 
 async def streamed(engine: Engine, req: GenerationRequest) -> list[tuple[int, int, float]]:
     """(sample, token, logprob) of one request's per-token events, streamed."""
-    stream = engine.submit(req, each_event=True)
-    if engine._thread is None:
-        engine.start()
+    (stream,) = queue_then_start(engine, [req], each_event=True)
     return [(e.sample, e.token, e.logprob) async for e in stream]
 
 

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from model import Transformer
 from model.sampling import token_logprobs
 from model.transformer import with_bos
-from model.weights_io import WeightsError, load_model, read_metadata, update_info
+from model.weights_io import WeightsError, load_model, update_info
 
 from .data import DataError, load_mnist, load_text
 
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
                                   show_progress=not args.no_progress and not args.json)) for m in args.models]
         if args.store:
             for path, result in rows:
-                update_info(path, read_metadata(path)[1] | {"eval": result})
+                update_info(path, {"eval": result})
     except (DataError, WeightsError) as exc:
         print(f"rnnserve eval: error: {exc}", file=sys.stderr)
         return 2

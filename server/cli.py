@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "eval": ("training.evaluate", "evaluate a model: MNIST bits/dim or text loss"),
     "bench": ("benchmarks.run", "benchmark decoding in-process, or a running server with --url"),
     "pictures": ("training.pictures", "draw occluded digits and each model's completions to a PNG"),
+    "train-classifier": ("training.classifier", "train the digit classifier that `eval --completions` reads with"),
 }
 
 

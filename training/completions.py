@@ -35,13 +35,13 @@ from model.sampling import BatchSampling, SamplingParams, token_logprobs
 from model.transformer import with_bos
 from model.weights_io import WeightsError, load_model, read_metadata, update_info
 
-from .classifier import DigitClassifier, classify, load_classifier
+from .classifier import DigitClassifier, accuracy, load_classifier
 from .data import MNIST_PIXELS, MNIST_SIDE, DataError, load_labeled_mnist
 
 OCCLUSIONS = ("bottom-half", "right-half", "centre-box")
 CENTRE_BOX = slice(7, 21)  # the central 14 x 14 pixels
 SEED_STRIDE = 1_000_000  # row seed = seed * stride + digit index: runs with different seeds never share noise
-DEFAULT_BATCH = 100
+DEFAULT_BATCH = 200
 
 
 def occlusion_mask(name: str) -> torch.Tensor:
@@ -188,9 +188,10 @@ def evaluate_completions(path: str | Path, run: CompletionRun, device: torch.dev
     return CompletionResult(
         run.occlusion.name, int(run.occlusion.unknown.sum()), int(images.shape[0]), *reads,
         bits_per_dim_unknown=unknown_bits_per_dim(model, images, run.occlusion.unknown),
-        images_per_s=images.shape[0] / sampling_s, seconds=time.perf_counter() - start,
+        images_per_s=round(images.shape[0] / sampling_s, 3), seconds=round(time.perf_counter() - start, 1),
         seed=run.seed, temperature=run.temperature, batch_size=run.batch_size, device=describe(device),
-        data=test.path + (f" (first {run.limit} images)" if run.limit else ""), classifier=str(run.classifier),
+        data=test.path + (f" (first {len(images)} images)" if len(images) < len(test.images) else ""),
+        classifier=str(run.classifier),
         classifier_test_accuracy=classifier_info.get("test_accuracy"))
 
 
@@ -204,7 +205,7 @@ def load_completion_model(path: str | Path, device: torch.device) -> Transformer
 def shares_read_as_true(classifier: DigitClassifier, labels: torch.Tensor,
                         *image_sets: torch.Tensor) -> tuple[float, ...]:
     """For each (N, 784) set, the share of images the classifier reads as their label."""
-    return tuple(float((classify(classifier, images) == labels.long()).float().mean()) for images in image_sets)
+    return tuple(accuracy(classifier, images, labels) for images in image_sets)
 
 
 def describe(device: torch.device) -> str:
@@ -223,7 +224,7 @@ def print_table(rows: list[tuple[str, CompletionResult]], file=sys.stdout) -> No
     first = rows[0][1]
     print(f"{first.occlusion} ({first.unknown_pixels} unknown pixels), {first.digits} test digits, "
           f"temperature {first.temperature:g}, seed {first.seed}; classifier {first.classifier} "
-          f"(test accuracy {first.classifier_test_accuracy})", file=file)
+          f"(test accuracy {first.classifier_test_accuracy})", file=file)  # as stored: None if it has none
     width = max(len(name) for name, _ in rows)
     print(f"{'model':<{width}}  {'completed':>9}  {'occluded':>8}  {'original':>8}  {'bits/dim unknown':>16}  "
           f"{'images/s':>8}", file=file)

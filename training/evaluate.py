@@ -39,12 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True,
                         help="MNIST: folder with t10k-images-idx3-ubyte[.gz] (or the file); text: the UTF-8 file")
     parser.add_argument("--limit", type=int, help="only the first N test images / validation windows")
-    parser.add_argument("--batch-size", type=int, help="images or windows per batch (default 32; 100 with --completions)")
+    parser.add_argument("--batch-size", type=int, help="images or windows per batch (default 32; 200 with --completions)")
     parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--store", action="store_true",
-                        help="also write each result into its file's metadata (info['eval']), as `rnnserve train` "
-                             "does at its end; the tensors are written back unchanged")
+                        help="also write each result into its file's metadata (info['eval'], completions under "
+                             "info['eval']['completions'][OCCLUSION]), as `rnnserve train` does at its end; the "
+                             "tensors are written back unchanged")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--no-progress", action="store_true")
     add_completion_arguments(parser.add_argument_group("completions (rnnserve eval --completions)"))

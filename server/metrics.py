@@ -15,6 +15,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from .types import StepStats
+
 MODEL_LABELS = ("model", "attention")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 RATE_WINDOW_SECONDS = 10.0
@@ -180,3 +182,40 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def for_model(self, model: str, attention: str) -> "ModelMetrics":
+        """One model's series with its labels bound, created at zero."""
+        self.register_model(model, attention)
+        return ModelMetrics(self, model, attention)
+
+
+class ModelMetrics:
+    """One model's series, labels bound once: what its engine and handlers record."""
+
+    def __init__(self, metrics: Metrics, model: str, attention: str):
+        self.metrics = metrics
+        self.labels = (model, attention)
+
+    def record_step(self, stats: StepStats) -> None:
+        """Everything one decoding step changes, in one place."""
+        m, labels = self.metrics, self.labels
+        m.step(*labels, batch=stats.batch, tokens=stats.tokens, state_bytes=stats.state_bytes)
+        m.queue(*labels, stats.running, stats.waiting)
+        for seconds in stats.first_token_seconds:
+            m.first_token(*labels, seconds)
+        for gap, count in stats.token_gaps.items():
+            m.inter_tokens(*labels, gap, count)
+
+    def idle(self, waiting: int) -> None:
+        """Nothing is running: the batch is empty and the rate windows slide on."""
+        self.metrics.idle(*self.labels)
+        self.metrics.queue(*self.labels, 0, waiting)
+
+    def queue(self, running: int, waiting: int) -> None:
+        self.metrics.queue(*self.labels, running, waiting)
+
+    def request_latency(self, seconds: float) -> None:
+        self.metrics.observe_request_latency(*self.labels, seconds)
+
+    def images_completed(self, n: int) -> None:
+        self.metrics.images_completed(*self.labels, n)

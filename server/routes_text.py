@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -12,17 +11,14 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from model.sampling import SamplingParams
-
 from .deps import ServerState, get_server
 from .engine import Engine, GenerationStream
-from .errors import invalid_request
-from .streaming import SSE_HEADERS, ClientGone, collect, score, sse, sse_stream, submit
+from .schemas import SamplingOptions
+from .streaming import SSE_HEADERS, ClientGone, collect, engine_refusals, score, sse, sse_stream, submit
 from .textcodec import SampleText, TextChunk, token_text
 from .types import Generation, GenerationRequest, SampleResult
 
 router = APIRouter()
-MAX_N = 64
 MAX_STOPS = 4
 Byte = Annotated[int, Field(ge=0, le=255)]
 
@@ -32,18 +28,11 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class CompletionRequest(SamplingOptions):
     model: str | None = Field(None, description="a text model from GET /v1/models; default: the best loaded one")
     prompt: str | list[Byte] = Field("", description="text (sent as UTF-8 bytes) or a list of byte tokens 0-255")
     max_tokens: int = Field(16, ge=0, description="bytes to generate; 0 with echo scores the prompt")
-    temperature: float = Field(1.0, ge=0.0, le=10.0, description="0 = greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, le=256, description="0 = off")
-    seed: int | None = Field(None, ge=0, lt=2**62, description="sample i uses seed + i; default random")
     stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOPS} sequences that end a sample (not included)")
-    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: int | None = Field(None, ge=0, le=5, description="return each token's log-probability (no top alternatives)")
@@ -67,10 +56,6 @@ class CompletionRequest(BaseModel):
     def prompt_bytes(self) -> bytes:
         return self.prompt.encode("utf-8") if isinstance(self.prompt, str) else bytes(self.prompt)
 
-    def sampling(self) -> SamplingParams:
-        seed = self.seed if self.seed is not None else secrets.randbits(31)
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed)
-
 
 @dataclass
 class Completion:
@@ -80,7 +65,7 @@ class Completion:
     engine: Engine
     prompt: bytes
     prompt_logprobs: list[float | None]
-    id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex}")
+    id: str
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)
     texts: list[SampleText] = field(init=False)
@@ -94,20 +79,22 @@ class Completion:
         self.finish = [None] * self.body.n
 
     def add(self, event: Generation) -> None:
-        self._push(event.sample, event.token, event.logprob, event.finish_reason)
+        self.generated_tokens += 1
+        self.texts[event.sample].push(event.token, event.logprob)
+        if event.finish_reason:
+            self._end(event.sample, event.finish_reason, event.matched_stop)
 
     def add_result(self, result: SampleResult) -> None:
-        """A whole sample at once (non-streamed); its last token carries the finish reason."""
-        logprobs = result.logprobs or [None] * len(result.tokens)
-        last = len(result.tokens) - 1
-        for i, (token, logprob) in enumerate(zip(result.tokens, logprobs)):
-            self._push(result.sample, token, logprob, result.finish_reason if i == last else None)
+        """A whole sample at once (non-streamed)."""
+        text = self.texts[result.sample]
+        for token, logprob in zip(result.tokens, result.logprobs or [None] * len(result.tokens)):
+            text.push(token, logprob)
+        self.generated_tokens += len(result.tokens)
+        self._end(result.sample, result.finish_reason, result.matched_stop)
 
-    def _push(self, sample: int, token: int, logprob: float | None, finish_reason: str | None) -> None:
-        self.generated_tokens += 1
-        stopped = self.texts[sample].push(token, logprob)
-        if finish_reason or stopped:
-            self.finish[sample] = "stop" if stopped else finish_reason
+    def _end(self, sample: int, finish_reason: str, matched_stop: bytes | None) -> None:
+        self.texts[sample].end(matched_stop)
+        self.finish[sample] = finish_reason
 
     def choice(self, index: int, chunk: TextChunk) -> dict[str, Any]:
         return {"text": chunk.text, "index": index, "logprobs": self._logprobs(chunk), "finish_reason": self.finish[index]}
@@ -132,14 +119,16 @@ class Completion:
 async def create_completion(body: CompletionRequest, request: Request,
                             server: ServerState = Depends(get_server)) -> Response | dict[str, Any]:
     engine = server.engines.for_request(request, body.model, "text")
-    prompt = body.prompt_bytes()
-    check_fits(body, prompt, engine)
-    wants_scores = body.echo and body.logprobs is not None and len(prompt) > 0
-    prompt_logprobs = list(await score(engine, list(prompt))) if wants_scores else []
-    completion = Completion(body, engine, prompt, prompt_logprobs)
-    stream = submit(engine, generation_request(completion), each_event=body.stream) if body.max_tokens > 0 else None
+    prompt, request_id = body.prompt_bytes(), f"cmpl-{uuid.uuid4().hex}"
+    stream = start_generation(engine, body, prompt, request_id)
+    try:
+        completion = Completion(body, engine, prompt, await prompt_scores(engine, body, prompt), request_id)
+    except BaseException:
+        if stream is not None:
+            stream.cancel()
+        raise
     if body.stream:
-        return StreamingResponse(sse_stream(request, stream_events(completion, stream, server), stream), media_type="text/event-stream",
+        return StreamingResponse(sse_stream(request, stream_events(completion, stream), stream), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     try:
         results = await collect(request, stream) if stream is not None else []
@@ -149,27 +138,28 @@ async def create_completion(body: CompletionRequest, request: Request,
     for result in results:
         completion.add_result(result)
     finish_without_generating(completion)
-    server.metrics.observe_request_latency(engine.name, engine.attention, time.monotonic() - completion.started)
+    engine.metrics.request_latency(time.monotonic() - completion.started)
     choices = [completion.choice(i, text.take(final=True)) for i, text in enumerate(completion.texts)]
     return {**completion.envelope(choices), "usage": completion.usage()}
 
 
-def check_fits(body: CompletionRequest, prompt: bytes, engine: Engine) -> None:
-    max_len = engine.config.max_len
-    if len(prompt) + body.max_tokens > max_len:
-        raise invalid_request(f"prompt ({len(prompt)} tokens) plus max_tokens ({body.max_tokens}) is "
-                              f"{len(prompt) + body.max_tokens}; model '{engine.name}' handles at most {max_len} tokens",
-                              "max_tokens", "context_length_exceeded")
-    if body.max_tokens > 0 and body.n > engine.limits.max_batch:
-        raise invalid_request(f"n is {body.n}; this server decodes at most {engine.limits.max_batch} sequences "
-                              "per model at once (--max-batch)", "n")
+def start_generation(engine: Engine, body: CompletionRequest, prompt: bytes, request_id: str) -> GenerationStream | None:
+    """Queue the generation (validated by the engine); max_tokens 0 generates nothing, but the prompt must fit."""
+    if body.max_tokens == 0:
+        with engine_refusals(engine):
+            engine.check_prompt(list(prompt))
+        return None
+    request = GenerationRequest(request_id=request_id, prompt=list(prompt), max_new_tokens=body.max_tokens,
+                                sampling=body.sampling(), n=body.n, stop=body.stop_bytes(),
+                                logprobs=body.logprobs is not None)
+    return submit(engine, request, each_event=body.stream)
 
 
-def generation_request(completion: Completion) -> GenerationRequest:
-    body = completion.body
-    return GenerationRequest(request_id=completion.id, prompt=list(completion.prompt), max_new_tokens=body.max_tokens,
-                             sampling=body.sampling(), n=body.n, stop=body.stop_bytes(),
-                             logprobs=body.logprobs is not None)
+async def prompt_scores(engine: Engine, body: CompletionRequest, prompt: bytes) -> list[float | None]:
+    """The prompt's log-probabilities when echoed with logprobs, else none."""
+    if body.echo and body.logprobs is not None and prompt:
+        return list(await score(engine, list(prompt)))
+    return []
 
 
 def finish_without_generating(completion: Completion) -> None:
@@ -178,7 +168,7 @@ def finish_without_generating(completion: Completion) -> None:
         completion.finish = ["length"] * completion.body.n
 
 
-async def stream_events(completion: Completion, stream: GenerationStream | None, server: ServerState) -> AsyncIterator[str]:
+async def stream_events(completion: Completion, stream: GenerationStream | None) -> AsyncIterator[str]:
     """SSE chunks as text becomes safe to show, then usage (if asked)."""
     if completion.body.echo:
         for i, text in enumerate(completion.texts):
@@ -193,7 +183,6 @@ async def stream_events(completion: Completion, stream: GenerationStream | None,
         finish_without_generating(completion)
         for i, text in enumerate(completion.texts):
             yield sse(completion.envelope([completion.choice(i, text.take(final=True))]))
-    engine = completion.engine
-    server.metrics.observe_request_latency(engine.name, engine.attention, time.monotonic() - completion.started)
+    completion.engine.metrics.request_latency(time.monotonic() - completion.started)
     if completion.body.stream_options and completion.body.stream_options.include_usage:
         yield sse({**completion.envelope([]), "usage": completion.usage()})

@@ -12,6 +12,7 @@ from fastapi import Request
 from .engine import Engine, EngineFailure, GenerationStream, QueueFull
 from .errors import APIError, error_body, invalid_request
 from .types import GenerationRequest, SampleResult
+from .validation import InvalidRequest
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # proxies must not buffer events
 DONE_EVENT = "data: [DONE]\n\n"
@@ -31,8 +32,10 @@ def engine_refusals(engine: Engine) -> Iterator[None]:
     except QueueFull as exc:
         raise APIError(429, f"{exc} (the server queues at most --max-waiting requests per model)", None,
                        "queue_full", {"Retry-After": "1"}) from None
-    except ValueError as exc:
-        raise invalid_request(str(exc)) from None
+    except InvalidRequest as exc:
+        raise invalid_request(str(exc), exc.param, exc.code) from None
+    except EngineFailure as exc:  # e.g. a score waiting when the engine shut down
+        raise engine_error(exc) from None
 
 
 def submit(engine: Engine, request: GenerationRequest, each_event: bool = True) -> GenerationStream:

@@ -37,6 +37,7 @@ class Generation:
     token: int
     logprob: float | None
     finish_reason: str | None = None  # "length", "stop", or None while running
+    matched_stop: bytes | None = None  # the stop sequence that ended the sample (finish_reason "stop")
 
 
 @dataclass(slots=True)
@@ -50,6 +51,7 @@ class SampleResult:
     tokens: list[int]
     logprobs: list[float] | None  # one per token when asked for
     finish_reason: str  # "length" or "stop"
+    matched_stop: bytes | None = None  # the stop sequence that ended the sample (finish_reason "stop")
 
 
 @dataclass(frozen=True)
@@ -58,3 +60,16 @@ class GenerationError:
 
     request_id: str
     message: str
+
+
+@dataclass(slots=True)
+class StepStats:
+    """What one engine step did, for the metrics: recorded in one place from this."""
+
+    batch: int  # sequences that drew a token
+    tokens: int  # tokens drawn
+    running: int  # sequences still decoding after the step
+    waiting: int  # sequences queued
+    state_bytes: int  # decode-state bytes held by the running sequences
+    first_token_seconds: list[float] = field(default_factory=list)  # submission -> first token, per new sequence
+    token_gaps: dict[float, int] = field(default_factory=dict)  # seconds since a sequence's previous token -> count

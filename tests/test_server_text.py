@@ -10,6 +10,7 @@ import httpx
 import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
+from server.stopping import StoppingCriteria
 from server.textcodec import SampleText, char_offsets, incomplete_utf8_suffix, longest_stop_prefix, token_text
 from server_support import (KINDS, TEXT_MAX_LEN, make_settings, running_server, save_script_model, save_tiny_model,
                             sse_payloads, token_bytes)
@@ -61,13 +62,17 @@ def test_token_text_uses_openai_bytes_form():
 
 
 def test_stop_sequence_is_cut_and_its_prefix_held_back():
-    text = SampleText(stops=[b"END"])
+    text, stopping = SampleText(stops=[b"END"]), StoppingCriteria((b"END",), max_new_tokens=10)
     for byte in b"abE":
         text.push(byte, -1.0)
+        assert stopping.push(byte) is None
     assert text.take().text == "ab"  # "E" may start "END": held
     text.push(ord("N"), -1.0)
+    assert stopping.push(ord("N")) is None
     assert text.take().text == ""
-    assert text.push(ord("D"), -1.0) is True
+    text.push(ord("D"), -1.0)
+    assert stopping.push(ord("D")) == "stop" and stopping.matched == b"END"
+    text.end(stopping.matched)
     chunk = text.take()
     assert chunk.text == "" and text.stopped
     assert text.data == bytearray(b"ab")
@@ -82,8 +87,9 @@ def test_false_stop_prefix_is_released():
 
 
 def test_stop_is_only_searched_in_generated_bytes():
-    text = SampleText(stops=[b"b"], prefix=b"ab")
-    assert not text.push(ord("c"), None)
+    text, stopping = SampleText(stops=[b"b"], prefix=b"ab"), StoppingCriteria((b"b",), max_new_tokens=5)
+    text.push(ord("c"), None)
+    assert stopping.push(ord("c")) is None  # the prompt's "b" is not looked at
     assert text.take(final=True).text == "abc"
 
 

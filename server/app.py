@@ -12,9 +12,10 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CollectorRegistry
 
-from . import errors
+from . import errors, openapi
 from .deps import ServerState
 from .engine import Engine, EngineLimits
 from .metrics import Metrics
@@ -31,9 +32,11 @@ log = logging.getLogger("rnnserve.app")
 def build_app(settings: Settings, models: list[LoadedModel] | None = None) -> FastAPI:
     """An app serving `models`, or the models `settings` names (loaded at start-up)."""
     metrics = Metrics(CollectorRegistry())
-    app = FastAPI(title="rnnserve", version="0.1.0", lifespan=_lifespan(settings, metrics, models),
-                  description="Image completion, streaming text and metrics for RNN-mode transformers.")
+    # FastAPIOffline serves /docs and /redoc with Swagger UI and ReDoc from a Python package, no CDN.
+    app = FastAPIOffline(title="rnnserve", version="0.1.0", lifespan=_lifespan(settings, metrics, models),
+                         description="Image completion, streaming text and metrics for RNN-mode transformers.")
     errors.install(app)
+    openapi.install(app)
     routers = (models_router, text_router, images_router)
     for router in routers:
         app.include_router(router)

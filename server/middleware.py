@@ -13,7 +13,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .errors import error_response
 from .metrics import Metrics
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers need no key
+# Probes, scrapers and the API's own documentation need no key.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"})
+OPEN_PREFIXES = ("/static-offline-docs/",)
 TOO_LARGE = object()
 
 
@@ -25,7 +27,8 @@ class ApiKeyMiddleware:
         self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in OPEN_PATHS or path.startswith(OPEN_PREFIXES) or self._authorized(scope):
             await self.app(scope, receive, send)
             return
         response = error_response(401, "missing or wrong API key; send the header 'Authorization: Bearer YOUR_KEY'",

@@ -241,7 +241,7 @@ def test_dashboard_shows_the_required_panels_per_model_and_attention():
     for histogram in ("rnnserve_time_to_first_token_seconds", "rnnserve_inter_token_latency_seconds"):
         quantiles = [e for e in queries(f"{histogram}_bucket") if "histogram_quantile(" in e and "le" in promql_grouping_labels(e)]
         assert len(quantiles) >= 2, f"expected several quantiles of {histogram}, got {quantiles}"
-    for gauge in ("rnnserve_batch_size", "rnnserve_waiting_sequences", "rnnserve_decode_state_bytes"):
+    for gauge in ("rnnserve_batch_size", "rnnserve_waiting_sequences", "rnnserve_decode_state_in_use_bytes"):
         assert queries(gauge), f"no panel shows {gauge}"
 
 

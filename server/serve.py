@@ -2,7 +2,9 @@
 
 Flags override RNNSERVE_* environment variables, which override defaults.
 Models are loaded before the port opens, so a bad flag or weights file
-stops start-up with one clear line instead of a traceback.
+stops start-up with one clear line instead of a traceback. The model,
+the app and uvicorn are imported only by `run`: `rnnserve serve --help`
+does not import torch.
 """
 
 from __future__ import annotations
@@ -10,8 +12,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-
-from model.weights_io import WeightsError
 
 from .settings import Settings, SettingsError, build_settings
 
@@ -50,6 +50,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
+
+    from model.weights_io import WeightsError
 
     from .app import build_app
     from .registry import load_models

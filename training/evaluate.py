@@ -28,21 +28,6 @@ from .data import DataError, load_mnist, load_text
 TASK_DATA = {"mnist": "a folder with t10k-images-idx3-ubyte[.gz] (or that file)", "text": "a UTF-8 text file"}
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("models", nargs="+", help="one or more .safetensors files")
-    parser.add_argument("--data", required=True,
-                        help="MNIST: folder with t10k-images-idx3-ubyte[.gz] (or the file); text: the UTF-8 file")
-    parser.add_argument("--limit", type=int, help="only the first N test images / validation windows")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
-    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
-    parser.add_argument("--store", action="store_true",
-                        help="also write each result into its file's metadata (info['eval']), as `rnnserve train` "
-                             "does at its end; the tensors are written back unchanged")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--no-progress", action="store_true")
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise DataError("--device cuda: no CUDA GPU is visible to torch; use --device cpu or auto")

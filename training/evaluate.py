@@ -3,7 +3,8 @@
 bits/dim is the mean of -log2 p(pixel) over every pixel of the test images,
 read exactly off the model's 256-way logits. Text loss is the mean -ln p(byte)
 over the validation split (last 10% of the file), cut into non-overlapping
-windows of the model's max_len, each starting from BOS.
+windows of the model's max_len, each starting from BOS. The flags are
+defined in training/arguments.py.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 Rows are digits. Columns: the original, the occluded input (bottom half hidden),
 then one completion per model, sampled from the model given the top rows as
 its prompt. Each column is labelled with the model's attention kind.
+The flags are defined in training/arguments.py.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ steps; --resume continues from it bit for bit when the horizon is in steps.
 At the end the weights are saved in 16-bit floats, evaluated from that very
 file (MNIST test bits/dim or text validation loss), and the results are
 stored in the file's metadata with the data used, examples seen, wall time
-and device.
+and device. The flags are defined in training/arguments.py.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .attention import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
 from .config import ModelConfig
 from .heads import causal_mask, chunk_positions, merge_heads, split_heads
 from .state import RowState
@@ -30,7 +31,15 @@ class LinformerState(RowState):
     v_proj: torch.Tensor  # (B, H, k, D) float32: V~
 
 
-class LinformerAttention(nn.Module):
+class LinformerAttention(Attention):
+    capabilities = Capabilities(constant_state=True, graphable=True, paddable=True)
+
+    @classmethod
+    def token_cost(cls, cfg: ModelConfig, t: float) -> TokenCost:
+        # Scores against and sums into K~, V~ (k x D per head), which are read and written whole.
+        h, k, d = cfg.n_heads, cfg.linformer_k, cfg.d_head
+        return TokenCost(flops=8 * h * k * d, state_bytes=2 * 2 * h * k * d * STATE_NUMBER_BYTES)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads = cfg.n_heads

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from model import SequenceTooLong
-from model.config import ATTENTION_KINDS
+from model.registry import attention_kinds
 from model.weights_io import load_model, save_model
 
 from conftest import KINDS, TINY_MAX_LEN, make_tiny_config, make_tiny_model, make_tokens
@@ -358,4 +358,4 @@ def test_training_reformer_without_fresh_rotations_hashes_with_stored_ones():
 
 def test_every_kind_is_listed():
     # The parametrised `kind` fixture must cover exactly the kinds the config accepts.
-    assert tuple(KINDS) == tuple(ATTENTION_KINDS)
+    assert tuple(KINDS) == tuple(attention_kinds())

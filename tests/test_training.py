@@ -10,6 +10,7 @@ import argparse
 import gzip
 import json
 import math
+import shlex
 import struct
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from model.generate import generate
 from model.sampling import BatchSampling, SamplingParams
 from model.transformer import with_bos
 from model.weights_io import load_model, read_metadata, save_model
+from rnnserve_cli import parse_args
 from training import evaluate, train
 from training.data import DataError, find_images_file, load_mnist, load_text, read_idx_images, write_idx_images
 
@@ -29,10 +31,9 @@ WEIGHTS = Path(__file__).resolve().parent.parent / "weights"
 SHIPPED = sorted(WEIGHTS.glob("*.safetensors"))
 
 
-def parse(module, argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    module.add_arguments(parser)
-    return parser.parse_args(argv)
+def parse(command: str, argv: list[str]) -> argparse.Namespace:
+    """`rnnserve COMMAND ARGV...` parsed by the real command line."""
+    return parse_args([command, *argv])
 
 
 def digit_images(count: int, seed: int = 0) -> torch.Tensor:
@@ -118,9 +119,9 @@ def test_text_loader_rejects_non_utf8(tmp_path: Path) -> None:
 
 
 def text_args(tmp_path: Path, text_file: Path, *extra: str) -> argparse.Namespace:
-    return parse(train, ["--task", "text", "--attention", "linear", "--data", str(text_file), "--preset", "tiny",
-                         "--context", "16", "--warmup-steps", "5", "--device", "cpu", "--threads", "2",
-                         "--no-progress", "--out", str(tmp_path / "m.safetensors"), *extra])
+    return parse("train", ["--task", "text", "--attention", "linear", "--data", str(text_file), "--preset", "tiny",
+                           "--context", "16", "--warmup-steps", "5", "--device", "cpu", "--threads", "2",
+                           "--no-progress", "--out", str(tmp_path / "m.safetensors"), *extra])
 
 
 def fixed_batch(text_file: Path, context: int) -> torch.Tensor:
@@ -177,15 +178,16 @@ def test_train_without_a_horizon_is_a_clear_error(tmp_path: Path, text_file: Pat
 
 def test_mnist_training_records_data_and_eval_in_the_file(tmp_path: Path, mnist_dir: Path) -> None:
     out = tmp_path / "d.safetensors"
-    args = parse(train, ["--task", "mnist", "--attention", "softmax", "--data", str(mnist_dir), "--preset", "tiny",
-                         "--steps", "3", "--device", "cpu", "--no-progress", "--out", str(out)])
-    assert train.run(args) == 0
+    argv = ["--task", "mnist", "--attention", "softmax", "--data", str(mnist_dir), "--preset", "tiny",
+            "--steps", "3", "--device", "cpu", "--no-progress", "--out", str(out)]
+    assert train.run(parse("train", argv)) == 0
     cfg, info = read_metadata(out)
     assert cfg.max_len == 784 and cfg.task == "mnist"
     assert info["data"]["train"].endswith("train-images-idx3-ubyte.gz")
     assert info["examples_seen"] == 3 * 8 and info["device"].startswith("cpu")
     assert info["eval"]["images"] == 6 and 0 < info["eval"]["bits_per_dim"] < 9
     assert read_safetensors_dtypes(out) == {"BF16"}  # stored in 16 bits, like the shipped files
+    assert info["command"] == shlex.join(["rnnserve", "train", *argv])  # the argv given, not pytest's sys.argv
 
 
 def read_safetensors_dtypes(path: Path) -> set[str]:
@@ -248,7 +250,7 @@ def test_eval_store_writes_the_result_into_the_file_and_keeps_its_tensors(tmp_pa
     save_model(build_model(cfg), path, {"examples_seen": 7}, dtype=torch.bfloat16)
     before = load_file(path)
     args = ["--data", str(mnist_dir), "--device", "cpu", "--threads", "1", "--json", "--store"]
-    assert evaluate.run(parse(evaluate, [str(path), *args])) == 0
+    assert evaluate.run(parse("eval", [str(path), *args])) == 0
     printed = json.loads(capsys.readouterr().out)[str(path)]
     _, info = read_metadata(path)
     assert info["examples_seen"] == 7 and info["eval"] == printed
@@ -260,7 +262,7 @@ def test_eval_store_writes_the_result_into_the_file_and_keeps_its_tensors(tmp_pa
 def test_eval_cli_reports_a_missing_data_folder(tmp_path: Path, capsys) -> None:
     path = tmp_path / "f.safetensors"
     save_model(build_model(ModelConfig(task="mnist", d_model=32, n_layers=1, n_heads=2, d_ff=32, max_len=784)), path)
-    assert evaluate.run(parse(evaluate, [str(path), "--data", str(tmp_path / "nope"), "--device", "cpu"])) == 2
+    assert evaluate.run(parse("eval", [str(path), "--data", str(tmp_path / "nope"), "--device", "cpu"])) == 2
     assert "no such file or folder" in capsys.readouterr().err
 
 
@@ -273,8 +275,8 @@ def test_pictures_draws_one_column_per_model(tmp_path: Path, mnist_dir: Path) ->
     model_path = tmp_path / "g.safetensors"
     save_model(build_model(ModelConfig(task="mnist", d_model=32, n_layers=1, n_heads=2, d_ff=32, max_len=784)), model_path)
     out = tmp_path / "p.png"
-    args = parse(pictures, ["--models", str(model_path), str(model_path), "--data", str(mnist_dir), "--out", str(out),
-                            "--digits", "2", "--scale", "1", "--device", "cpu"])
+    args = parse("pictures", ["--models", str(model_path), str(model_path), "--data", str(mnist_dir), "--out", str(out),
+                              "--digits", "2", "--scale", "1", "--device", "cpu"])
     assert pictures.run(args) == 0
     width, height = Image.open(out).size
     assert width == 4 * (28 + pictures.GAP) + pictures.GAP  # original, occluded, two models

@@ -7,7 +7,7 @@ steps; --resume continues from it bit for bit when the horizon is in steps.
 At the end the weights are saved in 16-bit floats, evaluated from that very
 file (MNIST test bits/dim or text validation loss), and the results are
 stored in the file's metadata with the data used, examples seen, wall time
-and device.
+and device. The flags are defined in training/arguments.py.
 """
 
 from __future__ import annotations
@@ -31,59 +31,17 @@ from model import ModelConfig, Transformer, build_model
 from model.transformer import with_bos
 from model.weights_io import save_model
 
+from .arguments import SAVE_DTYPE_NAMES
 from .data import MNIST_PIXELS, DataError, load_mnist, load_text
 from .evaluate import device_description, evaluate_file, print_table, resolve_device
-from .presets import PRESETS, REFORMER_LOCAL_WINDOW
+from .presets import PRESETS
 
-SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+SAVE_DTYPES = {name: getattr(torch, name) for name in SAVE_DTYPE_NAMES}
 MIN_LR_FRACTION = 0.1  # the cosine ends at 10% of the peak rate
 
 
 class TrainError(ValueError):
     """A bad flag combination or a checkpoint that does not fit this run."""
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--task", choices=("mnist", "text"), required=True)
-    parser.add_argument("--attention", choices=("softmax", "linear", "linformer", "reformer"), required=True)
-    parser.add_argument("--data", required=True, help="MNIST: folder (or train images file); text: a UTF-8 file")
-    parser.add_argument("--eval-data", help="MNIST test images folder/file (default: the --data folder)")
-    parser.add_argument("--out", required=True, help="output weights file, e.g. weights/mnist-linear.safetensors")
-    arch = parser.add_argument_group("architecture (override the preset)")
-    arch.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    arch.add_argument("--layers", type=int)
-    arch.add_argument("--d-model", type=int)
-    arch.add_argument("--heads", type=int)
-    arch.add_argument("--d-ff", type=int)
-    arch.add_argument("--context", type=int, default=256, help="text: window length in bytes (= max_len)")
-    arch.add_argument("--dropout", type=float, default=0.0)
-    arch.add_argument("--pos-encoding", choices=("learned", "sinusoidal"), default="learned")
-    arch.add_argument("--linformer-k", type=int, default=64)
-    arch.add_argument("--reformer-buckets", type=int, default=32)
-    arch.add_argument("--reformer-rounds", type=int, default=1)
-    arch.add_argument("--reformer-local-window", type=int, default=REFORMER_LOCAL_WINDOW,
-                      help="Reformer: also attend to the W positions before each query (0: hashed buckets only)")
-    opt = parser.add_argument_group("optimisation")
-    opt.add_argument("--minutes", type=float, help="wall-clock budget for training (eval not included)")
-    opt.add_argument("--steps", type=int, help="number of optimiser steps")
-    opt.add_argument("--batch-size", type=int)
-    opt.add_argument("--lr", type=float, help="peak learning rate (AdamW)")
-    opt.add_argument("--warmup-steps", type=int, default=100)
-    opt.add_argument("--weight-decay", type=float, default=0.01)
-    opt.add_argument("--seed", type=int, default=0)
-    run = parser.add_argument_group("run")
-    run.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
-    run.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for torch")
-    run.add_argument("--save-dtype", choices=sorted(SAVE_DTYPES), default="bfloat16")
-    run.add_argument("--autocast", choices=("auto", "bf16", "off"), default="auto",
-                     help="bfloat16 autocast; auto: on for CUDA and for CPUs with native bf16 (AVX512-BF16, AMX)")
-    run.add_argument("--checkpoint", help="checkpoint path (default: OUT with .ckpt)")
-    run.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (0: never)")
-    run.add_argument("--resume", action="store_true", help="continue from the checkpoint if it exists")
-    run.add_argument("--no-eval", action="store_true", help="skip the evaluation at the end")
-    run.add_argument("--eval-limit", type=int, help="evaluate on the first N test images / windows only")
-    run.add_argument("--eval-batch-size", type=int, default=32)
-    run.add_argument("--no-progress", action="store_true", help="no progress bar (logs print a line per checkpoint)")
 
 
 @dataclass
@@ -232,8 +190,8 @@ def optimizer_step(model: Transformer, opt: torch.optim.Optimizer, tokens: torch
 
 
 def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: bf16 matmuls 2-3x faster than fp32 (measured 136 vs 50 GFLOP/s on an AMD EPYC
-    with AVX512-BF16); without them bf16 is emulated and slower (1.49 vs 0.85 s/step on an Intel Xeon)."""
+    """AVX512-BF16 or AMX: with them bf16 matmuls beat fp32; without them bf16 is emulated and
+    slower than fp32 (measurements in benchmarks/README.md, "Measurements behind design choices")."""
     checks = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
     return any(check() for check in checks if check is not None)
 
@@ -312,7 +270,7 @@ def training_info(args: argparse.Namespace, data_path: str, prog: Progress, devi
         "final_train_loss_nats": round(prog.loss_ema, 5),  # moving average over ~50 steps
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "command": "rnnserve train " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["train"] else None,
+        "command": args.command_line,
     }
 
 

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from model import SequenceTooLong
+from model.linformer_attention import BLOCK as LINFORMER_BLOCK
 from model.registry import attention_kinds
 from model.weights_io import load_model, save_model
 
@@ -310,6 +311,22 @@ def test_linformer_sharing_options_are_chunk_invariant(sharing, data):
     tokens = make_tokens(length, 2, length)
     got, _ = run_chunked(model, tokens, sizes)
     torch.testing.assert_close(got, run_parallel(model, tokens), atol=CHUNK_TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("sharing", ["none", "headwise", "kv"])
+@torch.no_grad()
+def test_linformer_blocked_form_matches_the_reference_across_blocks(sharing):
+    """Several blocks and a partial last one, from position 0 and from a carried state
+    with chunks that start and end inside blocks."""
+    length = 2 * LINFORMER_BLOCK + 5
+    attn = make_tiny_model("linformer", linformer_sharing=sharing, max_len=length).blocks[0].attn
+    x, start = _attention_input(attn, seed=12, length=length)  # (B, T, C)
+    expected = reference_linformer(attn, x)
+    torch.testing.assert_close(attn(x, start, None)[0], expected, atol=1e-5, rtol=1e-5)
+    state, outputs = attn.new_state(2, x.device, x.dtype), []
+    for lo, hi in [(0, 3), (3, 4), (4, LINFORMER_BLOCK + 10), (LINFORMER_BLOCK + 10, length)]:
+        outputs.append(attn(x[:, lo:hi], start + lo, state)[0])
+    torch.testing.assert_close(torch.cat(outputs, dim=1), expected, atol=CHUNK_TOLERANCE, rtol=0)
 
 
 # ---------------------------------------------------------------- Reformer hashing

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from model import ModelConfig, build_model
 from model.generate import generate
@@ -125,7 +126,7 @@ def test_text_loader_rejects_non_utf8(tmp_path: Path) -> None:
 
 def text_args(tmp_path: Path, text_file: Path, *extra: str) -> argparse.Namespace:
     return parse(train, ["--task", "text", "--attention", "linear", "--data", str(text_file), "--preset", "tiny",
-                         "--context", "16", "--warmup-steps", "5", "--device", "cpu", "--threads", "2",
+                         "--context", "16", "--warmup-steps", "5", "--device", "cpu", "--threads", "1",
                          "--no-progress", "--out", str(tmp_path / "m.safetensors"), *extra])
 
 
@@ -294,6 +295,12 @@ def test_damaged_checkpoints_are_named_as_such(tmp_path: Path, text_file: Path, 
     save_model(build_model(ModelConfig(d_model=32, n_layers=1, n_heads=2, d_ff=32)), model_file)
     with pytest.raises(train.TrainError, match="not a training checkpoint"):
         read_checkpoint(model_file)
+    with safe_open(str(good), framework="pt") as f:
+        tensors, header = {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()[checkpoint.METADATA_KEY])
+    save_file(tensors, str(tmp_path / "future.ckpt"),
+              metadata={checkpoint.METADATA_KEY: json.dumps(header | {"format": checkpoint.FORMAT + 1})})
+    with pytest.raises(train.TrainError, match=rf"checkpoint format {checkpoint.FORMAT + 1} is newer than this"):
+        read_checkpoint(tmp_path / "future.ckpt")
     # Through the command line: exit status 2, one line naming the file and the problem.
     args = text_args(tmp_path, text_file, "--steps", "4", "--no-eval", "--checkpoint", str(tmp_path / "cut.ckpt"), "--resume")
     assert train.run(args) == 2

@@ -203,6 +203,8 @@ def read_checkpoint(path: Path) -> Checkpoint:
                          "file holds no optimiser state); expected a .ckpt written by rnnserve train")
     try:
         return decode(path, json.loads(header), tensors)
+    except TrainError:
+        raise
     except (ValueError, KeyError, TypeError) as exc:
         raise TrainError(f"{path}: corrupt checkpoint metadata ({exc!r})") from exc
 

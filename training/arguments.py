@@ -14,6 +14,7 @@ from model.registry import attention_kinds
 from .presets import PRESETS, REFORMER_LOCAL_WINDOW
 
 SAVE_DTYPE_NAMES = ("bfloat16", "float16", "float32")  # torch dtypes of these names
+CHECKPOINT_PRECISIONS = ("bfloat16", "float32")  # of the AdamW moments (training/checkpoint.py PRECISIONS)
 DEVICES = ("cpu", "cuda", "auto")
 
 
@@ -60,9 +61,16 @@ def _add_run_arguments(run) -> None:
     run.add_argument("--save-dtype", choices=sorted(SAVE_DTYPE_NAMES), default="bfloat16")
     run.add_argument("--autocast", choices=("auto", "bf16", "off"), default="auto",
                      help="bfloat16 autocast; auto: on for CUDA and for CPUs with native bf16 (AVX512-BF16, AMX)")
-    run.add_argument("--checkpoint", help="checkpoint path (default: OUT with .ckpt)")
-    run.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (0: never)")
+    run.add_argument("--checkpoint", help="checkpoint path (default: checkpoints/NAME.ckpt in the folder of --out, "
+                                          "NAME the stem of --out: weights/checkpoints/ is kept in git)")
+    run.add_argument("--checkpoint-every", type=int, default=500,
+                     help="steps between checkpoints, also written on SIGTERM/SIGINT (0: never)")
+    run.add_argument("--checkpoint-precision", choices=CHECKPOINT_PRECISIONS, default="bfloat16",
+                     help="AdamW moments in the checkpoint (weights stay float32); float32: resumes bit for bit")
     run.add_argument("--resume", action="store_true", help="continue from the checkpoint if it exists")
+    run.add_argument("--extend", action="store_true",
+                     help="with --resume: accept a --steps/--minutes other than the checkpoint's run "
+                          "(the cosine schedule is recomputed over the new horizon)")
     run.add_argument("--no-eval", action="store_true", help="skip the evaluation at the end")
     run.add_argument("--eval-limit", type=int, help="evaluate on the first N test images / windows only")
     run.add_argument("--eval-batch-size", type=int, default=32)

@@ -36,7 +36,7 @@ def build_app(settings: Settings, models: list[LoadedModel] | None = None) -> Fa
     app = FastAPIOffline(title="rnnserve", version="0.1.0", lifespan=_lifespan(settings, metrics, models),
                          description="Image completion, streaming text and metrics for RNN-mode transformers.")
     errors.install(app)
-    openapi.install(app)
+    openapi.install(app, settings.max_batch)
     routers = (models_router, text_router, images_router)
     for router in routers:
         app.include_router(router)

@@ -14,15 +14,15 @@ from pydantic import BaseModel, Field, model_validator
 from .errors import FieldError
 from .imaging import SIDE
 from .responses import GENERATION_ERRORS, SSE
-from .schemas import SamplingOptions
+from .schemas import Int, SamplingOptions
 
-Grid = list[list[int]]
+Grid = list[list[Int()]]
 
 
 class ImageOptions(SamplingOptions):
     model: str | None = Field(None, description="an mnist model from GET /v1/models; may be left out when only one is loaded")
     stream: bool = Field(False, description="send rows as server-sent events as they complete")
-    keep_rows: int | None = Field(None, ge=0, le=SIDE, description="rows 0..k-1 known, the rest unknown")
+    keep_rows: Int(ge=0, le=SIDE) | None = Field(None, description="rows 0..k-1 known, the rest unknown")
 
 
 class ImageCompletionRequest(ImageOptions):
@@ -60,12 +60,22 @@ class ImageCompletionResponse(BaseModel):
 
 
 def _multipart_schema() -> dict[str, Any]:
-    """The form fields: every option as in JSON, the digit as a file (or `pixels` as JSON text), a mask file."""
-    options = ImageOptions.model_json_schema()["properties"]
+    """The form fields: every option as in JSON, the digit as a file (or `pixels` as JSON text), a mask file.
+    A form cannot send null: a field is left out instead, so no option is nullable here."""
+    options = {name: _not_null(field) for name, field in ImageOptions.model_json_schema()["properties"].items()}
     files = {"image": {"type": "string", "format": "binary", "description": "28x28 PNG; alpha 0 marks unknown pixels"},
              "mask": {"type": "string", "format": "binary", "description": "28x28 PNG, white = unknown"},
              "pixels": {"type": "string", "description": "instead of `image`: 28x28 grey levels as JSON text"}}
     return {"type": "object", "properties": {**files, **options}, "required": ["image"]}
+
+
+def _not_null(field: dict[str, Any]) -> dict[str, Any]:
+    """A JSON schema property without its null branch (`anyOf: [X, null]` -> X)."""
+    branches = [b for b in field.get("anyOf", []) if b.get("type") != "null"]
+    if len(branches) != 1:
+        return field
+    rest = {k: v for k, v in field.items() if k not in ("anyOf", "default")}
+    return {**branches[0], **rest}
 
 
 IMAGE_REQUEST_BODY = {"required": True, "content": {
@@ -74,9 +84,9 @@ IMAGE_REQUEST_BODY = {"required": True, "content": {
 }}
 
 IMAGE_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"description": "the completions as JSON; one PNG strip with `Accept: image/png`; rows as server-sent "
+    200: {"model": ImageCompletionResponse,
+          "description": "the completions as JSON; one PNG strip with `Accept: image/png`; rows as server-sent "
                          "events with `stream: true`",
-          "content": {"application/json": {"schema": ImageCompletionResponse.model_json_schema()},
-                      "image/png": {"schema": {"type": "string", "format": "binary"}}, **SSE}},
+          "content": {"image/png": {"schema": {"type": "string", "format": "binary"}}, **SSE}},
     **GENERATION_ERRORS,
 }

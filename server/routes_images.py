@@ -172,10 +172,11 @@ async def _from_form(request: Request) -> ImageInput:
     form = await request.form()
     scalars = {k: v for k, v in form.multi_items() if k not in FILE_FIELDS}
     try:
-        options = ImageOptions.model_validate({k: v for k, v in scalars.items() if v != ""})
+        options = ImageOptions.model_validate({k: v for k, v in scalars.items() if v != ""}, strict=False)
     except ValidationError as exc:
         raise_validation(exc)
-    image, mask, pixels = form.get("image"), form.get("mask"), form.get("pixels")
+    # An empty form field is an absent one, as for the options above.
+    image, mask, pixels = (form.get(name) or None for name in FILE_FIELDS)
     if (image is None) == (pixels is None):
         raise invalid_request("give the digit as exactly one of an `image` file (PNG) or a `pixels` field "
                               "(JSON, 28x28 grey levels)", "image")

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import secrets
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from model.sampling import SamplingParams
 
@@ -14,14 +14,26 @@ from .errors import FieldError
 MAX_N = 64  # samples per request; the server's --max-batch may allow fewer
 
 
-class SamplingOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def integral(value: Any) -> Any:
+    """JSON's 1.0 is an integer (JSON Schema says so); strict validation would refuse it."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 
-    n: int = Field(1, ge=1, le=MAX_N, description="samples to draw (at most --max-batch)")
+
+def Int(**constraints: Any) -> Any:
+    """An integer field of a strict model, with its bounds (inside, so the JSON schema shows them)."""
+    return Annotated[int, Field(**constraints), BeforeValidator(integral)]
+
+
+class SamplingOptions(BaseModel):
+    # Strict: JSON `false` is no number and "5" no integer. Multipart forms, whose values are all
+    # text, are validated with strict=False (routes_images._from_form).
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    n: Int(ge=1, le=MAX_N) = Field(1, description="samples to draw (at most --max-batch)")
     temperature: float = Field(1.0, ge=0.0, le=10.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, le=256, description="0 = off")
-    seed: int | None = Field(None, ge=0, lt=2**62, description="sample i uses seed + i; default random")
+    top_k: Int(ge=0, le=256) = Field(0, description="0 = off")
+    seed: Int(ge=0, lt=2**62) | None = Field(None, description="sample i uses seed + i; default random")
 
     @model_validator(mode="before")
     @classmethod

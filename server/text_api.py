@@ -15,18 +15,18 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .errors import FieldError
-from .schemas import MAX_N, SamplingOptions
+from .schemas import MAX_N, Int, SamplingOptions, integral
 from .textcodec import SampleText, TextChunk, token_text
 from .types import Generation, PromptScores, SampleResult
 
 MAX_STOPS = 4
 MAX_PROMPTS = 16
-Byte = Annotated[int, Field(ge=0, le=255)]
+Byte = Int(ge=0, le=255)
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
@@ -35,17 +35,17 @@ class CompletionRequest(SamplingOptions):
     prompt: str | list[str] | list[Byte] | list[list[Byte]] = Field(
         "", description=f"text (sent as UTF-8 bytes), byte tokens 0-255, or a list of up to {MAX_PROMPTS} of either")
     suffix: str | None = Field(None, description="not supported (these models cannot insert text): leave it out or empty")
-    max_tokens: int = Field(16, ge=0, description="bytes to generate per sample; 0 with echo scores the prompt")
+    max_tokens: Int(ge=0) = Field(16, description="bytes to generate per sample; 0 with echo scores the prompt")
     stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOPS} sequences that end a sample (not included)")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: int | None = Field(None, ge=0, le=5, description="log-probability of each token and of the N most likely")
+    logprobs: Int(ge=0, le=5) | None = Field(None, description="log-probability of each token and of the N most likely")
     echo: bool = Field(False, description="put the prompt before the completion")
     frequency_penalty: Penalty = Field(0.0, description="minus this times how often a token was generated so far")
     presence_penalty: Penalty = Field(0.0, description="minus this once a token has been generated")
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
         None, description="token id (0-255, as a string) -> bias added to its logit")
-    best_of: int | None = Field(None, ge=1, le=MAX_N, description="draw this many, return the n most likely (not with stream)")
+    best_of: Int(ge=1, le=MAX_N) | None = Field(None, description="draw this many, return the n most likely (not with stream)")
     user: str | None = Field(None, description="accepted and ignored")
 
     @field_validator("prompt", mode="before")
@@ -53,12 +53,14 @@ class CompletionRequest(SamplingOptions):
     def _check_prompt(cls, prompt: Any) -> Any:
         """One clear message for a malformed prompt, instead of one per branch of the union."""
         items = prompt if isinstance(prompt, list) else [prompt]
-        if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and len({type(i) for i in items}) > 1):
+        kinds = {str if isinstance(i, str) else list if isinstance(i, list) else "token" for i in items}
+        if not isinstance(prompt, (str, list)) or len(kinds) > 1:
             raise FieldError("prompt must be a string, a list of byte tokens 0-255, or a list of strings "
                              "or of token lists", "prompt")
         for i, item in enumerate(items):
             tokens = item if isinstance(item, list) else [] if isinstance(item, str) else [item]
-            bad = next((t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= 255), None)
+            bad = next((t for t in map(integral, tokens) if isinstance(t, bool) or not isinstance(t, int)
+                        or not 0 <= t <= 255), None)
             if bad is not None:
                 raise FieldError(f"prompt[{i}] holds {bad!r}; byte tokens are integers 0-255", "prompt")
         return prompt

@@ -43,7 +43,8 @@ class ApiKeyMiddleware:
 
 
 def is_open(path: str) -> bool:
-    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+    # a trailing slash only earns a redirect to the open path (Starlette's redirect_slashes)
+    return (path.rstrip("/") or "/") in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
 
 
 class BodyLimitMiddleware:

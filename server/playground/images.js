@@ -70,6 +70,7 @@ export class ImageTab {
     this.button = document.getElementById("complete");
     this.picker = document.getElementById("image-models");
     this.panels = document.getElementById("panels");
+    this.models = [];
     this.controller = null; // set while a completion runs: the second press aborts it
     this.button.addEventListener("click", () => (this.controller ? this.controller.abort() : this.run()));
   }
@@ -98,6 +99,7 @@ export class ImageTab {
   }
 
   async run() {
+    this.onError(null);
     const chosen = new Set([...this.picker.querySelectorAll("input:checked")].map((box) => box.value));
     const models = this.models.filter((model) => chosen.has(model.id));
     if (models.length === 0) return this.onError(new Error("choose at least one model"));

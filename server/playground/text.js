@@ -54,6 +54,7 @@ export class TextTab {
   }
 
   async generate() {
+    this.onError(null);
     const body = this.request();
     const generated = document.createElement("span");
     generated.className = "generated";
@@ -86,6 +87,7 @@ export class TextTab {
   }
 
   async score() {
+    this.onError(null);
     const text = this.output.textContent || $("prompt").value;
     const body = { model: $("text-model").value, prompt: text, max_tokens: 0, echo: true, logprobs: 1 };
     try {

@@ -94,6 +94,7 @@ export class TextTab {
       const answer = await postJSON("v1/completions", body);
       this.output.replaceChildren(...scoredSpans(answer.choices[0]));
       this.output.dataset.state = "scored";
+      this.stats.textContent = "each character coloured by its probability: red unlikely, green likely (hover for log p)";
     } catch (error) {
       this.onError(error);
     }

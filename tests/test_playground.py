@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -67,10 +68,11 @@ def test_the_open_static_prefix_does_not_open_the_api(guarded):
 
 def test_a_non_editable_wheel_ships_the_page(tmp_path):
     """`pip install .` (the Dockerfile's install) must carry the static folder, not only the .py files."""
-    source = tmp_path / "src"
-    for name in ("model", "server", "training", "benchmarks"):
+    source = tmp_path / "src"  # a copy: building in the work tree would leave build/ behind
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for name in setuptools["packages"]:
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
+    for name in ["pyproject.toml", "README.md", *(f"{m}.py" for m in setuptools.get("py-modules", []))]:
         shutil.copy(ROOT / name, source / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(source),
                     "-w", str(tmp_path / "dist")], check=True, capture_output=True, timeout=300)

@@ -23,6 +23,8 @@ from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestMetricsMid
 from .registry import EngineRegistry, LoadedModel, load_models
 from .routes_images import router as images_router
 from .routes_models import router as models_router
+from .routes_playground import mount_static
+from .routes_playground import router as playground_router
 from .routes_text import router as text_router
 from .settings import Settings
 
@@ -37,9 +39,10 @@ def build_app(settings: Settings, models: list[LoadedModel] | None = None) -> Fa
                          description="Image completion, streaming text and metrics for RNN-mode transformers.")
     errors.install(app)
     openapi.install(app, settings.max_batch)
-    routers = (models_router, text_router, images_router)
+    routers = (models_router, text_router, images_router, playground_router)
     for router in routers:
         app.include_router(router)
+    mount_static(app)
     known_paths = {route.path for router in routers for route in router.routes}
     # Added innermost first: metrics see every answer, the key is checked before the body is read.
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)

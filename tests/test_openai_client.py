@@ -9,8 +9,6 @@ in this process, greedily, so the expected tokens are exact.
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -19,7 +17,7 @@ import torch
 
 from model.transformer import with_bos
 from model.weights_io import load_model
-from server_support import free_port, save_script_model, save_tiny_model, stop_process, wait_healthy
+from server_support import save_script_model, save_tiny_model, serving_process
 
 openai = pytest.importorskip("openai", reason="the openai client is a test extra: pip install -e '.[test]'")
 
@@ -31,17 +29,8 @@ def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("openai_weights")
     save_tiny_model(folder, "tiny", "linear", "text", seed=3)
     save_script_model(folder, "script", SCRIPT)
-    port, log = free_port(), folder / "server.log"
-    script = Path(sys.executable).parent / "rnnserve"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([str(script), "serve", "--weights", str(folder), "--port", str(port), "--device", "cpu",
-                                 "--max-batch", "16"], stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, base, log)
+    with serving_process(folder, "--max-batch", "16") as base:
         yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0), folder, base
-    finally:
-        stop_process(proc)
 
 
 def texts(response) -> list[str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_support import free_port, save_tiny_model, stop_process, wait_healthy
+from server_support import save_tiny_model, serving_process
 
 REPO = Path(__file__).resolve().parent.parent
 ERROR_STATUSES = {"400", "401", "404", "413", "415", "429", "500", "503"}
@@ -27,17 +27,8 @@ def base(tmp_path_factory):
     folder = tmp_path_factory.mktemp("contract_weights")
     save_tiny_model(folder, "words", "linear", "text")
     save_tiny_model(folder, "digits", "linear", "mnist")
-    port, log = free_port(), folder / "server.log"
-    script = Path(sys.executable).parent / "rnnserve"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([str(script), "serve", "--weights", str(folder), "--port", str(port), "--device", "cpu",
-                                 "--max-batch", "8"], stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(proc, url, log)
+    with serving_process(folder, "--max-batch", "8") as url:
         yield url
-    finally:
-        stop_process(proc)
 
 
 @pytest.fixture(scope="module")

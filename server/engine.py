@@ -28,7 +28,7 @@ from model.transformer import Transformer
 from .metrics import Metrics
 from .runner import Drawn, ModelRunner
 from .scheduler import CANCELLED, Placement, QueueFull, Scheduler, Sequence, StepOutcome
-from .streams import DONE, EngineFailure, GenerationStream, Outbox, call_in_loop, deliver, finish
+from .streams import DONE, EngineFailure, GenerationStream, Outbox, ScoreJob, deliver, finish
 from .types import Generation, GenerationRequest, PromptScores, SampleResult
 from .validation import check_fits, check_generation, check_scoring
 
@@ -43,14 +43,6 @@ class EngineLimits:
     max_batch: int = 64
     max_waiting: int = 256
     cuda_graphs: bool = True  # capture decode steps on CUDA (linear, Linformer)
-
-
-@dataclass
-class _ScoreJob:
-    tokens: list[int]
-    top: int
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
 
 
 class Engine:
@@ -70,7 +62,7 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._start_error: Exception | None = None
-        self._scores: list[_ScoreJob] = []  # scoring waits for the worker, bounded like the queue
+        self._scores: list[ScoreJob] = []  # scoring waits for the worker, bounded like the queue
 
     # -- public API (event-loop side) ---------------------------------------
     @property
@@ -138,7 +130,7 @@ class Engine:
         if len(self._scores) >= max(1, self.limits.max_waiting):
             raise QueueFull(f"model {self.name!r} is scoring {len(self._scores)} prompts, the limit; retry later")
         loop = asyncio.get_running_loop()
-        job = _ScoreJob(tokens, top, loop.create_future(), loop)
+        job = ScoreJob(tokens, top, loop.create_future(), loop)
         with self._lock:
             self._scores.append(job)
         self._wakeup.set()
@@ -181,10 +173,9 @@ class Engine:
             jobs, self._scores = self._scores, []
         for job in jobs:
             try:
-                result = self.runner.score(job.tokens, job.top)
-                call_in_loop(job.loop, _resolve, job.future, result, None)
+                job.resolve(self.runner.score(job.tokens, job.top))
             except Exception as exc:
-                call_in_loop(job.loop, _resolve, job.future, None, EngineFailure(f"scoring failed: {exc}"))
+                job.resolve(error=EngineFailure(f"scoring failed: {exc}"))
 
     def _admit(self) -> None:
         """Move every waiting request that fits into the batch; prompts of one length prefill together."""
@@ -264,7 +255,7 @@ class Engine:
             scores, self._scores = self._scores, []
         finish(waiting, message)
         for job in scores:
-            call_in_loop(job.loop, _resolve, job.future, None, EngineFailure(message))
+            job.resolve(error=EngineFailure(message))
         self._fail_running(message)
 
 
@@ -290,12 +281,3 @@ class _StepExtras:
         return Generation(request.request_id, seq.sample, seq.position - 1, token,
                           self.logprobs[i] if request.wants_logprobs else None, reason,
                           seq.stopping.matched if reason else None, top)
-
-
-def _resolve(future: asyncio.Future, result, error: Exception | None) -> None:
-    if future.done():  # the caller went away
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)

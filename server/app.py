@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from . import errors
 from .deps import ServerState
+from .drain import Drain, DrainMiddleware
 from .engine import Engine, EngineLimits
 from .metrics import Metrics
 from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestMetricsMiddleware
@@ -38,10 +39,13 @@ def build_app(settings: Settings, models: list[LoadedModel] | None = None) -> Fa
     for router in routers:
         app.include_router(router)
     known_paths = {route.path for router in routers for route in router.routes}
-    # Added innermost first: metrics see every answer, the key is checked before the body is read.
-    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
+    # Added innermost first: metrics see every answer, a draining server refuses before anything
+    # else, the key is checked before the body is read.
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes, timeout=settings.body_timeout)
     if settings.api_key_value():
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key_value())
+    app.state.drain = Drain(settings.drain_seconds)
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics, known_paths=known_paths)
     return app
 

@@ -29,9 +29,10 @@ from .settings import Settings
 log = logging.getLogger("rnnserve.app")
 
 
-def build_app(settings: Settings, models: list[LoadedModel] | None = None) -> FastAPI:
-    """An app serving `models`, or the models `settings` names (loaded at start-up)."""
-    metrics = Metrics(CollectorRegistry())
+def build_app(settings: Settings, models: list[LoadedModel] | None = None, metrics: Metrics | None = None) -> FastAPI:
+    """An app serving `models`, or the models `settings` names (loaded at start-up); its series go
+    to `metrics` (default: a registry of its own, served at /metrics)."""
+    metrics = metrics or Metrics(CollectorRegistry())
     app = FastAPI(title="rnnserve", version="0.1.0", lifespan=_lifespan(settings, metrics, models),
                   description="Image completion, streaming text and metrics for RNN-mode transformers.")
     errors.install(app)

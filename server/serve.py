@@ -23,7 +23,8 @@ GRACEFUL_SHUTDOWN_SECONDS = 5  # after the drain, uvicorn's own wait for connect
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 SERVER_FLAGS = ("weights", "models", "host", "port", "device", "dtype", "cuda_graphs", "max_batch", "max_waiting",
                 "max_body_bytes", "api_key", "log_level", "drain_seconds", "body_timeout")
-RAY_FLAGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "cpus_per_replica", "gpus_per_replica")
+RAY_FLAGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "cpus_per_replica", "gpus_per_replica",
+             "ray_metrics_port")
 
 
 def _default(name: str) -> str:
@@ -71,6 +72,8 @@ def _add_ray_arguments(group: argparse._ArgumentGroup) -> None:
                        help=f"autoscaling aims at this many requests per replica {default('target_ongoing_requests')}")
     group.add_argument("--cpus-per-replica", type=float, help=f"CPUs Ray reserves per replica {default('cpus_per_replica')}")
     group.add_argument("--gpus-per-replica", type=float, help=f"GPUs Ray reserves per replica {default('gpus_per_replica')}")
+    group.add_argument("--ray-metrics-port", type=int,
+                       help=f"port of Ray's metrics export, every replica's series {default('ray_metrics_port')}")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

@@ -43,6 +43,7 @@ class Settings(BaseSettings):
     target_ongoing_requests: float = Field(32.0, gt=0)  # autoscaling aims at this many requests per replica
     cpus_per_replica: float = Field(1.0, ge=0)
     gpus_per_replica: float = Field(0.0, ge=0)
+    ray_metrics_port: int = Field(8080, ge=0, le=65535)  # `--ray`: where Ray exports every replica's metrics
 
     @model_validator(mode="after")
     def _check_autoscaling(self) -> "Settings":

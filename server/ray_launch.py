@@ -37,8 +37,11 @@ def serve_on_ray(settings: Settings) -> int:
     import ray
 
     stop = threading.Event()
-    ray.init(address="local", include_dashboard=False, num_cpus=os.cpu_count(),
-             _metrics_export_port=settings.ray_metrics_port)
+    try:
+        ray.init(address="local", include_dashboard=False, num_cpus=os.cpu_count(),
+                 _metrics_export_port=settings.ray_metrics_port)
+    except Exception as exc:  # Ray's own start-up failed (ports, temp dir, ...): its message, one line
+        return fail(f"Ray could not start: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
     try:
         catch_stop_signals(stop)  # after ray.init, which sets a SIGTERM handler of its own
         flag = start_application(settings)
@@ -154,8 +157,9 @@ def running_replicas() -> int:
 
     from .ray_app import APP_NAME, DEPLOYMENT_NAME
 
-    states = serve.status().applications[APP_NAME].deployments[DEPLOYMENT_NAME].replica_states
-    return int(states.get("RUNNING", 0))
+    app = serve.status().applications.get(APP_NAME)  # gone if someone deleted it through Ray
+    deployment = app.deployments.get(DEPLOYMENT_NAME) if app is not None else None
+    return int(deployment.replica_states.get("RUNNING", 0)) if deployment is not None else 0
 
 
 def shut_down_ray() -> None:

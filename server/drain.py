@@ -1,6 +1,6 @@
 """Graceful drain: refuse new work, let requests in flight finish, then stop.
 
-The same standalone (`serve.DrainingServer` on SIGTERM) and under Ray Serve
+The same standalone (`DrainingServer` below, on SIGTERM) and under Ray Serve
 (`ray_app`, when a replica is stopped):
  1. `Drain.begin()`: /health answers 503 at once, every new request a JSON 503;
  2. requests in flight get up to --drain-seconds to finish;

@@ -79,8 +79,8 @@ def check_before_start(settings: Settings) -> None:
 
     check_settings(settings)
     check_capacity(settings, os.cpu_count() or 1, gpu_count() if settings.gpus_per_replica else 0)
-    for port in (settings.port, settings.ray_metrics_port):
-        listen(settings.host if port == settings.port else "127.0.0.1", port).close()
+    listen(settings.host, settings.port).close()  # Serve's proxy takes it once Ray is up
+    listen("127.0.0.1", settings.ray_metrics_port, "--ray-metrics-port").close()
     try:
         check_model_files(settings)
     except WeightsError as exc:

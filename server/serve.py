@@ -103,14 +103,14 @@ def run(args: argparse.Namespace) -> int:
     return serve_standalone(settings)
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """The listening socket, taken before the models load; SettingsError if the address is not usable."""
+def listen(host: str, port: int, flag: str = "--port") -> socket.socket:
+    """The listening socket, taken before the models load; SettingsError (naming `flag`) if it is not usable."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
         return socket.create_server((host, port), family=family, backlog=2048)
     except OSError as exc:
-        reason = {errno.EADDRINUSE: "the address is already in use (another server?); pass another --port",
-                  errno.EACCES: "permission denied; ports below 1024 need root, pass another --port",
+        reason = {errno.EADDRINUSE: f"the address is already in use (another server?); pass another {flag}",
+                  errno.EACCES: f"permission denied; ports below 1024 need root, pass another {flag}",
                   errno.EADDRNOTAVAIL: "this machine has no such address; pass another --host"}
         raise SettingsError(f"cannot listen on {host}:{port}: {reason.get(exc.errno, exc.strerror)}") from None
 

@@ -6,7 +6,7 @@ bind and talk on 127.0.0.1 alone, and in a PID namespace of its own, so
 everything Ray starts ends with it. The dashboard is off. It starts the real
 `rnnserve serve --ray --replicas 2`, and records what the proxy, the node's
 metrics export, the replica logs and a SIGTERM drain gave; the tests here
-check the record. Skipped, with the reason, when Ray Serve is not installed
+check the record; a second scenario has Ray itself stop a replica. Skipped, with the reason, when Ray Serve is not installed
 (`pip install -e '.[ray]'`; .ci/run installs it) or when namespaces cannot be
 made (not root, no unshare).
 """
@@ -44,20 +44,24 @@ def namespace_command() -> list[str]:
             'ip link set lo up && exec "$0" "$@"']
 
 
-@pytest.fixture(scope="module")
-def seen(tmp_path_factory) -> dict:
-    folder = tmp_path_factory.mktemp("ray")
+def run_scenario(mode: str, folder: Path) -> dict:
+    """What ray_scenario.py MODE saw, inside its own network and PID namespaces."""
     weights = folder / "weights"
     weights.mkdir()
     save_tiny_model(weights, "digits-linear", "linear", "mnist")
     save_tiny_model(weights, "text-softmax", "softmax", "text")
     out = folder / "seen.json"
-    command = namespace_command() + [sys.executable, str(ROOT / "tests" / "ray_scenario.py"), str(weights), str(out)]
+    command = namespace_command() + [sys.executable, str(ROOT / "tests" / "ray_scenario.py"), mode, str(weights), str(out)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=SCENARIO_SECONDS)
     assert out.exists(), f"the scenario wrote nothing (exit {done.returncode}):\n{done.stdout}\n{done.stderr}"
     record = json.loads(out.read_text())
     assert "error" not in record, f"{record['error']}\nserver log:\n{record['server_log']}"
     return record
+
+
+@pytest.fixture(scope="module")
+def seen(tmp_path_factory) -> dict:
+    return run_scenario("serve", tmp_path_factory.mktemp("ray"))
 
 
 def families(text: str) -> dict:
@@ -140,7 +144,25 @@ def test_sigterm_drains_the_replicas_and_exits_0(seen):
     assert drain["health"]["status"] == 503 and json.loads(drain["health"]["body"])["error"]["code"] == "shutting_down"
     assert drain["new_request"]["status"] == 503
     assert "server is shutting down" in json.loads(drain["new_request"]["body"])["error"]["message"]
-    assert drain["stream"]["status"] == 200
-    events = sse_payloads(drain["stream"]["body"])  # finished within --drain-seconds 60: the whole image
-    assert [e["row"] for e in events if e["object"] == "image.completion.row"] == list(range(28))
+    assert len(drain["streams"]) == 6
+    for stream in drain["streams"].values():  # all finished within --drain-seconds 60: whole images
+        assert stream["status"] == 200
+        events = sse_payloads(stream["body"])
+        rows = sorted((e["index"], e["row"]) for e in events if e["object"] == "image.completion.row")
+        assert rows == [(i, r) for i in range(4) for r in range(28)]
     assert drain["exit_code"] == 0, seen["server_log"]
+
+
+def test_a_replica_that_ray_stops_drains_like_the_server(tmp_path):
+    """Ray's own stop (here `serve.delete`; also scale-down, redeploy): the running stream may finish,
+    the ones still queued past --drain-seconds 2 end with the shutdown error and [DONE]; none is cut."""
+    record = run_scenario("ray-stop", tmp_path)
+    streams = record["streams"]
+    assert all(s is not None and s["status"] == 200 for s in streams), streams
+    ended = [sse_payloads(s["body"])[-1] for s in streams]  # each ends with exactly one [DONE]
+    failed = [e for e in ended if "error" in e]
+    assert failed, "three 784-step images on one slot cannot all finish within a 2 s drain"
+    assert all("server is shutting down" in e["error"]["message"] for e in failed)
+    assert all(e["object"] == "image.completion.usage" for e in ended if "error" not in e)
+    assert "drained (past the deadline)" in record["server_log"]
+    assert record["exit_code"] == 0, record["server_log"]

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
 from .config import ModelConfig
 from .heads import chunk_positions, merge_heads, split_heads
 from .state import RowState
@@ -56,7 +57,17 @@ def _index_dtype(max_len: int) -> torch.dtype:
     return torch.int16 if max_len <= torch.iinfo(torch.int16).max else torch.int32
 
 
-class ReformerAttention(nn.Module):
+class ReformerAttention(Attention):
+    # Bucket lists change length every step (no graph), and padding rows would keep appending to them.
+    capabilities = Capabilities(constant_state=False, graphable=False, paddable=False)
+    projections = 3  # shared QK
+
+    @classmethod
+    def token_cost(cls, cfg: ModelConfig, t: float) -> TokenCost:
+        # The query's bucket in each round (expected occupancy) and its local window, keys and values read.
+        seen, d = cfg.reformer_rounds * t / cfg.reformer_buckets + min(cfg.reformer_local_window, t), cfg.d_model
+        return TokenCost(flops=4 * seen * d, state_bytes=(2 * seen * d + 2 * d) * STATE_NUMBER_BYTES)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads = cfg.n_heads

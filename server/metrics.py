@@ -134,7 +134,11 @@ class Metrics:
                                          MODEL_LABELS)
         self.images_per_second = s.gauge("rnnserve_images_per_second", f"Images completed per second over the last {RATE_WINDOW_SECONDS:g} s.",
                                          MODEL_LABELS)
-        self.state_bytes = s.gauge("rnnserve_decode_state_bytes", "Bytes of decode state holding live sequences.", MODEL_LABELS)
+        self.state_in_use = s.gauge("rnnserve_decode_state_in_use_bytes",
+                                    "Bytes of decode state holding the live sequences at their current lengths.", MODEL_LABELS)
+        self.state_allocated = s.gauge("rnnserve_decode_state_allocated_bytes",
+                                       "Bytes of decode state preallocated for all slots (--max-batch sequences at max_len).",
+                                       MODEL_LABELS)
         self._token_rates: dict[tuple[str, str], RateWindow] = {}
         self._image_rates: dict[tuple[str, str], RateWindow] = {}
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}
@@ -154,7 +158,7 @@ class Metrics:
         labels = (model, attention)
         self._bound(self.decode_steps, *labels).inc()
         self._bound(self.batch_size, *labels).set(batch)
-        self._bound(self.state_bytes, *labels).set(state_bytes)
+        self._bound(self.state_in_use, *labels).set(state_bytes)
         self.tokens(model, attention, tokens)
 
     def tokens(self, model: str, attention: str, n: int) -> None:
@@ -163,11 +167,13 @@ class Metrics:
         rate = self._token_rates.setdefault(labels, RateWindow()).add(n)
         self._bound(self.tokens_per_second, *labels).set(rate)
 
-    def idle(self, model: str, attention: str) -> None:
+    def idle(self, model: str, attention: str, images: bool) -> None:
         """No sequence is running: the batch is empty and the windows slide on."""
         self._bound(self.batch_size, model, attention).set(0)
+        self._bound(self.state_in_use, model, attention).set(0)
         self.tokens(model, attention, 0)
-        self.images_completed(model, attention, 0)
+        if images:
+            self.images_completed(model, attention, 0)
 
     def queue(self, model: str, attention: str, running: int, waiting: int) -> None:
         self._bound(self.running, model, attention).set(running)
@@ -193,12 +199,13 @@ class Metrics:
         rate = self._image_rates.setdefault(labels, RateWindow()).add(n)
         self._bound(self.images_per_second, *labels).set(rate)
 
-    def register_model(self, model: str, attention: str) -> None:
-        """Create a model's series at zero so dashboards see them before traffic."""
+    def register_model(self, model: str, attention: str, images: bool) -> None:
+        """Create a model's series at zero so dashboards see them before traffic (image series for image models only)."""
         labels = (model, attention)
-        for metric in (self.generated_tokens, self.completed_images, self.decode_steps):
+        for metric in (self.generated_tokens, self.decode_steps) + ((self.completed_images,) if images else ()):
             self._bound(metric, *labels).inc(0)
-        for metric in (self.running, self.waiting, self.batch_size, self.tokens_per_second, self.images_per_second, self.state_bytes):
+        gauges = (self.running, self.waiting, self.batch_size, self.tokens_per_second, self.state_in_use, self.state_allocated)
+        for metric in gauges + ((self.images_per_second,) if images else ()):
             self._bound(metric, *labels).set(0)
         for metric in (self.ttft, self.latency):
             self._bound(metric, *labels)
@@ -207,18 +214,19 @@ class Metrics:
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def for_model(self, model: str, attention: str) -> "ModelMetrics":
-        """One model's series with its labels bound, created at zero."""
-        self.register_model(model, attention)
-        return ModelMetrics(self, model, attention)
+    def for_model(self, model: str, attention: str, images: bool) -> "ModelMetrics":
+        """One model's series with its labels bound, created at zero; `images`: an image model."""
+        self.register_model(model, attention, images)
+        return ModelMetrics(self, model, attention, images)
 
 
 class ModelMetrics:
     """One model's series, labels bound once: what its engine and handlers record."""
 
-    def __init__(self, metrics: Metrics, model: str, attention: str):
+    def __init__(self, metrics: Metrics, model: str, attention: str, images: bool):
         self.metrics = metrics
         self.labels = (model, attention)
+        self.images = images
 
     def record_step(self, stats: StepStats) -> None:
         """Everything one decoding step changes, in one place."""
@@ -232,11 +240,14 @@ class ModelMetrics:
 
     def idle(self, waiting: int) -> None:
         """Nothing is running: the batch is empty and the rate windows slide on."""
-        self.metrics.idle(*self.labels)
+        self.metrics.idle(*self.labels, self.images)
         self.metrics.queue(*self.labels, 0, waiting)
 
     def queue(self, running: int, waiting: int) -> None:
         self.metrics.queue(*self.labels, running, waiting)
+
+    def state_allocated(self, nbytes: int) -> None:
+        self.metrics._bound(self.metrics.state_allocated, *self.labels).set(nbytes)
 
     def request_latency(self, seconds: float) -> None:
         self.metrics.observe_request_latency(*self.labels, seconds)

@@ -48,8 +48,8 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"),
                         help=f"weights and activations; auto = bfloat16 on CUDA, float32 on CPU {default('dtype')}")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
-                        help="on CUDA, capture linear and Linformer decode steps as CUDA graphs at padded batch sizes "
-                             f"{default('cuda_graphs')}")
+                        help="on CUDA, capture decode steps of graphable kinds (linear, Linformer) as CUDA graphs "
+                             f"at padded batch sizes {default('cuda_graphs')}")
     parser.add_argument("--max-batch", type=int, help=f"sequences decoded together per model {default('max_batch')}")
     parser.add_argument("--max-waiting", type=int, help=f"requests queued per model before 429 {default('max_waiting')}")
     parser.add_argument("--max-body-bytes", type=int, help=f"largest request body accepted {default('max_body_bytes')}")

@@ -112,6 +112,16 @@ def test_manifest_matches_the_pinned_ray_and_its_images(path):
         assert ports["metrics"] == 8080 and ports["serve"] == 8000
 
 
+def test_the_ray_image_copies_every_module_pyproject_installs():
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    installed = set(setuptools["packages"]) | {f"{m}.py" for m in setuptools.get("py-modules", [])}
+    copies = [line.split()[1:-1] for line in (RAY_DIR / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")]
+    copied = {Path(source).name for sources in copies for source in sources if not source.startswith("--")}
+    assert installed <= copied, f"`pip install` in the Ray image would miss {sorted(installed - copied)}"
+
+
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
 def test_workers_hold_the_replicas_the_settings_ask_for(path):
     doc = manifest(path)

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from . import errors, openapi
 from .deps import ServerState
+from .drain import Drain, DrainMiddleware
 from .engine import Engine, EngineLimits
 from .metrics import Metrics
 from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestMetricsMiddleware
@@ -31,9 +32,10 @@ from .settings import Settings
 log = logging.getLogger("rnnserve.app")
 
 
-def build_app(settings: Settings, models: list[LoadedModel] | None = None) -> FastAPI:
-    """An app serving `models`, or the models `settings` names (loaded at start-up)."""
-    metrics = Metrics(CollectorRegistry())
+def build_app(settings: Settings, models: list[LoadedModel] | None = None, metrics: Metrics | None = None) -> FastAPI:
+    """An app serving `models`, or the models `settings` names (loaded at start-up); its series go
+    to `metrics` (default: a registry of its own, served at /metrics)."""
+    metrics = metrics or Metrics(CollectorRegistry())
     # FastAPIOffline serves /docs and /redoc with Swagger UI and ReDoc from a Python package, no CDN.
     app = FastAPIOffline(title="rnnserve", version="0.1.0", lifespan=_lifespan(settings, metrics, models),
                          description="Image completion, streaming text and metrics for RNN-mode transformers.")
@@ -44,10 +46,13 @@ def build_app(settings: Settings, models: list[LoadedModel] | None = None) -> Fa
         app.include_router(router)
     mount_static(app)
     known_paths = {route.path for router in routers for route in router.routes}
-    # Added innermost first: metrics see every answer, the key is checked before the body is read.
-    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
+    # Added innermost first: metrics see every answer, a draining server refuses before anything
+    # else, the key is checked before the body is read.
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes, timeout=settings.body_timeout)
     if settings.api_key_value():
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key_value())
+    app.state.drain = Drain(settings.drain_seconds)
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics, known_paths=known_paths)
     return app
 

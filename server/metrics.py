@@ -88,33 +88,57 @@ class CountedHistogram:
         return [HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)]
 
 
+class PrometheusSeries:
+    """Where `Metrics` keeps its series by default: a prometheus_client registry, served at /metrics.
+
+    Any other store (ray_metrics.RaySeries under Ray Serve) offers the same four
+    constructors; what they return is used through `labels(*values)` and the
+    child's inc / set / observe, and the counted histogram's observe / add_series.
+    """
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def counter(self, name: str, documentation: str, labels: tuple[str, ...]):
+        return Counter(name, documentation, labels, registry=self.registry)
+
+    def gauge(self, name: str, documentation: str, labels: tuple[str, ...]):
+        return Gauge(name, documentation, labels, registry=self.registry)
+
+    def histogram(self, name: str, documentation: str, labels: tuple[str, ...], buckets: tuple[float, ...]):
+        return Histogram(name, documentation, labels, buckets=buckets, registry=self.registry)
+
+    def counted_histogram(self, name: str, documentation: str, labels: tuple[str, ...], buckets: tuple[float, ...]):
+        return CountedHistogram(name, documentation, labels, buckets, self.registry)
+
+
 class Metrics:
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, registry: CollectorRegistry | None = None, series=None):
         self.registry = registry or CollectorRegistry()
-        r = self.registry
-        self.generated_tokens = Counter("rnnserve_generated_tokens", "Tokens generated (pixels or bytes).", MODEL_LABELS, registry=r)
-        self.completed_images = Counter("rnnserve_completed_images", "Image completions finished.", MODEL_LABELS, registry=r)
-        self.requests = Counter("rnnserve_requests", "HTTP requests by endpoint, outcome, and the model they named (none: no model).",
-                                ("endpoint", "outcome", *MODEL_LABELS), registry=r)
-        self.ttft = Histogram("rnnserve_time_to_first_token_seconds", "Time from submission to a sequence's first generated token.",
-                              MODEL_LABELS, buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = CountedHistogram("rnnserve_inter_token_latency_seconds", "Time between two tokens of one sequence.",
-                                    MODEL_LABELS, LATENCY_BUCKETS, r)
-        self.latency = Histogram("rnnserve_request_latency_seconds", "End-to-end generation request latency.",
-                                 MODEL_LABELS, buckets=LATENCY_BUCKETS, registry=r)
-        self.running = Gauge("rnnserve_running_sequences", "Sequences holding a decode slot.", MODEL_LABELS, registry=r)
-        self.waiting = Gauge("rnnserve_waiting_sequences", "Sequences queued for a slot.", MODEL_LABELS, registry=r)
-        self.batch_size = Gauge("rnnserve_batch_size", "Sequences in the last decoding step.", MODEL_LABELS, registry=r)
-        self.decode_steps = Counter("rnnserve_decode_steps", "Batched decoding steps run.", MODEL_LABELS, registry=r)
-        self.tokens_per_second = Gauge("rnnserve_tokens_per_second", f"Tokens generated per second over the last {RATE_WINDOW_SECONDS:g} s.",
-                                       MODEL_LABELS, registry=r)
-        self.images_per_second = Gauge("rnnserve_images_per_second", f"Images completed per second over the last {RATE_WINDOW_SECONDS:g} s.",
-                                       MODEL_LABELS, registry=r)
-        self.state_in_use = Gauge("rnnserve_decode_state_in_use_bytes",
-                                  "Bytes of decode state holding the live sequences at their current lengths.", MODEL_LABELS, registry=r)
-        self.state_allocated = Gauge("rnnserve_decode_state_allocated_bytes",
-                                     "Bytes of decode state preallocated for all slots (--max-batch sequences at max_len).",
-                                     MODEL_LABELS, registry=r)
+        s = series or PrometheusSeries(self.registry)
+        self.generated_tokens = s.counter("rnnserve_generated_tokens", "Tokens generated (pixels or bytes).", MODEL_LABELS)
+        self.completed_images = s.counter("rnnserve_completed_images", "Image completions finished.", MODEL_LABELS)
+        self.requests = s.counter("rnnserve_requests", "HTTP requests by endpoint, outcome, and the model they named (none: no model).",
+                                  ("endpoint", "outcome", *MODEL_LABELS))
+        self.ttft = s.histogram("rnnserve_time_to_first_token_seconds", "Time from submission to a sequence's first generated token.",
+                                MODEL_LABELS, LATENCY_BUCKETS)
+        self.itl = s.counted_histogram("rnnserve_inter_token_latency_seconds", "Time between two tokens of one sequence.",
+                                       MODEL_LABELS, LATENCY_BUCKETS)
+        self.latency = s.histogram("rnnserve_request_latency_seconds", "End-to-end generation request latency.",
+                                   MODEL_LABELS, LATENCY_BUCKETS)
+        self.running = s.gauge("rnnserve_running_sequences", "Sequences holding a decode slot.", MODEL_LABELS)
+        self.waiting = s.gauge("rnnserve_waiting_sequences", "Sequences queued for a slot.", MODEL_LABELS)
+        self.batch_size = s.gauge("rnnserve_batch_size", "Sequences in the last decoding step.", MODEL_LABELS)
+        self.decode_steps = s.counter("rnnserve_decode_steps", "Batched decoding steps run.", MODEL_LABELS)
+        self.tokens_per_second = s.gauge("rnnserve_tokens_per_second", f"Tokens generated per second over the last {RATE_WINDOW_SECONDS:g} s.",
+                                         MODEL_LABELS)
+        self.images_per_second = s.gauge("rnnserve_images_per_second", f"Images completed per second over the last {RATE_WINDOW_SECONDS:g} s.",
+                                         MODEL_LABELS)
+        self.state_in_use = s.gauge("rnnserve_decode_state_in_use_bytes",
+                                    "Bytes of decode state holding the live sequences at their current lengths.", MODEL_LABELS)
+        self.state_allocated = s.gauge("rnnserve_decode_state_allocated_bytes",
+                                       "Bytes of decode state preallocated for all slots (--max-batch sequences at max_len).",
+                                       MODEL_LABELS)
         self._token_rates: dict[tuple[str, str], RateWindow] = {}
         self._image_rates: dict[tuple[str, str], RateWindow] = {}
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.reformer_attention import _lsh_attend, _lsh_attend_bucketed
+from model.reformer.bucketed import attend_bucketed as _lsh_attend_bucketed
+from model.reformer.dense import lsh_attend as _lsh_attend
 
 
 @pytest.mark.parametrize("rounds, window", [(1, 0), (3, 0), (1, 7), (2, 400)])

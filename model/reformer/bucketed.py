@@ -1,0 +1,94 @@
+"""LSH attention over a whole sequence from position 0, computed inside buckets.
+
+Sort positions by (bucket, position), pad every bucket to the largest one (M),
+attend within each bucket: O(n_buckets M^2) instead of O(T^2), and exact, not
+the paper's chunk approximation. Pays off only when buckets are even
+(`is_even`); the local round runs in blocks of W: O(T W).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .visibility import earlier, mix_rounds, round_results, visible, window_candidates
+
+
+def bucket_sizes(buckets: torch.Tensor, n_buckets: int) -> torch.Tensor:
+    """(B, H, R, T) -> (B, H, R, n_buckets) occupancy of every bucket."""
+    return F.one_hot(buckets, n_buckets).sum(dim=3)
+
+
+def is_even(sizes: torch.Tensor, length: int) -> bool:
+    """Whether padding every bucket to the largest costs less than the dense (T, T) form."""
+    n_buckets, largest = sizes.shape[-1], int(sizes.max())
+    return 4 * n_buckets * largest * largest <= length * length
+
+
+def attend_bucketed(q, k, v, buckets, n_buckets: int, window: int = 0) -> torch.Tensor:
+    """q, k, v (B, H, T, D); buckets (B, H, R, T) -> (B, H, T, D), rounds and local round mixed."""
+    sizes = bucket_sizes(buckets, n_buckets)
+    out, lse = bucket_rounds(q, k, v, buckets, sizes, int(sizes.max()))
+    if window:
+        local_out, local_lse = local_round(q, k, v, window)
+        out, lse = torch.cat([out, local_out], dim=2), torch.cat([lse, local_lse], dim=2)
+    return mix_rounds(out, lse)
+
+
+def local_round(q, k, v, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The local round over a whole sequence from position 0, in blocks of `window`:
+    each block's queries see their own block and the one before, masked to the
+    `window` positions before each query. O(T W) instead of O(T^2).
+
+    q, k, v (B, H, T, D) -> out (B, H, 1, T, D), lse (B, H, 1, T, 1).
+    """
+    b, h, t, d = q.shape
+    n = -(-t // window)  # blocks
+    pad = n * window - t
+    # One block of zeros in front, so block 0 has a "previous" block (no keys: positions < 0).
+    qb = F.pad(q, (0, 0, 0, pad)).view(b, h, n, window, d)
+    kb, vb = (F.pad(x, (0, 0, window, pad)).view(b, h, n + 1, window, d) for x in (k, v))
+    keys = torch.cat([kb[:, :, :-1], kb[:, :, 1:]], dim=3)  # (B, H, n, 2W, D)
+    values = torch.cat([vb[:, :, :-1], vb[:, :, 1:]], dim=3)
+    q_pos = torch.arange(n * window, device=q.device).view(n, window, 1)
+    k_pos = (torch.arange(n, device=q.device) * window).view(n, 1, 1) + torch.arange(-window, window, device=q.device)
+    allowed = visible(window_candidates(q_pos, k_pos, window), k_pos == q_pos)  # (n, W, 2W)
+    scores = (qb @ keys.transpose(-1, -2) / math.sqrt(d)).masked_fill(~allowed, float("-inf"))
+    out, lse = round_results(scores, values)  # (B, H, n, W, D), (B, H, n, W, 1)
+    return out.view(b, h, 1, n * window, d)[:, :, :, :t], lse.view(b, h, 1, n * window, 1)[:, :, :, :t]
+
+
+def bucket_rounds(q, k, v, buckets, sizes, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hashed rounds, sorted and padded to buckets of m: (B, H, R, T, D), (B, H, R, T, 1)."""
+    b, h, r, t = buckets.shape
+    d, n_buckets = q.shape[-1], sizes.shape[-1]
+    order = (buckets * t + torch.arange(t, device=q.device)).argsort(dim=-1)  # (B, H, R, T) positions by bucket
+    sorted_buckets = buckets.gather(-1, order)
+    offsets = sizes.cumsum(dim=-1) - sizes  # first sorted index of each bucket
+    slot = torch.arange(t, device=q.device) - offsets.gather(-1, sorted_buckets)
+    padded_index = sorted_buckets * m + slot  # (B, H, R, T) slot of each sorted position
+    slot_pos = order.new_full((b, h, r, n_buckets * m), -1).scatter(3, padded_index, order)
+    slot_pos = slot_pos.view(b, h, r, n_buckets, m)  # position in each slot, -1 for padding
+
+    def to_buckets(x):  # (B, H, T, D) -> (B, H, R, n, M, D), zero padding
+        xs = x[:, :, None].expand(b, h, r, t, d).gather(3, order[..., None].expand(b, h, r, t, d))
+        return x.new_zeros(b, h, r, n_buckets * m, d).scatter(3, padded_index[..., None].expand(b, h, r, t, d), xs) \
+            .view(b, h, r, n_buckets, m, d)
+
+    # Every slot of a padded bucket shares the bucket: the candidates are the earlier slots.
+    candidates = earlier(slot_pos[..., :, None], slot_pos[..., None, :])  # (B, H, R, n, M, M)
+    allowed = visible(candidates, torch.eye(m, dtype=torch.bool, device=q.device))
+    qp, kp, vp = to_buckets(q), to_buckets(k), to_buckets(v)
+    scores = (qp @ kp.transpose(-1, -2) / math.sqrt(d)).masked_fill(~allowed, float("-inf"))
+    out, lse = round_results(scores, vp)  # (B, H, R, n, M, D), (B, H, R, n, M, 1)
+    return _unsort(torch.cat([out, lse], dim=-1).view(b, h, r, n_buckets * m, d + 1), order, padded_index)
+
+
+def _unsort(padded: torch.Tensor, order: torch.Tensor, padded_index: torch.Tensor):
+    """(B, H, R, n M, D + 1) bucket slots back to positions: (B, H, R, T, D), (B, H, R, T, 1)."""
+    e = padded.shape[-1]
+    gathered = padded.gather(3, padded_index[..., None].expand(*order.shape, e))  # sorted order
+    unsorted = torch.empty_like(gathered).scatter(3, order[..., None].expand(*order.shape, e), gathered)
+    return unsorted[..., :-1], unsorted[..., -1:]

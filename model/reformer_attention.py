@@ -23,7 +23,6 @@ model's dtype; training may draw fresh ones every step (`fresh_rotations`).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
@@ -32,7 +31,7 @@ from .reformer import bucketed, decode
 from .reformer.causal import attend_causal
 from .reformer.decode import LSHCache
 from .reformer.dense import lsh_attend
-from .reformer.hashing import draw_rotations, hash_keys
+from .reformer.hashing import draw_rotations, hash_keys, unit_keys
 
 __all__ = ["LSHCache", "ReformerAttention"]
 
@@ -77,7 +76,7 @@ class ReformerAttention(nn.Module):
     def forward(self, x: torch.Tensor, start: torch.Tensor, state: LSHCache | None):
         q = split_heads(self.qk(x), self.n_heads)  # (B, H, T, D)
         v = split_heads(self.v(x), self.n_heads)
-        k = F.normalize(q, dim=-1)
+        k = unit_keys(q)
         buckets = self.hash(k)
         t = q.shape[2]
         pos = chunk_positions(start, t)  # (B, T)
@@ -87,7 +86,7 @@ class ReformerAttention(nn.Module):
             y = decode.decode_step(q, k, v, buckets, pos[:, 0], state, self.window)
         else:
             y = decode.attend_chunk(q, k, v, buckets, pos, state, self.window)
-        return self.proj(merge_heads(y.to(x.dtype))), state
+        return self.proj(merge_heads(y.to(q.dtype))), state
 
     def _attend_sequence(self, q, k, v, buckets) -> torch.Tensor:
         """A whole sequence from position 0: the cheapest exact path."""

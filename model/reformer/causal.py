@@ -13,14 +13,14 @@ upper triangle and needs no (T, T) mask:
   the spread of the query's scores by MARGIN, so another bucket's key weighs less
   than e^-MARGIN of the best visible key. c_i is a power of two, so the codes
   cancel exactly in bfloat16 too.
-- the local round, folded in through the sink: its score is the local round's
-  logsumexp and its value a unit column. The call then returns the hashed keys'
-  share of the two rounds' softmax plus the sink's weight p, and
-  hashed share + p * local output = `mix_rounds` of the two rounds.
-- itself: a query first in its bucket (`first_in_bucket`) sees only itself in
-  the hashed round; its mix is computed directly.
+- everything else, through the sink: the local round and, for a query first in
+  its bucket (`first_in_bucket`), the hashed round's "itself", merged into one
+  rest round. The sink's score is the rest round's logsumexp and its value a
+  unit column, so the call returns the hashed keys' share of the rounds'
+  softmax plus the sink's weight p, and hashed share + p * rest output is
+  `mix_rounds` of all rounds.
 
-The head dimension grows from D to D + L + 2 (rounded up to 16), which costs
+The head dimension grows from D to D + L + 2 (rounded up to 8), which costs
 little: the fused kernel's time is mostly spent outside the dot products.
 """
 
@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .bucketed import local_round
+from .hashing import vector_norm
 from .visibility import first_in_bucket
 
 MARGIN = 32.0  # e^-32 ~ 1e-14: another bucket's key weighs nothing at float32 precision
@@ -39,46 +40,44 @@ MARGIN = 32.0  # e^-32 ~ 1e-14: another bucket's key weighs nothing at float32 p
 
 def attend_causal(q, k, v, buckets, n_buckets: int, window: int = 0) -> torch.Tensor:
     """q, k, v (B, H, T, D) from position 0; buckets (B, H, 1, T), one round -> (B, H, T, D)."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    if window:
-        local_out, local_lse = (x[:, :, 0] for x in local_round(q, k, v, window))  # (B, H, T, D), (B, H, T, 1)
-    else:
-        local_out = local_lse = None
-    qx, kx, vx = _coded_inputs(q * scale, k, v, buckets[:, :, 0], n_buckets, local_lse)
-    out = F.scaled_dot_product_attention(qx, kx, vx, is_causal=True, scale=1.0)  # (B, H, T, width)
     d = q.shape[-1]
-    hashed, sink_weight = out[..., :d], out[..., d:d + 1]
-    itself = (q * scale * k).sum(dim=-1, keepdim=True)  # (B, H, T, 1) score of the query's own key
-    if window:
-        mixed = hashed + sink_weight * local_out
-        own_weight = torch.sigmoid(itself - local_lse)  # the two rounds' mix when the hashed one is itself
-        alone = own_weight * v + (1 - own_weight) * local_out
-    else:
-        mixed, alone = hashed, v
-    return torch.where(first_in_bucket(buckets[:, :, 0], n_buckets)[..., None], alone, mixed)
+    scale = 1.0 / math.sqrt(d)
+    rest_out, rest_lse = _rest_round(q, k, v, buckets[:, :, 0], n_buckets, window)
+    qx, kx, vx = _coded_inputs(q, k, v, buckets[:, :, 0], n_buckets, rest_lse / scale, scale)
+    out = F.scaled_dot_product_attention(qx, kx, vx, is_causal=True, scale=scale)  # (B, H, T, width)
+    return torch.addcmul(out[..., :d], out[..., d:d + 1], rest_out)  # hashed share + sink weight * rest output
 
 
-def _coded_inputs(q, k, v, buckets, n_buckets: int, sink_score):
-    """Scaled q (B, H, T, D), k, v, buckets (B, H, T), sink score (B, H, T, 1) or None ->
+def _rest_round(q, k, v, buckets, n_buckets: int, window: int):
+    """The rounds the sink carries: the local round, merged with the query itself where its
+    bucket holds nothing earlier. out (B, H, T, D), logsumexp (B, H, T, 1), -inf if empty."""
+    alone = first_in_bucket(buckets, n_buckets)[..., None]  # (B, H, T, 1)
+    itself = (q * k).sum(dim=-1, keepdim=True) / math.sqrt(q.shape[-1])  # score of the query's own key
+    if not window:
+        return v * alone, itself.masked_fill(~alone, float("-inf"))
+    out, lse = (x[:, :, 0] for x in local_round(q, k, v, window))  # (B, H, T, D), (B, H, T, 1)
+    own_weight = (alone * torch.sigmoid(itself - lse)).to(v.dtype)  # itself's share of the merged round
+    return torch.lerp(out, v, own_weight), torch.where(alone, torch.logaddexp(lse, itself), lse)
+
+
+def _coded_inputs(q, k, v, buckets, n_buckets: int, sink_score, scale: float):
+    """q, k, v (B, H, T, D), buckets (B, H, T), sink score (B, H, T, 1) before `scale` ->
     qx, kx, vx (B, H, T, width) for one causal call, in q's dtype."""
     b, h, t, d = q.shape
     dtype = q.dtype
     bits = bucket_bits(buckets, n_buckets, dtype)  # (B, H, T, L)
     n_bits = bits.shape[-1]
-    width = -(-(n_bits + 2 + d) // 16) * 16
-    c = _code_scale(q, k).to(dtype)  # (B, H, T, 1)
-    if sink_score is None:  # no local round: the sink weighs like another bucket's key
-        sink_score = -2 * c
-    features = [bits * c, -n_bits * c, sink_score.to(dtype), q]  # bits, level, sink, query
-    qx = torch.cat(features + [q.new_zeros(b, h, t, width - n_bits - 2 - d)], dim=-1)
-    kx = q.new_zeros(b, h, t, width)
-    kx[:, :, 1:, :n_bits] = bits[:, :, :-1]  # key j in slot j + 1
-    kx[:, :, 1:, n_bits] = 1
-    kx[:, :, 0, n_bits + 1] = 1  # the sink
-    kx[:, :, 1:, n_bits + 2:n_bits + 2 + d] = k[:, :, :-1].to(dtype)
-    vx = q.new_zeros(b, h, t, width)  # values as wide as keys: the fused kernel wants one head size
-    vx[:, :, 1:, :d] = v[:, :, :-1].to(dtype)
-    vx[:, :, 0, d] = 1
+    pad = -(n_bits + 2 + d) % 8  # a width the fused kernel handles well
+    c = _code_scale(q, k, scale).to(dtype)  # (B, H, T, 1)
+    sink_score = torch.maximum(sink_score, -2 * c)  # an empty rest round weighs like another bucket's key
+    zeros, ones = q.new_zeros(b, h, t, 1), q.new_ones(b, h, t, 1)
+    qx = torch.cat([bits * c, -n_bits * c, sink_score.to(dtype), q] + [zeros] * pad, dim=-1)  # bits, level, sink, q
+    kx = torch.cat([bits, ones, zeros, k.to(dtype)] + [zeros] * pad, dim=-1)
+    vx = torch.cat([v.to(dtype), zeros] + [zeros] * (n_bits + 1 + pad), dim=-1)  # as wide as keys: one head size
+    sink_key = F.one_hot(torch.tensor(n_bits + 1, device=q.device), kx.shape[-1]).to(dtype)
+    sink_value = F.one_hot(torch.tensor(d, device=q.device), vx.shape[-1]).to(dtype)
+    kx = torch.cat([sink_key.expand(b, h, 1, -1), kx[:, :, :-1]], dim=2)  # key j in slot j + 1, the sink in slot 0
+    vx = torch.cat([sink_value.expand(b, h, 1, -1), vx[:, :, :-1]], dim=2)
     return qx, kx, vx
 
 
@@ -89,8 +88,8 @@ def bucket_bits(buckets: torch.Tensor, n_buckets: int, dtype: torch.dtype) -> to
 
 
 @torch.no_grad()
-def _code_scale(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """(B, H, T, 1) power of two c_i >= |q_i| max_j |k_j| + MARGIN / 2: the bucket gap 2 c_i exceeds the
-    spread of query i's scores (at most 2 |q_i| max |k|) by MARGIN."""
-    bound = q.float().norm(dim=-1, keepdim=True) * k.float().norm(dim=-1).amax(dim=-1)[..., None, None]
-    return torch.exp2(torch.ceil(torch.log2(bound + MARGIN / 2)))
+def _code_scale(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """(B, H, T, 1) power of two c_i with scale * 2 c_i >= 2 scale |q_i| max_j |k_j| + MARGIN: the bucket
+    gap exceeds the spread of query i's scores (scale q_i . k_j) by MARGIN."""
+    bound = vector_norm(q) * vector_norm(k).amax(dim=-2, keepdim=True)  # (B, H, T, 1)
+    return torch.exp2(torch.ceil(torch.log2(bound + MARGIN / (2 * scale))))

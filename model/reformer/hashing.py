@@ -15,8 +15,23 @@ def draw_rotations(rounds: int, d_head: int, n_buckets: int) -> torch.Tensor:
     return torch.randn(rounds, d_head, n_buckets // 2, dtype=torch.float32)
 
 
+def unit_keys(q: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """q / max(|q|, eps) as F.normalize, but in q's dtype: under autocast F.normalize
+    returns float32, and every later op on the keys would run in float32 too."""
+    norm = vector_norm(q)
+    return q / norm.clamp_min(eps).to(q.dtype)
+
+
+def vector_norm(x: torch.Tensor) -> torch.Tensor:
+    """(..., D) -> (..., 1) norms, accumulated in at least float32."""
+    return torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.promote_types(x.dtype, torch.float32))
+
+
 def hash_keys(keys: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     """keys (B, H, T, D), rotations (R, D, n/2) -> buckets (B, H, R, T) int64, in float32."""
     with torch.autocast(keys.device.type, enabled=False):  # autocast would round both to bfloat16
         projected = torch.einsum("bhtd,rdn->bhrtn", keys.float(), rotations.float())
-    return torch.cat([projected, -projected], dim=-1).argmax(dim=-1)
+    # argmax of [p, -p] without building it: the first half wins ties, as argmax would.
+    top, top_index = projected.max(dim=-1)
+    bottom, bottom_index = projected.min(dim=-1)
+    return torch.where(top >= -bottom, top_index, bottom_index + projected.shape[-1])

@@ -91,5 +91,5 @@ def bucket_bits(buckets: torch.Tensor, n_buckets: int, dtype: torch.dtype) -> to
 def _code_scale(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     """(B, H, T, 1) power of two c_i with scale * 2 c_i >= 2 scale |q_i| max_j |k_j| + MARGIN: the bucket
     gap exceeds the spread of query i's scores (scale q_i . k_j) by MARGIN."""
-    bound = vector_norm(q) * vector_norm(k).amax(dim=-2, keepdim=True)  # (B, H, T, 1)
+    bound = vector_norm(q).float() * vector_norm(k).amax(dim=-2, keepdim=True).float()  # (B, H, T, 1)
     return torch.exp2(torch.ceil(torch.log2(bound + MARGIN / (2 * scale))))

@@ -16,15 +16,14 @@ def draw_rotations(rounds: int, d_head: int, n_buckets: int) -> torch.Tensor:
 
 
 def unit_keys(q: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
-    """q / max(|q|, eps) as F.normalize, but in q's dtype: under autocast F.normalize
+    """q / max(|q|, eps), as F.normalize, but in q's dtype: under autocast F.normalize
     returns float32, and every later op on the keys would run in float32 too."""
-    norm = vector_norm(q)
-    return q / norm.clamp_min(eps).to(q.dtype)
+    return q / vector_norm(q).clamp_min(eps)
 
 
 def vector_norm(x: torch.Tensor) -> torch.Tensor:
-    """(..., D) -> (..., 1) norms, accumulated in at least float32."""
-    return torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.promote_types(x.dtype, torch.float32))
+    """(..., D) -> (..., 1) norms in x's dtype (accumulated in float32 for 16-bit x)."""
+    return torch.linalg.vector_norm(x, dim=-1, keepdim=True)
 
 
 def hash_keys(keys: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:

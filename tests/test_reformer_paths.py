@@ -61,11 +61,13 @@ def test_causal_path_matches_dense_reference(n_buckets, window):
         torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
 
 
-def test_local_round_backward_matches_finite_differences():
-    # The local round's backward is written by hand: check it, logsumexp included, in float64.
+@pytest.mark.parametrize("with_itself", [False, True])
+def test_local_round_backward_matches_finite_differences(with_itself):
+    # The local round's backward is written by hand: check it, logsumexp and own-key counts included.
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 11, 3, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    assert torch.autograd.gradcheck(lambda *x: local_round(*x, window=4), (q, k, v))
+    itself = torch.rand(1, 2, 11, generator=gen) < 0.5 if with_itself else None
+    assert torch.autograd.gradcheck(lambda *x: local_round(*x, window=4, itself=itself), (q, k, v))
 
 
 def test_first_member_of_a_bucket_attends_to_itself():

@@ -38,12 +38,14 @@ def attend_bucketed(q, k, v, buckets, n_buckets: int, window: int = 0) -> torch.
     return mix_rounds(out, lse)
 
 
-def local_round(q, k, v, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+def local_round(q, k, v, window: int, itself: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The local round over a whole sequence from position 0, in blocks of `window`:
     each block's queries see their own block and the one before, masked to the
     `window` positions before each query. O(T W) instead of O(T^2).
 
     q, k, v (B, H, T, D) -> out (B, H, 1, T, D), lse (B, H, 1, T, 1), in q's dtype.
+    itself (B, H, T) bool, optional: queries whose own key counts once more, as
+    another round showing it (the causal path merges the hashed round's "itself").
     """
     b, h, t, d = q.shape
     n = -(-t // window)  # blocks
@@ -55,20 +57,32 @@ def local_round(q, k, v, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     values = torch.cat([vb[:, :, :-1], vb[:, :, 1:]], dim=3)
     q_pos = torch.arange(n * window, device=q.device).view(n, window, 1)
     k_pos = (torch.arange(n, device=q.device) * window).view(n, 1, 1) + torch.arange(-window, window, device=q.device)
-    allowed = visible(window_candidates(q_pos, k_pos, window), k_pos == q_pos)  # (n, W, 2W)
-    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
-    out, lse = _SoftmaxAttention.apply(qb, keys, values, bias)  # (B, H, n, W, D), (B, H, n, W, 1)
+    count = visible(window_candidates(q_pos, k_pos, window), k_pos == q_pos).to(q.dtype)  # (n, W, 2W)
+    own_bias = None
+    if itself is not None:  # count of each query's own key: the local round's (at position 0) plus `itself`
+        own = count.diagonal(offset=window, dim1=-2, dim2=-1) + F.pad(itself, (0, pad)).view(b, h, n, window)
+        own_bias = own.log()  # (B, H, n, W)
+    out, lse = _SoftmaxAttention.apply(qb, keys, values, count.log(), own_bias)  # (B, H, n, W, D), (B, H, n, W, 1)
     return out.view(b, h, 1, n * window, d)[:, :, :, :t], lse.view(b, h, 1, n * window, 1)[:, :, :, :t]
 
 
 class _SoftmaxAttention(torch.autograd.Function):
     """softmax(q keys^T + bias) values and its logsumexp, all in q's dtype, with the
-    backward written out: a third less time than autograd's over the same ops."""
+    backward written out: a third less time than autograd's over the same ops.
+
+    q (..., W, D); keys, values (..., S, D); bias (..., W, S) broadcast; own_bias
+    (..., W) or None replaces the bias of each query's own key, column S - W + w.
+    """
 
     @staticmethod
-    def forward(ctx, q, keys, values, bias):
+    def forward(ctx, q, keys, values, bias, own_bias):
         with torch.autocast(q.device.type, enabled=False):  # the backward runs without autocast too
-            scores = torch.matmul(q, keys.transpose(-1, -2)).add_(bias)
+            scores = torch.matmul(q, keys.transpose(-1, -2))
+            own = scores.diagonal(offset=keys.shape[-2] - q.shape[-2], dim1=-2, dim2=-1)  # a view
+            own_scores = None if own_bias is None else own + own_bias
+            scores.add_(bias)
+            if own_scores is not None:
+                own.copy_(own_scores)
             lse = torch.logsumexp(scores, dim=-1, keepdim=True)
             weights = scores.sub_(lse).exp_()
             out = torch.matmul(weights, values)
@@ -84,7 +98,7 @@ class _SoftmaxAttention(torch.autograd.Function):
         grad_scores = torch.matmul(grad_out, values.transpose(-1, -2))
         grad_scores -= ((grad_out * out).sum(dim=-1, keepdim=True) - grad_lse).to(grad_scores.dtype)
         grad_scores *= weights
-        return torch.matmul(grad_scores, keys), torch.matmul(grad_scores.transpose(-1, -2), q), grad_values, None
+        return torch.matmul(grad_scores, keys), torch.matmul(grad_scores.transpose(-1, -2), q), grad_values, None, None
 
 
 def bucket_rounds(q, k, v, buckets, sizes, m: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -51,13 +51,12 @@ def attend_causal(q, k, v, buckets, n_buckets: int, window: int = 0) -> torch.Te
 def _rest_round(q, k, v, buckets, n_buckets: int, window: int):
     """The rounds the sink carries: the local round, merged with the query itself where its
     bucket holds nothing earlier. out (B, H, T, D), logsumexp (B, H, T, 1), -inf if empty."""
-    alone = first_in_bucket(buckets, n_buckets)[..., None]  # (B, H, T, 1)
+    alone = first_in_bucket(buckets, n_buckets)  # (B, H, T)
+    if window:
+        out, lse = local_round(q, k, v, window, itself=alone)  # (B, H, 1, T, D), (B, H, 1, T, 1)
+        return out[:, :, 0], lse[:, :, 0]
     itself = (q * k).sum(dim=-1, keepdim=True) / math.sqrt(q.shape[-1])  # score of the query's own key
-    if not window:
-        return v * alone, itself.masked_fill(~alone, float("-inf"))
-    out, lse = (x[:, :, 0] for x in local_round(q, k, v, window))  # (B, H, T, D), (B, H, T, 1)
-    own_weight = (alone * torch.sigmoid(itself - lse)).to(v.dtype)  # itself's share of the merged round
-    return torch.lerp(out, v, own_weight), torch.where(alone, torch.logaddexp(lse, itself), lse)
+    return v * alone[..., None], itself.masked_fill(~alone[..., None], float("-inf"))
 
 
 def _coded_inputs(q, k, v, buckets, n_buckets: int, sink_score, scale: float):

@@ -8,20 +8,19 @@ upper triangle and needs no (T, T) mask:
 - earlier keys: keys move one slot right (slot j + 1 holds key j), so the causal
   mask shows query i exactly the keys before it. Slot 0 holds a *sink* key.
 - same bucket: queries and keys gain the L bits of their bucket as +-1 features,
-  the query's scaled by c_i, plus a level feature (-L c_i against 1): a key's
-  score gains 0 in the query's bucket and at most -2 c_i in any other. c_i exceeds
-  the spread of the query's scores by MARGIN, so another bucket's key weighs less
-  than e^-MARGIN of the best visible key. c_i is a power of two, so the codes
-  cancel exactly in bfloat16 too.
+  the query's times c_i, and a level feature (-L c_i against 1). A key's dot
+  product gains 0 in the query's bucket and at most -2 c_i in any other, which
+  outweighs the spread of the query's scores by MARGIN: another bucket's key
+  weighs less than e^-MARGIN of the best visible key. c_i is a power of two, so
+  the codes cancel exactly, in bfloat16 too.
 - everything else, through the sink: the local round and, for a query first in
-  its bucket (`first_in_bucket`), the hashed round's "itself", merged into one
-  rest round. The sink's score is the rest round's logsumexp and its value a
-  unit column, so the call returns the hashed keys' share of the rounds'
-  softmax plus the sink's weight p, and hashed share + p * rest output is
-  `mix_rounds` of all rounds.
+  its bucket (`first_in_bucket`), the hashed round's "itself", as one rest round.
+  The sink's score is the rest round's logsumexp and its value a unit column,
+  so the call returns the hashed keys' share of the rounds' softmax plus the
+  sink's weight p, and hashed share + p * rest output is `mix_rounds` of all.
 
-The head dimension grows from D to D + L + 2 (rounded up to 8), which costs
-little: the fused kernel's time is mostly spent outside the dot products.
+The head size grows from D to D + L + 2, rounded up to 8 (what that costs:
+benchmarks/README.md, training step).
 """
 
 from __future__ import annotations

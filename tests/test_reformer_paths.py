@@ -119,7 +119,8 @@ def _sequence_buckets_are_uneven(model, tokens) -> bool:
 @pytest.mark.parametrize("window", [0, 16])
 @torch.no_grad()
 def test_one_round_model_decodes_like_its_causal_parallel_path(window):
-    model = make_tiny_model("reformer", reformer_rounds=1, reformer_buckets=8, max_len=160, reformer_local_window=window)
+    model = make_tiny_model("reformer", reformer_rounds=1, reformer_buckets=8, max_len=160,
+                            reformer_local_window=window)
     tokens = make_tokens(3, 2, 160)
     assert _sequence_buckets_are_uneven(model, tokens), "test must exercise the causal path"
     expected = model(tokens, None)[0]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .attention import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
 from .config import ModelConfig
 from .heads import chunk_positions, merge_heads, split_heads
 from .reformer import bucketed, decode
@@ -36,7 +37,17 @@ from .reformer.hashing import draw_rotations, hash_keys, unit_keys
 __all__ = ["LSHCache", "ReformerAttention"]
 
 
-class ReformerAttention(nn.Module):
+class ReformerAttention(Attention):
+    # Bucket lists change length every step (no graph), and padding rows would keep appending to them.
+    capabilities = Capabilities(constant_state=False, graphable=False, paddable=False)
+    projections = 3  # shared QK
+
+    @classmethod
+    def token_cost(cls, cfg: ModelConfig, t: float) -> TokenCost:
+        # The query's bucket in each round (expected occupancy) and its local window, keys and values read.
+        seen, d = cfg.reformer_rounds * t / cfg.reformer_buckets + min(cfg.reformer_local_window, t), cfg.d_model
+        return TokenCost(flops=4 * seen * d, state_bytes=(2 * seen * d + 2 * d) * STATE_NUMBER_BYTES)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads = cfg.n_heads

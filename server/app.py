@@ -12,9 +12,10 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CollectorRegistry
 
-from . import errors
+from . import errors, openapi
 from .deps import ServerState
 from .engine import Engine, EngineLimits
 from .metrics import Metrics
@@ -22,6 +23,8 @@ from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestMetricsMid
 from .registry import EngineRegistry, LoadedModel, load_models
 from .routes_images import router as images_router
 from .routes_models import router as models_router
+from .routes_playground import mount_static
+from .routes_playground import router as playground_router
 from .routes_text import router as text_router
 from .settings import Settings
 
@@ -31,12 +34,15 @@ log = logging.getLogger("rnnserve.app")
 def build_app(settings: Settings, models: list[LoadedModel] | None = None) -> FastAPI:
     """An app serving `models`, or the models `settings` names (loaded at start-up)."""
     metrics = Metrics(CollectorRegistry())
-    app = FastAPI(title="rnnserve", version="0.1.0", lifespan=_lifespan(settings, metrics, models),
-                  description="Image completion, streaming text and metrics for RNN-mode transformers.")
+    # FastAPIOffline serves /docs and /redoc with Swagger UI and ReDoc from a Python package, no CDN.
+    app = FastAPIOffline(title="rnnserve", version="0.1.0", lifespan=_lifespan(settings, metrics, models),
+                         description="Image completion, streaming text and metrics for RNN-mode transformers.")
     errors.install(app)
-    routers = (models_router, text_router, images_router)
+    openapi.install(app, settings.max_batch)
+    routers = (models_router, text_router, images_router, playground_router)
     for router in routers:
         app.include_router(router)
+    mount_static(app)
     known_paths = {route.path for router in routers for route in router.routes}
     # Added innermost first: metrics see every answer, the key is checked before the body is read.
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)

@@ -12,8 +12,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import error_response
 from .metrics import Metrics
+from .routes_playground import PAGE_PATHS, STATIC_PREFIX
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers need no key
+# Probes, scrapers, the API's own documentation and the playground page need no key
+# (the page asks for the key and sends it with its API calls).
+OPEN_PATHS = frozenset({"/health", "/metrics", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect", *PAGE_PATHS})
+OPEN_PREFIXES = ("/static-offline-docs/", STATIC_PREFIX + "/")
 TOO_LARGE = object()
 
 
@@ -25,7 +29,7 @@ class ApiKeyMiddleware:
         self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+        if scope["type"] != "http" or is_open(scope.get("path", "")) or self._authorized(scope):
             await self.app(scope, receive, send)
             return
         response = error_response(401, "missing or wrong API key; send the header 'Authorization: Bearer YOUR_KEY'",
@@ -36,6 +40,11 @@ class ApiKeyMiddleware:
         scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
         # constant time: the key cannot be guessed byte by byte from response times
         return hmac.compare_digest(token.strip(), self.key) and scheme.lower() == b"bearer"
+
+
+def is_open(path: str) -> bool:
+    # a trailing slash only earns a redirect to the open path (Starlette's redirect_slashes)
+    return (path.rstrip("/") or "/") in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
 
 
 class BodyLimitMiddleware:

@@ -2,7 +2,9 @@
 
 Flags override RNNSERVE_* environment variables, which override defaults.
 Models are loaded before the port opens, so a bad flag or weights file
-stops start-up with one clear line instead of a traceback.
+stops start-up with one clear line instead of a traceback. The model,
+the app and uvicorn are imported only by `run`: `rnnserve serve --help`
+does not import torch.
 """
 
 from __future__ import annotations
@@ -10,8 +12,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-
-from model.weights_io import WeightsError
 
 from .settings import Settings, SettingsError, build_settings
 
@@ -33,8 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"),
                         help=f"weights and activations; auto = bfloat16 on CUDA, float32 on CPU {default('dtype')}")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
-                        help="on CUDA, capture linear and Linformer decode steps as CUDA graphs at padded batch sizes "
-                             f"{default('cuda_graphs')}")
+                        help="on CUDA, capture decode steps of graphable kinds (linear, Linformer) as CUDA graphs "
+                             f"at padded batch sizes {default('cuda_graphs')}")
     parser.add_argument("--max-batch", type=int, help=f"sequences decoded together per model {default('max_batch')}")
     parser.add_argument("--max-waiting", type=int, help=f"requests queued per model before 429 {default('max_waiting')}")
     parser.add_argument("--max-body-bytes", type=int, help=f"largest request body accepted {default('max_body_bytes')}")
@@ -50,6 +50,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
+
+    from model.weights_io import WeightsError
 
     from .app import build_app
     from .registry import load_models

@@ -21,11 +21,12 @@ import pytest
 import torch
 
 from model import ModelConfig, build_model
+from model.registry import attention_kinds
 from model.weights_io import save_model
 from server.app import build_app
 from server.settings import Settings
 
-KINDS = ("softmax", "linear", "linformer", "reformer")
+KINDS = attention_kinds()
 TEXT_MAX_LEN = 64
 MNIST_MAX_LEN = 784
 

@@ -3,7 +3,8 @@
 bits/dim is the mean of -log2 p(pixel) over every pixel of the test images,
 read exactly off the model's 256-way logits. Text loss is the mean -ln p(byte)
 over the validation split (last 10% of the file), cut into non-overlapping
-windows of the model's max_len, each starting from BOS.
+windows of the model's max_len, each starting from BOS. The flags are
+defined in training/arguments.py.
 """
 
 from __future__ import annotations
@@ -26,21 +27,6 @@ from model.weights_io import WeightsError, load_model, update_info
 from .data import DataError, load_mnist, load_text
 
 TASK_DATA = {"mnist": "a folder with t10k-images-idx3-ubyte[.gz] (or that file)", "text": "a UTF-8 text file"}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("models", nargs="+", help="one or more .safetensors files")
-    parser.add_argument("--data", required=True,
-                        help="MNIST: folder with t10k-images-idx3-ubyte[.gz] (or the file); text: the UTF-8 file")
-    parser.add_argument("--limit", type=int, help="only the first N test images / validation windows")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
-    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
-    parser.add_argument("--store", action="store_true",
-                        help="also write each result into its file's metadata (info['eval']), as `rnnserve train` "
-                             "does at its end; the tensors are written back unchanged")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--no-progress", action="store_true")
 
 
 def resolve_device(name: str) -> torch.device:

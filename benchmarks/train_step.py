@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 
 from model import build_model
-from model.config import ATTENTION_KINDS
+from model.registry import attention_kinds
 from model.transformer import Transformer
 from model.weights_io import load_model
 from training import train
+from training.arguments import add_train_arguments
 from training.data import MNIST_PIXELS, load_mnist
 
 
@@ -41,7 +42,7 @@ class Contender:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kinds", default=",".join(ATTENTION_KINDS), help="comma-separated attention kinds")
+    parser.add_argument("--kinds", default=",".join(attention_kinds()), help="comma-separated attention kinds")
     parser.add_argument("--preset", default="cpu", choices=sorted(train.PRESETS))
     parser.add_argument("--batch-size", type=int, help="default: the preset's")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per kind (after one warm-up step)")
@@ -50,16 +51,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--data", help="MNIST folder for real digits (default: random bytes)")
     parser.add_argument("--weights", help="folder of mnist-KIND.safetensors to start from (default: fresh models)")
     args = parser.parse_args(argv)
-    unknown = [k for k in args.kinds.split(",") if k not in ATTENTION_KINDS]
+    unknown = [k for k in args.kinds.split(",") if k not in attention_kinds()]
     if unknown:
-        parser.error(f"unknown kind(s) {','.join(unknown)}; expected some of {','.join(ATTENTION_KINDS)}")
+        parser.error(f"unknown kind(s) {','.join(unknown)}; expected some of {','.join(attention_kinds())}")
     return args
 
 
 def build_contender(kind: str, args: argparse.Namespace) -> Contender:
     """The model and optimiser `rnnserve train` would build for this kind."""
     train_parser = argparse.ArgumentParser()
-    train.add_arguments(train_parser)
+    add_train_arguments(train_parser)
     train_args = train_parser.parse_args(["--task", "mnist", "--attention", kind, "--data", "-", "--out", "-",
                                           "--preset", args.preset])
     torch.manual_seed(0)

@@ -57,7 +57,8 @@ def local_round(q, k, v, window: int, itself: torch.Tensor | None = None) -> tup
     values = torch.cat([vb[:, :, :-1], vb[:, :, 1:]], dim=3)
     q_pos = torch.arange(n * window, device=q.device).view(n, window, 1)
     k_pos = (torch.arange(n, device=q.device) * window).view(n, 1, 1) + torch.arange(-window, window, device=q.device)
-    count = visible(window_candidates(q_pos, k_pos, window), k_pos == q_pos).to(q.dtype)  # (n, W, 2W)
+    candidates = window_candidates(q_pos, k_pos, window, earlier(q_pos, k_pos))
+    count = visible(candidates, k_pos == q_pos).to(q.dtype)  # (n, W, 2W)
     own_bias = None
     if itself is not None:  # count of each query's own key: the local round's (at position 0) plus `itself`
         own = count.diagonal(offset=window, dim1=-2, dim2=-1) + F.pad(itself, (0, pad)).view(b, h, n, window)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..state import RowState
 from .dense import lsh_attend
-from .visibility import earlier, mix_rounds, round_results, visible, window_candidates
+from .visibility import mix_rounds, round_results, visible_itself_last
 
 
 @dataclass
@@ -93,10 +93,9 @@ def _hashed_step(q, k, v, q_buckets, pos, state: LSHCache):
     # Flat row index of each (b, h, r, bucket) list, then its first `width` members.
     lists = torch.arange(b * h * r, device=q.device).view(b, h, r) * n_buckets + q_buckets
     members = state.members.view(-1, length).index_select(0, lists.view(-1))[:, :width].long().view(b, h, r, width)
-    members = members.masked_fill(torch.arange(width, device=q.device) >= count[..., None], -1)  # unused: no key
-    keys, values = _gather(state, members.clamp(min=0))  # (B, H, R, W, D)
-    # Every listed member shares the query's bucket: the candidates are the earlier ones.
-    candidates = earlier(pos[:, None, None, None], members)  # (B, H, R, W)
+    keys, values = _gather(state, members)  # (B, H, R, W, D)
+    # A bucket's list holds its earlier keys, in order: the round's candidates are its first `count` entries.
+    candidates = torch.arange(width, device=q.device) < count[..., None]  # (B, H, R, W)
     return _attend_with_itself(q[:, :, None], keys, values, k[:, :, None], v[:, :, None], candidates)
 
 
@@ -107,7 +106,7 @@ def _local_step(q, k, v, pos, state: LSHCache, window: int):
     index = before.clamp(min=0)
     keys = state.k[rows, :, index].transpose(1, 2)[:, :, None]  # (B, H, 1, W, D)
     values = state.v[rows, :, index].transpose(1, 2)[:, :, None]
-    candidates = window_candidates(pos[:, None], before, window)[:, None, None]  # (B, 1, 1, W)
+    candidates = (before >= 0)[:, None, None]  # (B, 1, 1, W): the window's positions that exist
     return _attend_with_itself(q[:, :, None], keys, values, k[:, :, None], v[:, :, None], candidates)
 
 
@@ -127,9 +126,6 @@ def _attend_with_itself(q, keys, values, k, v, candidates):
     b, h, r, _, d = keys.shape
     keys = torch.cat([keys.to(q.dtype), k.expand(b, h, r, 1, d)], dim=3)
     values = torch.cat([values.to(q.dtype), v.expand(b, h, r, 1, d)], dim=3)
-    candidates = F.pad(candidates, (0, 1))  # itself is never a candidate
-    itself = torch.zeros(candidates.shape[-1], dtype=torch.bool, device=q.device)
-    itself[-1] = True
-    allowed = visible(candidates, itself)  # (..., W + 1)
+    allowed = visible_itself_last(candidates)  # (..., W + 1)
     scores = (q @ keys.transpose(-1, -2)) / math.sqrt(d)  # (B, H, R, 1, W + 1)
     return round_results(scores.masked_fill(~allowed[..., None, :], float("-inf")), values)

@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .visibility import hashed_candidates, visible, window_candidates
+from .visibility import earlier, hashed_candidates, visible, window_candidates
 
 
 def lsh_attend(q, keys, values, q_buckets, k_buckets, q_pos, k_pos, window: int = 0) -> torch.Tensor:
@@ -39,11 +39,10 @@ def key_counts(q_buckets, k_buckets, q_pos, k_pos, window: int) -> torch.Tensor:
     """How many rounds show key j to query i: (B, H, T, L) uint8."""
     b, h, rounds, t = q_buckets.shape
     qp, kp = q_pos[:, None, :, None], k_pos[:, None, None, :]  # (B, 1, T, 1), (B, 1, 1, L)
-    itself = kp == qp
+    before, itself = earlier(qp, kp), kp == qp  # (B, 1, T, L), same for every head
     count = torch.zeros(b, h, t, k_pos.shape[1], dtype=torch.uint8, device=q_buckets.device)
     for r in range(rounds):
-        candidates = hashed_candidates(q_buckets[:, :, r, :, None], k_buckets[:, :, r, None, :], qp, kp)
-        count += visible(candidates, itself)
+        count += visible(hashed_candidates(q_buckets[:, :, r, :, None], k_buckets[:, :, r, None, :], before), itself)
     if window:
-        count += visible(window_candidates(qp, kp, window), itself)  # (B, 1, T, L), same for every head
+        count += visible(window_candidates(qp, kp, window, before), itself)
     return count

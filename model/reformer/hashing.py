@@ -28,9 +28,8 @@ def vector_norm(x: torch.Tensor) -> torch.Tensor:
 
 def hash_keys(keys: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     """keys (B, H, T, D), rotations (R, D, n/2) -> buckets (B, H, R, T) int64, in float32."""
-    with torch.autocast(keys.device.type, enabled=False):  # autocast would round both to bfloat16
-        projected = torch.einsum("bhtd,rdn->bhrtn", keys.float(), rotations.float())
-    # argmax of [p, -p] without building it: the first half wins ties, as argmax would.
-    top, top_index = projected.max(dim=-1)
-    bottom, bottom_index = projected.min(dim=-1)
-    return torch.where(top >= -bottom, top_index, bottom_index + projected.shape[-1])
+    if torch.is_autocast_enabled(keys.device.type):  # autocast would round both to bfloat16
+        with torch.autocast(keys.device.type, enabled=False):
+            return hash_keys(keys, rotations)
+    projected = torch.einsum("bhtd,rdn->bhrtn", keys.float(), rotations.float())
+    return torch.cat([projected, -projected], dim=-1).argmax(dim=-1)

@@ -8,10 +8,12 @@ first key of its bucket; position 0 in the local round). The rounds combine as
 one softmax over every key they show, a key counted once per round showing it:
 equivalently, each round's softmax weighted by softmax_r(logsumexp_r).
 
-The dense, bucketed and decode paths build their masks from these functions;
-the causal path realises the same candidates with a causal mask and bucket codes
-and takes the "itself" case from `first_in_bucket`. A position below 0 marks
-padding: no key there.
+The dense and bucketed paths build their masks from these functions. Decoding
+keeps each bucket's earlier keys in a list and reads the window as a range of
+positions, so the data structure yields the candidates, and `visible_itself_last`
+adds the query itself. The causal path realises the candidates with a causal
+mask and bucket codes and takes the "itself" case from `first_in_bucket`.
+A position below 0 marks padding: no key there.
 """
 
 from __future__ import annotations
@@ -24,21 +26,33 @@ def earlier(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     return (k_pos >= 0) & (k_pos < q_pos)
 
 
-def hashed_candidates(q_bucket, k_bucket, q_pos, k_pos) -> torch.Tensor:
-    """A hashed round's candidates: earlier keys in the query's bucket; shapes broadcast."""
-    return (q_bucket == k_bucket) & earlier(q_pos, k_pos)
+def hashed_candidates(q_bucket, k_bucket, before: torch.Tensor) -> torch.Tensor:
+    """A hashed round's candidates: of the earlier keys (`before`, from `earlier`), those
+    in the query's bucket; shapes broadcast."""
+    return (q_bucket == k_bucket) & before
 
 
-def window_candidates(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
-    """The local round's candidates: the `window` keys just before the query; shapes broadcast."""
-    return earlier(q_pos, k_pos) & (k_pos >= q_pos - window)
+def window_candidates(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, before: torch.Tensor) -> torch.Tensor:
+    """The local round's candidates: of the earlier keys (`before`), the `window` just before
+    the query; shapes broadcast."""
+    return before & (k_pos >= q_pos - window)
+
+
+def alone(candidates: torch.Tensor) -> torch.Tensor:
+    """(..., L) candidates -> (..., 1) bool: the round offers none, so the query sees itself."""
+    return ~candidates.any(dim=-1, keepdim=True)
 
 
 def visible(candidates: torch.Tensor, itself: torch.Tensor) -> torch.Tensor:
     """The keys a query sees in one round: its candidates, or itself when there are none.
 
     candidates (..., L) bool; itself (..., L) bool, True at the query's own key (broadcasts)."""
-    return candidates | (itself & ~candidates.any(dim=-1, keepdim=True))
+    return candidates | (itself & alone(candidates))
+
+
+def visible_itself_last(candidates: torch.Tensor) -> torch.Tensor:
+    """`visible` for keys listed with the query's own key appended: (..., L) -> (..., L + 1)."""
+    return torch.cat([candidates, alone(candidates)], dim=-1)
 
 
 def first_in_bucket(buckets: torch.Tensor, n_buckets: int) -> torch.Tensor:

@@ -9,7 +9,6 @@ one PNG strip with `Accept: image/png`, or rows as server-sent events with
 from __future__ import annotations
 
 import base64
-import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,52 +17,21 @@ from typing import Any, AsyncIterator
 import numpy as np
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import TypeAdapter, ValidationError
 from starlette.datastructures import UploadFile
-
-from model.sampling import SamplingParams
 
 from . import imaging
 from .deps import ServerState, get_server
 from .engine import Engine, GenerationStream
 from .errors import APIError, invalid_request, raise_validation
 from .imaging import PIXELS, SIDE, ImageError, OccludedImage
+from .image_api import IMAGE_REQUEST_BODY, IMAGE_RESPONSES, ImageCompletionRequest, ImageOptions
 from .streaming import SSE_HEADERS, ClientGone, collect, sse, sse_stream, submit
 from .types import Generation, GenerationRequest, SampleResult
 
 router = APIRouter()
-MAX_N = 64
 FILE_FIELDS = ("image", "mask", "pixels")
 Grid = list[list[int]]
-
-
-class ImageOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str | None = Field(None, description="an mnist model from GET /v1/models; default: lowest stored bits/dim")
-    n: int = Field(1, ge=1, le=MAX_N, description="completions to draw")
-    temperature: float = Field(1.0, ge=0.0, le=10.0, description="0 = greedy")
-    top_k: int = Field(0, ge=0, le=256, description="0 = off")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, lt=2**62, description="completion i uses seed + i; default random")
-    stream: bool = Field(False, description="send rows as server-sent events as they complete")
-    keep_rows: int | None = Field(None, ge=0, le=SIDE, description="rows 0..k-1 known, the rest unknown")
-
-    def sampling(self) -> SamplingParams:
-        seed = self.seed if self.seed is not None else secrets.randbits(31)
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed)
-
-
-class ImageCompletionRequest(ImageOptions):
-    image: str | None = Field(None, description="base64 PNG, 28x28; alpha 0 marks unknown pixels")
-    pixels: Grid | None = Field(None, description="28 rows of 28 grey levels 0-255")
-    mask: str | Grid | None = Field(None, description="base64 PNG (white = unknown) or 28x28 of 0/1 (1 = unknown)")
-
-    @model_validator(mode="after")
-    def _one_image(self) -> "ImageCompletionRequest":
-        if (self.image is None) == (self.pixels is None):
-            raise ValueError("give the digit as exactly one of `image` (base64 PNG) or `pixels` (28x28 grey levels)")
-        return self
 
 
 @dataclass
@@ -133,30 +101,25 @@ class ImageJob:
         return {"pixels_generated": pixels, "seconds": round(seconds, 4),
                 "pixels_per_second": round(pixels / seconds, 1) if seconds > 0 else None}
 
-    def record(self, server: ServerState) -> None:
-        name, attention = self.engine.name, self.engine.attention
-        server.metrics.observe_request_latency(name, attention, time.monotonic() - self.started)
-        server.metrics.images_completed(name, attention, self.canvases.n)
+    def record(self) -> None:
+        self.engine.metrics.request_latency(time.monotonic() - self.started)
+        self.engine.metrics.images_completed(self.canvases.n)
 
 
-@router.post("/v1/images/completions", response_model=None,
-             openapi_extra={"requestBody": {"content": {
-                 "application/json": {"schema": ImageCompletionRequest.model_json_schema()},
-                 "multipart/form-data": {"schema": {"type": "object", "properties": {
-                     "image": {"type": "string", "format": "binary"}, "mask": {"type": "string", "format": "binary"}}}},
-             }}})
+@router.post("/v1/images/completions", response_model=None, responses=IMAGE_RESPONSES,
+             openapi_extra={"requestBody": IMAGE_REQUEST_BODY})
 async def complete_image(request: Request, server: ServerState = Depends(get_server)) -> Response:
     try:
         given = await read_input(request)
         occluded = given.occluded()
     except ImageError as exc:
-        raise invalid_request(str(exc), exc.param, "invalid_image") from None
+        raise invalid_request(str(exc), exc.param, exc.code) from None
     options = given.options
     engine = server.engines.for_request(request, options.model, "mnist")
     job = ImageJob(f"imgcmpl-{uuid.uuid4().hex}", engine, Canvases(occluded, options.n))
-    stream = submit(engine, generation_request(job, options, engine), each_event=options.stream)
+    stream = submit(engine, generation_request(job, options), each_event=options.stream)
     if options.stream:
-        return StreamingResponse(sse_stream(request, row_events(job, stream, server), stream), media_type="text/event-stream",
+        return StreamingResponse(sse_stream(request, row_events(job, stream), [stream]), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     try:
         results = await collect(request, stream)
@@ -165,7 +128,7 @@ async def complete_image(request: Request, server: ServerState = Depends(get_ser
         return Response(status_code=499)
     for result in results:
         job.canvases.fill(result)
-    job.record(server)
+    job.record()
     usage = job.usage()
     if "image/png" in request.headers.get("accept", ""):
         strip = imaging.encode_strip([job.canvases.image(i) for i in range(options.n)])
@@ -176,13 +139,8 @@ async def complete_image(request: Request, server: ServerState = Depends(get_ser
                          "data": [job.canvases.entry(i) for i in range(options.n)], "usage": usage})
 
 
-def generation_request(job: ImageJob, options: ImageOptions, engine: Engine) -> GenerationRequest:
-    if engine.config.max_len < PIXELS:
-        raise invalid_request(f"model '{engine.name}' has max_len {engine.config.max_len}, shorter than a "
-                              f"{SIDE}x{SIDE} image ({PIXELS} pixels)", "model")
-    if options.n > engine.limits.max_batch:
-        raise invalid_request(f"n is {options.n}; this server decodes at most {engine.limits.max_batch} "
-                              "sequences per model at once (--max-batch)", "n")
+def generation_request(job: ImageJob, options: ImageOptions) -> GenerationRequest:
+    """The engine validates it: n against --max-batch, the image against the model's max_len."""
     occluded = job.canvases.occluded
     prompt = occluded.prompt()
     return GenerationRequest(request_id=job.id, prompt=prompt, max_new_tokens=PIXELS - len(prompt),
@@ -214,10 +172,11 @@ async def _from_form(request: Request) -> ImageInput:
     form = await request.form()
     scalars = {k: v for k, v in form.multi_items() if k not in FILE_FIELDS}
     try:
-        options = ImageOptions.model_validate({k: v for k, v in scalars.items() if v != ""})
+        options = ImageOptions.model_validate({k: v for k, v in scalars.items() if v != ""}, strict=False)
     except ValidationError as exc:
         raise_validation(exc)
-    image, mask, pixels = form.get("image"), form.get("mask"), form.get("pixels")
+    # An empty form field is an absent one, as for the options above.
+    image, mask, pixels = (form.get(name) or None for name in FILE_FIELDS)
     if (image is None) == (pixels is None):
         raise invalid_request("give the digit as exactly one of an `image` file (PNG) or a `pixels` field "
                               "(JSON, 28x28 grey levels)", "image")
@@ -249,7 +208,7 @@ def _json_grid(text: Any, param: str) -> Grid:
         raise ImageError(f"{param} must be JSON: 28 lists of 28 integers", param) from None
 
 
-async def row_events(job: ImageJob, stream: GenerationStream, server: ServerState) -> AsyncIterator[str]:
+async def row_events(job: ImageJob, stream: GenerationStream) -> AsyncIterator[str]:
     """One event per completed row of each completion, one per finished image, then usage."""
     async for event in stream:
         row = job.canvases.add(event)
@@ -259,5 +218,5 @@ async def row_events(job: ImageJob, stream: GenerationStream, server: ServerStat
         if event.finish_reason is not None:
             entry = job.canvases.entry(event.sample)
             yield sse({"object": "image.completion", "index": event.sample, "png_base64": entry["png_base64"]})
-    job.record(server)
+    job.record()
     yield sse({"object": "image.completion.usage", "id": job.id, "model": job.engine.name, "usage": job.usage()})

@@ -25,7 +25,7 @@ from model.transformer import with_bos
 from model.weights_io import WeightsError, read_metadata, save_model
 from server_support import make_settings, running_server
 from training import classifier as clf
-from training import evaluate
+from training import arguments, evaluate
 from training.completions import (
     Occlusion, choose_occlusion, complete_digits, mask_from_file, occlusion_mask, unknown_bits_per_dim,
 )
@@ -75,7 +75,7 @@ def tiny_mnist_model(seed: int = 0):
 
 def parse_eval(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    evaluate.add_arguments(parser)
+    arguments.add_eval_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -95,7 +95,7 @@ def toy_classifier(toy_data: Path, tmp_path_factory) -> Path:
     """A classifier trained on the toy digits by the real command, saved where eval finds it with --classifier."""
     out = tmp_path_factory.mktemp("classifier") / "digit-classifier.safetensors"
     args = argparse.ArgumentParser()
-    clf.add_arguments(args)
+    arguments.add_classifier_arguments(args)
     assert clf.run(args.parse_args(["--data", str(toy_data), "--out", str(out), "--epochs", "10", "--batch-size", "16",
                                         "--seed", "0"])) == 0
     return out
@@ -146,7 +146,7 @@ def test_train_classifier_reports_a_missing_labels_file(tmp_path: Path, capsys) 
     data = write_toy_mnist(tmp_path / "mnist", train=20, test=10)
     (data / "t10k-labels-idx1-ubyte.gz").unlink()
     parser = argparse.ArgumentParser()
-    clf.add_arguments(parser)
+    arguments.add_classifier_arguments(parser)
     assert clf.run(parser.parse_args(["--data", str(data), "--out", str(tmp_path / "c.safetensors")])) == 2
     assert "t10k-labels-idx1-ubyte.gz: no such file" in capsys.readouterr().err
 

@@ -7,11 +7,13 @@ engine starts, so they are admitted in one step."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
 from model.sampling import SamplingParams
-from server.engine import Engine, EngineFailure, EngineLimits, _Slots
+from server.engine import Engine, EngineFailure, EngineLimits
+from server.runner import ModelRunner, Slots
 from server.metrics import Metrics
 from server.types import GenerationRequest
 from conftest import make_tiny_model
@@ -69,7 +71,7 @@ def test_requests_admitted_together_get_their_solo_answers(kind, monkeypatch):
 
 
 def test_a_failed_group_prefill_fails_its_requests_and_leaves_no_row_decoding(monkeypatch):
-    copy_row = _Slots.copy_row
+    copy_row = Slots.copy_row
     failing = {"on": True}
 
     def copy_or_fail(self, src, dst):
@@ -77,7 +79,7 @@ def test_a_failed_group_prefill_fails_its_requests_and_leaves_no_row_decoding(mo
             raise RuntimeError("copy failed")
         copy_row(self, src, dst)
 
-    monkeypatch.setattr(_Slots, "copy_row", copy_or_fail)
+    monkeypatch.setattr(Slots, "copy_row", copy_or_fail)
     engine = make_engine("linear")
 
     async def scenario():
@@ -96,7 +98,7 @@ def test_a_failed_group_prefill_fails_its_requests_and_leaves_no_row_decoding(mo
         outcomes, later = asyncio.run(scenario())
     finally:
         engine.stop()
-    generated = engine.metrics.registry.get_sample_value("rnnserve_generated_tokens_total",
+    generated = engine.metrics.metrics.registry.get_sample_value("rnnserve_generated_tokens_total",
                                                          {"model": "tiny", "attention": "linear"})
     # The 3-token group needed a copy (n = 2) and failed whole; the 5-token request went on.
     assert outcomes[0] == outcomes[1] == outcomes[3] == "prefill failed: copy failed"
@@ -115,8 +117,8 @@ def test_whole_samples_match_their_streamed_tokens_as_rows_move(monkeypatch):
     """Non-streamed samples are read from the slot buffers at the end; requests of different
     lengths finish at different steps, so live rows move into freed slots on the way."""
     moves = []
-    copy_row = _Slots.copy_row
-    monkeypatch.setattr(_Slots, "copy_row", lambda self, src, dst: moves.append((src, dst)) or copy_row(self, src, dst))
+    copy_row = Slots.copy_row
+    monkeypatch.setattr(Slots, "copy_row", lambda self, src, dst: moves.append((src, dst)) or copy_row(self, src, dst))
     lengths = [3, 12, 7, 20]
     requests = [GenerationRequest(f"r{i}", [1, 2, 3], max_new_tokens=m, sampling=SamplingParams(seed=i), n=2,
                                   logprobs=i % 2 == 0) for i, m in enumerate(lengths)]
@@ -153,6 +155,27 @@ def test_empty_prompts_start_from_the_state_after_bos(kind):
         results = asyncio.run(_whole_results(engine, requests))
         for result in (r for rs in results for r in rs):
             assert result.start == 0 and len(result.tokens) == 10
-            assert result.logprobs == pytest.approx(engine._score(result.tokens), abs=1e-4)
+            assert result.logprobs == pytest.approx(engine.runner.score(result.tokens).logprobs, abs=1e-4)
     finally:
         engine.stop()
+
+
+def test_scoring_runs_on_the_engine_thread_that_owns_the_model(monkeypatch):
+    """Scores go through the worker thread, between steps, like every other use of the model."""
+    threads = []
+    score = ModelRunner.score
+    monkeypatch.setattr(ModelRunner, "score",
+                        lambda self, tokens, top=0: threads.append(threading.current_thread().name) or score(self, tokens, top))
+    engine = make_engine("linear")
+
+    async def both():
+        (stream,) = queue_then_start(engine, [request(0, [1, 2, 3], 1, 1)], each_event=False)
+        scored = await engine.score([5, 6, 7])
+        return scored, [r async for r in stream]
+
+    try:
+        scored, results = asyncio.run(both())
+    finally:
+        engine.stop()
+    assert threads == ["engine-tiny"]
+    assert scored.logprobs == pytest.approx(engine.runner.score([5, 6, 7]).logprobs, abs=1e-5) and len(results[0].tokens) == 12

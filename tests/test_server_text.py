@@ -10,6 +10,7 @@ import httpx
 import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
+from server.stopping import StoppingCriteria
 from server.textcodec import SampleText, char_offsets, incomplete_utf8_suffix, longest_stop_prefix, token_text
 from server_support import (KINDS, TEXT_MAX_LEN, make_settings, running_server, save_script_model, save_tiny_model,
                             sse_payloads, token_bytes)
@@ -61,13 +62,17 @@ def test_token_text_uses_openai_bytes_form():
 
 
 def test_stop_sequence_is_cut_and_its_prefix_held_back():
-    text = SampleText(stops=[b"END"])
+    text, stopping = SampleText(stops=[b"END"]), StoppingCriteria((b"END",), max_new_tokens=10)
     for byte in b"abE":
         text.push(byte, -1.0)
+        assert stopping.push(byte) is None
     assert text.take().text == "ab"  # "E" may start "END": held
     text.push(ord("N"), -1.0)
+    assert stopping.push(ord("N")) is None
     assert text.take().text == ""
-    assert text.push(ord("D"), -1.0) is True
+    text.push(ord("D"), -1.0)
+    assert stopping.push(ord("D")) == "stop" and stopping.matched == b"END"
+    text.end(stopping.matched)
     chunk = text.take()
     assert chunk.text == "" and text.stopped
     assert text.data == bytearray(b"ab")
@@ -82,8 +87,9 @@ def test_false_stop_prefix_is_released():
 
 
 def test_stop_is_only_searched_in_generated_bytes():
-    text = SampleText(stops=[b"b"], prefix=b"ab")
-    assert not text.push(ord("c"), None)
+    text, stopping = SampleText(stops=[b"b"], prefix=b"ab"), StoppingCriteria((b"b",), max_new_tokens=5)
+    text.push(ord("c"), None)
+    assert stopping.push(ord("c")) is None  # the prompt's "b" is not looked at
     assert text.take(final=True).text == "abc"
 
 
@@ -221,10 +227,18 @@ def test_stop_sequence_ends_the_sample_without_it(server):
     assert "".join(c["text"] for c in chunks) == "€é" and chunks[-1]["finish_reason"] == "stop"
 
 
-def test_empty_prompt_and_default_model(server):
-    out = complete(server, prompt="", max_tokens=3, seed=1)
-    assert out["model"] in {f"{k}-text" for k in KINDS} | {"script"}
-    assert out["usage"]["prompt_tokens"] == 0 and out["usage"]["completion_tokens"] == 3
+def test_empty_prompt(server):
+    out = complete(server, model="linear-text", prompt="", max_tokens=3, seed=1)
+    assert out["model"] == "linear-text" and out["usage"]["completion_tokens"] == 3
+    assert out["usage"]["prompt_tokens"] == 0
+
+
+@pytest.mark.parametrize("named", [{}, {"model": ""}])
+def test_a_missing_model_with_several_loaded_is_refused_listing_them(server, named):
+    response = server.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, **named})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "model" and error["code"] == "model_required"
+    assert all(f"{kind}-text" in error["message"] for kind in KINDS)
 
 
 def test_max_tokens_zero_without_echo_is_empty(server):
@@ -244,7 +258,9 @@ def test_max_tokens_zero_without_echo_is_empty(server):
     (dict(prompt="a", stop=["a", "b", "c", "d", "e"]), 400, "stop", ["at most 4"]),
     (dict(prompt="a", stop=[""]), 400, "stop", ["must not be empty"]),
     (dict(prompt="a", logprobs=6), 400, "logprobs", ["less than or equal to 5"]),
-    (dict(prompt="a", best_of=2), 400, "best_of", ["Extra inputs"]),
+    (dict(prompt="a", best_of=2, stream=True), 400, "best_of", ["stream"]),
+    (dict(prompt="a", suffix="b"), 400, "suffix", ["not supported"]),
+    (dict(prompt="a", nonsense=1), 400, "nonsense", ["Extra inputs"]),
 ])
 def test_bad_requests_say_what_to_fix(server, body, status, param, words):
     response = server.post("/v1/completions", json={"model": "linear-text", **body})

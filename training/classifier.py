@@ -29,10 +29,11 @@ from torch import nn
 
 from model.weights_io import INFO_KEY, WeightsError
 
+from . import arguments
 from .data import MNIST_SIDE, DataError, LabeledMnist, load_labeled_mnist
 
 CLASSIFIER_KEY = "rnnserve.classifier"
-DEFAULT_CLASSIFIER = Path("weights/classifier/digit-classifier.safetensors")
+DEFAULT_CLASSIFIER = Path(arguments.DEFAULT_CLASSIFIER)
 DIGITS = 10
 TRAIN_COMMAND = "rnnserve train-classifier --data ../shared/data/mnist --out " + str(DEFAULT_CLASSIFIER)
 
@@ -166,19 +167,6 @@ def load_classifier(path: str | os.PathLike) -> tuple[DigitClassifier, dict[str,
 
 
 # ---------------------------------------------------------------- command line
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data", required=True,
-                        help="folder with the MNIST train and test images and labels (IDX, e.g. ../shared/data/mnist)")
-    parser.add_argument("--out", default=str(DEFAULT_CLASSIFIER), help=f"output file (default {DEFAULT_CLASSIFIER})")
-    parser.add_argument("--epochs", type=int, default=TrainSettings.epochs)
-    parser.add_argument("--batch-size", type=int, default=TrainSettings.batch_size)
-    parser.add_argument("--lr", type=float, default=TrainSettings.lr)
-    parser.add_argument("--max-shift", type=int, default=TrainSettings.max_shift,
-                        help="augmentation: shift each training digit by up to this many pixels (0: off)")
-    parser.add_argument("--seed", type=int, default=TrainSettings.seed)
-    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
 
 
 def check_args(args: argparse.Namespace) -> None:

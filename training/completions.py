@@ -35,10 +35,11 @@ from model.sampling import BatchSampling, SamplingParams, token_logprobs
 from model.transformer import with_bos
 from model.weights_io import WeightsError, load_model, read_metadata, update_info
 
+from . import arguments
 from .classifier import DigitClassifier, accuracy, load_classifier
 from .data import MNIST_PIXELS, MNIST_SIDE, DataError, load_labeled_mnist
 
-OCCLUSIONS = ("bottom-half", "right-half", "centre-box")
+OCCLUSIONS = arguments.OCCLUSIONS
 CENTRE_BOX = slice(7, 21)  # the central 14 x 14 pixels
 SEED_STRIDE = 1_000_000  # row seed = seed * stride + digit index: runs with different seeds never share noise
 DEFAULT_BATCH = 200

@@ -6,6 +6,7 @@ over the validation split (last 10% of the file), cut into non-overlapping
 windows of the model's max_len, each starting from BOS. With --completions
 it evaluates completions of occluded test digits instead (training/completions.py).
 With --store a result is merged into the file's info["eval"], keeping the others.
+The flags are defined in training/arguments.py.
 """
 
 from __future__ import annotations
@@ -25,42 +26,12 @@ from model.sampling import token_logprobs
 from model.transformer import with_bos
 from model.weights_io import WeightsError, load_model, read_metadata, update_info
 
-from .classifier import DEFAULT_CLASSIFIER
-from .completions import DEFAULT_BATCH, OCCLUSIONS, CompletionRun, choose_occlusion, evaluate_completions
+from .completions import DEFAULT_BATCH, CompletionRun, choose_occlusion, evaluate_completions
 from .completions import print_table as print_completions
 from .completions import store_result
 from .data import DataError, load_mnist, load_text
 
 TASK_DATA = {"mnist": "a folder with t10k-images-idx3-ubyte[.gz] (or that file)", "text": "a UTF-8 text file"}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("models", nargs="+", help="one or more .safetensors files")
-    parser.add_argument("--data", required=True,
-                        help="MNIST: folder with t10k-images-idx3-ubyte[.gz] (or the file); text: the UTF-8 file")
-    parser.add_argument("--limit", type=int, help="only the first N test images / validation windows")
-    parser.add_argument("--batch-size", type=int, help="images or windows per batch (default 32; 200 with --completions)")
-    parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
-    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
-    parser.add_argument("--store", action="store_true",
-                        help="also write each result into its file's metadata (info['eval'], completions under "
-                             "info['eval']['completions'][OCCLUSION]), as `rnnserve train` does at its end; the "
-                             "tensors are written back unchanged")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--no-progress", action="store_true")
-    add_completion_arguments(parser.add_argument_group("completions (rnnserve eval --completions)"))
-
-
-def add_completion_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--completions", action="store_true",
-                       help="complete occluded test digits instead: the share the digit classifier reads as the "
-                            "true digit (completions, occluded input, originals) and bits/dim over unknown pixels")
-    group.add_argument("--occlusion", choices=OCCLUSIONS, help="which pixels are unknown (default bottom-half)")
-    group.add_argument("--mask", help="a 28x28 mask PNG instead, white (or transparent) where pixels are unknown")
-    group.add_argument("--classifier", default=str(DEFAULT_CLASSIFIER),
-                       help=f"digit classifier file (default {DEFAULT_CLASSIFIER}, from `rnnserve train-classifier`)")
-    group.add_argument("--seed", type=int, default=0, help="seeds the sampling; digit i uses its own noise")
-    group.add_argument("--temperature", type=float, default=1.0)
 
 
 def resolve_device(name: str) -> torch.device:

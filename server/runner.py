@@ -1,0 +1,228 @@
+"""The device half of continuous batching: slot tensors and the model, on the engine's thread.
+
+The runner owns a state of `max_batch` rows, allocated once, and per-row
+slot tensors beside it (next-token logits, position, known tokens, drawn
+tokens and their log-probabilities, sampling parameters). It prefills
+rows, samples and decodes the live rows [0, n), copies and moves rows, and
+scores prompts. Only the engine's worker thread calls it.
+
+A non-streamed request's tokens are written into the (rows, max_len)
+`generated` buffer by position as they are drawn, so a step builds no
+per-token objects for it; `read_sample` takes a finished row out in one go.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model.config import BOS_TOKEN
+from model.cuda_graphs import EagerDecoder, make_decoder
+from model.sampling import BatchSampling, force_tokens, penalize, sample, token_logprobs, top_logprobs
+from model.state import ModelState
+from model.transformer import Transformer, with_bos
+
+from .scheduler import Placement, StepNeeds
+from .types import GenerationRequest, PromptScores, TopLogprobs
+
+
+MAX_TOP_LOGPROBS = 5  # alternatives kept per position (OpenAI allows up to 5)
+
+
+@dataclass
+class Slots:
+    """Preallocated per-row tensors, (max_batch, ...) each, beside the model state."""
+
+    logits: torch.Tensor  # (N, V) next-token logits per row
+    position: torch.Tensor  # (N,) position being drawn
+    forced: torch.Tensor  # (N, max_len) known token per position, -1 if free
+    generated: torch.Tensor  # (N, max_len) token drawn at each position
+    logprobs: torch.Tensor  # (N, max_len) its log-probability, written while a row asks for them
+    top_ids: torch.Tensor  # (N, max_len, MAX_TOP_LOGPROBS) most likely tokens, while a row asks
+    top_values: torch.Tensor  # (N, max_len, MAX_TOP_LOGPROBS) their log-probabilities
+    counts: torch.Tensor  # (N, V) tokens generated so far, counted while a row has penalties
+    bias: torch.Tensor  # (N, V) logit bias
+    frequency: torch.Tensor  # (N,) frequency penalty
+    presence: torch.Tensor  # (N,) presence penalty
+    sampling: BatchSampling  # (N,) each
+    state: ModelState
+
+    @classmethod
+    def allocate(cls, model: Transformer, rows: int) -> "Slots":
+        cfg, device = model.config, model.device
+
+        def zeros(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        top = (rows, cfg.max_len, MAX_TOP_LOGPROBS)
+        sampling = BatchSampling(zeros(rows) + 1, zeros(rows, dtype=torch.long), zeros(rows) + 1,
+                                 zeros(rows, dtype=torch.long))
+        return cls(logits=zeros(rows, cfg.vocab_out), position=zeros(rows, dtype=torch.long),
+                   forced=zeros(rows, cfg.max_len, dtype=torch.long) - 1,
+                   generated=zeros(rows, cfg.max_len, dtype=torch.long), logprobs=zeros(rows, cfg.max_len),
+                   top_ids=zeros(*top, dtype=torch.long), top_values=zeros(*top),
+                   counts=zeros(rows, cfg.vocab_out), bias=zeros(rows, cfg.vocab_out),
+                   frequency=zeros(rows), presence=zeros(rows), sampling=sampling, state=model.new_state(rows))
+
+    def row_tensors(self) -> list[torch.Tensor]:
+        s = self.sampling
+        return [self.logits, self.position, self.forced, self.generated, self.logprobs, self.top_ids,
+                self.top_values, self.counts, self.bias, self.frequency, self.presence,
+                s.temperature, s.top_k, s.top_p, s.seed]
+
+    def copy_row(self, src: int, dst: int) -> None:
+        for t in self.row_tensors():
+            t[dst] = t[src]
+        self.state.copy_rows(src, dst)
+
+    def batch_sampling(self, n: int) -> BatchSampling:
+        s = self.sampling
+        return BatchSampling(s.temperature[:n], s.top_k[:n], s.top_p[:n], s.seed[:n])
+
+    def penalized(self, n: int) -> torch.Tensor:
+        """Rows [0, n)'s logits after penalties and bias: what they draw from."""
+        return penalize(self.logits[:n], self.counts[:n], self.frequency[:n], self.presence[:n], self.bias[:n])
+
+
+@dataclass
+class Drawn:
+    """One step's tokens for rows [0, n), with what the rows asked to know about them."""
+
+    tokens: torch.Tensor  # (n,)
+    logprobs: torch.Tensor | None = None  # (n,) log-probability of each token
+    top_ids: torch.Tensor | None = None  # (n, MAX_TOP_LOGPROBS)
+    top_values: torch.Tensor | None = None  # (n, MAX_TOP_LOGPROBS)
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, rows: int, cuda_graphs: bool):
+        self.model = model.eval()
+        self.rows = rows
+        self.cuda_graphs = cuda_graphs
+        self.slots: Slots | None = None
+        self.decoder: EagerDecoder | None = None
+        self._after_bos: tuple[ModelState, torch.Tensor] | None = None  # see _prefill_bos
+
+    def allocate(self) -> None:
+        """Slots, the state after BOS, and the decoder (may capture CUDA graphs): once, at start."""
+        self.slots = Slots.allocate(self.model, self.rows)
+        self._after_bos = self._prefill_bos()
+        self.decoder = make_decoder(self.model, self.slots.state, self.cuda_graphs)
+
+    # -- new sequences --------------------------------------------------------
+    def prefill(self, requests: list[GenerationRequest], first: int) -> None:
+        """One forward over prompts of equal length, into rows [first, first + len(requests))."""
+        rows = slice(first, first + len(requests))
+        self.slots.logits[rows] = self._run_prompts(requests, self.slots.state.slice(rows.start, rows.stop))
+        for row, request in enumerate(requests, start=first):
+            self._fill_row(row, request)
+
+    def place_copies(self, places: list[Placement]) -> None:
+        """Further samples of a prompt copy its prefilled row, with seed + sample."""
+        for place in places:
+            if place.copy_of is not None:
+                self.slots.copy_row(place.copy_of, place.row)
+                self.slots.sampling.seed[place.row] = place.owner.request.sampling.seed + place.sample
+
+    def _run_prompts(self, requests: list[GenerationRequest], row_state: ModelState) -> torch.Tensor:
+        """Prefill one row per request with BOS + its prompt -> (count, V) next-token logits.
+        Empty prompts (e.g. images with no known first pixel) copy the state after BOS alone,
+        computed once at start-up, instead of running the model."""
+        if not requests[0].prompt:
+            after_bos, logits = self._after_bos
+            row_state.write_rows(range(len(requests)), after_bos)
+            return logits
+        row_state.reset_rows(range(len(requests)))
+        tokens = torch.tensor([[BOS_TOKEN, *r.prompt] for r in requests], device=self.model.device)
+        logits, _ = self.model(tokens, row_state)  # (count, P + 1, V)
+        return logits[:, -1].float()
+
+    def _prefill_bos(self) -> tuple[ModelState, torch.Tensor]:
+        """The state after BOS alone and its next-token logits (1, V): where every empty prompt starts."""
+        state = self.model.new_state(1)
+        logits, _ = self.model(torch.tensor([[BOS_TOKEN]], device=self.model.device), state)
+        return state, logits[:, -1].float()
+
+    def _fill_row(self, row: int, req: GenerationRequest) -> None:
+        """A new sequence's per-row slots: position, known tokens, sampling parameters."""
+        slots, s = self.slots, self.slots.sampling
+        slots.position[row] = len(req.prompt)
+        slots.forced[row] = -1
+        if req.forced:  # one indexed write, not one per known pixel
+            positions, values = zip(*req.forced.items())
+            slots.forced[row, list(positions)] = torch.tensor(values, device=slots.forced.device)
+        p = req.sampling
+        s.temperature[row], s.top_k[row], s.top_p[row], s.seed[row] = p.temperature, p.top_k, p.top_p, p.seed
+        slots.frequency[row], slots.presence[row] = p.frequency_penalty, p.presence_penalty
+        slots.counts[row] = 0
+        slots.bias[row] = 0
+        if p.logit_bias:
+            ids, values = zip(*p.logit_bias.items())
+            slots.bias[row, list(ids)] = torch.tensor(values, device=slots.bias.device)
+
+    # -- a step -----------------------------------------------------------------
+    def sample(self, n: int, needs: StepNeeds) -> Drawn:
+        """Draw a token for rows [0, n) (known tokens kept), written by position with what the rows need."""
+        slots = self.slots
+        position = slots.position[:n]
+        source = slots.penalized(n) if needs.adjust else slots.logits[:n]
+        tokens = sample(source, slots.batch_sampling(n), position)
+        tokens = force_tokens(tokens, slots.forced[:n].gather(1, position[:, None])[:, 0])
+        slots.generated[:n].scatter_(1, position[:, None], tokens[:, None])
+        if needs.adjust:
+            slots.counts[:n].scatter_add_(1, tokens[:, None], torch.ones_like(slots.counts[:n, :1]))
+        drawn = self._record_logprobs(Drawn(tokens), needs, position)
+        position += 1
+        return drawn
+
+    def _record_logprobs(self, drawn: Drawn, needs: StepNeeds, position: torch.Tensor) -> Drawn:
+        """Log-probabilities under the model's own distribution (before penalties), kept by position."""
+        slots, n = self.slots, len(drawn.tokens)
+        logits = slots.logits[:n]
+        if needs.logprobs:
+            drawn.logprobs = token_logprobs(logits, drawn.tokens)
+            slots.logprobs[:n].scatter_(1, position[:, None], drawn.logprobs[:, None])
+        if needs.top:
+            drawn.top_ids, drawn.top_values = top_logprobs(logits, MAX_TOP_LOGPROBS)
+            rows = torch.arange(n, device=position.device)
+            slots.top_ids[rows, position], slots.top_values[rows, position] = drawn.top_ids, drawn.top_values
+        return drawn
+
+    def move_rows(self, moves: list[tuple[int, int]], tokens: torch.Tensor) -> None:
+        """Apply the scheduler's compaction: each (src, dst) row moves, with its drawn token."""
+        for src, dst in moves:
+            self.slots.copy_row(src, dst)
+            tokens[dst] = tokens[src]
+
+    def decode(self, tokens: torch.Tensor) -> None:
+        """Feed rows [0, len(tokens)) their drawn tokens: their next logits go to the slots."""
+        if len(tokens):
+            self.slots.logits[:len(tokens)] = self.decoder(tokens)
+
+    def read_sample(self, row: int, start: int, end: int, request: GenerationRequest) -> tuple[list[int], list[float] | None, list[TopLogprobs] | None]:
+        """A row's tokens at positions [start, end), with the log-probabilities it asked for, in one read."""
+        logprobs = self.slots.logprobs[row, start:end].tolist() if request.wants_logprobs else None
+        top = None
+        if request.top_logprobs:
+            k = request.top_logprobs
+            top = pair_up(self.slots.top_ids[row, start:end, :k], self.slots.top_values[row, start:end, :k])
+        return self.slots.generated[row, start:end].tolist(), logprobs, top
+
+    def state_bytes(self, rows: int) -> int:
+        return self.slots.state.nbytes_in_use(rows)
+
+    def score(self, tokens: list[int], top: int = 0) -> PromptScores:
+        """Log-probability of each token given those before it (the first given BOS), one parallel pass,
+        and the `top` most likely tokens at each position."""
+        x = torch.tensor([tokens], device=self.model.device)
+        logits, _ = self.model(with_bos(x))
+        scores = PromptScores(token_logprobs(logits[0], x[0]).tolist())
+        if top:
+            scores.top_logprobs = pair_up(*top_logprobs(logits[0], top))
+        return scores
+
+
+def pair_up(ids: torch.Tensor, values: torch.Tensor) -> list[TopLogprobs]:
+    """(T, k) ids and log-probabilities -> per position, [(token, logprob), ...] most likely first."""
+    return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]

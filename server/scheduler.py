@@ -1,0 +1,235 @@
+"""The host-only half of continuous batching: queue, admission, row map, slot budget.
+
+Plain data: no threads, no tensors, so its rules are tested without an
+engine. The engine calls it under a lock (submissions arrive from the event
+loop) and feeds it each step's tokens; the runner carries out what it
+decides on the slot tensors (which rows to prefill and copy, which rows to
+move into freed slots).
+
+Live sequences always occupy rows [0, n): when one finishes, the last live
+row moves into its place, so a step runs the model on exactly the live rows.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .stopping import StoppingCriteria
+from .types import GenerationRequest, StepStats
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its limit; the client should retry later (429)."""
+
+
+class Submission(Protocol):
+    """What the scheduler needs of a queued request (a GenerationStream in the engine)."""
+
+    request: GenerationRequest
+    cancelled: bool
+    submitted_at: float  # time.monotonic() at submission
+    first_token_at: float | None
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One live sequence (one sample of a request) in one row of the batch."""
+
+    owner: Submission
+    sample: int  # which of the request's n samples
+    position: int  # absolute position of the next token to draw
+    stopping: StoppingCriteria
+    last_token_at: float = 0.0
+
+    @property
+    def start(self) -> int:
+        """Position of the sample's first generated token."""
+        return len(self.owner.request.prompt)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a new sequence goes: its row, and the row to copy it from (None: the prefill wrote it)."""
+
+    row: int
+    owner: Submission
+    sample: int
+    copy_of: int | None
+
+
+@dataclass
+class StepOutcome:
+    """What one step's tokens did to the row map (computed before rows move)."""
+
+    reasons: list[str | None]  # per row: finish reason, "cancelled", or None while running
+    finished: list[int] = field(default_factory=list)  # rows that left, in row order
+    completed: list[Submission] = field(default_factory=list)  # requests none of whose rows is left
+    tokens: int = 0  # tokens drawn (cancelled rows draw none)
+    first_token_seconds: list[float] = field(default_factory=list)
+    token_gaps: dict[float, int] = field(default_factory=dict)  # see Scheduler._time_token
+
+
+CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class StepNeeds:
+    """What the live rows ask of a step beyond a token: the step skips what no row asks for."""
+
+    logprobs: bool = False  # each token's log-probability
+    top: bool = False  # the most likely tokens at each position
+    adjust: bool = False  # penalties or logit bias
+
+    @classmethod
+    def of(cls, requests) -> "StepNeeds":
+        requests = list(requests)
+        return cls(logprobs=any(r.wants_logprobs for r in requests), top=any(r.top_logprobs for r in requests),
+                   adjust=any(r.sampling.adjusts_logits for r in requests))
+
+
+class Scheduler:
+    def __init__(self, max_batch: int, max_waiting: int):
+        self.max_batch = max_batch
+        self.max_waiting = max_waiting
+        self.waiting: deque[Submission] = deque()
+        self.rows: list[Sequence] = []
+        self.admitting = 0  # sequences taken off the queue whose rows are not registered yet
+        self._live: dict[Submission, int] = {}  # rows still decoding per request
+        self._needs: StepNeeds | None = None  # of the live requests; None when they changed
+
+    # -- budget ---------------------------------------------------------------
+    @property
+    def running(self) -> int:
+        return len(self.rows)
+
+    @property
+    def waiting_sequences(self) -> int:
+        """Sequences queued: a request for n samples waits for n slots."""
+        return sum(s.request.n for s in list(self.waiting))
+
+    def free_slots(self) -> int:
+        """Slots neither running, nor promised to a queued request, nor being admitted."""
+        return max(0, self.max_batch - self.running - self.waiting_sequences - self.admitting)
+
+    # -- queue ----------------------------------------------------------------
+    def add(self, submission: Submission) -> None:
+        """Queue a request, unless the queue is full and no free slot could take it at once."""
+        self.drop_cancelled()
+        if len(self.waiting) >= self.max_waiting and submission.request.n > self.free_slots():
+            raise QueueFull(f"{len(self.waiting)} requests are waiting, the limit; retry later")
+        self.waiting.append(submission)
+
+    def drop_cancelled(self) -> list[Submission]:
+        """Remove and return requests whose clients left while queued."""
+        gone = [s for s in self.waiting if s.cancelled]
+        for submission in gone:
+            self.waiting.remove(submission)
+        return gone
+
+    def take_waiting(self) -> list[Submission]:
+        """Empty the queue (shutting down): the requests that were in it."""
+        taken = list(self.waiting)
+        self.waiting.clear()
+        return taken
+
+    def schedule(self) -> list[Submission]:
+        """Take every waiting request that fits, in order; they count as admitting until `admitted`."""
+        taken, free = [], self.max_batch - len(self.rows)
+        while self.waiting and self.waiting[0].request.n <= free:
+            taken.append(self.waiting.popleft())
+            free -= taken[-1].request.n
+        self.admitting = sum(s.request.n for s in taken)
+        return taken
+
+    def admitted(self) -> None:
+        """The taken requests are registered, or failed: they no longer count as admitting."""
+        self.admitting = 0
+
+    # -- rows -----------------------------------------------------------------
+    def placements(self, group: list[Submission]) -> list[Placement]:
+        """Rows for a group prefilled together: one per request first (the prefill writes them),
+        then each request's further samples, copied from its first row."""
+        first = len(self.rows)
+        places = [Placement(first + i, s, 0, None) for i, s in enumerate(group)]
+        for i, submission in enumerate(group):
+            for sample in range(1, submission.request.n):
+                places.append(Placement(first + len(places), submission, sample, first + i))
+        return places
+
+    def register(self, places: list[Placement]) -> None:
+        """The rows of `places` are written: they decode from the next step on."""
+        for place in places:
+            req = place.owner.request
+            stopping = StoppingCriteria(tuple(req.stop), req.max_new_tokens)
+            self.rows.append(Sequence(place.owner, place.sample, len(req.prompt), stopping))
+            self._live[place.owner] = req.n
+        self._needs = None
+
+    def update_from_output(self, tokens: list[int], now: float) -> StepOutcome:
+        """Advance every row by its drawn token (drawn at `now`); rows that finish or were cancelled leave."""
+        outcome = StepOutcome([None] * len(self.rows))
+        for i, seq in enumerate(self.rows):
+            if seq.owner.cancelled:
+                reason = CANCELLED
+            else:
+                reason = seq.stopping.push(tokens[i])
+                seq.position += 1
+                outcome.tokens += 1
+                _time_token(seq, now, outcome)
+            if reason is not None:
+                outcome.reasons[i] = reason
+                outcome.finished.append(i)
+        for i in outcome.finished:
+            owner = self.rows[i].owner
+            self._live[owner] -= 1
+            if self._live[owner] == 0:
+                del self._live[owner]
+                outcome.completed.append(owner)
+                self._needs = None
+        return outcome
+
+    def compact(self, finished: list[int]) -> list[tuple[int, int]]:
+        """Remove finished rows, moving the last live row into each hole: the (src, dst) moves, in order."""
+        moves = []
+        for i in sorted(finished, reverse=True):
+            last = len(self.rows) - 1
+            if i != last:
+                moves.append((last, i))
+                self.rows[i] = self.rows[last]
+            self.rows.pop()
+        return moves
+
+    def clear_rows(self) -> list[Submission]:
+        """Drop every row (a failed step); the requests they belonged to."""
+        owners = list(dict.fromkeys(seq.owner for seq in self.rows))
+        self.rows.clear()
+        self._live.clear()
+        self._needs = None
+        return owners
+
+    def needs(self) -> StepNeeds:
+        """What the live requests ask of the next step (recomputed only when they change)."""
+        if self._needs is None:
+            self._needs = StepNeeds.of(owner.request for owner in self._live)
+        return self._needs
+
+    def make_stats(self, outcome: StepOutcome, state_bytes: int) -> StepStats:
+        """The step's figures for the metrics, once its finished rows have left."""
+        return StepStats(batch=len(outcome.reasons), tokens=outcome.tokens, running=self.running,
+                         waiting=self.waiting_sequences, state_bytes=state_bytes,
+                         first_token_seconds=outcome.first_token_seconds, token_gaps=outcome.token_gaps)
+
+
+def _time_token(seq: Sequence, now: float, outcome: StepOutcome) -> None:
+    """A request's first token times its wait; later tokens are counted by the time of their
+    sequence's previous token, so a step's inter-token gaps take one or two histogram updates."""
+    owner = seq.owner
+    if owner.first_token_at is None:
+        owner.first_token_at = now
+        outcome.first_token_seconds.append(now - owner.submitted_at)
+    elif seq.last_token_at:
+        gap = now - seq.last_token_at
+        outcome.token_gaps[gap] = outcome.token_gaps.get(gap, 0) + 1
+    seq.last_token_at = now

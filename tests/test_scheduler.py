@@ -1,0 +1,131 @@
+"""The scheduler's rules as plain data: no thread, no tensor, no model.
+
+Admission order and the slot budget, the queue-full rule (requests being
+admitted still hold their slots), row placement for n samples, stop and
+length endings, compaction, and the step's stats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from model.sampling import SamplingParams
+from server.scheduler import CANCELLED, QueueFull, Scheduler
+from server.stopping import StoppingCriteria
+from server.types import GenerationRequest
+
+
+@dataclass(eq=False)
+class Req:
+    """A queued request as the scheduler sees it (the engine's GenerationStream in production)."""
+
+    request: GenerationRequest
+    cancelled: bool = False
+    submitted_at: float = 0.0
+    first_token_at: float | None = None
+
+
+def req(name: str, n: int = 1, prompt=(1, 2), max_new: int = 3, stop=()) -> Req:
+    return Req(GenerationRequest(name, list(prompt), max_new, SamplingParams(seed=0), n=n, stop=list(stop)))
+
+
+def admit(scheduler: Scheduler) -> list[Req]:
+    """Schedule, place and register every group, as the engine does after a successful prefill."""
+    taken = scheduler.schedule()
+    scheduler.register(scheduler.placements(taken))
+    scheduler.admitted()
+    return taken
+
+
+def test_requests_are_admitted_in_order_while_they_fit():
+    scheduler = Scheduler(max_batch=4, max_waiting=8)
+    a, b, c = req("a", n=2), req("b", n=3), req("c", n=1)
+    for r in (a, b, c):
+        scheduler.add(r)
+    assert scheduler.schedule() == [a]  # b needs 3 of the 2 left; c waits behind it (no overtaking)
+    assert scheduler.admitting == 2 and scheduler.waiting_sequences == 4
+
+
+def test_a_request_is_refused_while_another_is_being_admitted():
+    """max batch 1, max waiting 0: the one slot is promised to the request being admitted."""
+    scheduler = Scheduler(max_batch=1, max_waiting=0)
+    scheduler.add(req("first"))  # a free slot takes it, so the empty queue limit does not refuse it
+    taken = scheduler.schedule()
+    assert [r.request.request_id for r in taken] == ["first"]
+    with pytest.raises(QueueFull):
+        scheduler.add(req("second"))
+    scheduler.register(scheduler.placements(taken))
+    scheduler.admitted()
+    with pytest.raises(QueueFull):  # now the slot is running the first
+        scheduler.add(req("second"))
+
+
+def test_cancelled_waiting_requests_leave_the_queue_and_free_their_place():
+    scheduler = Scheduler(max_batch=1, max_waiting=1)
+    gone, kept = req("gone"), req("kept")
+    scheduler.add(gone)
+    gone.cancelled = True
+    scheduler.add(kept)  # the full queue's place is freed by dropping the cancelled request
+    assert list(scheduler.waiting) == [kept]
+
+
+def test_samples_of_a_group_copy_the_row_their_prompt_was_prefilled_in():
+    scheduler = Scheduler(max_batch=8, max_waiting=8)
+    scheduler.add(req("x"))
+    admit(scheduler)  # row 0 is taken
+    a, b = req("a", n=3), req("b", n=2)
+    places = scheduler.placements([a, b])
+    assert [(p.row, p.owner, p.sample, p.copy_of) for p in places] == [
+        (1, a, 0, None), (2, b, 0, None), (3, a, 1, 1), (4, a, 2, 1), (5, b, 1, 2)]
+
+
+def test_rows_end_by_stop_or_length_and_a_request_completes_with_its_last_row():
+    scheduler = Scheduler(max_batch=4, max_waiting=4)
+    a, b = req("a", n=2, max_new=2, stop=[b"\n"]), req("b", max_new=5)
+    scheduler.add(a)
+    scheduler.add(b)
+    admit(scheduler)  # rows: a0, b0, a1
+    first = scheduler.update_from_output([ord("\n"), 7, 7], now=1.0)
+    assert first.reasons == ["stop", None, None] and first.finished == [0] and first.completed == []
+    assert scheduler.rows[0].stopping.matched == b"\n"
+    assert scheduler.compact(first.finished) == [(2, 0)]  # a1 moves into a0's row
+    assert [(s.owner, s.sample) for s in scheduler.rows] == [(a, 1), (b, 0)]
+    second = scheduler.update_from_output([7, 7], now=2.0)
+    assert second.reasons == ["length", None] and second.completed == [a]
+
+
+def test_cancelled_rows_leave_without_drawing_a_token():
+    scheduler = Scheduler(max_batch=4, max_waiting=4)
+    a, b = req("a", n=2), req("b")
+    for r in (a, b):
+        scheduler.add(r)
+    admit(scheduler)  # rows a0, b0, a1
+    a.cancelled = True
+    outcome = scheduler.update_from_output([1, 2, 3], now=1.0)
+    assert outcome.reasons == [CANCELLED, None, CANCELLED] and outcome.tokens == 1
+    assert outcome.completed == [a] and scheduler.rows[1].position == 3  # only b moved on
+    scheduler.compact(outcome.finished)
+    assert [s.owner for s in scheduler.rows] == [b]
+
+
+def test_stats_time_first_tokens_once_per_request_and_gaps_per_sequence():
+    scheduler = Scheduler(max_batch=4, max_waiting=4)
+    a = req("a", n=2, max_new=5)
+    a.submitted_at = 10.0
+    scheduler.add(a)
+    admit(scheduler)
+    first = scheduler.update_from_output([1, 1], now=10.5)
+    assert first.first_token_seconds == [0.5] and first.token_gaps == {}
+    second = scheduler.update_from_output([1, 1], now=10.75)
+    stats = scheduler.make_stats(second, state_bytes=123)
+    assert stats.token_gaps == {0.25: 2}  # both sequences drew their second token 0.25 s after the first
+    assert (stats.batch, stats.tokens, stats.running, stats.waiting, stats.state_bytes) == (2, 2, 2, 0, 123)
+
+
+def test_stopping_criteria_report_the_longest_stop_that_matched():
+    stopping = StoppingCriteria((b"b", b"ab"), max_new_tokens=10)
+    assert stopping.push(ord("a")) is None
+    assert stopping.push(ord("b")) == "stop" and stopping.matched == b"ab"
+    assert StoppingCriteria((), max_new_tokens=1).push(0) == "length"

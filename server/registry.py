@@ -16,8 +16,6 @@ from .settings import Settings, SettingsError
 
 log = logging.getLogger("rnnserve.registry")
 
-# Metric used to pick each task's default model, lower is better.
-DEFAULT_RANKING = {"mnist": "bits_per_dim", "text": "bits_per_byte"}
 
 
 @dataclass
@@ -51,14 +49,6 @@ def load_models(settings: Settings) -> list[LoadedModel]:
                  model.num_parameters(), device, dtype)
         loaded.append(LoadedModel(path.stem, path, model, info))
     return loaded
-
-
-def stored_metric(info: dict[str, Any], name: str) -> float | None:
-    """An evaluation result stored in the weights file's info (under "eval", or top level)."""
-    for place in (info.get("eval"), info.get("metrics"), info):
-        if isinstance(place, dict) and isinstance(place.get(name), (int, float)):
-            return float(place[name])
-    return None
 
 
 def eval_metrics(info: dict[str, Any]) -> dict[str, Any]:

@@ -217,11 +217,13 @@ class Engine:
         drawn = self.runner.sample(n, self.scheduler.needs())
         token_list = drawn.tokens.tolist()
         outcome = self.scheduler.update_from_output(token_list, time.monotonic())
-        deliver(self._events(outcome, token_list, drawn))
+        outbox = self._events(outcome, token_list, drawn)  # read before rows move
         self.runner.move_rows(self.scheduler.compact(outcome.finished), drawn.tokens)
         live = self.scheduler.running
-        self.runner.decode(drawn.tokens[:live])
+        # Metrics first: a client that has its answer must find the step counted when it scrapes.
         self.metrics.record_step(self.scheduler.make_stats(outcome, self.runner.state_bytes(live)))
+        deliver(outbox)
+        self.runner.decode(drawn.tokens[:live])
 
     def _events(self, outcome: StepOutcome, token_list: list[int], drawn: Drawn) -> Outbox:
         """A Generation per streamed row, a SampleResult per finished non-streamed row, DONE per finished request."""

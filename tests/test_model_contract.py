@@ -236,7 +236,7 @@ def test_reformer_bucketed_parallel_path_matches_reference_and_decoding(window):
         attn.rotations[r].copy_(torch.linalg.qr(torch.randn(cfg.d_head, cfg.d_head, generator=gen))[0])
     x = torch.randn(2, 512, cfg.d_model, generator=gen)  # (B, T, C)
     occupancy = max_bucket_occupancy(attn, x)
-    # Same threshold as _lsh_attend_bucketed: below it the bucketed form runs, not the dense one.
+    # Same threshold as model.reformer.bucketed.is_even: below it the bucketed form runs.
     assert 4 * attn.n_buckets * occupancy**2 <= 512**2, "buckets too uneven: test would not reach the bucketed path"
     start = torch.zeros(2, dtype=torch.long)
     parallel = attn(x, start, None)[0]

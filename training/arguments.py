@@ -14,6 +14,8 @@ from model.registry import attention_kinds
 from .presets import PRESETS, REFORMER_LOCAL_WINDOW
 
 SAVE_DTYPE_NAMES = ("bfloat16", "float16", "float32")  # torch dtypes of these names
+OCCLUSIONS = ("bottom-half", "right-half", "centre-box")  # `eval --completions`: which pixels are unknown
+DEFAULT_CLASSIFIER = "weights/classifier/digit-classifier.safetensors"
 CHECKPOINT_PRECISIONS = ("bfloat16", "float32")  # of the AdamW moments (training/checkpoint.py PRECISIONS)
 DEVICES = ("cpu", "cuda", "auto")
 
@@ -82,14 +84,42 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True,
                         help="MNIST: folder with t10k-images-idx3-ubyte[.gz] (or the file); text: the UTF-8 file")
     parser.add_argument("--limit", type=int, help="only the first N test images / validation windows")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, help="images or windows per batch (default 32; 200 with --completions)")
     parser.add_argument("--device", choices=DEVICES, default="auto")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--store", action="store_true",
-                        help="also write each result into its file's metadata (info['eval']), as `rnnserve train` "
-                             "does at its end; the tensors are written back unchanged")
+                        help="also write each result into its file's metadata (info['eval'], completions under "
+                             "info['eval']['completions'][OCCLUSION]), as `rnnserve train` does at its end; the "
+                             "tensors are written back unchanged")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--no-progress", action="store_true")
+    add_completion_arguments(parser.add_argument_group("completions (rnnserve eval --completions)"))
+
+
+def add_completion_arguments(group) -> None:
+    group.add_argument("--completions", action="store_true",
+                       help="complete occluded test digits instead: the share the digit classifier reads as the "
+                            "true digit (completions, occluded input, originals) and bits/dim over unknown pixels")
+    group.add_argument("--occlusion", choices=OCCLUSIONS, help="which pixels are unknown (default bottom-half)")
+    group.add_argument("--mask", help="a 28x28 mask PNG instead, white (or transparent) where pixels are unknown")
+    group.add_argument("--classifier", default=DEFAULT_CLASSIFIER,
+                       help=f"digit classifier file (default {DEFAULT_CLASSIFIER}, from `rnnserve train-classifier`)")
+    group.add_argument("--seed", type=int, default=0, help="seeds the sampling; digit i uses its own noise")
+    group.add_argument("--temperature", type=float, default=1.0)
+
+
+def add_classifier_arguments(parser: argparse.ArgumentParser) -> None:
+    """`rnnserve train-classifier`; the defaults are training.classifier.TrainSettings'."""
+    parser.add_argument("--data", required=True,
+                        help="folder with the MNIST train and test images and labels (IDX, e.g. ../shared/data/mnist)")
+    parser.add_argument("--out", default=DEFAULT_CLASSIFIER, help=f"output file (default {DEFAULT_CLASSIFIER})")
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--max-shift", type=int, default=2,
+                        help="augmentation: shift each training digit by up to this many pixels (0: off)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
 
 
 def add_pictures_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ MODE `serve`: the real `rnnserve serve --ray` with two replicas; text and image
 requests (streamed and not) through Serve's proxy; the replicas' series in the
 node's metrics export; the replica log files; then SIGTERM with a stream in
 flight, and the drain. MODE `ray-stop`: one replica with one decode slot and a
-2 s drain, three streams queued, and Ray itself stopping the replica
+2 s drain, six streams queued, and Ray itself stopping the replica
 (`serve.delete` from a second driver). It only records what it saw (JSON);
 the assertions are in test_ray.py. Every wait is bounded; the namespace's PID
 1 is this script, so whatever Ray leaves behind is killed with it.
@@ -31,7 +31,9 @@ PORT, METRICS_PORT = 8000, 8080
 URL, METRICS_URL = f"http://127.0.0.1:{PORT}", f"http://127.0.0.1:{METRICS_PORT}/metrics"
 READY_LINE = "rnnserve: serving through Ray Serve"
 START_SECONDS, METRICS_SECONDS, EXIT_SECONDS = 300, 90, 120
-ROUTED_REQUESTS = 16  # sequential text requests: both replicas answer some of them (1 - 2^-15)
+TEXT_TOKENS = 6  # per text request: the model has no stop, so each generates all of them
+ROUTED_REQUESTS = 16
+STOPPED_STREAMS = 6  # sequential text requests: both replicas answer some of them (1 - 2^-15)
 DIGIT = [[(r * 28 + c) % 256 if r < 14 else 0 for c in range(28)] for r in range(28)]
 
 
@@ -62,7 +64,7 @@ def answer(response: httpx.Response) -> dict:
 
 
 def requests_through_proxy(client: httpx.Client) -> dict:
-    text = {"model": "text-softmax", "prompt": "hello", "max_tokens": 6, "seed": 1}
+    text = {"model": "text-softmax", "prompt": "hello", "max_tokens": TEXT_TOKENS, "seed": 1}
     image = {"model": "digits-linear", "pixels": DIGIT, "keep_rows": 14, "n": 2, "seed": 1}
     return {
         "text": [answer(client.post("/v1/completions", json=text)) for _ in range(ROUTED_REQUESTS)],
@@ -73,8 +75,9 @@ def requests_through_proxy(client: httpx.Client) -> dict:
     }
 
 
-def node_metrics(replicas: set[str]) -> str:
-    """The node's export once every replica's token counter is in it (Ray reports every few seconds)."""
+def node_metrics(replicas: set[str], text_tokens: float) -> str:
+    """The node's export once every replica's token counter is in it and the text model's counters add
+    up to the tokens the answers reported (Ray reports each worker's series every few seconds)."""
     deadline, text = time.monotonic() + METRICS_SECONDS, ""
     while time.monotonic() < deadline:
         try:
@@ -82,7 +85,8 @@ def node_metrics(replicas: set[str]) -> str:
         except httpx.TransportError:
             text = ""
         counters = [line for line in text.splitlines() if line.startswith("ray_rnnserve_generated_tokens_total{")]
-        if all(any(f'replica="{r}"' in line for line in counters) for r in replicas):
+        text_total = sum(float(line.rsplit(" ", 1)[1]) for line in counters if 'model="text-softmax"' in line)
+        if all(any(f'replica="{r}"' in line for line in counters) for r in replicas) and text_total >= text_tokens:
             break
         time.sleep(1)
     return "\n".join(line for line in text.splitlines() if "rnnserve_" in line)
@@ -134,8 +138,11 @@ def first_refusal(client: httpx.Client) -> dict:
         time.sleep(0.05)
 
 
-def ray_stops_the_replica(server: subprocess.Popen) -> dict:
-    """Three streams on a replica with one slot, then Ray deletes the app: what each stream got."""
+def ray_stops_the_replica(server: subprocess.Popen, ray_tmp: Path) -> dict:
+    """Six streams on a replica with one slot, then Ray deletes the app: what each stream got.
+
+    At most two 784-step generations fit in the 2 s drain, so several streams are still
+    queued at its deadline whatever the machine's speed."""
     import ray
     from ray import serve
 
@@ -146,25 +153,29 @@ def ray_stops_the_replica(server: subprocess.Popen) -> dict:
         response = httpx.post(f"{URL}/v1/images/completions", json=body, timeout=120)
         streams[i] = {"status": response.status_code, "body": response.text}
 
-    readers = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(3)]
+    ray.init(address="auto")  # a second driver on the same cluster, connected before the streams start
+    readers = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(STOPPED_STREAMS)]
     for reader in readers:
         reader.start()
-        time.sleep(0.3)
-    ray.init(address="auto")  # a second driver on the same cluster
+        time.sleep(0.1)
+    time.sleep(0.5)  # all queued, the first one running
     serve.delete("rnnserve")  # Ray stops the replica: its drain, not our SIGTERM
     for reader in readers:
         reader.join(EXIT_SECONDS)
+    logs = replica_logs(ray_tmp)
     server.send_signal(signal.SIGTERM)  # nothing left to drain: the launcher just stops Ray
-    return {"streams": [streams.get(i) for i in range(3)], "exit_code": server.wait(EXIT_SECONDS)}
+    return {"streams": [streams.get(i) for i in range(STOPPED_STREAMS)], "replica_logs": logs,
+            "exit_code": server.wait(EXIT_SECONDS)}
 
 
 def observe(mode: str, server: subprocess.Popen, ray_tmp: Path) -> dict:
     if mode == "ray-stop":
-        return ray_stops_the_replica(server)
+        return ray_stops_the_replica(server, ray_tmp)
     seen: dict = {}
     with httpx.Client(base_url=URL, timeout=120) as client:
         seen.update(requests_through_proxy(client))
-        seen["node_metrics"] = node_metrics({a["replica"] for a in seen["text"] if a["replica"]})
+        text_tokens = TEXT_TOKENS * (len(seen["text"]) + 1)  # the non-streamed ones and the streamed one
+        seen["node_metrics"] = node_metrics({a["replica"] for a in seen["text"] if a["replica"]}, text_tokens)
         seen["replica_logs"] = replica_logs(ray_tmp)
         seen["drain"] = drain(server, client)
     return seen

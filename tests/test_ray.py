@@ -154,15 +154,15 @@ def test_sigterm_drains_the_replicas_and_exits_0(seen):
 
 
 def test_a_replica_that_ray_stops_drains_like_the_server(tmp_path):
-    """Ray's own stop (here `serve.delete`; also scale-down, redeploy): the running stream may finish,
-    the ones still queued past --drain-seconds 2 end with the shutdown error and [DONE]; none is cut."""
+    """Ray's own stop (here `serve.delete`; also scale-down, redeploy): streams that finish within
+    --drain-seconds 2 are whole, the rest end with the shutdown error and [DONE]; none is cut."""
     record = run_scenario("ray-stop", tmp_path)
     streams = record["streams"]
     assert all(s is not None and s["status"] == 200 for s in streams), streams
     ended = [sse_payloads(s["body"])[-1] for s in streams]  # each ends with exactly one [DONE]
     failed = [e for e in ended if "error" in e]
-    assert failed, "three 784-step images on one slot cannot all finish within a 2 s drain"
+    assert len(failed) >= 3, f"six 784-step images on one slot cannot mostly finish in a 2 s drain: {ended}"
     assert all("server is shutting down" in e["error"]["message"] for e in failed)
     assert all(e["object"] == "image.completion.usage" for e in ended if "error" not in e)
-    assert "drained (past the deadline)" in record["server_log"]
+    assert any("drained (past the deadline)" in text for text in record["replica_logs"].values())
     assert record["exit_code"] == 0, record["server_log"]

@@ -219,15 +219,18 @@ class Engine:
         known = particles.known_rows(self.scheduler.rows) if needs.weigh else []
         weights = self.runner.known_logprobs(known, needs) if known else []
         drawn = self.runner.sample(n, needs)
-        if known:  # resampling copies rows within a sample's own particles, before anything reads them
-            self.runner.copy_particles(particles.weigh(self.scheduler.rows, known, weights), drawn.tokens)
+        resampled = particles.weigh(self.scheduler.rows, known, weights) if known else None
+        if resampled:  # rows are copied within a sample's own particles, before anything reads them
+            self.runner.copy_particles(resampled.copies, drawn.tokens)
         token_list = drawn.tokens.tolist()
         outcome = self.scheduler.update_from_output(token_list, time.monotonic())
         outbox = step_events(self.scheduler.rows, outcome, token_list, drawn, self.runner)  # before rows move
         self.runner.move_rows(self.scheduler.compact(outcome.finished), drawn.tokens)
         live = self.scheduler.running
         # Metrics first: a client that has its answer must find the step counted when it scrapes.
-        self.metrics.record_step(self.scheduler.make_stats(outcome, self.runner.state_bytes(live)))
+        stats = self.scheduler.make_stats(outcome, self.runner.state_bytes(live))
+        stats.resamplings = resampled.samples if resampled else 0
+        self.metrics.record_step(stats)
         deliver(outbox)
         self.runner.decode(drawn.tokens[:live])
 

@@ -119,7 +119,7 @@ def tv_bound(exact: dict[tuple[int, int], float], n: int) -> float:
     return 4 * 0.5 * sum(math.sqrt(p * (1 - p) / n) for p in exact.values()) + 0.02
 
 
-@pytest.fixture(scope="module", params=["linear", "softmax"])
+@pytest.fixture(scope="module", params=["linear", "softmax", "linformer", "reformer"])
 def toy(request) -> tuple[Transformer, dict, float]:
     model = train_toy_model(request.param)
     return (model, *exact_conditional(model))

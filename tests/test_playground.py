@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from server.image_particles import MAX_PARTICLES
 from server.routes_playground import STATIC_DIR
 from server_support import make_settings, running_server, save_tiny_model
 
@@ -64,6 +65,13 @@ def test_the_open_static_prefix_does_not_open_the_api(guarded):
         body = answer.read()
         connection.close()
         assert answer.status == 404 and b"digits" not in body, path
+
+
+def test_the_particles_control_has_the_apis_bounds_and_starts_empty():
+    """Empty sends no `particles` (the server's default); the browser's own bounds are the API's."""
+    control = re.search(r'<input id="image-particles"[^>]*>', (STATIC_DIR / "index.html").read_text())
+    assert control, "the image tab has a particles control"
+    assert 'min="1"' in control[0] and f'max="{MAX_PARTICLES}"' in control[0] and "value=" not in control[0]
 
 
 def test_a_non_editable_wheel_ships_the_page(tmp_path):

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from server.image_particles import PREFIX_ONLY
 from server_support import (free_port, make_settings, metric_value, running_server, save_tiny_model, stop_process,
                             wait_healthy)
 
@@ -245,6 +246,85 @@ def keep_screenshot(page, tmp_path: Path) -> None:
     assert shot.read_bytes().startswith(b"\x89PNG")
     if os.environ.get("PLAYGROUND_SCREENSHOT"):
         shutil.copy(shot, os.environ["PLAYGROUND_SCREENSHOT"])
+
+
+PARTICLE_FIGURES = re.compile(r"(\d+) particles?/sample · (\d+) resamplings? · final ESS ≥ ([\d.]+)"
+                              r" · log p\(known pixels\) = (-?[\d.]+) nats")
+SAMPLE_FIGURES = re.compile(r"sample (\d+): (\d+) resamplings? · final ESS ([\d.]+) · log p\(known pixels\) = (-?[\d.]+) nats")
+# On every change inside the panels: each panel's particle line and how many of its pixels are still
+# unknown (tinted blue: blue > red), so a test sees what was on screen while the particles ran.
+RECORD_PANELS = """() => { window.snapshots = [];
+    const tinted = (canvas) => { const d = canvas.getContext('2d').getImageData(0, 0, 28, 28).data; let k = 0;
+        for (let o = 0; o < d.length; o += 4) k += d[o + 2] > d[o]; return k; };
+    new MutationObserver(() => { for (const panel of document.querySelectorAll('.panel')) window.snapshots.push([
+        panel.dataset.model, panel.querySelector('.particles').textContent,
+        [...panel.querySelectorAll('.completions canvas')].reduce((k, c) => k + tinted(c), 0)]); })
+      .observe(document.getElementById('panels'), { childList: true, characterData: true, subtree: true }); }"""
+
+
+def test_particles_with_the_right_half_unknown_show_progress_then_their_figures(watched):
+    page = watched.open().page  # example 2
+    page.click("[data-preset=right]")
+    pixels, unknown = editor_input(page)
+    assert pixels[~unknown].any() and unknown[:, 14:].all() and not unknown[:, :14].any()
+    page.fill("#image-n", "2")
+    page.fill("#image-seed", "5")
+    page.fill("#image-particles", "8")
+    page.evaluate(RECORD_PANELS)
+    page.click("#complete")
+    watched.wait("[...document.querySelectorAll('.panel')].every((p) => p.dataset.state === 'done')", WAIT_SECONDS)
+
+    models = image_models(watched.url)
+    snapshots = page.evaluate("window.snapshots")
+    for model in models:
+        running = [(text, left) for name, text, left in snapshots if name == model["id"] and "rows drawn" in text]
+        drawn = [int(re.fullmatch(r"particles running: (\d+) of 28 rows drawn", text)[1]) for text, _ in running]
+        assert drawn and drawn == sorted(drawn) and 1 <= drawn[0] and drawn[-1] <= 27, (model["id"], drawn)
+        # while the particles run no row is shown: every unknown pixel of both canvases is still tinted
+        assert {left for _, left in running} == {2 * unknown.sum()}, model["id"]
+        panel = f".panel[data-model='{model['id']}']"
+        figures = PARTICLE_FIGURES.fullmatch(page.inner_text(f"{panel} .particles"))
+        assert figures and int(figures[1]) == 8, page.inner_text(f"{panel} .particles")
+        assert 1 <= float(figures[3]) <= 8 and float(figures[4]) < 0
+        assert page.is_hidden(f"{panel} progress")
+    for rgba in canvas_rgba(page, ".panel canvas"):
+        assert (rgba[..., 0] == rgba[..., 2]).all(), "every unknown pixel was filled (none left tinted)"
+        assert (rgba[..., 0][~unknown] == pixels[~unknown]).all(), "known pixels are the input's"
+
+    # the linear panel shows what the API answers to the same request, figures included
+    body = {"model": "mnist-linear", "pixels": pixels.tolist(), "mask": unknown.astype(int).tolist(), "n": 2,
+            "seed": 5, "temperature": 1.0, "particles": 8}
+    answer = httpx.post(f"{watched.url}/v1/images/completions", json=body, timeout=120).json()
+    panel = ".panel[data-model='mnist-linear']"
+    assert [s[..., 0].tolist() for s in canvas_rgba(page, f"{panel} canvas")] == [e["pixels"] for e in answer["data"]]
+    usage = answer["usage"]["particles"]
+    figures = PARTICLE_FIGURES.fullmatch(page.inner_text(f"{panel} .particles"))
+    assert int(figures[2]) == usage["resamplings"]
+    assert float(figures[3]) == pytest.approx(usage["effective_sample_size"], abs=0.006)
+    assert float(figures[4]) == pytest.approx(usage["known_log_likelihood"], abs=0.006)
+    titles = page.evaluate(f"[...document.querySelectorAll(\"{panel} canvas\")].map((c) => c.title)")
+    for title, entry in zip(titles, answer["data"], strict=True):
+        sample = SAMPLE_FIGURES.fullmatch(title)
+        assert sample and int(sample[1]) == entry["index"] and int(sample[2]) == entry["particles"]["resamplings"]
+        assert float(sample[3]) == pytest.approx(entry["particles"]["effective_sample_size"], abs=0.006)
+        assert float(sample[4]) == pytest.approx(entry["particles"]["known_log_likelihood"], abs=0.006)
+    watched.check_clean()
+
+
+def test_particles_on_a_prefix_only_mask_show_the_servers_note(watched):
+    page = watched.open().page  # example 2, bottom half unknown: the prompt conditions exactly
+    for box in page.locator("#image-models input").all():
+        box.set_checked(box.get_attribute("value") == "mnist-linear")
+    page.fill("#image-n", "1")
+    page.fill("#image-particles", "4")
+    page.click("#complete")
+    watched.wait("document.querySelector('.panel').dataset.state === 'done'", WAIT_SECONDS)
+    assert page.locator(".panel").count() == 1
+    figures = PARTICLE_FIGURES.fullmatch(page.inner_text(".panel .particles").split("\n")[0])
+    assert figures and (figures[1], figures[2]) == ("1", "0"), "one particle, never resampled"
+    assert page.inner_text(".panel .particles .note") == PREFIX_ONLY
+    assert page.is_hidden(".panel progress"), "no progress: rows streamed as they were drawn"
+    watched.check_clean()
 
 
 def test_second_press_cancels_and_the_server_frees_the_slots(watched):

@@ -2,6 +2,7 @@
 
 import { postStream } from "./api.js";
 import { drawDigit, SIDE } from "./editor.js";
+import { PARTICLES_DONE, progressText, sampleText, usageText } from "./particles.js";
 
 function formatBytes(bytes) {
   if (bytes >= 1 << 20) return `${(bytes / (1 << 20)).toFixed(1)} MiB`;
@@ -24,6 +25,8 @@ class ModelPanel {
     this.node.dataset.model = model.id;
     this.node.append(element("h2", null, `${model.id}`), element("p", "attention", model.attention));
     this.stats = this.node.appendChild(element("p", "stats"));
+    this.particles = this.node.appendChild(element("p", "particles"));
+    this.bar = this.node.appendChild(Object.assign(element("progress"), { max: SIDE, value: 0, hidden: true }));
     const grid = this.node.appendChild(element("div", "completions"));
     this.canvases = Array.from({ length: n }, () => {
       const canvas = grid.appendChild(element("canvas", "digit"));
@@ -37,13 +40,39 @@ class ModelPanel {
   }
 
   handle(event) {
-    if (event.object === "image.completion.row") this.row(event.index, event.row, event.pixels);
-    else if (event.object === "image.completion") this.done += 1;
-    else if (event.object === "image.completion.usage") return this.setState("done", event.usage.seconds);
+    if (event.object === "image.completion.progress") this.progress(event.rows_drawn);
+    else if (event.object === "image.completion.row") this.row(event.index, event.row, event.pixels);
+    else if (event.object === "image.completion") this.finished(event);
+    else if (event.object === "image.completion.usage") return this.finish(event.usage);
     this.setState("running");
   }
 
+  // Particles are running: their rows may still be replaced, so only the count is shown.
+  progress(rowsDrawn) {
+    this.bar.hidden = false;
+    this.bar.value = rowsDrawn;
+    this.particles.textContent = progressText(rowsDrawn);
+  }
+
+  particlesDone() {
+    this.bar.value = SIDE;
+    this.particles.textContent = PARTICLES_DONE;
+  }
+
+  finished(event) {
+    this.done += 1;
+    if (event.particles) this.canvases[event.index].title = sampleText(event.index, event.particles);
+  }
+
+  finish(usage) {
+    this.bar.hidden = true;
+    this.particles.textContent = usageText(usage.particles);
+    if (usage.particles.note) this.particles.append(element("span", "note", usage.particles.note));
+    this.setState("done", usage.seconds);
+  }
+
   row(index, row, pixels) {
+    if (!this.bar.hidden && this.bar.value < SIDE) this.particlesDone(); // the first fixed row
     const context = this.canvases[index].getContext("2d");
     const line = context.createImageData(SIDE, 1);
     pixels.forEach((grey, col) => line.data.set([grey, grey, grey, 255], 4 * col));
@@ -95,6 +124,7 @@ export class ImageTab {
       temperature: Number(number("image-temperature")),
     };
     if (number("image-seed") !== "") body.seed = Number(number("image-seed"));
+    if (number("image-particles") !== "") body.particles = Number(number("image-particles")); // empty: the server's default
     return body;
   }
 

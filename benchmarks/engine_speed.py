@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(preset_config("cpu", args.kind)).eval()
     engine = Engine("bench", model, {}, EngineLimits(max_batch=args.batch, max_waiting=args.batch), Metrics())
     engine.start()
+    engine.runner.decoder.wait_compiled()  # the server compiles in the background; time the compiled steps
     timings: dict[str, list[float]] = {"engine": [], "generate": []}
     try:
         for _ in range(args.rounds):

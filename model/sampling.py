@@ -93,10 +93,12 @@ def top_p_mask(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def sample(logits: torch.Tensor, params: BatchSampling, position: torch.Tensor) -> torch.Tensor:
-    """(B, V) logits -> (B,) tokens; position (B,) is the index being drawn."""
+def sample(logits: torch.Tensor, params: BatchSampling, position: torch.Tensor, draw=None) -> torch.Tensor:
+    """(B, V) logits -> (B,) tokens; position (B,) is the index being drawn.
+
+    draw: `gumbel_max` or a function equal to it (model/compiled_decode.py passes a compiled copy).
+    """
     logits = logits.float()
-    greedy = logits.argmax(dim=-1)
     temp = params.temperature.clamp(min=1e-5)[:, None]
     filtered = logits / temp
     # Both filters sort the vocabulary: skip them when no row asks (a quarter of a
@@ -105,9 +107,16 @@ def sample(logits: torch.Tensor, params: BatchSampling, position: torch.Tensor) 
         filtered = top_k_mask(filtered, params.top_k)
     if bool((params.top_p < 1).any()):
         filtered = top_p_mask(filtered, params.top_p)
+    return (draw or gumbel_max)(logits, filtered, params.temperature, params.seed, position)
+
+
+def gumbel_max(logits: torch.Tensor, filtered: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor,
+               position: torch.Tensor) -> torch.Tensor:
+    """Each row's draw from softmax(filtered), or its greedy token where temperature is 0. (B, V) x 2, (B,) x 3 -> (B,)."""
+    greedy = logits.argmax(dim=-1)
     # Gumbel noise -log(-log u), subtracted as log(-log u): in place, one temporary.
-    drawn = (filtered - uniform_noise(params.seed, position, logits.shape[-1]).log_().neg_().log_()).argmax(dim=-1)
-    return torch.where(params.temperature > 0, drawn, greedy)
+    drawn = (filtered - uniform_noise(seed, position, logits.shape[-1]).log_().neg_().log_()).argmax(dim=-1)
+    return torch.where(temperature > 0, drawn, greedy)
 
 
 def force_tokens(sampled: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,9 @@ class SoftmaxAttention(nn.Module):
         state.k[rows, :, pos] = k.transpose(1, 2).to(state.k.dtype)
         state.v[rows, :, pos] = v.transpose(1, 2).to(state.v.dtype)
         used = int(pos.max()) + 1  # attend only to the written prefix
-        keys, values = state.k[:, :, :used], state.v[:, :, :used]
+        # For torch.compile, which cannot see the value: at least one key, and narrow (not a slice)
+        # gives exactly `used` of them.
+        torch._check(used > 0)
+        keys, values = state.k.narrow(2, 0, used), state.v.narrow(2, 0, used)
         mask = torch.arange(used, device=q.device) <= pos[:, :, None]  # (B, T, L)
         return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None])

@@ -30,6 +30,7 @@ def describe(engine: Engine, created: int) -> dict[str, Any]:
         "device": str(engine.model.device),
         "dtype": str(engine.model.dtype).removeprefix("torch."),
         "cuda_graphs": engine.cuda_graphs,
+        "compiled_decode": engine.compiled_decode,
         "state_bytes_per_sequence": engine.state_bytes_per_sequence,
         "metrics": eval_metrics(engine.info),
         "config": {"d_model": cfg.d_model, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "pos_encoding": cfg.pos_encoding},

@@ -35,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
                         help="on CUDA, capture linear and Linformer decode steps as CUDA graphs at padded batch sizes "
                              f"{default('cuda_graphs')}")
+    parser.add_argument("--compile-decode", action=argparse.BooleanOptionalAction,
+                        help="on the CPU, compile softmax, linear and Linformer decode steps and sampling with "
+                             "torch.compile, in the background after start-up (eager until ready) "
+                             f"{default('compile_decode')}")
     parser.add_argument("--max-batch", type=int, help=f"sequences decoded together per model {default('max_batch')}")
     parser.add_argument("--max-waiting", type=int, help=f"requests queued per model before 429 {default('max_waiting')}")
     parser.add_argument("--max-body-bytes", type=int, help=f"largest request body accepted {default('max_body_bytes')}")
@@ -44,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    flags = ("weights", "models", "host", "port", "device", "dtype", "cuda_graphs", "max_batch", "max_waiting", "max_body_bytes", "api_key", "log_level")
+    flags = ("weights", "models", "host", "port", "device", "dtype", "cuda_graphs", "compile_decode", "max_batch", "max_waiting", "max_body_bytes", "api_key", "log_level")
     return build_settings(**{name: getattr(args, name, None) for name in flags})
 
 

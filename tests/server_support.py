@@ -76,7 +76,10 @@ def save_script_model(folder: Path, name: str, script: bytes) -> Path:
 
 
 def make_settings(**fields: Any) -> Settings:
-    """Settings from `fields` and defaults only: RNNSERVE_* variables of the shell running the tests do not leak in."""
+    """Settings from `fields` and defaults only: RNNSERVE_* variables of the shell running the tests do not leak in.
+    Decode steps stay eager unless asked for: compiling takes tens of seconds (tests/test_compiled_decode.py
+    covers it)."""
+    fields.setdefault("compile_decode", False)
     with pytest.MonkeyPatch.context() as env:
         for name in [n for n in os.environ if n.startswith("RNNSERVE_")]:
             env.delenv(name)

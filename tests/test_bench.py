@@ -186,7 +186,7 @@ def server_url(tmp_path_factory):
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     with log.open("w") as out:
         process = subprocess.Popen([sys.executable, "-m", "server", "serve", "--weights", str(folder), "--port", str(port),
-                                    "--log-level", "warning"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+                                    "--log-level", "warning", "--no-compile-decode"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(process, url, log)

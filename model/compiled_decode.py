@@ -120,12 +120,13 @@ class CompiledDecoder(EagerDecoder):
             return gumbel_max(*args)
 
     # -- compiling ----------------------------------------------------------------
-    def compile(self, background: bool = False) -> None:
-        """Compile now, or on a daemon thread while steps run eagerly until each graph is ready."""
-        if background:
-            threading.Thread(target=self.compile_now, name="compile-decode", daemon=True).start()
-        else:
-            self.compile_now()
+    def compile(self, background: bool = False) -> CompileLog | None:
+        """Compile now (returns what was compiled), or on a daemon thread while steps run eagerly
+        until each graph is ready (returns None)."""
+        if not background:
+            return self.compile_now()
+        threading.Thread(target=self.compile_now, name="compile-decode", daemon=True).start()
+        return None
 
     def compile_now(self) -> CompileLog:
         """Compile both shape classes here and now, one log line each; a failure leaves decoding eager."""

@@ -62,8 +62,9 @@ class EagerDecoder:
         """Draw the next tokens from these rows' logits (`model.sampling.sample`)."""
         return sample(logits, *args, **kwargs)
 
-    def compile(self, background: bool = False) -> None:
-        """Nothing to compile for these steps (see CompiledDecoder)."""
+    def compile(self, background: bool = False):
+        """Nothing to compile for these steps (see CompiledDecoder): None."""
+        return None
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Wait for a background compile to end; True once nothing is left to compile."""

@@ -295,7 +295,7 @@ def rnnserve_contestants(models: dict[str, Transformer], batch: int, settings: D
         sampling = _sampling(batch, model.device)
         decoder = make_decoder(model, model.new_state(batch), settings.cuda_graphs, sizes=[batch],
                                compiled=settings.compiled)
-        log = decoder.compile()
+        log = decoder.compile(batch=batch)
         if log is not None:
             compile_seconds[f"{kind} batch {batch}"] = log.seconds
             progress(f"compile {kind:9s} batch {batch:4d}: " + (log.error or ", ".join(
@@ -418,7 +418,7 @@ def _advance(model: Transformer, state, target: int, gen: torch.Generator) -> No
 def step_decoder(model: Transformer, settings: DecodeSettings, batch: int) -> EagerDecoder:
     """A decoder as the server makes it (compiled here and now when it is compiled) on a new state."""
     decoder = make_decoder(model, model.new_state(batch), settings.cuda_graphs, sizes=[batch], compiled=settings.compiled)
-    decoder.compile()
+    decoder.compile(batch=batch)
     return decoder
 
 

@@ -62,7 +62,7 @@ class EagerDecoder:
         """Draw the next tokens from these rows' logits (`model.sampling.sample`)."""
         return sample(logits, *args, **kwargs)
 
-    def compile(self, background: bool = False):
+    def compile(self, background: bool = False, batch: int | None = None):
         """Nothing to compile for these steps (see CompiledDecoder): None."""
         return None
 

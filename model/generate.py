@@ -32,7 +32,7 @@ def generate(model: Transformer, prompt: torch.Tensor, total_len: int, sampling:
     tokens[:, :p] = prompt
     if decoder is None:
         decoder = make_decoder(model, model.new_state(b), cuda_graphs=False, compiled=compiled)  # empty state
-        decoder.compile()
+        decoder.compile(batch=b)
     elif decoder.state.batch_size != b:
         raise ValueError(f"decoder has {decoder.state.batch_size} rows for a batch of {b}")
     else:

@@ -82,7 +82,8 @@ class CompiledDecoder(EagerDecoder):
 
     @property
     def compiled(self) -> bool:
-        return bool(self.ready)
+        """Whether steps run compiled: a graph is ready and nothing has failed."""
+        return bool(self.ready) and self.log.error is None
 
     def _use_compiled(self, rows: int) -> bool:
         return self.log.error is None and min(rows, 2) in self.ready

@@ -316,8 +316,9 @@ def test_flatness_steps_run_without_autograd(monkeypatch):
     """Autograd on would add a fixed cost to every step and pull the ratio towards 1."""
     seen = []
     real = decode._time_steps
-    monkeypatch.setattr(decode, "_time_steps", lambda model, state, steps: seen.append(
-        torch.is_inference_mode_enabled()) or real(model, state, steps))
+    monkeypatch.setattr(decode, "_time_steps", lambda decoder, steps: seen.append(
+        torch.is_inference_mode_enabled()) or real(decoder, steps))
     model = build_model(decode.preset_config("tiny", "linear", task="text", max_len=512)).eval()
-    (result,) = decode.measure_flatness({"linear": model}, 10, 200, 0, lambda line: None)
+    settings = decode.DecodeSettings(compiled=False)  # eager steps: what is checked is the mode they run in
+    (result,) = decode.measure_flatness({"linear": model}, 10, 200, settings, lambda line: None)
     assert seen and all(seen) and result.steps == FLAT_ROUNDS * FLAT_STEPS_PER_ROUND

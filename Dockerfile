@@ -19,7 +19,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # Only what `pip install .` needs, so edits to tests or docs keep the cache.
 FROM python-base AS source
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md rnnserve_cli.py ./
 COPY model/ model/
 COPY server/ server/
 COPY training/ training/

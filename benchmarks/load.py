@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 
-from .decode import BenchError
+from .errors import BenchError
 
 IMAGE_PATH = "/v1/images/completions"
 TEXT_PATH = "/v1/completions"

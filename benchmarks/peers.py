@@ -32,8 +32,9 @@ from torch import nn
 
 from model.config import BOS_TOKEN, BYTE_VOCAB
 from model.sampling import BatchSampling, SamplingParams, sample
+from training.presets import PRESETS
 
-from .decode import PRESETS, BenchError
+from .errors import BenchError
 
 HF_VOCAB = BYTE_VOCAB + 1  # bytes and BOS in one vocabulary: HF models predict over their input vocabulary
 REFORMER_CHUNK, REFORMER_BUCKETS = 32, 32
@@ -74,7 +75,7 @@ class Peer:
 
 def build_peers(preset: str, max_len: int, seed: int) -> list[Peer]:
     """All peers at the preset's sizes; a clear error when their packages are missing."""
-    sizes = PRESETS[preset]
+    sizes = PRESETS[preset].architecture()
     try:
         import fast_transformers  # noqa: F401
         import transformers  # noqa: F401

@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from model import compiled_decode
 from model.cuda_graphs import EagerDecoder, make_decoder
+from model.registry import kinds_where
 from model.sampling import BatchSampling, SamplingParams
 from model.transformer import build_model
 
@@ -92,7 +93,7 @@ def run(kind: str, batch: int, steps: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kind", default="linear", choices=("softmax", "linear", "linformer"))
+    parser.add_argument("--kind", default="linear", choices=kinds_where(lambda c: c.compilable))
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--threads", type=int, default=1)

@@ -1,17 +1,13 @@
 """The physical limit of one decoding step: FLOPs and bytes per generated token.
 
-Formulas (per generated token, one sequence, at position t; L layers, model
-width d, H heads of D = d/H, feed-forward width F, V output classes, fp32
-state of 4 bytes per number, Linformer length k, Reformer R rounds over n
-buckets):
-  dense layers   2 * (L * (4 d^2 + 2 d F) + d V)         FLOPs (Reformer: 3 d^2, shared QK)
-  softmax        4 t d per layer; reads K, V: 2 t d * 4 bytes, writes 2 d * 4
-  linear         4 H D^2 per layer (S += phi(k) v^T, phi(q)^T S) plus O(H D);
-                 reads and writes S, Z: 2 * H (D^2 + D) * 4 bytes
-  linformer      8 H k D per layer; reads and writes K~, V~: 2 * 2 H k D * 4
-  reformer       4 (R t / n + W) d per layer over the expected bucket occupancy
-                 and the local window W; reads as many keys and values:
-                 2 (R t / n + W) d * 4 bytes
+Per generated token, one sequence, at position t (L layers, model width d,
+feed-forward width F, V output classes, 4 bytes per number):
+  dense layers   2 * (L * (P d^2 + 2 d F) + d V) FLOPs, with P the kind's
+                 `projections` (4; Reformer 3: shared QK)
+  attention      L times the kind's own `token_cost(cfg, t)` (model/attention.py):
+                 FLOPs and state bytes read + written by one layer; the
+                 formulas of the four shipped kinds are tabled in
+                 benchmarks/README.md.
 Weights (4 bytes per parameter in fp32) are read once per batched step, so
 per token they cost weight_bytes / batch.
 """
@@ -22,9 +18,11 @@ import time
 
 import torch
 
+from model.attention import STATE_NUMBER_BYTES
 from model.config import ModelConfig
+from model.registry import attention_class
 
-FP32 = 4
+FP32 = STATE_NUMBER_BYTES  # weights are costed in float32 too
 # Datasheet peaks for one H100 SXM5 (NVIDIA): HBM3 bandwidth, dense BF16 tensor-core and FP32 rates.
 H100 = {"name": "H100 SXM (datasheet)", "bytes_per_s": 3.35e12, "bf16_flops": 989e12, "fp32_flops": 67e12}
 
@@ -32,7 +30,7 @@ H100 = {"name": "H100 SXM (datasheet)", "bytes_per_s": 3.35e12, "bf16_flops": 98
 def _matrix_params(cfg: ModelConfig) -> int:
     """Weights of the per-token matrix products: attention projections, feed-forward, output head."""
     d = cfg.d_model
-    projections = 3 if cfg.attention == "reformer" else 4  # Reformer shares Q and K
+    projections = attention_class(cfg.attention).projections  # Reformer shares Q and K: 3
     return cfg.n_layers * (projections * d * d + 2 * d * cfg.d_ff) + d * cfg.vocab_out
 
 
@@ -41,18 +39,10 @@ def dense_flops(cfg: ModelConfig) -> int:
 
 
 def attention_cost(cfg: ModelConfig, t: float) -> tuple[float, float]:
-    """(FLOPs, state bytes read + written) of all layers' attention for one token at position t."""
-    d, h, dh = cfg.d_model, cfg.n_heads, cfg.d_head
-    if cfg.attention == "softmax":
-        flops, moved = 4 * t * d, (2 * t * d + 2 * d) * FP32
-    elif cfg.attention == "linear":
-        flops, moved = 4 * h * dh * dh + 6 * h * dh, 2 * h * (dh * dh + dh) * FP32
-    elif cfg.attention == "linformer":
-        flops, moved = 8 * h * cfg.linformer_k * dh, 2 * 2 * h * cfg.linformer_k * dh * FP32
-    else:  # reformer: the query's bucket in each round, and its local window
-        occupancy = cfg.reformer_rounds * t / cfg.reformer_buckets + min(cfg.reformer_local_window, t)
-        flops, moved = 4 * occupancy * d, (2 * occupancy * d + 2 * d) * FP32
-    return cfg.n_layers * flops, cfg.n_layers * moved
+    """(FLOPs, state bytes read + written) of all layers' attention for one token at position t,
+    from the kind's own `token_cost` (model/attention.py)."""
+    cost = attention_class(cfg.attention).token_cost(cfg, t)
+    return cfg.n_layers * cost.flops, cfg.n_layers * cost.state_bytes
 
 
 def weight_bytes(cfg: ModelConfig) -> int:

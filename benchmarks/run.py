@@ -8,7 +8,10 @@ import sys
 from dataclasses import fields, replace
 from pathlib import Path
 
-from model.config import ATTENTION_KINDS
+from model.registry import attention_kinds
+from training.presets import PRESETS
+
+from .errors import BenchError
 
 QUICK = {  # a tiny model and a few steps of each measurement: seconds, for tests; explicit flags still win
     "preset": "tiny", "batch_sizes": (1, 4), "image_tokens": 64, "max_position": 256,
@@ -29,23 +32,21 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def _kinds(text: str) -> tuple[str, ...]:
     kinds = tuple(k.strip() for k in text.split(",") if k.strip())
-    unknown = [k for k in kinds if k not in ATTENTION_KINDS]
+    unknown = [k for k in kinds if k not in attention_kinds()]
     if unknown or not kinds:
         raise argparse.ArgumentTypeError(
-            f"unknown attention kind(s) {', '.join(unknown) or text!r}; expected some of {','.join(ATTENTION_KINDS)}")
+            f"unknown attention kind(s) {', '.join(unknown) or text!r}; expected some of {','.join(attention_kinds())}")
     return kinds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .decode import PRESETS
-
     parser.add_argument("--url", help="benchmark a running server at this address (http://HOST:PORT) instead of in-process")
     parser.add_argument("--json-out", type=Path, help="write the full results as JSON to this file")
     ins = parser.add_argument_group("in-process benchmark")
     # Defaults of None: the value comes from DecodeSettings, or from QUICK with --quick.
     ins.add_argument("--preset", choices=sorted(PRESETS), help="architecture of the random-weight models (default cpu)")
     ins.add_argument("--weights", help="folder of .safetensors files: bench its MNIST models instead of a preset")
-    ins.add_argument("--kinds", type=_kinds, help="comma-separated attention kinds (default all four)")
+    ins.add_argument("--kinds", type=_kinds, help="comma-separated attention kinds (default all)")
     ins.add_argument("--batch-sizes", type=_int_list, help="e.g. 1,8,64 (the default)")
     ins.add_argument("--image-tokens", type=int, help="tokens per generation (default 784, a whole image)")
     ins.add_argument("--repeats", type=int, help="timed runs per generation measurement; the best is kept (default 1)")
@@ -59,10 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ins.add_argument("--device", default="cpu", help="cpu, cuda, or auto")
     ins.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="model weights (default float32)")
     ins.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
-                     help="on CUDA, replay linear and Linformer decode steps as CUDA graphs (default on)")
+                     help="on CUDA, replay decode steps of graphable kinds (linear, Linformer) as CUDA graphs (default on)")
     ins.add_argument("--compile-decode", dest="compiled", action=argparse.BooleanOptionalAction,
-                     help="on the CPU, decode softmax, linear and Linformer through torch.compile, as the server "
-                          "does (default on; --quick: off)")
+                     help="on the CPU, decode compilable kinds (softmax, linear, Linformer) through torch.compile, as "
+                          "the server does (default on; --quick: off)")
     ins.add_argument("--eager-too", action=argparse.BooleanOptionalAction,
                      help="with --compile-decode, also time each compiled kind's eager path (default on)")
     ins.add_argument("--peers", action="store_true",
@@ -79,8 +80,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from model.weights_io import WeightsError
-
-    from .decode import BenchError
 
     try:
         return _run_load(args) if args.url else _run_decode(args)
@@ -103,7 +102,7 @@ def _run_decode(args: argparse.Namespace) -> int:
     settings = replace(base, device=_device(args.device), **given)
     report = run_decode_bench(settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(full_report(report))
-    result = report.to_dict() | {"command": _command_line()}
+    result = report.to_dict() | {"command": args.command_line}
     _write_json(args.json_out, result)
     if args.plot:
         from .plot import plot_decode
@@ -118,14 +117,12 @@ def _run_load(args: argparse.Namespace) -> int:
 
     result = run_load(load_settings(args))
     print(summary_text(result))
-    _write_json(args.json_out, result | {"command": _command_line()})
+    _write_json(args.json_out, result | {"command": args.command_line})
     return 0 if result["completed"] > 0 else 1
 
 
 def _device(name: str) -> str:
     import torch
-
-    from .decode import BenchError
 
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -143,6 +140,3 @@ def _write_json(path: Path | None, data: dict) -> None:
     path.write_text(json.dumps(data, indent=1, default=str) + "\n")
     print(f"wrote {path}")
 
-
-def _command_line() -> str:
-    return " ".join(["rnnserve", *sys.argv[1:]]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv)

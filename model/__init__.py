@@ -1,7 +1,26 @@
-"""rnnserve model core: four causal attention kinds behind one chunk-and-state contract."""
+"""rnnserve model core: causal attention kinds behind one chunk-and-state contract.
 
-from .config import BOS_TOKEN, BYTE_VOCAB, ModelConfig
-from .state import ModelState
-from .transformer import SequenceTooLong, Transformer, build_model
+The names below are imported on first access, so reading the config or the
+registry of kinds (CLI argument parsing, `--help`) does not import torch.
+"""
 
-__all__ = ["BOS_TOKEN", "BYTE_VOCAB", "ModelConfig", "ModelState", "SequenceTooLong", "Transformer", "build_model"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import BOS_TOKEN, BYTE_VOCAB, ModelConfig
+    from .state import ModelState
+    from .transformer import SequenceTooLong, Transformer, build_model
+
+# exported name -> submodule that defines it
+_EXPORTS = {"BOS_TOKEN": "config", "BYTE_VOCAB": "config", "ModelConfig": "config", "ModelState": "state",
+            "SequenceTooLong": "transformer", "Transformer": "transformer", "build_model": "transformer"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

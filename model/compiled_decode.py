@@ -20,8 +20,10 @@ starts a thread and decodes eagerly until each graph is ready (the server:
 start-up is not held up). Each compile is logged with its time. A compile that fails
 (e.g. no C++ compiler) is logged and that decoder stays eager.
 
-Reformer is not compiled: its decode step gathers buckets whose sizes change
-every step and are read back to the host, so it stays eager.
+Which kinds are compiled is what they declare (`compilable` in
+model/attention.py's capabilities). Reformer is not: its decode step gathers
+buckets whose sizes change every step and are read back to the host, so it
+stays eager.
 """
 
 from __future__ import annotations
@@ -34,16 +36,16 @@ from dataclasses import dataclass, field
 import torch
 
 from .cuda_graphs import EagerDecoder
+from .registry import kinds_where
 from .sampling import gumbel_max, sample
 from .state import ModelState
 from .transformer import Transformer
 
 log = logging.getLogger("rnnserve.compiled_decode")
 
-COMPILED_KINDS = ("softmax", "linear", "linformer")
 # Inductor: store any intermediate read by more than one loop instead of recomputing it in each
 # (the feature map elu + 1 was recomputed for every element of the state update otherwise), and
-# call the kernels from compiled C++ rather than Python (half the time of a batch-1 step here).
+# call the kernels from compiled C++ rather than Python (less host work per step, which counts most at batch 1).
 INDUCTOR_OPTIONS = {"realize_opcount_threshold": 2, "cpp_wrapper": True}
 # Dynamo: softmax reads `int(lengths.max())` to size its prefix: traced as a symbolic integer, not
 # a graph break. Every model served adds two graphs to the same code: no fallback to eager at 8.
@@ -68,9 +70,9 @@ class CompiledDecoder(EagerDecoder):
 
     def __init__(self, model: Transformer, state: ModelState):
         super().__init__(model, state)
-        if model.config.attention not in COMPILED_KINDS:
-            raise ValueError(f"{model.config.attention} decode steps are not compiled; compiled kinds: "
-                             f"{', '.join(COMPILED_KINDS)}")
+        if not model.capabilities.compilable:
+            raise ValueError(f"{model.config.attention} decode steps are not compiled; compilable kinds: "
+                             f"{', '.join(kinds_where(lambda c: c.compilable))}")
         if model.device.type != "cpu":
             raise ValueError(f"the compiled decode path is for the CPU, this model is on {model.device}")
         self._step = torch.compile(_decode_step, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS)

@@ -11,7 +11,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-ATTENTION_KINDS = ("softmax", "linear", "linformer", "reformer")
+from .registry import attention_kinds
+
 TASKS = ("mnist", "text")
 POS_ENCODINGS = ("learned", "sinusoidal")
 LINFORMER_SHARING = ("none", "headwise", "kv")
@@ -49,7 +50,7 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._check_choice("attention", ATTENTION_KINDS)
+        self._check_choice("attention", attention_kinds())
         self._check_choice("task", TASKS)
         self._check_choice("pos_encoding", POS_ENCODINGS)
         self._check_choice("linformer_sharing", LINFORMER_SHARING)

@@ -11,9 +11,10 @@ are always rows [0, n) (the engine compacts them), so the padding rows are
 free slots: what a step writes there is never read, and a sequence that
 joins resets its row first.
 
-Only kinds whose decode step has fixed shapes can be captured: linear and
-Linformer (constant-size state). Softmax reads a prefix and Reformer a
-bucket whose length changes every step; they run eagerly.
+Only kinds whose decode step has fixed shapes can be captured (declared
+`graphable` in their capabilities, e.g. the constant-size states of linear
+and Linformer). Softmax reads a prefix and Reformer a bucket whose length
+changes every step; they run eagerly.
 """
 
 from __future__ import annotations
@@ -23,16 +24,13 @@ import logging
 
 import torch
 
+from .registry import kinds_where
 from .sampling import sample
 from .state import ModelState
 from .transformer import Transformer
 
 log = logging.getLogger("rnnserve.cuda_graphs")
 
-GRAPHABLE_KINDS = ("linear", "linformer")
-# Padding rows restart at position 0 every step: harmless when a row's state is fixed-size or
-# written by position, not for Reformer, whose bucket lists would keep growing past max_len.
-PADDABLE_KINDS = ("softmax", "linear", "linformer")
 WARMUP_STEPS = 3  # eager runs before capture: cuBLAS handles, allocator pools
 
 
@@ -80,8 +78,11 @@ class PaddedDecoder(EagerDecoder):
 
     def __init__(self, model: Transformer, state: ModelState, sizes: list[int]):
         super().__init__(model, state)
-        if model.config.attention not in PADDABLE_KINDS:
-            raise ValueError(f"{model.config.attention} decode steps cannot be padded; padded kinds: {', '.join(PADDABLE_KINDS)}")
+        # Padding rows restart at position 0 every step: harmless when a row's state is fixed-size or
+        # written by position, not for Reformer, whose bucket lists would keep growing past max_len.
+        if not model.capabilities.paddable:
+            paddable = ", ".join(kinds_where(lambda c: c.paddable))
+            raise ValueError(f"{model.config.attention} decode steps cannot be padded; padded kinds: {paddable}")
         if not sizes or max(sizes) > state.batch_size:
             raise ValueError(f"padded sizes {sizes} must be non-empty and fit the state's {state.batch_size} rows")
         self.sizes = sorted(sizes)
@@ -149,15 +150,14 @@ class CudaGraphDecoder(PaddedDecoder):
 def make_decoder(model: Transformer, state: ModelState, cuda_graphs: bool,
                  sizes: list[int] | None = None, compiled: bool = False) -> EagerDecoder:
     """CUDA graphs when asked for and possible (a CUDA model of a graphable kind); on the CPU,
-    compiled steps when asked for and the kind is compiled (see model/compiled_decode.py: the
-    caller starts the compile, `compile_now` or `compile_in_background`); else eager.
+    compiled steps when asked for and the kind is compilable (see model/compiled_decode.py: the
+    caller starts the compile, `decoder.compile()`); else eager.
     A capture that fails (e.g. out of memory) is logged and decoding stays eager."""
-    if compiled and model.device.type == "cpu":
-        from .compiled_decode import COMPILED_KINDS, CompiledDecoder  # it builds on EagerDecoder, here
+    if compiled and model.device.type == "cpu" and model.capabilities.compilable:
+        from .compiled_decode import CompiledDecoder  # it builds on EagerDecoder, here
 
-        if model.config.attention in COMPILED_KINDS:
-            return CompiledDecoder(model, state)
-    if cuda_graphs and model.device.type == "cuda" and model.config.attention in GRAPHABLE_KINDS:
+        return CompiledDecoder(model, state)
+    if cuda_graphs and model.device.type == "cuda" and model.capabilities.graphable:
         try:
             return CudaGraphDecoder(model, state, sizes or padded_sizes(state.batch_size))
         except RuntimeError as exc:

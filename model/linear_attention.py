@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
 from .config import ModelConfig
 from .heads import merge_heads, split_heads
 from .state import RowState
@@ -67,7 +68,15 @@ def linear_attention_chunked(q, k, v, s0, z0, eps: float):
     return out, s_before[:, :, -1] + kv[:, :, -1], z_before[:, :, -1] + ksum[:, :, -1]
 
 
-class LinearAttention(nn.Module):
+class LinearAttention(Attention):
+    capabilities = Capabilities(constant_state=True, graphable=True, paddable=True, compilable=True)
+
+    @classmethod
+    def token_cost(cls, cfg: ModelConfig, t: float) -> TokenCost:
+        # S += phi(k) v^T and phi(q)^T [S | Z] per head, plus O(H D); reads and writes S, Z whole.
+        h, d = cfg.n_heads, cfg.d_head
+        return TokenCost(flops=4 * h * d * d + 6 * h * d, state_bytes=2 * h * (d * d + d) * STATE_NUMBER_BYTES)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
@@ -103,7 +112,8 @@ class LinearAttention(nn.Module):
         b, h, d = k.shape
         v1 = torch.cat([v, v.new_ones(b, h, 1)], dim=-1)  # (B, H, D + 1): [v; 1]
         # In place, [S | Z] += k [v; 1]^T: no (B, H, D, D) temporary per step. An elementwise
-        # addcmul is one pass over the state; a batched rank-1 baddbmm took twice as long on CPU.
+        # addcmul is one pass over the state, quicker on CPU than a batched rank-1 baddbmm
+        # (timings in benchmarks/README.md, "Measurements behind design choices").
         state.sz.addcmul_(k[..., :, None], v1[..., None, :])
         out = (q[..., None, :] @ state.sz)[..., 0, :]  # (B, H, D + 1): [phi(q)^T S, phi(q)^T Z]
         return out[..., :d] / (out[..., d:] + self.eps)

@@ -3,12 +3,14 @@
 Published Linformer projects keys and values along the whole sequence with
 E, F (k x n), which mixes future positions. The causal form keeps, per head,
   K~_i = sum_{j<=i} E[:, j] k_j^T   and   V~_i = sum_{j<=i} F[:, j] v_j^T   (k x D)
-and computes out_i = softmax(q_i K~_i^T / sqrt(D)) V~_i. The state is
-O(k D) per head whatever the length.
+and computes out_i = softmax(q_i K~_i^T / sqrt(D)) V~_i over the k projected
+slots. The state is O(k D) per head whatever the length.
 
-The parallel path never builds K~_i for every i: q_i K~_i^T equals
-sum_{j<=i} (q_i . k_j) E[:, j], a masked (T, T) product times E, and
-attn_i V~_i equals sum_{j<=i} (attn_i . F[:, j]) v_j.
+The parallel path is chunked like linear attention's: inside a block of
+`BLOCK` positions, q_i K~_i^T is exact as a masked (C, C) product times E
+plus q_i against the running K~ from earlier blocks, and attn_i V~_i likewise
+with F. It costs O(T C (D + k) + T k D), never the O(T^2 k) of one masked
+(T, T) product, and never holds a (T, k, D) tensor of prefix sums.
 """
 
 from __future__ import annotations
@@ -17,24 +19,72 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from .attention import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
 from .config import ModelConfig
-from .heads import causal_mask, chunk_positions, merge_heads, split_heads
+from .heads import chunk_positions, merge_heads, split_heads
 from .state import RowState
+
+BLOCK = 64
 
 
 @dataclass
 class LinformerState(RowState):
-    k_proj: torch.Tensor  # (B, H, k, D) float32: K~
-    v_proj: torch.Tensor  # (B, H, k, D) float32: V~
+    keys_projected: torch.Tensor  # (B, H, k, D) float32: K~, keys summed into the k slots by E
+    values_projected: torch.Tensor  # (B, H, k, D) float32: V~, values summed into the k slots by F
 
 
-class LinformerAttention(nn.Module):
+def _exclusive_block_prefix(per_block: torch.Tensor, initial: torch.Tensor | None) -> torch.Tensor:
+    """(B, H, N, k, D) sums of each block -> what each block sees from earlier ones (and the state)."""
+    before = F.pad(per_block.cumsum(2), (0, 0, 0, 0, 1, 0))[:, :, :-1]  # (B, H, N, k, D)
+    return before if initial is None else before + initial[:, :, None]
+
+
+def _blocks(x: torch.Tensor, n: int, size: int) -> torch.Tensor:
+    """(B, H, T, X) -> (B, H, N, C, X), zero-padded at the end: zero keys, values
+    and projection columns add nothing to the sums."""
+    x = F.pad(x, (0, 0, 0, n * size - x.shape[2]))
+    return x.reshape(*x.shape[:2], n, size, x.shape[-1])
+
+
+def linformer_chunked(q, k, v, e, f, keys0, values0):
+    """Exact causal Linformer over a chunk, starting from (K~, V~) = (keys0, values0) or zeros if None.
+
+    q, k, v: (B, H, T, D); e, f: (B or 1, H or 1, T, k) projection columns at the chunk's positions;
+    keys0, values0: (B, H, k, D) or None. Returns out (B, H, T, D) and the final K~, V~ (B, H, k, D).
+    """
+    b, h, t, d = q.shape
+    size = min(BLOCK, t)
+    n = -(-t // size)
+    qb, kb, vb, eb, fb = (_blocks(x, n, size) for x in (q, k, v, e, f))  # (B, H, N, C, D or k)
+    keys_per_block = eb.transpose(-1, -2) @ kb  # (B, H, N, k, D)
+    values_per_block = fb.transpose(-1, -2) @ vb  # (B, H, N, k, D)
+    keys_before = _exclusive_block_prefix(keys_per_block, keys0)
+    values_before = _exclusive_block_prefix(values_per_block, values0)
+    qk = (qb @ kb.transpose(-1, -2)).tril()  # (B, H, N, C, C): q_i . k_j, j <= i inside the block
+    scores = qk @ eb + qb @ keys_before.transpose(-1, -2)  # (B, H, N, C, k): q_i K~_i^T
+    attn = torch.softmax(scores / math.sqrt(d), dim=-1)  # (B, H, N, C, k)
+    weights = (attn @ fb.transpose(-1, -2)).tril()  # (B, H, N, C, C): attn_i . F[:, j], j <= i
+    out = weights @ vb + attn @ values_before  # (B, H, N, C, D): attn_i V~_i
+    out = out.reshape(b, h, n * size, d)[:, :, :t]
+    return out, keys_before[:, :, -1] + keys_per_block[:, :, -1], values_before[:, :, -1] + values_per_block[:, :, -1]
+
+
+class LinformerAttention(Attention):
+    capabilities = Capabilities(constant_state=True, graphable=True, paddable=True, compilable=True)
+
+    @classmethod
+    def token_cost(cls, cfg: ModelConfig, t: float) -> TokenCost:
+        # Scores against and sums into K~, V~ (k x D per head), which are read and written whole.
+        h, k, d = cfg.n_heads, cfg.linformer_k, cfg.d_head
+        return TokenCost(flops=8 * h * k * d, state_bytes=2 * 2 * h * k * d * STATE_NUMBER_BYTES)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
-        self.k = cfg.linformer_k
+        self.slots = cfg.linformer_k  # k: the length keys and values are projected to
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         # "none": one E and F per head; "headwise": shared by heads; "kv": E = F.
@@ -45,29 +95,36 @@ class LinformerAttention(nn.Module):
 
     def new_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> LinformerState:
         del dtype  # sums accumulate in float32
-        shape = (batch, self.n_heads, self.k, self.proj.in_features // self.n_heads)
+        shape = (batch, self.n_heads, self.slots, self.proj.in_features // self.n_heads)
         return LinformerState(torch.zeros(shape, device=device), torch.zeros(shape, device=device))
 
-    def _columns(self, proj: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Columns of E or F at positions (B, T) -> (B, H or 1, T, k)."""
-        return proj[:, :, pos].permute(2, 0, 3, 1).float()
+    def _columns(self, proj: torch.Tensor, start: torch.Tensor, t: int, state) -> torch.Tensor:
+        """Columns of E or F (H or 1, k, max_len) at the chunk's positions -> (B or 1, H or 1, T, k)."""
+        if state is None:  # a whole sequence from position 0: one slice serves every row
+            return proj[None, :, :, :t].transpose(-1, -2).float()
+        return proj[:, :, chunk_positions(start, t)].permute(2, 0, 3, 1).float()
 
     def forward(self, x: torch.Tensor, start: torch.Tensor, state: LinformerState | None):
         q, k, v = (split_heads(t, self.n_heads).float() for t in self.qkv(x).chunk(3, dim=-1))  # (B, H, T, D)
-        t, d = q.shape[2], q.shape[3]
-        pos = chunk_positions(start, t)
-        e = self._columns(self.e, pos)
-        f = e if self.f is None else self._columns(self.f, pos)
-        mask = causal_mask(t, x.device)
-        qk = (q @ k.transpose(-1, -2)).masked_fill(~mask, 0.0)  # (B, H, T, T)
-        scores = qk @ e  # (B, H, T, k): q_i . K~_i restricted to this chunk
-        if state is not None:
-            scores = scores + q @ state.k_proj.transpose(-1, -2)
-        attn = torch.softmax(scores / math.sqrt(d), dim=-1)  # (B, H, T, k)
-        weights = (attn @ f.transpose(-1, -2)).masked_fill(~mask, 0.0)  # (B, H, T, T)
-        y = weights @ v
-        if state is not None:
-            y = y + attn @ state.v_proj
-            state.k_proj.add_(e.transpose(-1, -2) @ k)
-            state.v_proj.add_(f.transpose(-1, -2) @ v)
+        t = q.shape[2]
+        e = self._columns(self.e, start, t, state)
+        f = e if self.f is None else self._columns(self.f, start, t, state)
+        if state is None:
+            y, _, _ = linformer_chunked(q, k, v, e, f, None, None)
+        elif t == 1:
+            y = self._step(q, k, v, e, f, state)
+        else:
+            y, keys, values = linformer_chunked(q, k, v, e, f, state.keys_projected, state.values_projected)
+            state.keys_projected.copy_(keys)
+            state.values_projected.copy_(values)
         return self.proj(merge_heads(y.to(x.dtype))), state
+
+    def _step(self, q, k, v, e, f, state: LinformerState) -> torch.Tensor:
+        """One token per row, state updated in place first (a query sees itself).
+
+        q, k, v: (B, H, 1, D); e, f: (B, H or 1, 1, k). Returns (B, H, 1, D)."""
+        state.keys_projected.add_(e.transpose(-1, -2) @ k)  # (B, H, k, D) += E[:, i] k_i^T
+        state.values_projected.add_(f.transpose(-1, -2) @ v)
+        scores = q @ state.keys_projected.transpose(-1, -2)  # (B, H, 1, k)
+        attn = torch.softmax(scores / math.sqrt(q.shape[-1]), dim=-1)
+        return attn @ state.values_projected

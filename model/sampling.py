@@ -9,7 +9,7 @@ from softmax(logits / T).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,14 @@ class SamplingParams:
     top_k: int = 0  # 0 means off
     top_p: float = 1.0  # 1 means off
     seed: int = 0
+    # OpenAI's penalties over the tokens generated so far, and a bias per token id (see penalize)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
 
 
 @dataclass
@@ -117,6 +125,21 @@ def gumbel_max(logits: torch.Tensor, filtered: torch.Tensor, temperature: torch.
     # Gumbel noise -log(-log u), subtracted as log(-log u): in place, one temporary.
     drawn = (filtered - uniform_noise(seed, position, logits.shape[-1]).log_().neg_().log_()).argmax(dim=-1)
     return torch.where(temperature > 0, drawn, greedy)
+
+
+def penalize(logits: torch.Tensor, counts: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
+             bias: torch.Tensor) -> torch.Tensor:
+    """OpenAI's adjustment: logit[j] - count[j] * frequency - (count[j] > 0) * presence + bias[j].
+
+    (B, V) logits, counts (how often each token was generated so far) and bias; (B,) penalties.
+    """
+    return logits + bias - counts * frequency[:, None] - (counts > 0) * presence[:, None]
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens and their log-probabilities: (..., V) -> ids (..., k), values (..., k)."""
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return ids, values
 
 
 def force_tokens(sampled: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
 from .config import ModelConfig
 from .heads import chunk_positions, merge_heads, split_heads
 from .state import RowState
@@ -25,7 +26,17 @@ class KVCache(RowState):
         return int(lengths.sum()) * per_position
 
 
-class SoftmaxAttention(nn.Module):
+class SoftmaxAttention(Attention):
+    # The cache grows by position, so steps read a prefix of changing length: no CUDA graph (torch.compile
+    # traces the length symbolically); padding rows restarting at position 0 only overwrite their own first slot.
+    capabilities = Capabilities(constant_state=False, graphable=False, paddable=True, compilable=True)
+
+    @classmethod
+    def token_cost(cls, cfg: ModelConfig, t: float) -> TokenCost:
+        # Scores and weighted sum over t keys; reads K, V of t positions, writes one position's.
+        d = cfg.d_model
+        return TokenCost(flops=4 * t * d, state_bytes=(2 * t * d + 2 * d) * STATE_NUMBER_BYTES)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads = cfg.n_heads

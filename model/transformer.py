@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import Capabilities
 from .config import BOS_TOKEN, ModelConfig
 from .heads import chunk_positions
-from .registry import attention_registry
+from .registry import attention_class
 from .state import ModelState
 
 
@@ -43,7 +44,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.ln_attn = nn.LayerNorm(cfg.d_model)
-        self.attn = attention_registry()[cfg.attention](cfg)
+        self.attn = attention_class(cfg.attention)(cfg)
         self.ln_ff = nn.LayerNorm(cfg.d_model)
         self.ff = FeedForward(cfg)
         self.drop = nn.Dropout(cfg.dropout)
@@ -82,6 +83,11 @@ class Transformer(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.head.weight.dtype
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this model's attention kind can do when decoding."""
+        return self.blocks[0].attn.capabilities
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

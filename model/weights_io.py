@@ -37,8 +37,14 @@ class WeightsError(ValueError):
 
 def save_model(model: Transformer, path: str | os.PathLike, info: dict[str, Any] | None = None,
                dtype: torch.dtype | None = None) -> None:
-    """Write `model` (optionally cast to `dtype`, e.g. bfloat16) and its config."""
-    tensors = {name: t.detach().to(dtype or t.dtype).contiguous().cpu() for name, t in model.state_dict().items()}
+    """Write `model` and its config, its parameters optionally cast to `dtype` (e.g. bfloat16).
+
+    Buffers are written in the dtype the model holds them in: Reformer's rotations
+    stay float32, so a 16-bit file hashes exactly like the model that wrote it.
+    """
+    parameters = {name for name, _ in model.named_parameters()}
+    tensors = {name: t.detach().to(dtype if dtype is not None and name in parameters else t.dtype).contiguous().cpu()
+               for name, t in model.state_dict().items()}
     metadata = {CONFIG_KEY: model.config.to_json(), INFO_KEY: json.dumps(info or {}, sort_keys=True)}
     _write(tensors, metadata, path)
 
@@ -66,7 +72,8 @@ def read_metadata(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any]]
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32) -> tuple[Transformer, dict[str, Any]]:
-    """Build the model a file describes and fill it; returns (model, info)."""
+    """Build the model a file describes and fill it; returns (model, info). `dtype` casts the
+    parameters; Reformer keeps its rotations float32 (see ReformerAttention._apply)."""
     with _open(path) as f:
         cfg, info = _parse_metadata(path, f.metadata())
         tensors = {name: f.get_tensor(name) for name in f.keys()}

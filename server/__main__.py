@@ -1,3 +1,7 @@
-from .cli import main
+"""`python -m server ARGS` is `rnnserve ARGS` (rnnserve_cli.py)."""
 
-raise SystemExit(main())
+import sys
+
+from rnnserve_cli import main
+
+raise SystemExit(main(sys.argv[1:]))

@@ -12,36 +12,47 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CollectorRegistry
 
-from . import errors
+from . import errors, openapi
 from .deps import ServerState
+from .drain import Drain, DrainMiddleware
 from .engine import Engine, EngineLimits
 from .metrics import Metrics
 from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestMetricsMiddleware
 from .registry import EngineRegistry, LoadedModel, load_models
 from .routes_images import router as images_router
 from .routes_models import router as models_router
+from .routes_playground import mount_static
+from .routes_playground import router as playground_router
 from .routes_text import router as text_router
 from .settings import Settings
 
 log = logging.getLogger("rnnserve.app")
 
 
-def build_app(settings: Settings, models: list[LoadedModel] | None = None) -> FastAPI:
-    """An app serving `models`, or the models `settings` names (loaded at start-up)."""
-    metrics = Metrics(CollectorRegistry())
-    app = FastAPI(title="rnnserve", version="0.1.0", lifespan=_lifespan(settings, metrics, models),
-                  description="Image completion, streaming text and metrics for RNN-mode transformers.")
+def build_app(settings: Settings, models: list[LoadedModel] | None = None, metrics: Metrics | None = None) -> FastAPI:
+    """An app serving `models`, or the models `settings` names (loaded at start-up); its series go
+    to `metrics` (default: a registry of its own, served at /metrics)."""
+    metrics = metrics or Metrics(CollectorRegistry())
+    # FastAPIOffline serves /docs and /redoc with Swagger UI and ReDoc from a Python package, no CDN.
+    app = FastAPIOffline(title="rnnserve", version="0.1.0", lifespan=_lifespan(settings, metrics, models),
+                         description="Image completion, streaming text and metrics for RNN-mode transformers.")
     errors.install(app)
-    routers = (models_router, text_router, images_router)
+    openapi.install(app, settings.max_batch)
+    routers = (models_router, text_router, images_router, playground_router)
     for router in routers:
         app.include_router(router)
+    mount_static(app)
     known_paths = {route.path for router in routers for route in router.routes}
-    # Added innermost first: metrics see every answer, the key is checked before the body is read.
-    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
+    # Added innermost first: metrics see every answer, a draining server refuses before anything
+    # else, the key is checked before the body is read.
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes, timeout=settings.body_timeout)
     if settings.api_key_value():
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key_value())
+    app.state.drain = Drain(settings.drain_seconds)
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics, known_paths=known_paths)
     return app
 

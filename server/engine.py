@@ -26,10 +26,10 @@ from model.config import ModelConfig
 from model.transformer import Transformer
 
 from .metrics import Metrics
-from .runner import ModelRunner
+from .runner import Drawn, ModelRunner
 from .scheduler import CANCELLED, Placement, QueueFull, Scheduler, Sequence, StepOutcome
-from .streams import DONE, EngineFailure, GenerationStream, Outbox, call_in_loop, deliver, finish
-from .types import Generation, GenerationRequest, SampleResult
+from .streams import DONE, EngineFailure, GenerationStream, Outbox, ScoreJob, deliver, finish
+from .types import Generation, GenerationRequest, PromptScores, SampleResult
 from .validation import check_fits, check_generation, check_scoring
 
 __all__ = ["Engine", "EngineFailure", "EngineLimits", "GenerationStream", "QueueFull"]
@@ -46,21 +46,15 @@ class EngineLimits:
     compile_decode: bool = True  # compile decode steps on the CPU (softmax, linear, Linformer)
 
 
-@dataclass
-class _ScoreJob:
-    tokens: list[int]
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
-
-
 class Engine:
     def __init__(self, name: str, model: Transformer, info: dict, limits: EngineLimits, metrics: Metrics):
         self.name = name
         self.model = model.eval()
         self.info = info
         self.limits = limits
-        self.metrics = metrics.for_model(name, model.config.attention)
-        self.state_bytes_per_sequence = model.state_bytes_per_sequence()
+        self.state_bytes_per_sequence = model.state_bytes_per_sequence()  # at max_len
+        self.state_bytes_allocated = 0  # all slots' state, known once started
+        self.metrics = metrics.for_model(name, model.config.attention, images=model.config.task == "mnist")
         self.scheduler = Scheduler(limits.max_batch, limits.max_waiting)
         self.runner = ModelRunner(model, limits.max_batch, limits.cuda_graphs, limits.compile_decode)
         self._lock = threading.Lock()  # the scheduler's queue: submissions come from the event loop
@@ -69,7 +63,7 @@ class Engine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._start_error: Exception | None = None
-        self._scores: list[_ScoreJob] = []  # scoring waits for the worker, bounded like the queue
+        self._scores: list[ScoreJob] = []  # scoring waits for the worker, bounded like the queue
 
     # -- public API (event-loop side) ---------------------------------------
     @property
@@ -135,13 +129,14 @@ class Engine:
         """Raise InvalidRequest unless `tokens` are valid and fit this model's context."""
         check_fits(tokens, 0, self.name, self.config.max_len)
 
-    async def score(self, tokens: list[int]) -> list[float]:
-        """Log-probability of each token given those before it (the first given BOS), on the worker."""
+    async def score(self, tokens: list[int], top: int = 0) -> PromptScores:
+        """Log-probability of each token given those before it (the first given BOS), and the `top`
+        most likely tokens at each position; computed on the worker thread."""
         check_scoring(tokens, self.name, self.config.max_len)
         if len(self._scores) >= max(1, self.limits.max_waiting):
             raise QueueFull(f"model {self.name!r} is scoring {len(self._scores)} prompts, the limit; retry later")
         loop = asyncio.get_running_loop()
-        job = _ScoreJob(tokens, loop.create_future(), loop)
+        job = ScoreJob(tokens, top, loop.create_future(), loop)
         with self._lock:
             self._scores.append(job)
         self._wakeup.set()
@@ -156,6 +151,8 @@ class Engine:
                 self._start_error = exc
                 self._ready.set()
                 return
+            self.state_bytes_allocated = self.runner.slots.state.nbytes()
+            self.metrics.state_allocated(self.state_bytes_allocated)
             self._ready.set()
             while not self._stopping:
                 try:
@@ -182,10 +179,9 @@ class Engine:
             jobs, self._scores = self._scores, []
         for job in jobs:
             try:
-                result = self.runner.score(job.tokens)
-                call_in_loop(job.loop, _resolve, job.future, result, None)
+                job.resolve(self.runner.score(job.tokens, job.top))
             except Exception as exc:
-                call_in_loop(job.loop, _resolve, job.future, None, EngineFailure(f"scoring failed: {exc}"))
+                job.resolve(error=EngineFailure(f"scoring failed: {exc}"))
 
     def _admit(self) -> None:
         """Move every waiting request that fits into the batch; prompts of one length prefill together."""
@@ -224,27 +220,27 @@ class Engine:
 
     def _step(self) -> None:
         n = self.scheduler.running
-        tokens, logprobs = self.runner.sample(n, self.scheduler.wants_logprobs())
-        token_list = tokens.tolist()
+        drawn = self.runner.sample(n, self.scheduler.needs())
+        token_list = drawn.tokens.tolist()
         outcome = self.scheduler.update_from_output(token_list, time.monotonic())
-        deliver(self._events(outcome, token_list, logprobs))
-        self.runner.move_rows(self.scheduler.compact(outcome.finished), tokens)
+        outbox = self._events(outcome, token_list, drawn)  # read before rows move
+        self.runner.move_rows(self.scheduler.compact(outcome.finished), drawn.tokens)
         live = self.scheduler.running
-        self.runner.decode(tokens[:live])
+        # Metrics first: a client that has its answer must find the step counted when it scrapes.
         self.metrics.record_step(self.scheduler.make_stats(outcome, self.runner.state_bytes(live)))
+        deliver(outbox)
+        self.runner.decode(drawn.tokens[:live])
 
-    def _events(self, outcome: StepOutcome, token_list: list[int], logprobs: torch.Tensor | None) -> Outbox:
+    def _events(self, outcome: StepOutcome, token_list: list[int], drawn: Drawn) -> Outbox:
         """A Generation per streamed row, a SampleResult per finished non-streamed row, DONE per finished request."""
         outbox: Outbox = defaultdict(list)
-        logprob_list = logprobs.tolist() if logprobs is not None else None
+        extras = _StepExtras.of(drawn)
         for i, (seq, reason) in enumerate(zip(self.scheduler.rows, outcome.reasons)):
-            stream, request = seq.owner, seq.owner.request
+            stream = seq.owner
             if reason == CANCELLED:
                 continue
             if stream.each_event:
-                matched = seq.stopping.matched if reason else None
-                outbox[stream].append(Generation(request.request_id, seq.sample, seq.position - 1, token_list[i],
-                                                 logprob_list[i] if request.logprobs else None, reason, matched))
+                outbox[stream].append(extras.generation(i, seq, token_list[i], reason))
             elif reason is not None:
                 outbox[stream].append(self._result(i, seq, reason))
         for stream in outcome.completed:
@@ -253,8 +249,9 @@ class Engine:
 
     def _result(self, row: int, seq: Sequence, reason: str) -> SampleResult:
         request = seq.owner.request
-        tokens, logprobs = self.runner.read_sample(row, seq.start, seq.position, request.logprobs)
-        return SampleResult(request.request_id, seq.sample, seq.start, tokens, logprobs, reason, seq.stopping.matched)
+        tokens, logprobs, top = self.runner.read_sample(row, seq.start, seq.position, request)
+        return SampleResult(request.request_id, seq.sample, seq.start, tokens, logprobs, reason, seq.stopping.matched,
+                            top)
 
     def _fail_running(self, message: str) -> None:
         finish(self.scheduler.clear_rows(), message)
@@ -266,14 +263,29 @@ class Engine:
             scores, self._scores = self._scores, []
         finish(waiting, message)
         for job in scores:
-            call_in_loop(job.loop, _resolve, job.future, None, EngineFailure(message))
+            job.resolve(error=EngineFailure(message))
         self._fail_running(message)
 
 
-def _resolve(future: asyncio.Future, result, error: Exception | None) -> None:
-    if future.done():  # the caller went away
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
+@dataclass
+class _StepExtras:
+    """A step's log-probabilities as host lists, read once for all streamed rows."""
+
+    logprobs: list[float] | None
+    top_ids: list[list[int]] | None
+    top_values: list[list[float]] | None
+
+    @classmethod
+    def of(cls, drawn: Drawn) -> "_StepExtras":
+        def host(t):
+            return t.tolist() if t is not None else None
+
+        return cls(host(drawn.logprobs), host(drawn.top_ids), host(drawn.top_values))
+
+    def generation(self, i: int, seq: Sequence, token: int, reason: str | None) -> Generation:
+        request = seq.owner.request
+        k = request.top_logprobs
+        top = list(zip(self.top_ids[i][:k], self.top_values[i][:k])) if k else None
+        return Generation(request.request_id, seq.sample, seq.position - 1, token,
+                          self.logprobs[i] if request.wants_logprobs else None, reason,
+                          seq.stopping.matched if reason else None, top)

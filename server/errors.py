@@ -7,6 +7,7 @@ turned into the same shape by the handlers installed with `install`.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,12 +23,21 @@ ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
 }
+
+
+class FieldError(ValueError):
+    """A request field's value is wrong: raised in schema validators, so the error names the field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 class APIError(Exception):
@@ -52,21 +62,51 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+class AsciiJSONResponse(JSONResponse):
+    """JSON escaped to ASCII: an error may quote input holding lone surrogates, which UTF-8 cannot encode."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+    return AsciiJSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+MAX_ERRORS_SHOWN = 3  # per field: a 28x28 grid of bad pixels is one line, not 784
 
 
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
-    """Pydantic errors -> ("field: what is wrong; ...", first field)."""
-    parts, params = [], []
+    """Pydantic errors -> ("field: what is wrong; ...", first field), folded per top-level field."""
+    by_field: dict[str | None, list[str]] = {}
     for err in errors:
-        loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path")]
-        params.append(loc[0] if loc else None)  # OpenAI names the top-level field
-        got = err.get("input")
-        shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {_short(got)})"
-        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}{shown}")
-    return "; ".join(parts) or "invalid request", (params[0] if params else None)
+        param, text = _describe(err)
+        by_field.setdefault(param, []).append(text)
+    parts = []
+    for param, texts in by_field.items():
+        parts.extend(texts[:MAX_ERRORS_SHOWN])
+        if len(texts) > MAX_ERRORS_SHOWN:
+            parts.append(f"and {len(texts) - MAX_ERRORS_SHOWN} more errors in {param or 'the body'}")
+    return "; ".join(parts) or "invalid request", next(iter(by_field), None)
+
+
+def _describe(err: dict[str, Any]) -> tuple[str | None, str]:
+    """One pydantic error -> (top-level field, "where: what is wrong (got ...)")."""
+    if err.get("type") == "json_invalid":
+        where = next((p for p in err.get("loc", ()) if isinstance(p, int)), None)
+        reason = (err.get("ctx") or {}).get("error", "invalid JSON")
+        return None, f"the body is not valid JSON: {reason}" + (f" at character {where}" if where is not None else "")
+    cause = (err.get("ctx") or {}).get("error")
+    loc = [p for p in err.get("loc", ()) if p not in ("body", "query", "path")]
+    param = getattr(cause, "param", None) or (str(loc[0]) if loc else None)
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or param or "body"
+    if isinstance(cause, FieldError):  # its message names the field already
+        return param, str(cause)
+    message = err.get("msg", "invalid").removeprefix("Value error, ")
+    got = err.get("input")
+    shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {_short(got)})"
+    return param, f"{where}: {message}{shown}"
 
 
 def _short(value: Any, limit: int = 60) -> str:
@@ -83,9 +123,30 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
     return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
 
-async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    label_named_model(request, getattr(exc, "body", None))
+    if _not_json(request, exc):
+        return error_response(415, f"send the body as JSON with Content-Type: application/json "
+                              f"(got {request.headers.get('content-type') or 'no content type'})", None,
+                              "unsupported_media_type")
     message, param = validation_message(list(exc.errors()))
     return error_response(400, message, param, "invalid_value")
+
+
+def _not_json(request: Request, exc: RequestValidationError) -> bool:
+    """A JSON endpoint's body came without a JSON content type (so it was not parsed)."""
+    content_type = request.headers.get("content-type", "")
+    whole_body = any(tuple(e.get("loc", ())) == ("body",) for e in exc.errors())
+    return whole_body and "json" not in content_type
+
+
+def label_named_model(request: Request, body: Any) -> None:
+    """Label a refused request's metrics with the model it named, when that model is loaded."""
+    server = getattr(request.app.state, "server", None)
+    name = body.get("model") if isinstance(body, dict) else None
+    engine = server.engines.engines.get(name) if server is not None and isinstance(name, str) else None
+    if engine is not None:
+        request.state.model, request.state.attention = engine.name, engine.attention
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -26,9 +26,10 @@ MASK_THRESHOLD = 128  # mask PNG grey level at or above which a pixel is unknown
 class ImageError(ValueError):
     """Bad image input; `param` names the request field at fault."""
 
-    def __init__(self, message: str, param: str):
+    def __init__(self, message: str, param: str, code: str = "invalid_image"):
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,8 @@ def choose_unknown(transparent: np.ndarray | None, mask: np.ndarray | None,
                    keep_rows: int | None) -> tuple[np.ndarray | None, str]:
     """Which pixels are unknown: an explicit mask or keep_rows wins over the alpha channel."""
     if mask is not None and keep_rows is not None:
-        raise ImageError("give either mask or keep_rows, not both", "mask")
+        raise ImageError("give either `mask` or `keep_rows` to mark the unknown pixels, not both", "keep_rows",
+                         "invalid_value")
     if mask is not None:
         return mask, "mask"
     if keep_rows is not None:

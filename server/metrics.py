@@ -88,29 +88,57 @@ class CountedHistogram:
         return [HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)]
 
 
+class PrometheusSeries:
+    """Where `Metrics` keeps its series by default: a prometheus_client registry, served at /metrics.
+
+    Any other store (ray_metrics.RaySeries under Ray Serve) offers the same four
+    constructors; what they return is used through `labels(*values)` and the
+    child's inc / set / observe, and the counted histogram's observe / add_series.
+    """
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def counter(self, name: str, documentation: str, labels: tuple[str, ...]):
+        return Counter(name, documentation, labels, registry=self.registry)
+
+    def gauge(self, name: str, documentation: str, labels: tuple[str, ...]):
+        return Gauge(name, documentation, labels, registry=self.registry)
+
+    def histogram(self, name: str, documentation: str, labels: tuple[str, ...], buckets: tuple[float, ...]):
+        return Histogram(name, documentation, labels, buckets=buckets, registry=self.registry)
+
+    def counted_histogram(self, name: str, documentation: str, labels: tuple[str, ...], buckets: tuple[float, ...]):
+        return CountedHistogram(name, documentation, labels, buckets, self.registry)
+
+
 class Metrics:
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, registry: CollectorRegistry | None = None, series=None):
         self.registry = registry or CollectorRegistry()
-        r = self.registry
-        self.generated_tokens = Counter("rnnserve_generated_tokens", "Tokens generated (pixels or bytes).", MODEL_LABELS, registry=r)
-        self.completed_images = Counter("rnnserve_completed_images", "Image completions finished.", MODEL_LABELS, registry=r)
-        self.requests = Counter("rnnserve_requests", "HTTP requests by endpoint, outcome, and the model they named (none: no model).",
-                                ("endpoint", "outcome", *MODEL_LABELS), registry=r)
-        self.ttft = Histogram("rnnserve_time_to_first_token_seconds", "Time from submission to a sequence's first generated token.",
-                              MODEL_LABELS, buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = CountedHistogram("rnnserve_inter_token_latency_seconds", "Time between two tokens of one sequence.",
-                                    MODEL_LABELS, LATENCY_BUCKETS, r)
-        self.latency = Histogram("rnnserve_request_latency_seconds", "End-to-end generation request latency.",
-                                 MODEL_LABELS, buckets=LATENCY_BUCKETS, registry=r)
-        self.running = Gauge("rnnserve_running_sequences", "Sequences holding a decode slot.", MODEL_LABELS, registry=r)
-        self.waiting = Gauge("rnnserve_waiting_sequences", "Sequences queued for a slot.", MODEL_LABELS, registry=r)
-        self.batch_size = Gauge("rnnserve_batch_size", "Sequences in the last decoding step.", MODEL_LABELS, registry=r)
-        self.decode_steps = Counter("rnnserve_decode_steps", "Batched decoding steps run.", MODEL_LABELS, registry=r)
-        self.tokens_per_second = Gauge("rnnserve_tokens_per_second", f"Tokens generated per second over the last {RATE_WINDOW_SECONDS:g} s.",
-                                       MODEL_LABELS, registry=r)
-        self.images_per_second = Gauge("rnnserve_images_per_second", f"Images completed per second over the last {RATE_WINDOW_SECONDS:g} s.",
-                                       MODEL_LABELS, registry=r)
-        self.state_bytes = Gauge("rnnserve_decode_state_bytes", "Bytes of decode state holding live sequences.", MODEL_LABELS, registry=r)
+        s = series or PrometheusSeries(self.registry)
+        self.generated_tokens = s.counter("rnnserve_generated_tokens", "Tokens generated (pixels or bytes).", MODEL_LABELS)
+        self.completed_images = s.counter("rnnserve_completed_images", "Image completions finished.", MODEL_LABELS)
+        self.requests = s.counter("rnnserve_requests", "HTTP requests by endpoint, outcome, and the model they named (none: no model).",
+                                  ("endpoint", "outcome", *MODEL_LABELS))
+        self.ttft = s.histogram("rnnserve_time_to_first_token_seconds", "Time from submission to a sequence's first generated token.",
+                                MODEL_LABELS, LATENCY_BUCKETS)
+        self.itl = s.counted_histogram("rnnserve_inter_token_latency_seconds", "Time between two tokens of one sequence.",
+                                       MODEL_LABELS, LATENCY_BUCKETS)
+        self.latency = s.histogram("rnnserve_request_latency_seconds", "End-to-end generation request latency.",
+                                   MODEL_LABELS, LATENCY_BUCKETS)
+        self.running = s.gauge("rnnserve_running_sequences", "Sequences holding a decode slot.", MODEL_LABELS)
+        self.waiting = s.gauge("rnnserve_waiting_sequences", "Sequences queued for a slot.", MODEL_LABELS)
+        self.batch_size = s.gauge("rnnserve_batch_size", "Sequences in the last decoding step.", MODEL_LABELS)
+        self.decode_steps = s.counter("rnnserve_decode_steps", "Batched decoding steps run.", MODEL_LABELS)
+        self.tokens_per_second = s.gauge("rnnserve_tokens_per_second", f"Tokens generated per second over the last {RATE_WINDOW_SECONDS:g} s.",
+                                         MODEL_LABELS)
+        self.images_per_second = s.gauge("rnnserve_images_per_second", f"Images completed per second over the last {RATE_WINDOW_SECONDS:g} s.",
+                                         MODEL_LABELS)
+        self.state_in_use = s.gauge("rnnserve_decode_state_in_use_bytes",
+                                    "Bytes of decode state holding the live sequences at their current lengths.", MODEL_LABELS)
+        self.state_allocated = s.gauge("rnnserve_decode_state_allocated_bytes",
+                                       "Bytes of decode state preallocated for all slots (--max-batch sequences at max_len).",
+                                       MODEL_LABELS)
         self._token_rates: dict[tuple[str, str], RateWindow] = {}
         self._image_rates: dict[tuple[str, str], RateWindow] = {}
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}
@@ -130,7 +158,7 @@ class Metrics:
         labels = (model, attention)
         self._bound(self.decode_steps, *labels).inc()
         self._bound(self.batch_size, *labels).set(batch)
-        self._bound(self.state_bytes, *labels).set(state_bytes)
+        self._bound(self.state_in_use, *labels).set(state_bytes)
         self.tokens(model, attention, tokens)
 
     def tokens(self, model: str, attention: str, n: int) -> None:
@@ -139,11 +167,13 @@ class Metrics:
         rate = self._token_rates.setdefault(labels, RateWindow()).add(n)
         self._bound(self.tokens_per_second, *labels).set(rate)
 
-    def idle(self, model: str, attention: str) -> None:
+    def idle(self, model: str, attention: str, images: bool) -> None:
         """No sequence is running: the batch is empty and the windows slide on."""
         self._bound(self.batch_size, model, attention).set(0)
+        self._bound(self.state_in_use, model, attention).set(0)
         self.tokens(model, attention, 0)
-        self.images_completed(model, attention, 0)
+        if images:
+            self.images_completed(model, attention, 0)
 
     def queue(self, model: str, attention: str, running: int, waiting: int) -> None:
         self._bound(self.running, model, attention).set(running)
@@ -169,12 +199,13 @@ class Metrics:
         rate = self._image_rates.setdefault(labels, RateWindow()).add(n)
         self._bound(self.images_per_second, *labels).set(rate)
 
-    def register_model(self, model: str, attention: str) -> None:
-        """Create a model's series at zero so dashboards see them before traffic."""
+    def register_model(self, model: str, attention: str, images: bool) -> None:
+        """Create a model's series at zero so dashboards see them before traffic (image series for image models only)."""
         labels = (model, attention)
-        for metric in (self.generated_tokens, self.completed_images, self.decode_steps):
+        for metric in (self.generated_tokens, self.decode_steps) + ((self.completed_images,) if images else ()):
             self._bound(metric, *labels).inc(0)
-        for metric in (self.running, self.waiting, self.batch_size, self.tokens_per_second, self.images_per_second, self.state_bytes):
+        gauges = (self.running, self.waiting, self.batch_size, self.tokens_per_second, self.state_in_use, self.state_allocated)
+        for metric in gauges + ((self.images_per_second,) if images else ()):
             self._bound(metric, *labels).set(0)
         for metric in (self.ttft, self.latency):
             self._bound(metric, *labels)
@@ -183,18 +214,19 @@ class Metrics:
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def for_model(self, model: str, attention: str) -> "ModelMetrics":
-        """One model's series with its labels bound, created at zero."""
-        self.register_model(model, attention)
-        return ModelMetrics(self, model, attention)
+    def for_model(self, model: str, attention: str, images: bool) -> "ModelMetrics":
+        """One model's series with its labels bound, created at zero; `images`: an image model."""
+        self.register_model(model, attention, images)
+        return ModelMetrics(self, model, attention, images)
 
 
 class ModelMetrics:
     """One model's series, labels bound once: what its engine and handlers record."""
 
-    def __init__(self, metrics: Metrics, model: str, attention: str):
+    def __init__(self, metrics: Metrics, model: str, attention: str, images: bool):
         self.metrics = metrics
         self.labels = (model, attention)
+        self.images = images
 
     def record_step(self, stats: StepStats) -> None:
         """Everything one decoding step changes, in one place."""
@@ -208,11 +240,14 @@ class ModelMetrics:
 
     def idle(self, waiting: int) -> None:
         """Nothing is running: the batch is empty and the rate windows slide on."""
-        self.metrics.idle(*self.labels)
+        self.metrics.idle(*self.labels, self.images)
         self.metrics.queue(*self.labels, 0, waiting)
 
     def queue(self, running: int, waiting: int) -> None:
         self.metrics.queue(*self.labels, running, waiting)
+
+    def state_allocated(self, nbytes: int) -> None:
+        self.metrics._bound(self.metrics.state_allocated, *self.labels).set(nbytes)
 
     def request_latency(self, seconds: float) -> None:
         self.metrics.observe_request_latency(*self.labels, seconds)

@@ -6,14 +6,19 @@ untouched and a client disconnect still reaches the handler.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import error_response
 from .metrics import Metrics
+from .routes_playground import PAGE_PATHS, STATIC_PREFIX
 
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers need no key
+# Probes, scrapers, the API's own documentation and the playground page need no key
+# (the page asks for the key and sends it with its API calls).
+OPEN_PATHS = frozenset({"/health", "/metrics", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect", *PAGE_PATHS})
+OPEN_PREFIXES = ("/static-offline-docs/", STATIC_PREFIX + "/")
 TOO_LARGE = object()
 
 
@@ -25,7 +30,7 @@ class ApiKeyMiddleware:
         self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+        if scope["type"] != "http" or is_open(scope.get("path", "")) or self._authorized(scope):
             await self.app(scope, receive, send)
             return
         response = error_response(401, "missing or wrong API key; send the header 'Authorization: Bearer YOUR_KEY'",
@@ -38,17 +43,24 @@ class ApiKeyMiddleware:
         return hmac.compare_digest(token.strip(), self.key) and scheme.lower() == b"bearer"
 
 
+def is_open(path: str) -> bool:
+    # a trailing slash only earns a redirect to the open path (Starlette's redirect_slashes)
+    return (path.rstrip("/") or "/") in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+
+
 class BodyLimitMiddleware:
-    """Refuse bodies over `limit` bytes with 413, declared or streamed.
+    """Refuse bodies over `limit` bytes with 413, declared or streamed, and
+    bodies that have not all arrived within `timeout` seconds with 408.
 
     The body is read here (bounded by the limit) and replayed to the app;
     after it, the app's receive() goes to the server again, so it still
     sees the client disconnect.
     """
 
-    def __init__(self, app: ASGIApp, limit: int):
+    def __init__(self, app: ASGIApp, limit: int, timeout: float):
         self.app = app
         self.limit = limit
+        self.timeout = timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -58,7 +70,11 @@ class BodyLimitMiddleware:
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             await self._too_large(scope, receive, send, int(declared))
             return
-        body = await self._read(receive)
+        try:
+            body = await asyncio.wait_for(self._read(receive), self.timeout)
+        except asyncio.TimeoutError:
+            await self._timed_out(scope, receive, send)
+            return
         if body is TOO_LARGE:
             await self._too_large(scope, receive, send, None)
         elif body is not None:  # None: the client left while sending
@@ -82,6 +98,14 @@ class BodyLimitMiddleware:
         size = f"{declared} bytes" if declared is not None else "more than that"
         response = error_response(413, f"request body is {size}; the limit is {self.limit} bytes (--max-body-bytes)",
                                   None, "request_too_large")
+        await response(scope, receive, send)
+
+
+    async def _timed_out(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope.setdefault("state", {})["outcome"] = "timeout"
+        # Connection: close, so the server drops the half-sent request instead of waiting for the rest.
+        response = error_response(408, f"the request body did not arrive within {self.timeout:g} s (--body-timeout)",
+                                  None, "body_timeout", {"Connection": "close"})
         await response(scope, receive, send)
 
 
@@ -139,5 +163,5 @@ class RequestMetricsMiddleware:
 def outcome_of(status: int) -> str:
     if status < 400:
         return "ok"
-    return {401: "unauthorized", 404: "not_found", 413: "too_large", 429: "rejected"}.get(
+    return {401: "unauthorized", 404: "not_found", 408: "timeout", 413: "too_large", 429: "rejected"}.get(
         status, "invalid" if status < 500 else "error")

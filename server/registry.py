@@ -16,8 +16,6 @@ from .settings import Settings, SettingsError
 
 log = logging.getLogger("rnnserve.registry")
 
-# Metric used to pick each task's default model, lower is better.
-DEFAULT_RANKING = {"mnist": "bits_per_dim", "text": "bits_per_byte"}
 
 
 @dataclass
@@ -53,14 +51,6 @@ def load_models(settings: Settings) -> list[LoadedModel]:
     return loaded
 
 
-def stored_metric(info: dict[str, Any], name: str) -> float | None:
-    """An evaluation result stored in the weights file's info (under "eval", or top level)."""
-    for place in (info.get("eval"), info.get("metrics"), info):
-        if isinstance(place, dict) and isinstance(place.get(name), (int, float)):
-            return float(place[name])
-    return None
-
-
 def eval_metrics(info: dict[str, Any]) -> dict[str, Any]:
     evaluation = info.get("eval", info.get("metrics", {}))
     return evaluation if isinstance(evaluation, dict) else {}
@@ -83,9 +73,9 @@ class EngineRegistry:
         return engine
 
     def get(self, name: str | None, task: str) -> Engine:
-        """The named engine, or the task's default; 404/400 with the loaded names otherwise."""
-        if name is None:
-            return self.default(task)
+        """The named engine, or the task's only one when no name is given; 404/400 with the choices otherwise."""
+        if not name:
+            return self.only(task)
         engine = self.engines.get(name)
         if engine is None:
             raise APIError(404, f"model '{name}' is not loaded; loaded models: {self._names()}", "model", "model_not_found")
@@ -94,18 +84,15 @@ class EngineRegistry:
                            f"{task} models loaded: {self._names(task)}", "model", "wrong_model_task")
         return engine
 
-    def default(self, task: str) -> Engine:
-        """The best model for a task by its stored evaluation (lowest wins), then by name."""
+    def only(self, task: str) -> Engine:
+        """A request without `model`: the one loaded model of the task, else a 400 listing the choices."""
         candidates = [e for e in self.engines.values() if e.config.task == task]
+        if len(candidates) == 1:
+            return candidates[0]
         if not candidates:
             raise APIError(404, f"no {task} model is loaded; loaded models: {self._names()}", "model", "model_not_found")
-        metric = DEFAULT_RANKING[task]
-
-        def rank(engine: Engine) -> tuple[float, str]:
-            value = stored_metric(engine.info, metric)
-            return (value if value is not None else float("inf"), engine.name)
-
-        return min(candidates, key=rank)
+        raise APIError(400, f"`model` is required: {len(candidates)} {task} models are loaded: {self._names(task)}",
+                       "model", "model_required")
 
     def _names(self, task: str | None = None) -> str:
         names = [n for n, e in self.engines.items() if task is None or e.config.task == task]

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator
 import numpy as np
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import Field, TypeAdapter, ValidationError, model_validator
+from pydantic import TypeAdapter, ValidationError
 from starlette.datastructures import UploadFile
 
 from . import imaging
@@ -25,31 +25,13 @@ from .deps import ServerState, get_server
 from .engine import Engine, GenerationStream
 from .errors import APIError, invalid_request, raise_validation
 from .imaging import PIXELS, SIDE, ImageError, OccludedImage
-from .schemas import SamplingOptions
+from .image_api import IMAGE_REQUEST_BODY, IMAGE_RESPONSES, ImageCompletionRequest, ImageOptions
 from .streaming import SSE_HEADERS, ClientGone, collect, sse, sse_stream, submit
 from .types import Generation, GenerationRequest, SampleResult
 
 router = APIRouter()
 FILE_FIELDS = ("image", "mask", "pixels")
 Grid = list[list[int]]
-
-
-class ImageOptions(SamplingOptions):
-    model: str | None = Field(None, description="an mnist model from GET /v1/models; default: lowest stored bits/dim")
-    stream: bool = Field(False, description="send rows as server-sent events as they complete")
-    keep_rows: int | None = Field(None, ge=0, le=SIDE, description="rows 0..k-1 known, the rest unknown")
-
-
-class ImageCompletionRequest(ImageOptions):
-    image: str | None = Field(None, description="base64 PNG, 28x28; alpha 0 marks unknown pixels")
-    pixels: Grid | None = Field(None, description="28 rows of 28 grey levels 0-255")
-    mask: str | Grid | None = Field(None, description="base64 PNG (white = unknown) or 28x28 of 0/1 (1 = unknown)")
-
-    @model_validator(mode="after")
-    def _one_image(self) -> "ImageCompletionRequest":
-        if (self.image is None) == (self.pixels is None):
-            raise ValueError("give the digit as exactly one of `image` (base64 PNG) or `pixels` (28x28 grey levels)")
-        return self
 
 
 @dataclass
@@ -124,24 +106,20 @@ class ImageJob:
         self.engine.metrics.images_completed(self.canvases.n)
 
 
-@router.post("/v1/images/completions", response_model=None,
-             openapi_extra={"requestBody": {"content": {
-                 "application/json": {"schema": ImageCompletionRequest.model_json_schema()},
-                 "multipart/form-data": {"schema": {"type": "object", "properties": {
-                     "image": {"type": "string", "format": "binary"}, "mask": {"type": "string", "format": "binary"}}}},
-             }}})
+@router.post("/v1/images/completions", response_model=None, responses=IMAGE_RESPONSES,
+             openapi_extra={"requestBody": IMAGE_REQUEST_BODY})
 async def complete_image(request: Request, server: ServerState = Depends(get_server)) -> Response:
     try:
         given = await read_input(request)
         occluded = given.occluded()
     except ImageError as exc:
-        raise invalid_request(str(exc), exc.param, "invalid_image") from None
+        raise invalid_request(str(exc), exc.param, exc.code) from None
     options = given.options
     engine = server.engines.for_request(request, options.model, "mnist")
     job = ImageJob(f"imgcmpl-{uuid.uuid4().hex}", engine, Canvases(occluded, options.n))
     stream = submit(engine, generation_request(job, options), each_event=options.stream)
     if options.stream:
-        return StreamingResponse(sse_stream(request, row_events(job, stream), stream), media_type="text/event-stream",
+        return StreamingResponse(sse_stream(request, row_events(job, stream), [stream]), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
     try:
         results = await collect(request, stream)
@@ -194,10 +172,11 @@ async def _from_form(request: Request) -> ImageInput:
     form = await request.form()
     scalars = {k: v for k, v in form.multi_items() if k not in FILE_FIELDS}
     try:
-        options = ImageOptions.model_validate({k: v for k, v in scalars.items() if v != ""})
+        options = ImageOptions.model_validate({k: v for k, v in scalars.items() if v != ""}, strict=False)
     except ValidationError as exc:
         raise_validation(exc)
-    image, mask, pixels = form.get("image"), form.get("mask"), form.get("pixels")
+    # An empty form field is an absent one, as for the options above.
+    image, mask, pixels = (form.get(name) or None for name in FILE_FIELDS)
     if (image is None) == (pixels is None):
         raise invalid_request("give the digit as exactly one of an `image` file (PNG) or a `pixels` field "
                               "(JSON, 28x28 grey levels)", "image")

@@ -6,13 +6,50 @@ from typing import Any
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
 
 from .deps import ServerState, get_server
 from .engine import Engine
 from .errors import APIError, error_response
 from .registry import eval_metrics
+from .responses import errors
 
 router = APIRouter()
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str
+    task: str
+    attention: str
+    parameters: int
+    max_len: int
+    device: str
+    dtype: str
+    cuda_graphs: bool
+    compiled_decode: bool = Field(description="decode steps run through torch.compile graphs on the CPU "
+                                              "(false until the background compile is done)")
+    state_bytes_per_sequence: int = Field(description="decode state of one sequence at max_len")
+    state_bytes_allocated: int = Field(description="decode state preallocated for all slots "
+                                                   "(the gauge rnnserve_decode_state_allocated_bytes)")
+    metrics: dict[str, Any] = Field(description="evaluation results stored in the weights file")
+    config: dict[str, Any]
+    ready: bool
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: str
+    models: dict[str, str]
+
+
+PROMETHEUS_TEXT = {200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}
 
 
 def describe(engine: Engine, created: int) -> dict[str, Any]:
@@ -31,19 +68,20 @@ def describe(engine: Engine, created: int) -> dict[str, Any]:
         "dtype": str(engine.model.dtype).removeprefix("torch."),
         "cuda_graphs": engine.cuda_graphs,
         "compiled_decode": engine.compiled_decode,
-        "state_bytes_per_sequence": engine.state_bytes_per_sequence,
+        "state_bytes_per_sequence": engine.state_bytes_per_sequence,  # one sequence at max_len
+        "state_bytes_allocated": engine.state_bytes_allocated,  # = rnnserve_decode_state_allocated_bytes
         "metrics": eval_metrics(engine.info),
         "config": {"d_model": cfg.d_model, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "pos_encoding": cfg.pos_encoding},
         "ready": engine.ready,
     }
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", response_model=ModelList, responses=errors(401))
 async def list_models(server: ServerState = Depends(get_server)) -> dict[str, Any]:
     return {"object": "list", "data": [describe(e, server.engines.created.get(e.name, 0)) for e in server.engines]}
 
 
-@router.get("/v1/models/{model_id}")
+@router.get("/v1/models/{model_id}", response_model=ModelCard, responses=errors(401, 404))
 async def get_model(model_id: str, server: ServerState = Depends(get_server)) -> dict[str, Any]:
     engine = server.engines.engines.get(model_id)
     if engine is None:
@@ -52,7 +90,7 @@ async def get_model(model_id: str, server: ServerState = Depends(get_server)) ->
     return describe(engine, server.engines.created.get(model_id, 0))
 
 
-@router.get("/health")
+@router.get("/health", response_model=Health, responses=errors(503))
 async def health(server: ServerState = Depends(get_server)) -> Response:
     not_ready = server.engines.not_ready()
     if not_ready:
@@ -60,7 +98,7 @@ async def health(server: ServerState = Depends(get_server)) -> Response:
     return JSONResponse({"status": "ok", "models": {e.name: "ready" for e in server.engines}})
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response, responses={**PROMETHEUS_TEXT, **errors(401)})
 async def metrics(server: ServerState = Depends(get_server)) -> Response:
     body, content_type = server.metrics.render()
     return Response(body, media_type=content_type)

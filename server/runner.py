@@ -19,12 +19,15 @@ import torch
 
 from model.config import BOS_TOKEN
 from model.cuda_graphs import EagerDecoder, make_decoder
-from model.sampling import BatchSampling, force_tokens, token_logprobs
+from model.sampling import BatchSampling, force_tokens, penalize, token_logprobs, top_logprobs
 from model.state import ModelState
 from model.transformer import Transformer, with_bos
 
-from .scheduler import Placement
-from .types import GenerationRequest
+from .scheduler import Placement, StepNeeds
+from .types import GenerationRequest, PromptScores, TopLogprobs
+
+
+MAX_TOP_LOGPROBS = 5  # alternatives kept per position (OpenAI allows up to 5)
 
 
 @dataclass
@@ -36,24 +39,36 @@ class Slots:
     forced: torch.Tensor  # (N, max_len) known token per position, -1 if free
     generated: torch.Tensor  # (N, max_len) token drawn at each position
     logprobs: torch.Tensor  # (N, max_len) its log-probability, written while a row asks for them
+    top_ids: torch.Tensor  # (N, max_len, MAX_TOP_LOGPROBS) most likely tokens, while a row asks
+    top_values: torch.Tensor  # (N, max_len, MAX_TOP_LOGPROBS) their log-probabilities
+    counts: torch.Tensor  # (N, V) tokens generated so far, counted while a row has penalties
+    bias: torch.Tensor  # (N, V) logit bias
+    frequency: torch.Tensor  # (N,) frequency penalty
+    presence: torch.Tensor  # (N,) presence penalty
     sampling: BatchSampling  # (N,) each
     state: ModelState
 
     @classmethod
     def allocate(cls, model: Transformer, rows: int) -> "Slots":
         cfg, device = model.config, model.device
-        sampling = BatchSampling(torch.ones(rows, device=device), torch.zeros(rows, dtype=torch.long, device=device),
-                                 torch.ones(rows, device=device), torch.zeros(rows, dtype=torch.long, device=device))
-        return cls(logits=torch.zeros(rows, cfg.vocab_out, device=device),
-                   position=torch.zeros(rows, dtype=torch.long, device=device),
-                   forced=torch.full((rows, cfg.max_len), -1, dtype=torch.long, device=device),
-                   generated=torch.zeros(rows, cfg.max_len, dtype=torch.long, device=device),
-                   logprobs=torch.zeros(rows, cfg.max_len, device=device),
-                   sampling=sampling, state=model.new_state(rows))
+
+        def zeros(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        top = (rows, cfg.max_len, MAX_TOP_LOGPROBS)
+        sampling = BatchSampling(zeros(rows) + 1, zeros(rows, dtype=torch.long), zeros(rows) + 1,
+                                 zeros(rows, dtype=torch.long))
+        return cls(logits=zeros(rows, cfg.vocab_out), position=zeros(rows, dtype=torch.long),
+                   forced=zeros(rows, cfg.max_len, dtype=torch.long) - 1,
+                   generated=zeros(rows, cfg.max_len, dtype=torch.long), logprobs=zeros(rows, cfg.max_len),
+                   top_ids=zeros(*top, dtype=torch.long), top_values=zeros(*top),
+                   counts=zeros(rows, cfg.vocab_out), bias=zeros(rows, cfg.vocab_out),
+                   frequency=zeros(rows), presence=zeros(rows), sampling=sampling, state=model.new_state(rows))
 
     def row_tensors(self) -> list[torch.Tensor]:
         s = self.sampling
-        return [self.logits, self.position, self.forced, self.generated, self.logprobs,
+        return [self.logits, self.position, self.forced, self.generated, self.logprobs, self.top_ids,
+                self.top_values, self.counts, self.bias, self.frequency, self.presence,
                 s.temperature, s.top_k, s.top_p, s.seed]
 
     def copy_row(self, src: int, dst: int) -> None:
@@ -64,6 +79,20 @@ class Slots:
     def batch_sampling(self, n: int) -> BatchSampling:
         s = self.sampling
         return BatchSampling(s.temperature[:n], s.top_k[:n], s.top_p[:n], s.seed[:n])
+
+    def penalized(self, n: int) -> torch.Tensor:
+        """Rows [0, n)'s logits after penalties and bias: what they draw from."""
+        return penalize(self.logits[:n], self.counts[:n], self.frequency[:n], self.presence[:n], self.bias[:n])
+
+
+@dataclass
+class Drawn:
+    """One step's tokens for rows [0, n), with what the rows asked to know about them."""
+
+    tokens: torch.Tensor  # (n,)
+    logprobs: torch.Tensor | None = None  # (n,) log-probability of each token
+    top_ids: torch.Tensor | None = None  # (n, MAX_TOP_LOGPROBS)
+    top_values: torch.Tensor | None = None  # (n, MAX_TOP_LOGPROBS)
 
 
 class ModelRunner:
@@ -126,24 +155,42 @@ class ModelRunner:
         if req.forced:  # one indexed write, not one per known pixel
             positions, values = zip(*req.forced.items())
             slots.forced[row, list(positions)] = torch.tensor(values, device=slots.forced.device)
-        s.temperature[row], s.top_k[row], s.top_p[row] = req.sampling.temperature, req.sampling.top_k, req.sampling.top_p
-        s.seed[row] = req.sampling.seed
+        p = req.sampling
+        s.temperature[row], s.top_k[row], s.top_p[row], s.seed[row] = p.temperature, p.top_k, p.top_p, p.seed
+        slots.frequency[row], slots.presence[row] = p.frequency_penalty, p.presence_penalty
+        slots.counts[row] = 0
+        slots.bias[row] = 0
+        if p.logit_bias:
+            ids, values = zip(*p.logit_bias.items())
+            slots.bias[row, list(ids)] = torch.tensor(values, device=slots.bias.device)
 
     # -- a step -----------------------------------------------------------------
-    def sample(self, n: int, with_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draw a token for rows [0, n) (known tokens kept) and write it by position:
-        the tokens (n,), and their log-probabilities (n,) when asked."""
+    def sample(self, n: int, needs: StepNeeds) -> Drawn:
+        """Draw a token for rows [0, n) (known tokens kept), written by position with what the rows need."""
         slots = self.slots
-        position, logits = slots.position[:n], slots.logits[:n]
-        tokens = self.decoder.sample(logits, slots.batch_sampling(n), position)
+        position = slots.position[:n]
+        source = slots.penalized(n) if needs.adjust else slots.logits[:n]
+        tokens = self.decoder.sample(source, slots.batch_sampling(n), position)  # compiled draw, once ready
         tokens = force_tokens(tokens, slots.forced[:n].gather(1, position[:, None])[:, 0])
         slots.generated[:n].scatter_(1, position[:, None], tokens[:, None])
-        logprobs = None
-        if with_logprobs:
-            logprobs = token_logprobs(logits, tokens)
-            slots.logprobs[:n].scatter_(1, position[:, None], logprobs[:, None])
+        if needs.adjust:
+            slots.counts[:n].scatter_add_(1, tokens[:, None], torch.ones_like(slots.counts[:n, :1]))
+        drawn = self._record_logprobs(Drawn(tokens), needs, position)
         position += 1
-        return tokens, logprobs
+        return drawn
+
+    def _record_logprobs(self, drawn: Drawn, needs: StepNeeds, position: torch.Tensor) -> Drawn:
+        """Log-probabilities under the model's own distribution (before penalties), kept by position."""
+        slots, n = self.slots, len(drawn.tokens)
+        logits = slots.logits[:n]
+        if needs.logprobs:
+            drawn.logprobs = token_logprobs(logits, drawn.tokens)
+            slots.logprobs[:n].scatter_(1, position[:, None], drawn.logprobs[:, None])
+        if needs.top:
+            drawn.top_ids, drawn.top_values = top_logprobs(logits, MAX_TOP_LOGPROBS)
+            rows = torch.arange(n, device=position.device)
+            slots.top_ids[rows, position], slots.top_values[rows, position] = drawn.top_ids, drawn.top_values
+        return drawn
 
     def move_rows(self, moves: list[tuple[int, int]], tokens: torch.Tensor) -> None:
         """Apply the scheduler's compaction: each (src, dst) row moves, with its drawn token."""
@@ -156,16 +203,29 @@ class ModelRunner:
         if len(tokens):
             self.slots.logits[:len(tokens)] = self.decoder(tokens)
 
-    def read_sample(self, row: int, start: int, end: int, with_logprobs: bool) -> tuple[list[int], list[float] | None]:
-        """A row's tokens at positions [start, end) (and log-probabilities), in one read."""
-        logprobs = self.slots.logprobs[row, start:end].tolist() if with_logprobs else None
-        return self.slots.generated[row, start:end].tolist(), logprobs
+    def read_sample(self, row: int, start: int, end: int, request: GenerationRequest) -> tuple[list[int], list[float] | None, list[TopLogprobs] | None]:
+        """A row's tokens at positions [start, end), with the log-probabilities it asked for, in one read."""
+        logprobs = self.slots.logprobs[row, start:end].tolist() if request.wants_logprobs else None
+        top = None
+        if request.top_logprobs:
+            k = request.top_logprobs
+            top = pair_up(self.slots.top_ids[row, start:end, :k], self.slots.top_values[row, start:end, :k])
+        return self.slots.generated[row, start:end].tolist(), logprobs, top
 
     def state_bytes(self, rows: int) -> int:
         return self.slots.state.nbytes_in_use(rows)
 
-    def score(self, tokens: list[int]) -> list[float]:
-        """Log-probability of each token given those before it (the first given BOS), one parallel pass."""
+    def score(self, tokens: list[int], top: int = 0) -> PromptScores:
+        """Log-probability of each token given those before it (the first given BOS), one parallel pass,
+        and the `top` most likely tokens at each position."""
         x = torch.tensor([tokens], device=self.model.device)
         logits, _ = self.model(with_bos(x))
-        return token_logprobs(logits[0], x[0]).tolist()
+        scores = PromptScores(token_logprobs(logits[0], x[0]).tolist())
+        if top:
+            scores.top_logprobs = pair_up(*top_logprobs(logits[0], top))
+        return scores
+
+
+def pair_up(ids: torch.Tensor, values: torch.Tensor) -> list[TopLogprobs]:
+    """(T, k) ids and log-probabilities -> per position, [(token, logprob), ...] most likely first."""
+    return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]

@@ -74,6 +74,21 @@ class StepOutcome:
 CANCELLED = "cancelled"
 
 
+@dataclass(frozen=True, slots=True)
+class StepNeeds:
+    """What the live rows ask of a step beyond a token: the step skips what no row asks for."""
+
+    logprobs: bool = False  # each token's log-probability
+    top: bool = False  # the most likely tokens at each position
+    adjust: bool = False  # penalties or logit bias
+
+    @classmethod
+    def of(cls, requests) -> "StepNeeds":
+        requests = list(requests)
+        return cls(logprobs=any(r.wants_logprobs for r in requests), top=any(r.top_logprobs for r in requests),
+                   adjust=any(r.sampling.adjusts_logits for r in requests))
+
+
 class Scheduler:
     def __init__(self, max_batch: int, max_waiting: int):
         self.max_batch = max_batch
@@ -82,6 +97,7 @@ class Scheduler:
         self.rows: list[Sequence] = []
         self.admitting = 0  # sequences taken off the queue whose rows are not registered yet
         self._live: dict[Submission, int] = {}  # rows still decoding per request
+        self._needs: StepNeeds | None = None  # of the live requests; None when they changed
 
     # -- budget ---------------------------------------------------------------
     @property
@@ -149,6 +165,7 @@ class Scheduler:
             stopping = StoppingCriteria(tuple(req.stop), req.max_new_tokens)
             self.rows.append(Sequence(place.owner, place.sample, len(req.prompt), stopping))
             self._live[place.owner] = req.n
+        self._needs = None
 
     def update_from_output(self, tokens: list[int], now: float) -> StepOutcome:
         """Advance every row by its drawn token (drawn at `now`); rows that finish or were cancelled leave."""
@@ -170,6 +187,7 @@ class Scheduler:
             if self._live[owner] == 0:
                 del self._live[owner]
                 outcome.completed.append(owner)
+                self._needs = None
         return outcome
 
     def compact(self, finished: list[int]) -> list[tuple[int, int]]:
@@ -188,10 +206,14 @@ class Scheduler:
         owners = list(dict.fromkeys(seq.owner for seq in self.rows))
         self.rows.clear()
         self._live.clear()
+        self._needs = None
         return owners
 
-    def wants_logprobs(self) -> bool:
-        return any(seq.owner.request.logprobs for seq in self.rows)
+    def needs(self) -> StepNeeds:
+        """What the live requests ask of the next step (recomputed only when they change)."""
+        if self._needs is None:
+            self._needs = StepNeeds.of(owner.request for owner in self._live)
+        return self._needs
 
     def make_stats(self, outcome: StepOutcome, state_bytes: int) -> StepStats:
         """The step's figures for the metrics, once its finished rows have left."""

@@ -1,29 +1,45 @@
-"""`rnnserve serve`: load the models and serve them over HTTP with uvicorn.
+"""`rnnserve serve`: load the models and serve them over HTTP with uvicorn,
+or with `--ray` on a local Ray Serve cluster (`ray_launch.py`).
 
 Flags override RNNSERVE_* environment variables, which override defaults.
-Models are loaded before the port opens, so a bad flag or weights file
-stops start-up with one clear line instead of a traceback.
+The port is taken first and the models are loaded before it answers, so a
+busy port, a bad flag or a bad weights file stops start-up with one clear
+line (exit 2) instead of a traceback. SIGTERM or Ctrl-C drains (drain.py)
+and the process exits 0. The model, the app and uvicorn are imported only by
+`run`: `rnnserve serve --help` does not import torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import socket
 import sys
-
-from model.weights_io import WeightsError
 
 from .settings import Settings, SettingsError, build_settings
 
-GRACEFUL_SHUTDOWN_SECONDS = 5  # open streams get this long before they are cut
+GRACEFUL_SHUTDOWN_SECONDS = 5  # after the drain, uvicorn's own wait for connections to close
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+SERVER_FLAGS = ("weights", "models", "host", "port", "device", "dtype", "cuda_graphs", "compile_decode", "max_batch",
+                "max_waiting",
+                "max_body_bytes", "api_key", "log_level", "drain_seconds", "body_timeout")
+RAY_FLAGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "cpus_per_replica", "gpus_per_replica",
+             "ray_metrics_port")
+
+
+def _default(name: str) -> str:
+    default = Settings.model_fields[name].get_default(call_default_factory=True)
+    return f"(env RNNSERVE_{name.upper()}, default {default})"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = Settings.model_fields
+    _add_server_arguments(parser)
+    _add_ray_arguments(parser.add_argument_group("Ray Serve (with --ray; pip install 'rnnserve[ray]')"))
 
-    def default(name: str) -> str:
-        return f"(env RNNSERVE_{name.upper()}, default {defaults[name].get_default(call_default_factory=True)})"
 
+def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    default = _default
     parser.add_argument("--weights", metavar="DIR", help=f"serve every .safetensors in DIR {default('weights')}")
     parser.add_argument("--model", metavar="PATH", action="append", dest="models",
                         help="serve this weights file; repeat for several; replaces --weights (env RNNSERVE_MODELS, a JSON list)")
@@ -33,45 +49,107 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"),
                         help=f"weights and activations; auto = bfloat16 on CUDA, float32 on CPU {default('dtype')}")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
-                        help="on CUDA, capture linear and Linformer decode steps as CUDA graphs at padded batch sizes "
-                             f"{default('cuda_graphs')}")
+                        help="on CUDA, capture decode steps of graphable kinds (linear, Linformer) as CUDA graphs "
+                             f"at padded batch sizes {default('cuda_graphs')}")
     parser.add_argument("--compile-decode", action=argparse.BooleanOptionalAction,
-                        help="on the CPU, compile softmax, linear and Linformer decode steps and sampling with "
-                             "torch.compile, in the background after start-up (eager until ready) "
+                        help="on the CPU, compile decode steps and sampling of compilable kinds (softmax, linear, "
+                             "Linformer) with torch.compile, in the background after start-up (eager until ready) "
                              f"{default('compile_decode')}")
     parser.add_argument("--max-batch", type=int, help=f"sequences decoded together per model {default('max_batch')}")
     parser.add_argument("--max-waiting", type=int, help=f"requests queued per model before 429 {default('max_waiting')}")
     parser.add_argument("--max-body-bytes", type=int, help=f"largest request body accepted {default('max_body_bytes')}")
+    parser.add_argument("--body-timeout", type=float, metavar="SECONDS",
+                        help=f"a request body not all arrived by then gets 408 and its connection closed {default('body_timeout')}")
+    parser.add_argument("--drain-seconds", type=float, metavar="SECONDS",
+                        help=f"after SIGTERM, how long requests in flight get to finish {default('drain_seconds')}")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' except on /health and /metrics "
                                           "(env RNNSERVE_API_KEY, default none)")
-    parser.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), help=default("log_level"))
+    parser.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), help=_default("log_level"))
+
+
+def _add_ray_arguments(group: argparse._ArgumentGroup) -> None:
+    default = _default
+    group.add_argument("--ray", action="store_true", help="serve through Ray Serve on a local Ray cluster started here")
+    group.add_argument("--replicas", type=int, help=f"replicas, each with every model {default('replicas')}")
+    group.add_argument("--min-replicas", type=int, help="autoscale between --min-replicas (default 1) and --max-replicas")
+    group.add_argument("--max-replicas", type=int, help="autoscale up to this many replicas (env RNNSERVE_MAX_REPLICAS)")
+    group.add_argument("--target-ongoing-requests", type=float,
+                       help=f"autoscaling aims at this many requests per replica {default('target_ongoing_requests')}")
+    group.add_argument("--cpus-per-replica", type=float, help=f"CPUs Ray reserves per replica {default('cpus_per_replica')}")
+    group.add_argument("--gpus-per-replica", type=float, help=f"GPUs Ray reserves per replica {default('gpus_per_replica')}")
+    group.add_argument("--ray-metrics-port", type=int,
+                       help=f"port of Ray's metrics export, every replica's series {default('ray_metrics_port')}")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    flags = ("weights", "models", "host", "port", "device", "dtype", "cuda_graphs", "compile_decode", "max_batch", "max_waiting", "max_body_bytes", "api_key", "log_level")
-    return build_settings(**{name: getattr(args, name, None) for name in flags})
+    return build_settings(**{name: getattr(args, name, None) for name in SERVER_FLAGS + RAY_FLAGS})
+
+
+def fail(message: object) -> int:
+    """One line on stderr and exit status 2: what every start-up error gets."""
+    print(f"rnnserve serve: error: {message}", file=sys.stderr)
+    return 2
+
+
+def configure_logging(settings: Settings) -> None:
+    logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args)
+    except SettingsError as exc:
+        return fail(exc)
+    configure_logging(settings)
+    if getattr(args, "ray", False):
+        from .ray_launch import serve_on_ray
+
+        return serve_on_ray(settings)
+    return serve_standalone(settings)
+
+
+def listen(host: str, port: int, flag: str = "--port") -> socket.socket:
+    """The listening socket, taken before the models load; SettingsError (naming `flag`) if it is not usable."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as exc:
+        reason = {errno.EADDRINUSE: f"the address is already in use (another server?); pass another {flag}",
+                  errno.EACCES: f"permission denied; ports below 1024 need root, pass another {flag}",
+                  errno.EADDRNOTAVAIL: "this machine has no such address; pass another --host"}
+        raise SettingsError(f"cannot listen on {host}:{port}: {reason.get(exc.errno, exc.strerror)}") from None
+
+
+def serve_standalone(settings: Settings) -> int:
+    try:
+        sock = listen(settings.host, settings.port)  # before torch is even imported: fails in a blink
+    except SettingsError as exc:
+        return fail(exc)
+    with sock:
+        return _serve_on(sock, settings)
+
+
+def _serve_on(sock: socket.socket, settings: Settings) -> int:
     import uvicorn
 
+    from model.weights_io import WeightsError
+
     from .app import build_app
+    from .drain import DrainingServer
     from .registry import load_models
 
     try:
-        settings = settings_from_args(args)
-        logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         models = load_models(settings)
     except (SettingsError, WeightsError) as exc:
-        print(f"rnnserve serve: error: {exc}", file=sys.stderr)
-        return 2
+        return fail(exc)
     except (RuntimeError, MemoryError) as exc:  # e.g. out of memory while loading onto the device
-        print(f"rnnserve serve: error: could not load the models: {exc}", file=sys.stderr)
-        return 2
+        return fail(f"could not load the models: {exc}")
     names = ", ".join(f"{m.name} ({m.model.config.attention} {m.model.config.task})" for m in models)
     first = models[0].model
-    print(f"rnnserve: serving {names} on {first.device} in {str(first.dtype).removeprefix('torch.')}", file=sys.stderr, flush=True)
-    app = build_app(settings, models)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
+    host, port = sock.getsockname()[:2]
+    print(f"rnnserve: serving {names} on {first.device} in {str(first.dtype).removeprefix('torch.')} "
+          f"at http://{host}:{port}", file=sys.stderr, flush=True)
+    config = uvicorn.Config(build_app(settings, models), log_level=settings.log_level,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
+    DrainingServer(config).run(sockets=[sock])
     return 0

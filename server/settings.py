@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError
+from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MIB = 1024 * 1024
@@ -35,6 +35,31 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(4 * MIB, ge=1024)
     api_key: SecretStr | None = None
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    drain_seconds: float = Field(30.0, ge=0)  # after SIGTERM, in-flight requests get this long to finish
+    body_timeout: float = Field(30.0, gt=0)  # a request body must arrive within this many seconds (408)
+    # Ray Serve (`--ray`, or the import path `server.ray_app:build`); ignored by a plain server.
+    replicas: int = Field(1, ge=1)  # fixed replica count, when not autoscaling
+    min_replicas: int | None = Field(None, ge=0)  # autoscaling: set max_replicas (min defaults to 1)
+    max_replicas: int | None = Field(None, ge=1)
+    target_ongoing_requests: float = Field(32.0, gt=0)  # autoscaling aims at this many requests per replica
+    cpus_per_replica: float = Field(1.0, ge=0)
+    gpus_per_replica: float = Field(0.0, ge=0)
+    ray_metrics_port: int = Field(8080, ge=0, le=65535)  # `--ray`: where Ray exports every replica's metrics
+
+    @model_validator(mode="after")
+    def _check_autoscaling(self) -> "Settings":
+        if self.max_replicas is None:
+            if self.min_replicas is not None:
+                raise ValueError("--min-replicas needs --max-replicas (autoscaling between the two)")
+            return self
+        if "replicas" in self.model_fields_set:
+            raise ValueError("give either --replicas (a fixed count) or --min-replicas/--max-replicas (autoscaling), not both")
+        if (self.min_replicas or 0) > self.max_replicas:
+            raise ValueError(f"--min-replicas {self.min_replicas} is above --max-replicas {self.max_replicas}")
+        return self
+
+    def autoscaling(self) -> bool:
+        return self.max_replicas is not None
 
     def torch_device(self) -> str:
         """The device to load models on; 'auto' picks CUDA when present."""
@@ -85,7 +110,13 @@ def describe_validation_error(exc: ValidationError) -> str:
     """One line per bad setting, named as the flag a user would type."""
     lines = []
     for err in exc.errors():
-        name = str(err["loc"][0]) if err["loc"] else "settings"
+        if not err["loc"]:  # a check across settings: its message names the flags
+            lines.append(str(err["msg"]).removeprefix("Value error, "))
+            continue
+        name = str(err["loc"][0])
+        if err["type"] == "extra_forbidden":
+            lines.append(f"unknown setting '{name}'; known: {', '.join(Settings.model_fields)}")
+            continue
         flag = "--" + name.replace("_", "-")
         value = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
         lines.append(f"{flag} / RNNSERVE_{name.upper()}: {err['msg']}{value}")

@@ -11,7 +11,7 @@ from fastapi import Request
 
 from .engine import Engine, EngineFailure, GenerationStream, QueueFull
 from .errors import APIError, error_body, invalid_request
-from .types import GenerationRequest, SampleResult
+from .types import Generation, GenerationRequest, PromptScores, SampleResult
 from .validation import InvalidRequest
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # proxies must not buffer events
@@ -44,16 +44,21 @@ def submit(engine: Engine, request: GenerationRequest, each_event: bool = True) 
         return engine.submit(request, each_event)
 
 
-async def score(engine: Engine, tokens: list[int]) -> list[float]:
+async def score(engine: Engine, tokens: list[int], top: int = 0) -> PromptScores:
     """Log-probabilities of a prompt in one parallel pass, bounded like generation requests."""
     with engine_refusals(engine):
-        return await engine.score(tokens)
+        return await engine.score(tokens, top)
 
 
 async def collect(request: Request, stream: GenerationStream) -> list[SampleResult]:
-    """The samples of a non-streamed request. If the client leaves first the
-    request is cancelled, so its slots are freed at the engine's next step."""
-    consume = asyncio.ensure_future(_all_events(stream))
+    """The samples of a non-streamed request (see collect_all)."""
+    return (await collect_all(request, [stream]))[0]
+
+
+async def collect_all(request: Request, streams: list[GenerationStream]) -> list[list[SampleResult]]:
+    """The samples of each stream of a non-streamed request. If the client leaves first the
+    requests are cancelled, so their slots are freed at the engine's next step."""
+    consume = asyncio.ensure_future(asyncio.gather(*(_all_events(s) for s in streams)))
     watch = asyncio.ensure_future(wait_for_disconnect(request))
     try:
         done, _ = await asyncio.wait({consume, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -65,11 +70,40 @@ async def collect(request: Request, stream: GenerationStream) -> list[SampleResu
     finally:
         watch.cancel()
         consume.cancel()
-        stream.cancel()  # no-op once finished; frees slots otherwise
+        for stream in streams:
+            stream.cancel()  # no-op once finished; frees slots otherwise
 
 
 async def _all_events(stream: GenerationStream) -> list[SampleResult]:
     return [event async for event in stream]
+
+
+async def merged_events(streams: list[GenerationStream]) -> AsyncIterator[tuple[int, Generation]]:
+    """(stream index, event) from several streams, in arrival order; one stream is read directly."""
+    if len(streams) == 1:
+        async for event in streams[0]:
+            yield 0, event
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: GenerationStream) -> None:
+        try:
+            async for event in stream:
+                queue.put_nowait((i, event, None))
+            queue.put_nowait((i, None, None))
+        except Exception as exc:  # re-raised in the reader
+            queue.put_nowait((i, None, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        for _ in range(len(streams)):
+            while (item := await queue.get())[1] is not None:
+                yield item[0], item[1]
+            if item[2] is not None:
+                raise item[2]
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def wait_for_disconnect(request: Request) -> None:
@@ -94,7 +128,7 @@ def sse_error(exc: Exception) -> str:
     return sse(error_body(500, f"internal server error ({type(exc).__name__})", None, "internal_error"))
 
 
-async def sse_stream(request: Request, chunks: AsyncIterator[str], stream: GenerationStream | None) -> AsyncIterator[str]:
+async def sse_stream(request: Request, chunks: AsyncIterator[str], streams: list[GenerationStream]) -> AsyncIterator[str]:
     """Frame a handler's SSE chunks: an error after the status line goes in-band, the generation
     is cancelled if the client leaves (its slots are freed), and the stream always ends with [DONE]."""
     finished = False
@@ -107,7 +141,7 @@ async def sse_stream(request: Request, chunks: AsyncIterator[str], stream: Gener
         yield sse_error(exc)
         finished = True
     finally:
-        if stream is not None:
+        for stream in streams:
             stream.cancel()
         if not finished:
             request.state.outcome = "cancelled"

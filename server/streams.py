@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from .types import Generation, GenerationError, GenerationRequest, SampleResult
@@ -86,6 +87,29 @@ def deliver(outbox: Outbox) -> None:
 def finish(streams, message: str | None = None) -> None:
     """End streams: cleanly (message None) or with an error."""
     deliver({s: [DONE if message is None else GenerationError(s.request.request_id, message)] for s in streams})
+
+
+@dataclass
+class ScoreJob:
+    """A prompt to score on the engine thread; its result goes back to the caller's event loop."""
+
+    tokens: list[int]
+    top: int
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+    def resolve(self, result=None, error: Exception | None = None) -> None:
+        """(Engine thread.) Hand over the result, or the error."""
+        call_in_loop(self.loop, _settle, self.future, result, error)
+
+
+def _settle(future: asyncio.Future, result, error: Exception | None) -> None:
+    if future.done():  # the caller went away
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def call_in_loop(loop: asyncio.AbstractEventLoop, callback, *args) -> None:

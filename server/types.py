@@ -25,6 +25,14 @@ class GenerationRequest:
     forced: dict[int, int] = field(default_factory=dict)
     stop: list[bytes] = field(default_factory=list)
     logprobs: bool = False
+    top_logprobs: int = 0  # also the this many most likely tokens per position (implies logprobs)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
+
+
+TopLogprobs = list[tuple[int, float]]  # (token, log-probability), most likely first
 
 
 @dataclass(slots=True)  # not frozen: a frozen __init__ costs 4x, and the engine makes one per row per step
@@ -38,6 +46,7 @@ class Generation:
     logprob: float | None
     finish_reason: str | None = None  # "length", "stop", or None while running
     matched_stop: bytes | None = None  # the stop sequence that ended the sample (finish_reason "stop")
+    top_logprobs: TopLogprobs | None = None  # when the request asks for them
 
 
 @dataclass(slots=True)
@@ -52,6 +61,15 @@ class SampleResult:
     logprobs: list[float] | None  # one per token when asked for
     finish_reason: str  # "length" or "stop"
     matched_stop: bytes | None = None  # the stop sequence that ended the sample (finish_reason "stop")
+    top_logprobs: list[TopLogprobs] | None = None  # one list per token when asked for
+
+
+@dataclass
+class PromptScores:
+    """A prompt scored in one parallel pass: each token's log-probability given those before it."""
+
+    logprobs: list[float]
+    top_logprobs: list[TopLogprobs] | None = None  # the most likely tokens at each position, when asked
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,17 @@ import torch
 from torch import nn
 
 from model import ModelConfig, Transformer, build_model
+from model.registry import attention_kinds, kinds_where
 from model.transformer import with_bos
 
-KINDS = ("softmax", "linear", "linformer", "reformer")
+# Every registered kind, and groups by what their capabilities declare: tests parametrised over a
+# group check that the declaration holds (e.g. a constant-size state really does not grow).
+KINDS = attention_kinds()
+CONSTANT_STATE_KINDS = kinds_where(lambda c: c.constant_state)
+GROWING_STATE_KINDS = kinds_where(lambda c: not c.constant_state)
+PADDABLE_KINDS = kinds_where(lambda c: c.paddable)
+GRAPHABLE_KINDS = kinds_where(lambda c: c.graphable)
+COMPILABLE_KINDS = kinds_where(lambda c: c.compilable)
 TINY_MAX_LEN = 96  # above the linear kind's 64-token block, so several blocks are exercised
 
 
@@ -72,8 +80,8 @@ def single_torch_thread():
     """Run torch on one thread during tests.
 
     Tiny tensors gain nothing from a second thread, and on the shared 2-core
-    machine intra-op threads spin while waiting for a busy core: tests ran
-    10x slower with two threads than with one.
+    machine intra-op threads spin while waiting for a busy core (the slowdown
+    is measured in benchmarks/README.md, "Measurements behind design choices").
     """
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -83,7 +91,7 @@ def single_torch_thread():
 
 @pytest.fixture(scope="session", params=KINDS)
 def kind(request) -> str:
-    """Each of the four attention kinds."""
+    """Each registered attention kind."""
     return request.param
 
 

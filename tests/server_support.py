@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -21,11 +22,12 @@ import pytest
 import torch
 
 from model import ModelConfig, build_model
+from model.registry import attention_kinds
 from model.weights_io import save_model
 from server.app import build_app
 from server.settings import Settings
 
-KINDS = ("softmax", "linear", "linformer", "reformer")
+KINDS = attention_kinds()
 TEXT_MAX_LEN = 64
 MNIST_MAX_LEN = 784
 
@@ -134,6 +136,23 @@ def wait_healthy(process: subprocess.Popen, url: str, log: Path, seconds: float 
             pass
         time.sleep(0.2)
     pytest.fail(f"server not healthy after {seconds:g} s:\n{log.read_text()}")
+
+
+@contextmanager
+def serving_process(folder: Path, *flags: str) -> Iterator[str]:
+    """A real `rnnserve serve` process on the models in `folder`, healthy: yields its base URL."""
+    port, log = free_port(), folder / "server.log"
+    script = Path(sys.executable).parent / "rnnserve"
+    with open(log, "wb") as out:
+        # eager decode steps: compiling is covered by tests/test_compiled_decode.py
+        proc = subprocess.Popen([str(script), "serve", "--weights", str(folder), "--port", str(port), "--device", "cpu",
+                                 "--no-compile-decode", *flags], stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, log)
+        yield url
+    finally:
+        stop_process(proc)
 
 
 def stop_process(process: subprocess.Popen, seconds: float = 15) -> None:

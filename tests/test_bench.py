@@ -25,11 +25,12 @@ from benchmarks.load import LoadSettings, run_load
 from benchmarks.roofline import attention_cost, dense_flops
 from benchmarks.run import add_arguments, run
 from model import ModelConfig, build_model
+from model.registry import capabilities
 from model.weights_io import save_model
+from conftest import KINDS
 from server_support import free_port, metric_value, save_tiny_model, stop_process, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
-KINDS = ("softmax", "linear", "linformer", "reformer")
 FLOAT32 = 4
 
 
@@ -199,7 +200,7 @@ def test_roofline_state_traffic_matches_the_models_own_state(kind):
     model = build_model(cfg)
     t = 256
     _, moved = attention_cost(cfg, t)
-    if kind in ("linear", "linformer"):  # the whole fixed-size state is read and written
+    if capabilities(kind).constant_state:  # the whole fixed-size state is read and written
         assert moved == 2 * model.state_bytes_per_sequence(t)
     elif kind == "softmax":  # K, V of t positions read, one position written
         assert moved == model.state_bytes_per_sequence(t) + model.state_bytes_per_sequence(1)

@@ -21,14 +21,14 @@ import pytest
 import torch
 import torch._inductor.config
 
-from model.compiled_decode import COMPILED_KINDS, CompiledDecoder
+from model.compiled_decode import CompiledDecoder
 from model.config import BOS_TOKEN
 from model.cuda_graphs import EagerDecoder, make_decoder
 from model.generate import generate
 from model.sampling import BatchSampling, SamplingParams, token_logprobs
 from model.weights_io import load_model
 
-from conftest import make_tiny_model, random_bytes
+from conftest import COMPILABLE_KINDS, make_tiny_model, random_bytes
 from server_support import free_port, save_tiny_model, stop_process, token_bytes, wait_healthy
 
 ROWS = 8
@@ -44,7 +44,7 @@ def compiled_decoder(model, rows: int = ROWS) -> CompiledDecoder:
     return decoder
 
 
-@pytest.mark.parametrize("kind", COMPILED_KINDS)
+@pytest.mark.parametrize("kind", COMPILABLE_KINDS)
 def test_compiled_steps_give_eager_log_probabilities_as_rows_finish_and_join(kind):
     model = make_tiny_model(kind)  # outside inference mode, as models are loaded: the graphs are shared
     with torch.inference_mode():
@@ -68,7 +68,7 @@ def _compare_steps_as_rows_finish_and_join(model) -> None:
     assert torch.equal(compiled.state.lengths, eager.state.lengths)
 
 
-@pytest.mark.parametrize("kind", COMPILED_KINDS)
+@pytest.mark.parametrize("kind", COMPILABLE_KINDS)
 def test_compiled_generate_draws_the_eager_tokens(kind):
     model = make_tiny_model(kind)
     params = [SamplingParams(seed=3), SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=20, seed=4),

@@ -19,7 +19,7 @@ from model.generate import generate
 from model.sampling import BatchSampling, SamplingParams
 from model.transformer import SequenceTooLong
 
-from conftest import make_tiny_model, random_bytes
+from conftest import GRAPHABLE_KINDS, KINDS, PADDABLE_KINDS, make_tiny_model, random_bytes
 
 NO_CUDA = not torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(NO_CUDA, reason="CUDA is not available on this machine (torch.cuda.is_available() is False)")
@@ -54,7 +54,7 @@ def _engine_schedule(decoder_a, decoder_b, seed: int) -> list[tuple[torch.Tensor
     return pairs
 
 
-@pytest.mark.parametrize("kind", ["softmax", "linear", "linformer"])
+@pytest.mark.parametrize("kind", PADDABLE_KINDS)
 @torch.inference_mode()
 def test_padded_steps_give_the_live_rows_the_same_logits_as_exact_steps(kind):
     model = make_tiny_model(kind)
@@ -101,7 +101,7 @@ def test_make_decoder_stays_eager_off_cuda_or_for_variable_length_kinds():
 
 
 @cuda_only
-@pytest.mark.parametrize("kind", ["linear", "linformer"])
+@pytest.mark.parametrize("kind", GRAPHABLE_KINDS)
 @torch.inference_mode()
 def test_cuda_graph_steps_match_eager_steps_on_the_gpu(kind):
     model = copy.deepcopy(make_tiny_model(kind)).cuda()
@@ -114,7 +114,7 @@ def test_cuda_graph_steps_match_eager_steps_on_the_gpu(kind):
 
 
 @cuda_only
-@pytest.mark.parametrize("kind", ["softmax", "reformer"])
+@pytest.mark.parametrize("kind", [k for k in KINDS if k not in GRAPHABLE_KINDS])
 def test_variable_length_kinds_run_eagerly_on_the_gpu(kind):
     model = copy.deepcopy(make_tiny_model(kind)).cuda()
     assert not make_decoder(model, model.new_state(2), cuda_graphs=True).graphed

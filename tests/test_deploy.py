@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -242,7 +243,7 @@ def test_dashboard_shows_the_required_panels_per_model_and_attention():
     for histogram in ("rnnserve_time_to_first_token_seconds", "rnnserve_inter_token_latency_seconds"):
         quantiles = [e for e in queries(f"{histogram}_bucket") if "histogram_quantile(" in e and "le" in promql_grouping_labels(e)]
         assert len(quantiles) >= 2, f"expected several quantiles of {histogram}, got {quantiles}"
-    for gauge in ("rnnserve_batch_size", "rnnserve_waiting_sequences", "rnnserve_decode_state_bytes"):
+    for gauge in ("rnnserve_batch_size", "rnnserve_waiting_sequences", "rnnserve_decode_state_in_use_bytes"):
         assert queries(gauge), f"no panel shows {gauge}"
 
 
@@ -373,6 +374,14 @@ def test_dockerfile_target_runs_as_non_root_with_weights_and_healthcheck(target)
     assert "RNNSERVE_HOST=0.0.0.0" in env and "RNNSERVE_WEIGHTS=/app/weights" in env
     port = re.search(r"RNNSERVE_PORT=(\d+)", env).group(1)
     assert image.last("EXPOSE").split()[1] == port
+
+
+def test_the_source_stage_copies_every_module_pyproject_installs():
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    installed = set(setuptools["packages"]) | {f"{m}.py" for m in setuptools.get("py-modules", [])}
+    copied = {Path(source).name for line in parse_dockerfile()["source"].all("COPY")
+              for source in line.split()[1:-1] if not source.startswith("--")}  # COPY SOURCE... DEST
+    assert installed <= copied, f"`pip install .` in the image would miss {sorted(installed - copied)}"
 
 
 def test_default_target_is_the_cpu_image():

@@ -155,7 +155,7 @@ def test_empty_prompts_start_from_the_state_after_bos(kind):
         results = asyncio.run(_whole_results(engine, requests))
         for result in (r for rs in results for r in rs):
             assert result.start == 0 and len(result.tokens) == 10
-            assert result.logprobs == pytest.approx(engine.runner.score(result.tokens), abs=1e-4)
+            assert result.logprobs == pytest.approx(engine.runner.score(result.tokens).logprobs, abs=1e-4)
     finally:
         engine.stop()
 
@@ -165,7 +165,7 @@ def test_scoring_runs_on_the_engine_thread_that_owns_the_model(monkeypatch):
     threads = []
     score = ModelRunner.score
     monkeypatch.setattr(ModelRunner, "score",
-                        lambda self, tokens: threads.append(threading.current_thread().name) or score(self, tokens))
+                        lambda self, tokens, top=0: threads.append(threading.current_thread().name) or score(self, tokens, top))
     engine = make_engine("linear")
 
     async def both():
@@ -178,4 +178,4 @@ def test_scoring_runs_on_the_engine_thread_that_owns_the_model(monkeypatch):
     finally:
         engine.stop()
     assert threads == ["engine-tiny"]
-    assert scored == pytest.approx(engine.runner.score([5, 6, 7]), abs=1e-5) and len(results[0].tokens) == 12
+    assert scored.logprobs == pytest.approx(engine.runner.score([5, 6, 7]).logprobs, abs=1e-5) and len(results[0].tokens) == 12

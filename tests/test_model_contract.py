@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from model import SequenceTooLong
-from model.config import ATTENTION_KINDS
+from model.linformer_attention import BLOCK as LINFORMER_BLOCK
+from model.registry import attention_kinds
 from model.weights_io import load_model, save_model
 
 from conftest import KINDS, TINY_MAX_LEN, make_tiny_config, make_tiny_model, make_tokens
@@ -235,7 +236,7 @@ def test_reformer_bucketed_parallel_path_matches_reference_and_decoding(window):
         attn.rotations[r].copy_(torch.linalg.qr(torch.randn(cfg.d_head, cfg.d_head, generator=gen))[0])
     x = torch.randn(2, 512, cfg.d_model, generator=gen)  # (B, T, C)
     occupancy = max_bucket_occupancy(attn, x)
-    # Same threshold as _lsh_attend_bucketed: below it the bucketed form runs, not the dense one.
+    # Same threshold as model.reformer.bucketed.is_even: below it the bucketed form runs.
     assert 4 * attn.n_buckets * occupancy**2 <= 512**2, "buckets too uneven: test would not reach the bucketed path"
     start = torch.zeros(2, dtype=torch.long)
     parallel = attn(x, start, None)[0]
@@ -312,6 +313,22 @@ def test_linformer_sharing_options_are_chunk_invariant(sharing, data):
     torch.testing.assert_close(got, run_parallel(model, tokens), atol=CHUNK_TOLERANCE, rtol=0)
 
 
+@pytest.mark.parametrize("sharing", ["none", "headwise", "kv"])
+@torch.no_grad()
+def test_linformer_blocked_form_matches_the_reference_across_blocks(sharing):
+    """Several blocks and a partial last one, from position 0 and from a carried state
+    with chunks that start and end inside blocks."""
+    length = 2 * LINFORMER_BLOCK + 5
+    attn = make_tiny_model("linformer", linformer_sharing=sharing, max_len=length).blocks[0].attn
+    x, start = _attention_input(attn, seed=12, length=length)  # (B, T, C)
+    expected = reference_linformer(attn, x)
+    torch.testing.assert_close(attn(x, start, None)[0], expected, atol=1e-5, rtol=1e-5)
+    state, outputs = attn.new_state(2, x.device, x.dtype), []
+    for lo, hi in [(0, 3), (3, 4), (4, LINFORMER_BLOCK + 10), (LINFORMER_BLOCK + 10, length)]:
+        outputs.append(attn(x[:, lo:hi], start + lo, state)[0])
+    torch.testing.assert_close(torch.cat(outputs, dim=1), expected, atol=CHUNK_TOLERANCE, rtol=0)
+
+
 # ---------------------------------------------------------------- Reformer hashing
 
 def _keys_for_hashing(seed: int = 0) -> torch.Tensor:
@@ -358,4 +375,4 @@ def test_training_reformer_without_fresh_rotations_hashes_with_stored_ones():
 
 def test_every_kind_is_listed():
     # The parametrised `kind` fixture must cover exactly the kinds the config accepts.
-    assert tuple(KINDS) == tuple(ATTENTION_KINDS)
+    assert tuple(KINDS) == tuple(attention_kinds())

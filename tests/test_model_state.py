@@ -12,7 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import TINY_MAX_LEN, make_tiny_model, make_tokens, random_bytes
+from conftest import (CONSTANT_STATE_KINDS, GROWING_STATE_KINDS, KINDS, TINY_MAX_LEN, make_tiny_model, make_tokens,
+                      random_bytes)
 
 TOLERANCE = 1e-4
 
@@ -211,7 +212,7 @@ def _feed(model, state, total: int, chunk: int) -> None:
     assert torch.isfinite(logits).all()
 
 
-@pytest.mark.parametrize("kind", ["linear", "linformer"])
+@pytest.mark.parametrize("kind", CONSTANT_STATE_KINDS)
 def test_constant_size_state_does_not_grow_from_16_to_16384_tokens(kind):
     model = make_tiny_model(kind, max_len=16384, pos_encoding="sinusoidal")
     short, long = model.new_state(1), model.new_state(1)
@@ -225,7 +226,7 @@ def test_constant_size_state_does_not_grow_from_16_to_16384_tokens(kind):
     assert pointers == [t.data_ptr() for layer in long.layers for t in layer.tensors()]  # updated in place
 
 
-@pytest.mark.parametrize("kind", ["softmax", "reformer"])
+@pytest.mark.parametrize("kind", GROWING_STATE_KINDS)
 def test_cache_bytes_in_use_grow_with_length_in_a_preallocated_cache(kind):
     model = make_tiny_model(kind)
     state = model.new_state(1)
@@ -251,7 +252,7 @@ def test_softmax_cache_holds_keys_and_values_for_each_token():
     assert state.nbytes_in_use() == 2 * 10 * per_token
 
 
-@pytest.mark.parametrize("kind", ["softmax", "linear", "linformer", "reformer"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_bytes_in_use_of_the_first_rows_count_only_those_rows(kind):
     """The engine's gauge: live rows [0, n) of a compacted batch, without slicing the state."""
     model = make_tiny_model(kind)
@@ -261,5 +262,5 @@ def test_bytes_in_use_of_the_first_rows_count_only_those_rows(kind):
     first_two = state.nbytes_in_use(2)
     assert 0 < first_two < whole
     assert first_two == state.slice(0, 2).nbytes_in_use()
-    if kind in ("linear", "linformer"):  # constant size: exactly two sequences' worth
+    if kind in CONSTANT_STATE_KINDS:  # constant size: exactly two sequences' worth
         assert first_two == 2 * model.state_bytes_per_sequence()

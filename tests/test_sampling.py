@@ -151,6 +151,16 @@ def test_top_p_keeps_the_smallest_nucleus(top_p, nucleus_size):
     assert set(drawn.tolist()) == set(order[:nucleus_size].tolist())
 
 
+def test_top_p_equal_to_a_cumulative_mass_keeps_only_the_tokens_before_it():
+    # The best token alone holds exactly top_p: the nucleus is complete without the runners-up,
+    # whose better-token mass (0.5) equals top_p exactly.
+    logits, order = permuted_distribution([0.5, 0.25, 0.25], seed=0)
+    probs = logits.softmax(-1)
+    assert probs[order].tolist() == [0.5, 0.25, 0.25]  # exact in float32: the boundary really is hit
+    drawn = draw_many(logits[None], SamplingParams(top_p=0.5), 12_000)
+    assert set(drawn.tolist()) == {int(order[0])}
+
+
 # ---------------------------------------------------------------- exact distribution
 
 @pytest.mark.parametrize("by", ["seed", "position"])

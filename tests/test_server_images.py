@@ -117,7 +117,7 @@ def test_mask_png_bright_is_unknown_and_keep_rows():
     mask = imaging.mask_from_png(imaging.decode_png(png_bytes(np.where(tail_hole(), 255, 0).astype(np.uint8)), "mask"))
     assert np.array_equal(mask, tail_hole())
     assert imaging.mask_from_keep_rows(26).sum() == 56
-    with pytest.raises(imaging.ImageError, match="either mask or keep_rows"):
+    with pytest.raises(imaging.ImageError, match="either `mask` or `keep_rows`"):
         imaging.choose_unknown(None, mask, 3)
 
 
@@ -200,15 +200,20 @@ def test_multipart_with_mask_file_and_keep_rows_field(server):
     grey = digit(7)
     files = {"image": ("d.png", png_bytes(grey), "image/png"),
              "mask": ("m.png", png_bytes(np.where(tail_hole(), 255, 0).astype(np.uint8)), "image/png")}
-    out = server.post("/v1/images/completions", files=files, data={"seed": "3"}).json()
+    out = server.post("/v1/images/completions", files=files, data={"seed": "3", "model": "linear-mnist"}).json()
     assert out["usage"]["pixels_generated"] == int(tail_hole().sum())
     kept = server.post("/v1/images/completions", files={"image": ("d.png", png_bytes(grey), "image/png")},
-                       data={"keep_rows": "27"}).json()
+                       data={"keep_rows": "27", "model": "linear-mnist"}).json()
     assert kept["usage"]["pixels_generated"] == 28
 
 
-def test_default_model_is_lowest_bits_per_dim(server):
-    assert complete(server, pixels=digit().tolist(), keep_rows=27)["model"] == "softmax-mnist"
+def test_a_missing_model_means_the_only_one_of_its_kind_else_a_400(server):
+    refused = server.post("/v1/images/completions", json={"pixels": digit().tolist(), "keep_rows": 27})
+    error = refused.json()["error"]
+    assert refused.status_code == 400 and error["code"] == "model_required"
+    assert "linear-mnist" in error["message"] and "softmax-mnist" in error["message"]
+    text = server.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})  # one text model is loaded
+    assert text.status_code == 200 and text.json()["model"] == "linear-text"
 
 
 def test_stream_sends_rows_then_images_then_usage(server):
@@ -254,8 +259,8 @@ def test_image_errors(server):
     bad(server, 400, "mask", "no unknown pixel", json={"pixels": digit().tolist(), "mask": [[0] * 28] * 28})
     bad(server, 400, "mask", "expected 28 rows", json={"pixels": digit().tolist(), "mask": [[1] * 28] * 3})
     bad(server, 400, "pixels", "expected values in 0..255", json={"pixels": [[300] * 28] * 28, "keep_rows": 1})
-    bad(server, 400, None, "exactly one of", json={"keep_rows": 1})
-    bad(server, 400, None, "exactly one of", json={"pixels": digit().tolist(), "image": "x", "keep_rows": 1})
+    bad(server, 400, "image", "exactly one of", json={"keep_rows": 1})
+    bad(server, 400, "image", "exactly one of", json={"pixels": digit().tolist(), "image": "x", "keep_rows": 1})
     bad(server, 400, "n", "less than or equal to 64", json=pixels_body(digit(), n=65))
     bad(server, 400, "n", "--max-batch", json=pixels_body(digit(), n=9))
     bad(server, 400, "n", "greater than or equal to 1", files={"image": ("d.png", png_bytes(digit()))}, data={"n": "0"})

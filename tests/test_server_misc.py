@@ -18,7 +18,7 @@ METRIC_NAMES = (
     "rnnserve_generated_tokens_total", "rnnserve_completed_images_total", "rnnserve_requests_total",
     "rnnserve_time_to_first_token_seconds", "rnnserve_inter_token_latency_seconds", "rnnserve_request_latency_seconds",
     "rnnserve_running_sequences", "rnnserve_waiting_sequences", "rnnserve_batch_size", "rnnserve_decode_steps_total",
-    "rnnserve_tokens_per_second", "rnnserve_images_per_second", "rnnserve_decode_state_bytes",
+    "rnnserve_tokens_per_second", "rnnserve_images_per_second", "rnnserve_decode_state_in_use_bytes",
 )
 
 
@@ -154,9 +154,13 @@ def test_metrics_exports_every_name_and_moves(server):
     assert metric_value(after, "rnnserve_request_latency_seconds_count", **labels) == before["rnnserve_request_latency_seconds_count"] + 1
     assert metric_value(after, "rnnserve_requests_total", endpoint="/v1/completions", outcome="ok") == ok_before + 1
     assert metric_value(after, "rnnserve_requests_total", endpoint="/v1/completions", outcome="invalid") == bad_before + 1
-    # the request names its model; the one refused before choosing a model is labelled "none"
+    # both requests named a loaded model: the refused one is labelled by it too
     assert metric_value(after, "rnnserve_requests_total", endpoint="/v1/completions", outcome="ok", **labels) == ok_model_before + 1
-    assert metric_value(after, "rnnserve_requests_total", endpoint="/v1/completions", outcome="invalid", model="none") >= 1
+    assert metric_value(after, "rnnserve_requests_total", endpoint="/v1/completions", outcome="invalid", **labels) >= 1
+    assert server.post("/v1/completions", json={"model": "no-such-model", "n": 0}).status_code == 400
+    unknown = metric_value(server.get("/metrics").text, "rnnserve_requests_total", endpoint="/v1/completions",
+                           outcome="invalid", model="none")
+    assert unknown >= 1  # a model that is not loaded is no label value: cardinality stays bounded
     assert metric_value(after, "rnnserve_running_sequences", **labels) == 0
 
 

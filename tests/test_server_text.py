@@ -227,10 +227,18 @@ def test_stop_sequence_ends_the_sample_without_it(server):
     assert "".join(c["text"] for c in chunks) == "€é" and chunks[-1]["finish_reason"] == "stop"
 
 
-def test_empty_prompt_and_default_model(server):
-    out = complete(server, prompt="", max_tokens=3, seed=1)
-    assert out["model"] in {f"{k}-text" for k in KINDS} | {"script"}
-    assert out["usage"]["prompt_tokens"] == 0 and out["usage"]["completion_tokens"] == 3
+def test_empty_prompt(server):
+    out = complete(server, model="linear-text", prompt="", max_tokens=3, seed=1)
+    assert out["model"] == "linear-text" and out["usage"]["completion_tokens"] == 3
+    assert out["usage"]["prompt_tokens"] == 0
+
+
+@pytest.mark.parametrize("named", [{}, {"model": ""}])
+def test_a_missing_model_with_several_loaded_is_refused_listing_them(server, named):
+    response = server.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, **named})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "model" and error["code"] == "model_required"
+    assert all(f"{kind}-text" in error["message"] for kind in KINDS)
 
 
 def test_max_tokens_zero_without_echo_is_empty(server):
@@ -250,7 +258,9 @@ def test_max_tokens_zero_without_echo_is_empty(server):
     (dict(prompt="a", stop=["a", "b", "c", "d", "e"]), 400, "stop", ["at most 4"]),
     (dict(prompt="a", stop=[""]), 400, "stop", ["must not be empty"]),
     (dict(prompt="a", logprobs=6), 400, "logprobs", ["less than or equal to 5"]),
-    (dict(prompt="a", best_of=2), 400, "best_of", ["Extra inputs"]),
+    (dict(prompt="a", best_of=2, stream=True), 400, "best_of", ["stream"]),
+    (dict(prompt="a", suffix="b"), 400, "suffix", ["not supported"]),
+    (dict(prompt="a", nonsense=1), 400, "nonsense", ["Extra inputs"]),
 ])
 def test_bad_requests_say_what_to_fix(server, body, status, param, words):
     response = server.post("/v1/completions", json={"model": "linear-text", **body})

@@ -10,29 +10,37 @@ import argparse
 import gzip
 import json
 import math
+import shlex
+import signal
 import struct
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from model import ModelConfig, build_model
 from model.generate import generate
 from model.sampling import BatchSampling, SamplingParams
 from model.transformer import with_bos
 from model.weights_io import load_model, read_metadata, save_model
-from training import evaluate, train
+from rnnserve_cli import parse_args
+from training import checkpoint, evaluate, train
+from training.checkpoint import Checkpoint, read_checkpoint
 from training.data import DataError, find_images_file, load_mnist, load_text, read_idx_images, write_idx_images
 
-WEIGHTS = Path(__file__).resolve().parent.parent / "weights"
+REPO = Path(__file__).resolve().parent.parent
+WEIGHTS = REPO / "weights"
 SHIPPED = sorted(WEIGHTS.glob("*.safetensors"))
 
 
-def parse(module, argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    module.add_arguments(parser)
-    return parser.parse_args(argv)
+def parse(command: str, argv: list[str]) -> argparse.Namespace:
+    """`rnnserve COMMAND ARGV...` parsed by the real command line."""
+    return parse_args([command, *argv])
 
 
 def digit_images(count: int, seed: int = 0) -> torch.Tensor:
@@ -118,9 +126,9 @@ def test_text_loader_rejects_non_utf8(tmp_path: Path) -> None:
 
 
 def text_args(tmp_path: Path, text_file: Path, *extra: str) -> argparse.Namespace:
-    return parse(train, ["--task", "text", "--attention", "linear", "--data", str(text_file), "--preset", "tiny",
-                         "--context", "16", "--warmup-steps", "5", "--device", "cpu", "--threads", "2",
-                         "--no-progress", "--out", str(tmp_path / "m.safetensors"), *extra])
+    return parse("train", ["--task", "text", "--attention", "linear", "--data", str(text_file), "--preset", "tiny",
+                           "--context", "16", "--warmup-steps", "5", "--device", "cpu", "--threads", "1",
+                           "--no-progress", "--out", str(tmp_path / "m.safetensors"), *extra])
 
 
 def fixed_batch(text_file: Path, context: int) -> torch.Tensor:
@@ -145,21 +153,98 @@ def test_training_lowers_the_loss(tmp_path: Path, text_file: Path) -> None:
 
 
 def test_checkpoint_resumes_bit_for_bit(tmp_path: Path, text_file: Path) -> None:
-    # Dropout and fresh reformer rotations make the RNG state matter.
-    common = ["--steps", "6", "--checkpoint-every", "3", "--no-eval", "--attention", "reformer", "--dropout", "0.1"]
-    straight = text_args(tmp_path, text_file, *common, "--checkpoint", str(tmp_path / "a.ckpt"))
+    # k steps, a resume, k more == 2k steps in one run. Dropout and fresh reformer rotations make the RNG state matter.
+    common = ["--steps", "6", "--checkpoint-every", "3", "--no-eval", "--attention", "reformer", "--dropout", "0.1",
+              "--checkpoint-precision", "float32", "--save-dtype", "float32"]
+    straight = text_args(tmp_path, text_file, *common, "--checkpoint", str(tmp_path / "a.ckpt"),
+                         "--out", str(tmp_path / "a.safetensors"))
     train.train(straight)
-    resumed = text_args(tmp_path, text_file, *common, "--checkpoint", str(tmp_path / "b.ckpt"), "--resume")
+    resumed = text_args(tmp_path, text_file, *common, "--checkpoint", str(tmp_path / "b.ckpt"), "--resume",
+                        "--out", str(tmp_path / "b.safetensors"))
     train.train(resumed, stop_after=3)  # an interrupted run: its checkpoint is at step 3
-    assert torch.load(tmp_path / "b.ckpt", weights_only=False)["progress"]["step"] == 3
+    assert read_checkpoint(tmp_path / "b.ckpt").progress.step == 3
     train.train(resumed)
-    a = torch.load(tmp_path / "a.ckpt", weights_only=False)
-    b = torch.load(tmp_path / "b.ckpt", weights_only=False)
-    assert a["progress"]["step"] == b["progress"]["step"] == 6
-    assert a["progress"]["examples"] == b["progress"]["examples"]
-    for name, tensor in a["model"].items():
-        assert torch.equal(tensor, b["model"][name]), name
-    assert torch.equal(a["data_rng"], b["data_rng"])
+    a, b = read_checkpoint(tmp_path / "a.ckpt"), read_checkpoint(tmp_path / "b.ckpt")
+    assert a.progress.step == b.progress.step == 6
+    assert a.progress.examples == b.progress.examples
+    assert a.progress.loss_ema == b.progress.loss_ema
+    assert_same_training_state(a, b)
+    final_a, final_b = load_file(tmp_path / "a.safetensors"), load_file(tmp_path / "b.safetensors")
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+
+
+def assert_same_training_state(a: Checkpoint, b: Checkpoint) -> None:
+    """Weights, AdamW moments and steps, and every RNG state, bit for bit."""
+    assert a.model.keys() == b.model.keys()
+    for name, tensor in a.model.items():
+        assert torch.equal(tensor, b.model[name]), name
+    assert a.optimizer["state"].keys() == b.optimizer["state"].keys()
+    for index, entries in a.optimizer["state"].items():
+        for key, value in entries.items():
+            assert torch.equal(value, b.optimizer["state"][index][key]), (index, key)
+    assert torch.equal(a.rng.data, b.rng.data)
+    assert torch.equal(a.rng.torch, b.rng.torch)
+
+
+def test_bfloat16_moments_resume_close_to_the_uninterrupted_run(tmp_path: Path, text_file: Path) -> None:
+    common = ["--steps", "24", "--threads", "1", "--no-eval", "--save-dtype", "float32"]
+    straight = text_args(tmp_path, text_file, *common, "--checkpoint-precision", "float32",
+                         "--out", str(tmp_path / "a.safetensors"))
+    resumed = text_args(tmp_path, text_file, *common, "--resume", "--out", str(tmp_path / "b.safetensors"))
+    train.train(straight)
+    train.train(resumed, stop_after=12)  # the default precision: bfloat16 moments
+    ckpt = tmp_path / "checkpoints" / "b.ckpt"
+    dtypes = read_safetensors_dtypes_by_name(ckpt)
+    assert {dtypes[k] for k in dtypes if k.startswith("model.")} == {"F32"}
+    assert {dtypes[k] for k in dtypes if k.startswith("optim.")} == {"BF16"}
+    halfway = batch_loss(tmp_path / "b.safetensors", text_file)
+    train.train(resumed)
+    uninterrupted, after_resume = batch_loss(tmp_path / "a.safetensors", text_file), batch_loss(tmp_path / "b.safetensors", text_file)
+    assert halfway - uninterrupted > 0.1  # the second half still learns: closeness below is not for free
+    assert abs(after_resume - uninterrupted) < 1e-3, (after_resume, uninterrupted)
+
+
+def batch_loss(path: Path, text_file: Path) -> float:
+    model, _ = load_model(path)
+    with torch.no_grad():
+        return float(train.sequence_loss(model, fixed_batch(text_file, 16)))
+
+
+def read_safetensors_dtypes_by_name(path: Path) -> dict[str, str]:
+    raw = path.read_bytes()
+    header = json.loads(raw[8: 8 + int.from_bytes(raw[:8], "little")])
+    return {k: v["dtype"] for k, v in header.items() if k != "__metadata__"}
+
+
+def test_checkpoint_stores_32_bit_weights_and_16_bit_moments(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(attention="linformer", task="mnist", d_model=32, n_layers=2, n_heads=2, d_ff=64,
+                                    max_len=784, linformer_k=16))
+    opt = train.make_optimizer(model, 1e-3, 0.01)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()  # creates both moments of every parameter
+    params = model.num_parameters()
+    sizes = {}
+    for precision in ("float32", "bfloat16"):
+        run = checkpoint.RunSettings(10, None, 8, 1e-3, 5, 0.01, 100)
+        writer = checkpoint.CheckpointWriter(tmp_path / f"{precision}.ckpt", precision, run)
+        writer.save(model, opt, checkpoint.Progress(step=1), torch.Generator())
+        sizes[precision] = writer.path.stat().st_size
+    # 4 bytes of weight + 2 moments of 4 or 2 bytes, plus RNG states and the JSON header (<= 40 KB here)
+    assert 12 * params < sizes["float32"] < 12 * params + 40_000
+    assert 8 * params < sizes["bfloat16"] < 8 * params + 40_000
+
+
+def test_default_checkpoint_is_kept_under_weights_and_serve_does_not_load_it(tmp_path: Path, text_file: Path) -> None:
+    from server.settings import build_settings
+
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    train.train(text_args(tmp_path, text_file, "--steps", "2", "--no-eval", "--out", str(weights / "m.safetensors")))
+    assert read_checkpoint(weights / "checkpoints" / "m.ckpt").progress.step == 2
+    assert sorted(p.name for p in (weights / "checkpoints").iterdir()) == ["m.ckpt"]  # no .tmp left behind
+    assert build_settings(weights=weights).model_paths() == [weights / "m.safetensors"]
 
 
 def test_resume_refuses_a_checkpoint_of_another_architecture(tmp_path: Path, text_file: Path) -> None:
@@ -168,6 +253,148 @@ def test_resume_refuses_a_checkpoint_of_another_architecture(tmp_path: Path, tex
     other = text_args(tmp_path, text_file, "--steps", "4", "--no-eval", "--checkpoint", ckpt, "--resume", "--layers", "3")
     with pytest.raises(train.TrainError, match="use the same architecture flags"):
         train.train(other)
+    with pytest.raises(train.TrainError, match="checkpoint has n_layers=2; this run builds n_layers=3"):
+        train.train(other)
+    another = text_args(tmp_path, text_file, "--steps", "2", "--no-eval", "--checkpoint", ckpt, "--resume",
+                        "--attention", "softmax", "--d-model", "64")
+    with pytest.raises(train.TrainError, match=r"checkpoint has attention=linear, d_model=32; "
+                                               r"this run builds attention=softmax, d_model=64"):
+        train.train(another)
+
+
+def test_resume_with_another_horizon_needs_extend(tmp_path: Path, text_file: Path, capsys) -> None:
+    ckpt = str(tmp_path / "h.ckpt")
+    first = ["--no-eval", "--threads", "1", "--checkpoint", ckpt]
+    train.train(text_args(tmp_path, text_file, "--steps", "4", *first))
+    longer = text_args(tmp_path, text_file, "--steps", "6", "--resume", *first)
+    with pytest.raises(train.TrainError, match=r"steps 4 -> 6\); resume with the same flags .* or add --extend"):
+        train.train(longer)
+    smaller_batches = text_args(tmp_path, text_file, "--steps", "6", "--batch-size", "4", "--resume", "--extend", *first)
+    with pytest.raises(train.TrainError, match=r"batch_size 8 -> 4\); resume with the same flags to continue "
+                                               r"the same schedule and data order$"):
+        train.train(smaller_batches)
+    assert read_checkpoint(Path(ckpt)).progress.step == 4  # refused runs change nothing
+    info = train.train(text_args(tmp_path, text_file, "--steps", "6", "--resume", "--extend", *first))
+    assert info["steps"] == 6 and info["examples_seen"] == 6 * 8
+    assert "--extend: steps 4 -> 6; the cosine schedule is recomputed" in capsys.readouterr().err
+
+
+def test_damaged_checkpoints_are_named_as_such(tmp_path: Path, text_file: Path, capsys) -> None:
+    good = tmp_path / "good.ckpt"
+    train.train(text_args(tmp_path, text_file, "--steps", "2", "--no-eval", "--checkpoint", str(good)))
+    raw = good.read_bytes()
+    cases = {
+        "cut.ckpt": (raw[: len(raw) // 2], rf"truncated checkpoint: {len(raw) // 2} bytes, but its header describes {len(raw)} bytes"),
+        "noise.ckpt": (bytes(range(256)) * 4, "corrupt or truncated checkpoint"),
+        "legacy-cut.ckpt": (legacy_blob_bytes(tmp_path, good)[:3000], r"corrupt or truncated checkpoint \(older torch.save format"),
+    }
+    for name, (content, message) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(train.TrainError, match=message):
+            read_checkpoint(tmp_path / name)
+    model_file = tmp_path / "model.safetensors"
+    save_model(build_model(ModelConfig(d_model=32, n_layers=1, n_heads=2, d_ff=32)), model_file)
+    with pytest.raises(train.TrainError, match="not a training checkpoint"):
+        read_checkpoint(model_file)
+    with safe_open(str(good), framework="pt") as f:
+        tensors, header = {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()[checkpoint.METADATA_KEY])
+    save_file(tensors, str(tmp_path / "future.ckpt"),
+              metadata={checkpoint.METADATA_KEY: json.dumps(header | {"format": checkpoint.FORMAT + 1})})
+    with pytest.raises(train.TrainError, match=rf"checkpoint format {checkpoint.FORMAT + 1} is newer than this"):
+        read_checkpoint(tmp_path / "future.ckpt")
+    # Through the command line: exit status 2, one line naming the file and the problem.
+    args = text_args(tmp_path, text_file, "--steps", "4", "--no-eval", "--checkpoint", str(tmp_path / "cut.ckpt"), "--resume")
+    assert train.run(args) == 2
+    assert f"{tmp_path / 'cut.ckpt'}: truncated checkpoint" in capsys.readouterr().err
+
+
+def legacy_blob_bytes(tmp_path: Path, ckpt: Path) -> bytes:
+    """A checkpoint in the older torch.save format, holding what `ckpt` holds."""
+    path = tmp_path / "legacy.tmp"
+    write_legacy_checkpoint(path, read_checkpoint(ckpt))
+    return path.read_bytes()
+
+
+def write_legacy_checkpoint(path: Path, ckpt: Checkpoint) -> None:
+    """What rnnserve wrote before format 2: torch.save of the live model's and optimiser's state dicts."""
+    model = build_model(ckpt.config)
+    opt = train.make_optimizer(model, 1e-3, 0.01)
+    generator = torch.Generator()
+    checkpoint.restore(path, ckpt, model, opt, generator)
+    blob = {"config": model.config.to_json(), "model": model.state_dict(), "optimizer": opt.state_dict(),
+            "progress": vars(ckpt.progress).copy(), "data_rng": generator.get_state(),
+            "torch_rng": torch.get_rng_state(), "cuda_rng": None}
+    torch.save(blob, path)
+
+
+def test_older_torch_save_checkpoints_still_resume_bit_for_bit(tmp_path: Path, text_file: Path) -> None:
+    common = ["--steps", "6", "--no-eval", "--dropout", "0.1", "--checkpoint-precision", "float32"]
+    train.train(text_args(tmp_path, text_file, *common, "--checkpoint", str(tmp_path / "a.ckpt")))
+    out = tmp_path / "old.safetensors"
+    train.train(text_args(tmp_path, text_file, *common, "--out", str(out)), stop_after=3)
+    # The run that wrote it kept its checkpoint next to --out, where the resume still looks.
+    write_legacy_checkpoint(out.with_suffix(".ckpt"), read_checkpoint(tmp_path / "checkpoints" / "old.ckpt"))
+    (tmp_path / "checkpoints" / "old.ckpt").unlink()
+    train.train(text_args(tmp_path, text_file, *common, "--out", str(out), "--resume"))
+    resumed = read_checkpoint(tmp_path / "checkpoints" / "old.ckpt")  # the new checkpoint: format 2, new place
+    assert resumed.run is not None and resumed.progress.step == 6
+    assert_same_training_state(read_checkpoint(tmp_path / "a.ckpt"), resumed)
+
+
+@pytest.mark.parametrize("failure", [OSError("No space left on device"), KeyboardInterrupt()], ids=["oserror", "interrupt"])
+def test_an_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path: Path, text_file: Path,
+                                                                failure: BaseException) -> None:
+    ckpt = tmp_path / "w.ckpt"
+    train.train(text_args(tmp_path, text_file, "--steps", "2", "--no-eval", "--checkpoint", str(ckpt)))
+    before = ckpt.read_bytes()
+
+    def write_half_then_fail(tmp: Path) -> None:
+        tmp.write_bytes(before[: len(before) // 2])
+        raise failure
+
+    with pytest.raises(type(failure)):
+        checkpoint.write_atomically(ckpt, write_half_then_fail)
+    assert ckpt.read_bytes() == before
+    assert read_checkpoint(ckpt).progress.step == 2
+    assert sorted(p.name for p in tmp_path.glob("w.ckpt*")) == ["w.ckpt"]  # the partial .tmp is removed
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_signal_stops_training_with_a_checkpoint_to_resume_from(tmp_path: Path, text_file: Path, signum: int) -> None:
+    ckpt = tmp_path / "s.ckpt"
+    argv = ["--task", "text", "--attention", "linear", "--data", str(text_file), "--preset", "tiny", "--context", "16",
+            "--dropout", "0.1", "--device", "cpu", "--threads", "1", "--no-progress", "--no-eval", "--steps", "100000",
+            "--checkpoint-every", "4", "--checkpoint-precision", "float32", "--checkpoint", str(ckpt),
+            "--out", str(tmp_path / "s.safetensors")]
+    proc = subprocess.Popen([sys.executable, "-m", "rnnserve_cli", "train", *argv], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_file(ckpt, proc, timeout_s=180)  # a few steps done
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signum, err
+    step = read_checkpoint(ckpt).progress.step
+    assert step >= 4
+    assert f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint {ckpt} written" in err
+    assert not (tmp_path / "s.safetensors").exists()  # an unfinished run ships no model
+    # Resumed for 2 more steps == the same run uninterrupted to step + 2.
+    train.train(parse("train", [*argv, "--resume"]), stop_after=step + 2)
+    straight = tmp_path / "straight.ckpt"
+    train.train(parse("train", [*argv, "--checkpoint", str(straight)]), stop_after=step + 2)
+    assert read_checkpoint(ckpt).progress.step == step + 2
+    assert_same_training_state(read_checkpoint(straight), read_checkpoint(ckpt))
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc.poll() is not None:
+            pytest.fail(f"training exited early ({proc.returncode}): {proc.communicate()[1]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"no checkpoint after {timeout_s} s")
+        time.sleep(0.05)
 
 
 def test_train_without_a_horizon_is_a_clear_error(tmp_path: Path, text_file: Path) -> None:
@@ -177,15 +404,16 @@ def test_train_without_a_horizon_is_a_clear_error(tmp_path: Path, text_file: Pat
 
 def test_mnist_training_records_data_and_eval_in_the_file(tmp_path: Path, mnist_dir: Path) -> None:
     out = tmp_path / "d.safetensors"
-    args = parse(train, ["--task", "mnist", "--attention", "softmax", "--data", str(mnist_dir), "--preset", "tiny",
-                         "--steps", "3", "--device", "cpu", "--no-progress", "--out", str(out)])
-    assert train.run(args) == 0
+    argv = ["--task", "mnist", "--attention", "softmax", "--data", str(mnist_dir), "--preset", "tiny",
+            "--steps", "3", "--device", "cpu", "--no-progress", "--out", str(out)]
+    assert train.run(parse("train", argv)) == 0
     cfg, info = read_metadata(out)
     assert cfg.max_len == 784 and cfg.task == "mnist"
     assert info["data"]["train"].endswith("train-images-idx3-ubyte.gz")
     assert info["examples_seen"] == 3 * 8 and info["device"].startswith("cpu")
     assert info["eval"]["images"] == 6 and 0 < info["eval"]["bits_per_dim"] < 9
     assert read_safetensors_dtypes(out) == {"BF16"}  # stored in 16 bits, like the shipped files
+    assert info["command"] == shlex.join(["rnnserve", "train", *argv])  # the argv given, not pytest's sys.argv
 
 
 def read_safetensors_dtypes(path: Path) -> set[str]:
@@ -248,7 +476,7 @@ def test_eval_store_writes_the_result_into_the_file_and_keeps_its_tensors(tmp_pa
     save_model(build_model(cfg), path, {"examples_seen": 7}, dtype=torch.bfloat16)
     before = load_file(path)
     args = ["--data", str(mnist_dir), "--device", "cpu", "--threads", "1", "--json", "--store"]
-    assert evaluate.run(parse(evaluate, [str(path), *args])) == 0
+    assert evaluate.run(parse("eval", [str(path), *args])) == 0
     printed = json.loads(capsys.readouterr().out)[str(path)]
     _, info = read_metadata(path)
     assert info["examples_seen"] == 7 and info["eval"] == printed
@@ -260,7 +488,7 @@ def test_eval_store_writes_the_result_into_the_file_and_keeps_its_tensors(tmp_pa
 def test_eval_cli_reports_a_missing_data_folder(tmp_path: Path, capsys) -> None:
     path = tmp_path / "f.safetensors"
     save_model(build_model(ModelConfig(task="mnist", d_model=32, n_layers=1, n_heads=2, d_ff=32, max_len=784)), path)
-    assert evaluate.run(parse(evaluate, [str(path), "--data", str(tmp_path / "nope"), "--device", "cpu"])) == 2
+    assert evaluate.run(parse("eval", [str(path), "--data", str(tmp_path / "nope"), "--device", "cpu"])) == 2
     assert "no such file or folder" in capsys.readouterr().err
 
 
@@ -273,8 +501,8 @@ def test_pictures_draws_one_column_per_model(tmp_path: Path, mnist_dir: Path) ->
     model_path = tmp_path / "g.safetensors"
     save_model(build_model(ModelConfig(task="mnist", d_model=32, n_layers=1, n_heads=2, d_ff=32, max_len=784)), model_path)
     out = tmp_path / "p.png"
-    args = parse(pictures, ["--models", str(model_path), str(model_path), "--data", str(mnist_dir), "--out", str(out),
-                            "--digits", "2", "--scale", "1", "--device", "cpu"])
+    args = parse("pictures", ["--models", str(model_path), str(model_path), "--data", str(mnist_dir), "--out", str(out),
+                              "--digits", "2", "--scale", "1", "--device", "cpu"])
     assert pictures.run(args) == 0
     width, height = Image.open(out).size
     assert width == 4 * (28 + pictures.GAP) + pictures.GAP  # original, occluded, two models

@@ -34,6 +34,13 @@ class MnistSplit:
 
 
 @dataclass(frozen=True)
+class LabeledMnist:
+    images: torch.Tensor  # (N, 784) uint8 grey levels, raster order
+    labels: torch.Tensor  # (N,) uint8 digits 0-9
+    path: str  # the images file they came from
+
+
+@dataclass(frozen=True)
 class TextSplits:
     train: torch.Tensor  # (N_train,) uint8 bytes
     valid: torch.Tensor  # (N_valid,) uint8 bytes
@@ -68,6 +75,41 @@ def read_idx_images(path: str | Path) -> torch.Tensor:
         raise DataError(f"{path}: {len(raw)} bytes, expected {expected} for {count} images of {rows}x{cols}")
     pixels = np.frombuffer(raw, dtype=np.uint8, offset=16).reshape(count, rows * cols)
     return torch.from_numpy(pixels.copy())
+
+
+def read_idx_labels(path: str | Path) -> torch.Tensor:
+    """One IDX1 labels file -> (N,) uint8 digits 0-9. Checks magic, size and range."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file; expected the IDX labels file that goes with the images "
+                        "(e.g. t10k-labels-idx1-ubyte.gz beside t10k-images-idx3-ubyte.gz)")
+    raw = _read_bytes(path)
+    if len(raw) < 8:
+        raise DataError(f"{path}: {len(raw)} bytes is too short for an IDX labels header (8 bytes)")
+    magic, count = struct.unpack(">ii", raw[:8])
+    if magic != LABELS_MAGIC:
+        raise DataError(f"{path}: magic number {magic}, expected {LABELS_MAGIC} (IDX1 unsigned-byte labels)")
+    if len(raw) != 8 + count:
+        raise DataError(f"{path}: {len(raw)} bytes, expected {8 + count} for {count} labels")
+    labels = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8, offset=8).copy())
+    if labels.numel() and int(labels.max()) > 9:
+        raise DataError(f"{path}: holds label {int(labels.max())}; expected digits 0-9")
+    return labels
+
+
+def write_idx_labels(path: str | Path, labels: torch.Tensor, compress: bool = True) -> None:
+    """Write (N,) digit labels as an IDX1 file (tests and users with their own digits)."""
+    payload = struct.pack(">ii", LABELS_MAGIC, labels.numel()) + labels.to(torch.uint8).numpy().tobytes()
+    Path(path).write_bytes(gzip.compress(payload) if compress else payload)
+
+
+def labels_file_for(images_file: str | Path) -> Path:
+    """The labels file beside an images file: `X-images-idx3-ubyte[.gz]` -> `X-labels-idx1-ubyte[.gz]`."""
+    images_file = Path(images_file)
+    if "-images-idx3-ubyte" not in images_file.name:
+        raise DataError(f"{images_file}: cannot tell its labels file; expected a name like "
+                        "t10k-images-idx3-ubyte.gz with t10k-labels-idx1-ubyte.gz beside it")
+    return images_file.with_name(images_file.name.replace("-images-idx3-ubyte", "-labels-idx1-ubyte"))
 
 
 def write_idx_images(path: str | Path, images: torch.Tensor, compress: bool = True) -> None:
@@ -107,6 +149,17 @@ def load_mnist(path: str | Path, split: str) -> MnistSplit:
         raise DataError(f"unknown MNIST split {split!r}; expected train or test")
     file = find_images_file(path, split)
     return MnistSplit(read_idx_images(file), str(file))
+
+
+def load_labeled_mnist(path: str | Path, split: str) -> LabeledMnist:
+    """MNIST `split` with its labels, from a folder or an images file (labels file beside it)."""
+    images = load_mnist(path, split)
+    labels_path = labels_file_for(images.path)
+    labels = read_idx_labels(labels_path)
+    if labels.shape[0] != images.images.shape[0]:
+        raise DataError(f"{labels_path}: {labels.shape[0]} labels for {images.images.shape[0]} images in "
+                        f"{images.path}; expected one label per image")
+    return LabeledMnist(images.images, labels, images.path)
 
 
 def load_text(path: str | Path) -> TextSplits:

@@ -3,7 +3,10 @@
 bits/dim is the mean of -log2 p(pixel) over every pixel of the test images,
 read exactly off the model's 256-way logits. Text loss is the mean -ln p(byte)
 over the validation split (last 10% of the file), cut into non-overlapping
-windows of the model's max_len, each starting from BOS.
+windows of the model's max_len, each starting from BOS. With --completions
+it evaluates completions of occluded test digits instead (training/completions.py).
+With --store a result is merged into the file's info["eval"], keeping the others.
+The flags are defined in training/arguments.py.
 """
 
 from __future__ import annotations
@@ -21,26 +24,14 @@ from tqdm import tqdm
 from model import Transformer
 from model.sampling import token_logprobs
 from model.transformer import with_bos
-from model.weights_io import WeightsError, load_model, update_info
+from model.weights_io import WeightsError, load_model, read_metadata, update_info
 
+from .completions import DEFAULT_BATCH, CompletionRun, choose_occlusion, evaluate_completions
+from .completions import print_table as print_completions
+from .completions import store_result
 from .data import DataError, load_mnist, load_text
 
 TASK_DATA = {"mnist": "a folder with t10k-images-idx3-ubyte[.gz] (or that file)", "text": "a UTF-8 text file"}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("models", nargs="+", help="one or more .safetensors files")
-    parser.add_argument("--data", required=True,
-                        help="MNIST: folder with t10k-images-idx3-ubyte[.gz] (or the file); text: the UTF-8 file")
-    parser.add_argument("--limit", type=int, help="only the first N test images / validation windows")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
-    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
-    parser.add_argument("--store", action="store_true",
-                        help="also write each result into its file's metadata (info['eval']), as `rnnserve train` "
-                             "does at its end; the tensors are written back unchanged")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--no-progress", action="store_true")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -145,18 +136,15 @@ def print_table(rows: list[tuple[str, dict[str, Any]]]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        if args.limit is not None and args.limit <= 0:
-            raise DataError(f"--limit must be positive, got {args.limit}")
-        if args.threads is not None:
-            if args.threads < 1:
-                raise DataError(f"--threads must be at least 1, got {args.threads}")
-            torch.set_num_threads(args.threads)
+        check_args(args)
         device = resolve_device(args.device)
-        rows = [(m, evaluate_file(m, args.data, device, args.limit, args.batch_size,
+        if args.completions:
+            return run_completions(args, device)
+        rows = [(m, evaluate_file(m, args.data, device, args.limit, args.batch_size or 32,
                                   show_progress=not args.no_progress and not args.json)) for m in args.models]
         if args.store:
             for path, result in rows:
-                update_info(path, {"eval": result})
+                store_eval(path, result)
     except (DataError, WeightsError) as exc:
         print(f"rnnserve eval: error: {exc}", file=sys.stderr)
         return 2
@@ -164,4 +152,46 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({name: result for name, result in rows}, indent=2))
     else:
         print_table(rows)
+    return 0
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Flag values and combinations, before any file is read; sets the thread count."""
+    for flag in ("limit", "batch_size"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise DataError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise DataError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    if not args.completions:
+        given = [flag for flag in ("occlusion", "mask") if getattr(args, flag) is not None]
+        if given:
+            raise DataError(f"--{given[0]} only applies with --completions")
+    elif args.occlusion is not None and args.mask is not None:
+        raise DataError("give either --occlusion or --mask, not both")
+    elif args.temperature < 0:
+        raise DataError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+
+
+def store_eval(path: str | Path, result: dict[str, Any]) -> None:
+    """Merge a bits/dim or loss result into info["eval"], keeping stored completion results."""
+    _, info = read_metadata(path)
+    update_info(path, {"eval": {**(info.get("eval") or {}), **result}})
+
+
+def run_completions(args: argparse.Namespace, device: torch.device) -> int:
+    """`eval --completions`: every model on the same digits, occlusion and seed."""
+    run = CompletionRun(args.data, args.classifier, choose_occlusion(args.occlusion, args.mask), args.limit,
+                        args.seed, args.temperature, args.batch_size or DEFAULT_BATCH,
+                        show_progress=not args.no_progress and not args.json)
+    rows = [(m, evaluate_completions(m, run, device)) for m in args.models]
+    if args.store:
+        for path, result in rows:
+            store_result(path, result)
+    if args.json:
+        print(json.dumps({name: result.as_dict() for name, result in rows}, indent=2))
+    else:
+        print_completions(rows)
     return 0

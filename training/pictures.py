@@ -3,6 +3,7 @@
 Rows are digits. Columns: the original, the occluded input (bottom half hidden),
 then one completion per model, sampled from the model given the top rows as
 its prompt. Each column is labelled with the model's attention kind.
+The flags are defined in training/arguments.py.
 """
 
 from __future__ import annotations
@@ -24,18 +25,6 @@ from .evaluate import resolve_device
 HIDDEN_RGB = (40, 60, 120)  # colour of occluded pixels, so they can't pass for black ink
 LABEL_HEIGHT = 16
 GAP = 4
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--models", nargs="+", required=True, help="MNIST .safetensors files, one column each")
-    parser.add_argument("--data", required=True, help="folder with the MNIST test images (or the file)")
-    parser.add_argument("--out", required=True, help="output PNG path")
-    parser.add_argument("--digits", type=int, default=6, help="how many test digits (rows)")
-    parser.add_argument("--keep-rows", type=int, default=14, help="rows of each digit shown to the models")
-    parser.add_argument("--seed", type=int, default=0, help="picks the digits and seeds the sampling")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--scale", type=int, default=3, help="pixels per MNIST pixel in the PNG")
-    parser.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
 
 
 def pick_digits(images: torch.Tensor, count: int, seed: int) -> torch.Tensor:

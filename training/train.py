@@ -1,20 +1,23 @@
 """`rnnserve train`: train one model on MNIST or a text file and save it as .safetensors.
 
 The learning rate warms up linearly, then follows a cosine over the run's
-horizon: --steps, --minutes, or whichever ends first. A checkpoint (.ckpt,
-model + optimiser + step + RNG states) is written every --checkpoint-every
-steps; --resume continues from it bit for bit when the horizon is in steps.
+horizon: --steps, --minutes, or whichever ends first. A checkpoint (model,
+optimiser, progress and RNG states; see training/checkpoint.py) is written
+every --checkpoint-every steps and when SIGTERM or SIGINT stops the run, by
+default to weights/checkpoints/NAME.ckpt beside --out; --resume continues
+from it with the same schedule, data order and random state (bit for bit
+with --checkpoint-precision float32). Steps are the resumable horizon: a
+--minutes schedule depends on wall time, so it resumes, but not exactly.
 At the end the weights are saved in 16-bit floats, evaluated from that very
 file (MNIST test bits/dim or text validation loss), and the results are
 stored in the file's metadata with the data used, examples seen, wall time
-and device.
+and device. The flags are defined in training/arguments.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import platform
 import sys
 import time
@@ -31,69 +34,18 @@ from model import ModelConfig, Transformer, build_model
 from model.transformer import with_bos
 from model.weights_io import save_model
 
+from .arguments import SAVE_DTYPE_NAMES
+from .checkpoint import (CheckpointWriter, Progress, RunSettings, StopRequest, TrainingStopped, check_config,
+                         read_checkpoint, restore, run_changes, stop_on_signals)
 from .data import MNIST_PIXELS, DataError, load_mnist, load_text
+from .errors import TrainError
 from .evaluate import device_description, evaluate_file, print_table, resolve_device
-from .presets import PRESETS, REFORMER_LOCAL_WINDOW
+from .presets import PRESETS
 
-SAVE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+SAVE_DTYPES = {name: getattr(torch, name) for name in SAVE_DTYPE_NAMES}
 MIN_LR_FRACTION = 0.1  # the cosine ends at 10% of the peak rate
 
 
-class TrainError(ValueError):
-    """A bad flag combination or a checkpoint that does not fit this run."""
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--task", choices=("mnist", "text"), required=True)
-    parser.add_argument("--attention", choices=("softmax", "linear", "linformer", "reformer"), required=True)
-    parser.add_argument("--data", required=True, help="MNIST: folder (or train images file); text: a UTF-8 file")
-    parser.add_argument("--eval-data", help="MNIST test images folder/file (default: the --data folder)")
-    parser.add_argument("--out", required=True, help="output weights file, e.g. weights/mnist-linear.safetensors")
-    arch = parser.add_argument_group("architecture (override the preset)")
-    arch.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    arch.add_argument("--layers", type=int)
-    arch.add_argument("--d-model", type=int)
-    arch.add_argument("--heads", type=int)
-    arch.add_argument("--d-ff", type=int)
-    arch.add_argument("--context", type=int, default=256, help="text: window length in bytes (= max_len)")
-    arch.add_argument("--dropout", type=float, default=0.0)
-    arch.add_argument("--pos-encoding", choices=("learned", "sinusoidal"), default="learned")
-    arch.add_argument("--linformer-k", type=int, default=64)
-    arch.add_argument("--reformer-buckets", type=int, default=32)
-    arch.add_argument("--reformer-rounds", type=int, default=1)
-    arch.add_argument("--reformer-local-window", type=int, default=REFORMER_LOCAL_WINDOW,
-                      help="Reformer: also attend to the W positions before each query (0: hashed buckets only)")
-    opt = parser.add_argument_group("optimisation")
-    opt.add_argument("--minutes", type=float, help="wall-clock budget for training (eval not included)")
-    opt.add_argument("--steps", type=int, help="number of optimiser steps")
-    opt.add_argument("--batch-size", type=int)
-    opt.add_argument("--lr", type=float, help="peak learning rate (AdamW)")
-    opt.add_argument("--warmup-steps", type=int, default=100)
-    opt.add_argument("--weight-decay", type=float, default=0.01)
-    opt.add_argument("--seed", type=int, default=0)
-    run = parser.add_argument_group("run")
-    run.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
-    run.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for torch")
-    run.add_argument("--save-dtype", choices=sorted(SAVE_DTYPES), default="bfloat16")
-    run.add_argument("--autocast", choices=("auto", "bf16", "off"), default="auto",
-                     help="bfloat16 autocast; auto: on for CUDA and for CPUs with native bf16 (AVX512-BF16, AMX)")
-    run.add_argument("--checkpoint", help="checkpoint path (default: OUT with .ckpt)")
-    run.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (0: never)")
-    run.add_argument("--resume", action="store_true", help="continue from the checkpoint if it exists")
-    run.add_argument("--no-eval", action="store_true", help="skip the evaluation at the end")
-    run.add_argument("--eval-limit", type=int, help="evaluate on the first N test images / windows only")
-    run.add_argument("--eval-batch-size", type=int, default=32)
-    run.add_argument("--no-progress", action="store_true", help="no progress bar (logs print a line per checkpoint)")
-
-
-@dataclass
-class Progress:
-    """Everything that changes step to step, besides model and optimiser."""
-
-    step: int = 0
-    examples: int = 0
-    elapsed_s: float = 0.0
-    loss_ema: float = float("nan")
 
 
 @dataclass
@@ -167,38 +119,54 @@ def sequence_loss(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def checkpoint_path(args: argparse.Namespace) -> Path:
-    return Path(args.checkpoint) if args.checkpoint else Path(args.out).with_suffix(".ckpt")
+    if args.checkpoint:
+        return Path(args.checkpoint)
+    out = Path(args.out)
+    return out.parent / "checkpoints" / (out.stem + ".ckpt")
 
 
-def save_checkpoint(path: Path, model: Transformer, opt: torch.optim.Optimizer, prog: Progress,
-                    batches: Batches) -> None:
-    blob = {
-        "config": model.config.to_json(),
-        "model": model.state_dict(),
-        "optimizer": opt.state_dict(),
-        "progress": vars(prog).copy(),
-        "data_rng": batches.generator.get_state(),
-        "torch_rng": torch.get_rng_state(),
-        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-    }
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(blob, tmp)
-    os.replace(tmp, path)  # a crash mid-write never leaves a broken checkpoint
+def resume_path(args: argparse.Namespace) -> Path | None:
+    """The checkpoint to resume from: ours, else one next to --out where rnnserve wrote them before."""
+    ours, older = checkpoint_path(args), Path(args.out).with_suffix(".ckpt")
+    if ours.is_file():
+        return ours
+    if not args.checkpoint and older.is_file():
+        print(f"resuming from {older} (the older default place); new checkpoints go to {ours}", file=sys.stderr)
+        return older
+    return None
 
 
-def load_checkpoint(path: Path, model: Transformer, opt: torch.optim.Optimizer, batches: Batches) -> Progress:
-    blob = torch.load(path, map_location="cpu", weights_only=False)
-    saved = ModelConfig.from_json(blob["config"])
-    if saved != model.config:
-        raise TrainError(f"{path}: checkpoint is for {saved}, but this run builds {model.config}; "
-                         f"use the same architecture flags as the run that wrote it")
-    model.load_state_dict(blob["model"])
-    opt.load_state_dict(blob["optimizer"])
-    batches.generator.set_state(blob["data_rng"])
-    torch.set_rng_state(blob["torch_rng"])
-    if blob["cuda_rng"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(blob["cuda_rng"])
-    return Progress(**blob["progress"])
+def resume(args: argparse.Namespace, writer: CheckpointWriter, model: Transformer, opt: torch.optim.Optimizer,
+           batches: Batches) -> Progress:
+    """Progress of the checkpoint this run continues, after loading it; a fresh Progress if there is none."""
+    path = resume_path(args)
+    if path is None:
+        print(f"no checkpoint at {writer.path}: starting from step 0", file=sys.stderr)
+        return Progress()
+    ckpt = read_checkpoint(path)
+    check_config(path, ckpt.config, model.config)  # the architecture first: the most basic mismatch
+    if ckpt.run is not None:
+        check_same_run(path, ckpt.run, writer.run, args.extend, ckpt.progress)
+    prog = restore(path, ckpt, model, opt, batches.generator)
+    print(f"resumed from {path} at step {prog.step}", file=sys.stderr)
+    return prog
+
+
+def check_same_run(path: Path, saved: RunSettings, now: RunSettings, extend: bool, prog: Progress) -> None:
+    """Refuse settings that would change the schedule or data order, except a horizon --extend accepts."""
+    changes = run_changes(saved, now)
+    if not changes:
+        return
+    fixed = {k: v for k, v in changes.items() if k not in RunSettings.HORIZON}
+    listed = "; ".join(f"{name} {old} -> {new}" for name, (old, new) in changes.items())
+    if fixed or not extend:
+        hint = "" if fixed else ", or add --extend to continue over the new horizon"
+        raise TrainError(f"{path}: this run differs from the checkpoint's ({listed}); resume with the same "
+                         f"flags to continue the same schedule and data order{hint}")
+    was_lr = learning_rate(saved.lr, prog.step, saved.warmup_steps, run_progress(prog, saved.steps, saved.minutes))
+    now_lr = learning_rate(now.lr, prog.step, now.warmup_steps, run_progress(prog, now.steps, now.minutes))
+    print(f"--extend: {listed}; the cosine schedule is recomputed over the new horizon: at step {prog.step} the "
+          f"learning rate goes from {was_lr:.3g} to {now_lr:.3g}", file=sys.stderr)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -210,6 +178,10 @@ def check_args(args: argparse.Namespace) -> None:
             raise TrainError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if not Path(args.out).parent.is_dir():
         raise TrainError(f"--out {args.out}: folder {Path(args.out).parent} does not exist")
+    if args.checkpoint and not Path(args.checkpoint).parent.is_dir():
+        raise TrainError(f"--checkpoint {args.checkpoint}: folder {Path(args.checkpoint).parent} does not exist")
+    if args.extend and not args.resume:
+        raise TrainError("--extend changes the horizon of a resumed run: add --resume")
 
 
 def make_optimizer(model: Transformer, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -232,8 +204,8 @@ def optimizer_step(model: Transformer, opt: torch.optim.Optimizer, tokens: torch
 
 
 def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: bf16 matmuls 2-3x faster than fp32 (measured 136 vs 50 GFLOP/s on an AMD EPYC
-    with AVX512-BF16); without them bf16 is emulated and slower (1.49 vs 0.85 s/step on an Intel Xeon)."""
+    """AVX512-BF16 or AMX: with them bf16 matmuls beat fp32; without them bf16 is emulated and
+    slower than fp32 (measurements in benchmarks/README.md, "Measurements behind design choices")."""
     checks = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
     return any(check() for check in checks if check is not None)
 
@@ -252,19 +224,19 @@ def autocast_context(device: torch.device, choice: str):
 
 
 def train_steps(model: Transformer, opt: torch.optim.Optimizer, batches: Batches, prog: Progress,
-                args: argparse.Namespace, lr: float, stop_after: int | None = None) -> None:
-    """The loop: until the horizon (or `stop_after` steps, to simulate an interruption)."""
+                args: argparse.Namespace, writer: CheckpointWriter, stop: StopRequest,
+                stop_after: int | None = None) -> None:
+    """The loop: until the horizon, a stop request, or `stop_after` steps (to simulate an interruption)."""
     device = model.device
     autocast = autocast_context(device, args.autocast)
-    ckpt = checkpoint_path(args)
     bar = tqdm(total=args.steps, initial=prog.step, disable=args.no_progress, unit="step",
                mininterval=2.0, dynamic_ncols=True)
     t_start = time.perf_counter() - prog.elapsed_s
     model.train()
-    while run_progress(prog, args.steps, args.minutes) < 1.0:
+    while run_progress(prog, args.steps, args.minutes) < 1.0 and stop.signum is None:
         if stop_after is not None and prog.step >= stop_after:
             break
-        rate = learning_rate(lr, prog.step, args.warmup_steps, run_progress(prog, args.steps, args.minutes))
+        rate = learning_rate(writer.run.lr, prog.step, args.warmup_steps, run_progress(prog, args.steps, args.minutes))
         for group in opt.param_groups:
             group["lr"] = rate
         tokens = batches.next().to(device, non_blocking=True)  # (B, T)
@@ -279,7 +251,7 @@ def train_steps(model: Transformer, opt: torch.optim.Optimizer, batches: Batches
         bar.set_postfix(loss=f"{prog.loss_ema:.4f}", ex_s=f"{prog.examples / prog.elapsed_s:.1f}",
                         lr=f"{rate:.2e}", min=f"{prog.elapsed_s / 60:.1f}", refresh=False)
         if args.checkpoint_every and prog.step % args.checkpoint_every == 0:
-            save_checkpoint(ckpt, model, opt, prog, batches)
+            writer.save(model, opt, prog, batches.generator)
             if args.no_progress:
                 print(f"step {prog.step} loss {prog.loss_ema:.4f} examples {prog.examples} "
                       f"{prog.elapsed_s / 60:.1f} min", flush=True)
@@ -312,7 +284,7 @@ def training_info(args: argparse.Namespace, data_path: str, prog: Progress, devi
         "final_train_loss_nats": round(prog.loss_ema, 5),  # moving average over ~50 steps
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "command": "rnnserve train " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["train"] else None,
+        "command": args.command_line,
     }
 
 
@@ -332,16 +304,17 @@ def train(args: argparse.Namespace, stop_after: int | None = None) -> dict[str, 
     model = build_model(cfg).to(device)
     opt = make_optimizer(model, lr, args.weight_decay)
     batches = Batches(data, cfg.max_len, batch_size, torch.Generator().manual_seed(args.seed))
-    prog = Progress()
-    ckpt = checkpoint_path(args)
-    if args.resume and ckpt.is_file():
-        prog = load_checkpoint(ckpt, model, opt, batches)
-        print(f"resumed from {ckpt} at step {prog.step}", file=sys.stderr)
+    run = RunSettings(args.steps, args.minutes, batch_size, lr, args.warmup_steps, args.weight_decay, data.shape[0])
+    writer = CheckpointWriter(checkpoint_path(args), args.checkpoint_precision, run)
+    prog = resume(args, writer, model, opt, batches) if args.resume else Progress()
     print(f"{cfg.attention} {cfg.task}: {model.num_parameters():,} parameters, batch {batch_size}, "
           f"lr {lr}, device {device_description(device)}", file=sys.stderr)
-    train_steps(model, opt, batches, prog, args, lr, stop_after)
-    if args.checkpoint_every:
-        save_checkpoint(ckpt, model, opt, prog, batches)
+    with stop_on_signals() as stop:
+        train_steps(model, opt, batches, prog, args, writer, stop, stop_after)
+        if args.checkpoint_every:
+            writer.save(model, opt, prog, batches.generator)
+    if stop.signum is not None:
+        raise TrainingStopped(stop.signum, prog.step, writer.path if args.checkpoint_every else None)
     info = training_info(args, data_path, prog, device, batch_size, lr)
     save_model(model, args.out, info, dtype=SAVE_DTYPES[args.save_dtype])
     if not args.no_eval:
@@ -360,4 +333,7 @@ def run(args: argparse.Namespace) -> int:
     except (TrainError, DataError) as exc:
         print(f"rnnserve train: error: {exc}", file=sys.stderr)
         return 2
+    except TrainingStopped as exc:
+        print(f"rnnserve train: {exc}", file=sys.stderr)
+        return 128 + exc.signum  # the shell's code for "ended by this signal"
     return 0

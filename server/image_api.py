@@ -1,0 +1,92 @@
+"""The image completion API's request and response shapes, as the OpenAPI document shows them.
+
+JSON bodies are `ImageCompletionRequest`; multipart bodies carry the same
+options as form fields, the digit as an `image` file (or a `pixels` JSON
+field) and optionally a `mask` file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field, model_validator
+
+from .errors import FieldError
+from .imaging import SIDE
+from .responses import GENERATION_ERRORS, SSE
+from .schemas import Int, SamplingOptions
+
+Grid = list[list[Int()]]
+
+
+class ImageOptions(SamplingOptions):
+    model: str | None = Field(None, description="an mnist model from GET /v1/models; may be left out when only one is loaded")
+    stream: bool = Field(False, description="send rows as server-sent events as they complete")
+    keep_rows: Int(ge=0, le=SIDE) | None = Field(None, description="rows 0..k-1 known, the rest unknown")
+
+
+class ImageCompletionRequest(ImageOptions):
+    image: str | None = Field(None, description="base64 PNG, 28x28; alpha 0 marks unknown pixels")
+    pixels: Grid | None = Field(None, description="28 rows of 28 grey levels 0-255")
+    mask: str | Grid | None = Field(None, description="base64 PNG (white = unknown) or 28x28 of 0/1 (1 = unknown)")
+
+    @model_validator(mode="after")
+    def _one_image(self) -> "ImageCompletionRequest":
+        if (self.image is None) == (self.pixels is None):
+            raise FieldError("give the digit as exactly one of `image` (base64 PNG) or `pixels` (28x28 grey levels)",
+                             "image")
+        return self
+
+
+class ImageEntry(BaseModel):
+    index: int
+    png_base64: str
+    pixels: Grid
+
+
+class ImageUsage(BaseModel):
+    pixels_generated: int
+    seconds: float
+    pixels_per_second: float | None
+
+
+class ImageCompletionResponse(BaseModel):
+    id: str
+    object: str = "image.completion"
+    created: int
+    model: str
+    data: list[ImageEntry]
+    usage: ImageUsage
+
+
+def _multipart_schema() -> dict[str, Any]:
+    """The form fields: every option as in JSON, the digit as a file (or `pixels` as JSON text), a mask file.
+    A form cannot send null: a field is left out instead, so no option is nullable here."""
+    options = {name: _not_null(field) for name, field in ImageOptions.model_json_schema()["properties"].items()}
+    files = {"image": {"type": "string", "format": "binary", "description": "28x28 PNG; alpha 0 marks unknown pixels"},
+             "mask": {"type": "string", "format": "binary", "description": "28x28 PNG, white = unknown"},
+             "pixels": {"type": "string", "description": "instead of `image`: 28x28 grey levels as JSON text"}}
+    return {"type": "object", "properties": {**files, **options}, "required": ["image"]}
+
+
+def _not_null(field: dict[str, Any]) -> dict[str, Any]:
+    """A JSON schema property without its null branch (`anyOf: [X, null]` -> X)."""
+    branches = [b for b in field.get("anyOf", []) if b.get("type") != "null"]
+    if len(branches) != 1:
+        return field
+    rest = {k: v for k, v in field.items() if k not in ("anyOf", "default")}
+    return {**branches[0], **rest}
+
+
+IMAGE_REQUEST_BODY = {"required": True, "content": {
+    "application/json": {"schema": ImageCompletionRequest.model_json_schema()},
+    "multipart/form-data": {"schema": _multipart_schema()},
+}}
+
+IMAGE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"model": ImageCompletionResponse,
+          "description": "the completions as JSON; one PNG strip with `Accept: image/png`; rows as server-sent "
+                         "events with `stream: true`",
+          "content": {"image/png": {"schema": {"type": "string", "format": "binary"}}, **SSE}},
+    **GENERATION_ERRORS,
+}

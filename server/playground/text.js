@@ -1,0 +1,102 @@
+// The text tab: stream a completion token by token, stop it, colour text by log-probability.
+
+import { postJSON, postStream } from "./api.js";
+
+const utf8 = new TextEncoder();
+const $ = (id) => document.getElementById(id);
+
+// Background for a character whose bytes have mean log-probability `logprob`: red unlikely, green likely.
+function colour(logprob) {
+  const p = Math.exp(logprob);
+  return `hsl(${Math.round(120 * p)}, 75%, 82%)`;
+}
+
+// One span per character, from echo scoring's byte tokens (bytes of one character share a text offset).
+function scoredSpans(choice) {
+  const { token_logprobs: logprobs, text_offset: offsets } = choice.logprobs;
+  const sums = new Map();
+  offsets.forEach((offset, i) => {
+    const [sum, count] = sums.get(offset) ?? [0, 0];
+    sums.set(offset, [sum + (logprobs[i] ?? 0), count + 1]);
+  });
+  return Array.from(choice.text, (char, offset) => {
+    const span = document.createElement("span");
+    span.textContent = char;
+    const [sum, count] = sums.get(offset) ?? [null, 0];
+    if (count > 0) {
+      span.style.background = colour(sum / count);
+      span.title = `log p = ${sum.toFixed(2)} over ${count} byte${count > 1 ? "s" : ""}`;
+    }
+    return span;
+  });
+}
+
+export class TextTab {
+  constructor(onError) {
+    this.onError = onError;
+    this.button = $("generate");
+    this.output = $("output");
+    this.stats = $("text-stats");
+    this.controller = null; // set while generating: the second press stops
+    this.button.addEventListener("click", () => (this.controller ? this.controller.abort() : this.generate()));
+    $("score").addEventListener("click", () => this.score());
+  }
+
+  setModels(models) {
+    $("text-model").replaceChildren(...models.map((model) => new Option(`${model.id} (${model.attention})`, model.id)));
+  }
+
+  request() {
+    const body = { model: $("text-model").value, prompt: $("prompt").value, max_tokens: Number($("text-max").value),
+                   temperature: Number($("text-temperature").value) };
+    if ($("text-seed").value !== "") body.seed = Number($("text-seed").value);
+    return body;
+  }
+
+  async generate() {
+    this.onError(null);
+    const body = this.request();
+    const generated = document.createElement("span");
+    generated.className = "generated";
+    this.output.replaceChildren(body.prompt, generated);
+    this.controller = new AbortController();
+    this.button.textContent = "Stop";
+    const started = performance.now();
+    let tokens = 0;
+    let state = "finished";
+    const show = (what) => {
+      const seconds = (performance.now() - started) / 1000;
+      this.output.dataset.state = what;
+      this.stats.textContent = `${tokens} tokens · ${(tokens / seconds).toFixed(1)} tokens/s · ${what}`;
+    };
+    try {
+      for await (const event of postStream("v1/completions", body, this.controller.signal)) {
+        const choice = event.choices[0];
+        generated.append(choice.text);
+        tokens += utf8.encode(choice.text).length; // one token per byte
+        state = choice.finish_reason ? `finished (${choice.finish_reason})` : "streaming";
+        show(state);
+      }
+    } catch (error) {
+      state = error.name === "AbortError" ? "stopped" : "failed";
+      if (state === "failed") this.onError(error);
+    }
+    show(state);
+    this.controller = null;
+    this.button.textContent = "Generate";
+  }
+
+  async score() {
+    this.onError(null);
+    const text = this.output.textContent || $("prompt").value;
+    const body = { model: $("text-model").value, prompt: text, max_tokens: 0, echo: true, logprobs: 1 };
+    try {
+      const answer = await postJSON("v1/completions", body);
+      this.output.replaceChildren(...scoredSpans(answer.choices[0]));
+      this.output.dataset.state = "scored";
+      this.stats.textContent = "each character coloured by its probability: red unlikely, green likely (hover for log p)";
+    } catch (error) {
+      this.onError(error);
+    }
+  }
+}

@@ -1,0 +1,204 @@
+"""What tests/test_ray.py checks, observed inside a loopback-only network namespace.
+
+Run as `python tests/ray_scenario.py MODE WEIGHTS_DIR OUT.json` by test_ray.py
+under `unshare --net --pid --fork --mount-proc` (root), after `ip link set lo up`.
+MODE `serve`: the real `rnnserve serve --ray` with two replicas; text and image
+requests (streamed and not) through Serve's proxy; the replicas' series in the
+node's metrics export; the replica log files; then SIGTERM with a stream in
+flight, and the drain. MODE `ray-stop`: one replica with one decode slot and a
+2 s drain, six streams queued, and Ray itself stopping the replica
+(`serve.delete` from a second driver). It only records what it saw (JSON);
+the assertions are in test_ray.py. Every wait is bounded; the namespace's PID
+1 is this script, so whatever Ray leaves behind is killed with it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+PORT, METRICS_PORT = 8000, 8080
+URL, METRICS_URL = f"http://127.0.0.1:{PORT}", f"http://127.0.0.1:{METRICS_PORT}/metrics"
+READY_LINE = "rnnserve: serving through Ray Serve"
+START_SECONDS, METRICS_SECONDS, EXIT_SECONDS = 300, 90, 120
+TEXT_TOKENS = 6  # per text request: the model has no stop, so each generates all of them
+ROUTED_REQUESTS = 16
+STOPPED_STREAMS = 6  # sequential text requests: both replicas answer some of them (1 - 2^-15)
+DIGIT = [[(r * 28 + c) % 256 if r < 14 else 0 for c in range(28)] for r in range(28)]
+
+
+SERVE_FLAGS = {"serve": ["--replicas", "2", "--max-batch", "4", "--drain-seconds", "60"],
+               "ray-stop": ["--replicas", "1", "--max-batch", "1", "--drain-seconds", "2"]}
+
+
+def start_server(mode: str, weights: Path, ray_tmp: Path, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_TMPDIR": str(ray_tmp), "RAY_DEDUP_LOGS": "0"}
+    command = [str(Path(sys.executable).parent / "rnnserve"), "serve", "--ray", "--weights", str(weights),
+               "--port", str(PORT), "--ray-metrics-port", str(METRICS_PORT), "--cpus-per-replica", "1",
+               "--device", "cpu", "--no-compile-decode", *SERVE_FLAGS[mode]]
+    with log.open("wb") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def wait_ready(server: subprocess.Popen, log: Path) -> float:
+    started = time.monotonic()
+    while READY_LINE not in log.read_text(errors="replace"):
+        if server.poll() is not None or time.monotonic() - started > START_SECONDS:
+            raise RuntimeError(f"server not ready (exit {server.poll()})")
+        time.sleep(0.5)
+    return time.monotonic() - started
+
+
+def answer(response: httpx.Response) -> dict:
+    return {"status": response.status_code, "body": response.text, "replica": response.headers.get("x-rnnserve-replica")}
+
+
+def requests_through_proxy(client: httpx.Client) -> dict:
+    text = {"model": "text-softmax", "prompt": "hello", "max_tokens": TEXT_TOKENS, "seed": 1}
+    image = {"model": "digits-linear", "pixels": DIGIT, "keep_rows": 14, "n": 2, "seed": 1}
+    return {
+        "text": [answer(client.post("/v1/completions", json=text)) for _ in range(ROUTED_REQUESTS)],
+        "text_stream": answer(client.post("/v1/completions", json={**text, "stream": True})),
+        "image": answer(client.post("/v1/images/completions", json=image)),
+        "image_stream": answer(client.post("/v1/images/completions", json={**image, "stream": True})),
+        "metrics_through_proxy": answer(client.get("/metrics")),
+    }
+
+
+def node_metrics(replicas: set[str], text_tokens: float) -> str:
+    """The node's export once every replica's token counter is in it and the text model's counters add
+    up to the tokens the answers reported (Ray reports each worker's series every few seconds)."""
+    deadline, text = time.monotonic() + METRICS_SECONDS, ""
+    while time.monotonic() < deadline:
+        try:
+            text = httpx.get(METRICS_URL, timeout=10).text
+        except httpx.TransportError:
+            text = ""
+        counters = [line for line in text.splitlines() if line.startswith("ray_rnnserve_generated_tokens_total{")]
+        text_total = sum(float(line.rsplit(" ", 1)[1]) for line in counters if 'model="text-softmax"' in line)
+        if all(any(f'replica="{r}"' in line for line in counters) for r in replicas) and text_total >= text_tokens:
+            break
+        time.sleep(1)
+    return "\n".join(line for line in text.splitlines() if "rnnserve_" in line)
+
+
+def replica_logs(ray_tmp: Path) -> dict[str, str]:
+    files = {p.resolve() for p in ray_tmp.rglob("replica_*.log")}  # session_latest links to the session
+    return {p.name: p.read_text(errors="replace") for p in files}
+
+
+def drain(server: subprocess.Popen, client: httpx.Client) -> dict:
+    """SIGTERM with streams in flight: what /health, a new request and the streams get; the exit status.
+
+    Six streams of four blank digits on two replicas of four slots: three whole generations per
+    replica, seconds of work, so the drain is still on while /health and a new request are tried.
+    """
+    seen: dict = {"streams": {}}
+    body = {"model": "digits-linear", "pixels": [[0] * 28] * 28, "keep_rows": 0, "n": 4, "seed": 2, "stream": True}
+    first_event = threading.Event()
+
+    def stream(i: int) -> None:
+        with httpx.stream("POST", f"{URL}/v1/images/completions", json=body, timeout=120) as response:
+            chunks = []
+            for chunk in response.iter_text():
+                chunks.append(chunk)
+                first_event.set()
+            seen["streams"][i] = {"status": response.status_code, "body": "".join(chunks)}
+
+    readers = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(6)]
+    for reader in readers:
+        reader.start()
+    first_event.wait(60)
+    server.send_signal(signal.SIGTERM)
+    seen["health"] = first_refusal(client)
+    seen["new_request"] = answer(client.post("/v1/completions", json={"model": "text-softmax", "prompt": "x"}))
+    for reader in readers:
+        reader.join(EXIT_SECONDS)
+    seen["exit_code"] = server.wait(EXIT_SECONDS)
+    return seen
+
+
+def first_refusal(client: httpx.Client) -> dict:
+    """/health until it stops answering 200: the replicas look at the drain flag every 0.25 s."""
+    deadline = time.monotonic() + 10
+    while True:
+        health = answer(client.get("/health"))
+        if health["status"] != 200 or time.monotonic() > deadline:
+            return health
+        time.sleep(0.05)
+
+
+def ray_stops_the_replica(server: subprocess.Popen, ray_tmp: Path) -> dict:
+    """Six streams on a replica with one slot, then Ray deletes the app: what each stream got.
+
+    At most two 784-step generations fit in the 2 s drain, so several streams are still
+    queued at its deadline whatever the machine's speed."""
+    import ray
+    from ray import serve
+
+    streams: dict[int, dict] = {}
+    body = {"model": "digits-linear", "pixels": [[0] * 28] * 28, "keep_rows": 0, "n": 1, "seed": 3, "stream": True}
+
+    def stream(i: int) -> None:
+        response = httpx.post(f"{URL}/v1/images/completions", json=body, timeout=120)
+        streams[i] = {"status": response.status_code, "body": response.text}
+
+    ray.init(address="auto")  # a second driver on the same cluster, connected before the streams start
+    readers = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(STOPPED_STREAMS)]
+    for reader in readers:
+        reader.start()
+        time.sleep(0.1)
+    time.sleep(0.5)  # all queued, the first one running
+    serve.delete("rnnserve")  # Ray stops the replica: its drain, not our SIGTERM
+    for reader in readers:
+        reader.join(EXIT_SECONDS)
+    logs = replica_logs(ray_tmp)
+    server.send_signal(signal.SIGTERM)  # nothing left to drain: the launcher just stops Ray
+    return {"streams": [streams.get(i) for i in range(STOPPED_STREAMS)], "replica_logs": logs,
+            "exit_code": server.wait(EXIT_SECONDS)}
+
+
+def observe(mode: str, server: subprocess.Popen, ray_tmp: Path) -> dict:
+    if mode == "ray-stop":
+        return ray_stops_the_replica(server, ray_tmp)
+    seen: dict = {}
+    with httpx.Client(base_url=URL, timeout=120) as client:
+        seen.update(requests_through_proxy(client))
+        text_tokens = TEXT_TOKENS * (len(seen["text"]) + 1)  # the non-streamed ones and the streamed one
+        seen["node_metrics"] = node_metrics({a["replica"] for a in seen["text"] if a["replica"]}, text_tokens)
+        seen["replica_logs"] = replica_logs(ray_tmp)
+        seen["drain"] = drain(server, client)
+    return seen
+
+
+def main(mode: str, weights: Path, out: Path) -> None:
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rnnray-", dir="/tmp"))  # short: Ray's socket paths have a length limit
+    os.environ["RAY_TMPDIR"] = str(ray_tmp)  # the second driver of ray-stop finds the cluster there
+    log = ray_tmp / "server.log"
+    seen: dict = {}
+    server = start_server(mode, weights, ray_tmp, log)
+    try:
+        seen["ready_seconds"] = wait_ready(server, log)
+        seen.update(observe(mode, server, ray_tmp))
+    except Exception as exc:  # recorded: test_ray.py reports it with the server's log
+        seen["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        if server.poll() is None:
+            server.kill()
+        seen["server_log"] = log.read_text(errors="replace")[-20000:]
+        out.write_text(json.dumps(seen))
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))

@@ -1,0 +1,53 @@
+"""The `rnnserve` command (rnnserve_cli.py): argv in, exit code out, heavy imports only to run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from rnnserve_cli import SUBCOMMANDS, main
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Prints, per subcommand, whether its help came out and which heavy modules were imported by then.
+HELP_PROBE = """
+import contextlib, io, json, sys
+from rnnserve_cli import SUBCOMMANDS, main
+found = {}
+for name in SUBCOMMANDS:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            main([name, "--help"])
+        except SystemExit as exc:
+            code = exc.code
+    found[name] = {"code": code, "usage": out.getvalue().startswith(f"usage: rnnserve {name}"),
+                   "imported": sorted(m for m in ("torch", "fastapi", "uvicorn", "matplotlib") if m in sys.modules)}
+print(json.dumps(found))
+"""
+
+
+def test_help_of_every_subcommand_answers_without_importing_torch():
+    done = subprocess.run([sys.executable, "-c", HELP_PROBE], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert set(found) == set(SUBCOMMANDS) == {"serve", "train", "eval", "bench", "pictures", "train-classifier"}
+    for name, result in found.items():
+        assert result == {"code": 0, "usage": True, "imported": []}, name
+
+
+def test_main_runs_the_argv_it_is_given_and_leaves_sys_argv_alone(tmp_path, capsys):
+    before = list(sys.argv)
+    missing = tmp_path / "missing.safetensors"
+    assert main(["eval", str(missing), "--data", str(tmp_path), "--device", "cpu", "--no-progress"]) == 2
+    assert sys.argv == before
+    assert f"rnnserve eval: error: {missing}" in capsys.readouterr().err
+
+
+def test_python_m_server_is_the_same_command():
+    done = subprocess.run([sys.executable, "-m", "server", "--help"], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: rnnserve") and all(name in done.stdout for name in SUBCOMMANDS)

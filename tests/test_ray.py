@@ -1,0 +1,168 @@
+"""rnnserve on a real local Ray cluster: two replicas behind Serve's proxy.
+
+`ray_scenario.py` runs inside a network namespace of its own with only
+loopback (`unshare --net`, `ip link set lo up`; root), where Ray and Serve
+bind and talk on 127.0.0.1 alone, and in a PID namespace of its own, so
+everything Ray starts ends with it. The dashboard is off. It starts the real
+`rnnserve serve --ray --replicas 2`, and records what the proxy, the node's
+metrics export, the replica logs and a SIGTERM drain gave; the tests here
+check the record; a second scenario has Ray itself stop a replica. Skipped, with the reason, when Ray Serve is not installed
+(`pip install -e '.[ray]'`; .ci/run installs it) or when namespaces cannot be
+made (not root, no unshare).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install -e '.[ray]' (.ci/run installs it)")
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from server_support import save_tiny_model, sse_payloads  # noqa: E402
+from test_deploy import promql_grouping_labels, promql_metric_names  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RAY_DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "rnnserve-ray.json"
+SCENARIO_SECONDS = 600  # start-up ~25-40 s here; everything inside is bounded
+
+
+def namespace_command() -> list[str]:
+    if os.geteuid() != 0:
+        pytest.skip("the Ray test needs root for its own network namespace (unshare --net); CI runs as root")
+    for tool in ("unshare", "ip"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"the Ray test needs `{tool}` (util-linux / iproute2) for its network namespace")
+    return ["unshare", "--net", "--pid", "--fork", "--mount-proc", "--", "sh", "-c",
+            'ip link set lo up && exec "$0" "$@"']
+
+
+def run_scenario(mode: str, folder: Path) -> dict:
+    """What ray_scenario.py MODE saw, inside its own network and PID namespaces."""
+    weights = folder / "weights"
+    weights.mkdir()
+    save_tiny_model(weights, "digits-linear", "linear", "mnist")
+    save_tiny_model(weights, "text-softmax", "softmax", "text")
+    out = folder / "seen.json"
+    command = namespace_command() + [sys.executable, str(ROOT / "tests" / "ray_scenario.py"), mode, str(weights), str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=SCENARIO_SECONDS)
+    assert out.exists(), f"the scenario wrote nothing (exit {done.returncode}):\n{done.stdout}\n{done.stderr}"
+    record = json.loads(out.read_text())
+    assert "error" not in record, f"{record['error']}\nserver log:\n{record['server_log']}"
+    return record
+
+
+@pytest.fixture(scope="module")
+def seen(tmp_path_factory) -> dict:
+    return run_scenario("serve", tmp_path_factory.mktemp("ray"))
+
+
+def families(text: str) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(text + "\n")}
+
+
+def test_non_streamed_text_and_image_through_the_proxy(seen):
+    for text in seen["text"]:
+        assert text["status"] == 200, text["body"]
+        body = json.loads(text["body"])
+        assert body["usage"]["completion_tokens"] == 6 and body["model"] == "text-softmax"
+    image = seen["image"]
+    assert image["status"] == 200, image["body"]
+    data = json.loads(image["body"])["data"]
+    assert [d["index"] for d in data] == [0, 1]
+    assert all(row == [(r * 28 + c) % 256 for c in range(28)] for d in data for r, row in enumerate(d["pixels"][:14]))
+
+
+def test_streamed_text_and_image_through_the_proxy(seen):
+    assert seen["text_stream"]["status"] == 200
+    chunks = sse_payloads(seen["text_stream"]["body"])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert seen["image_stream"]["status"] == 200
+    events = sse_payloads(seen["image_stream"]["body"])
+    rows = [(e["index"], e["row"]) for e in events if e["object"] == "image.completion.row"]
+    assert sorted(rows) == [(i, r) for i in range(2) for r in range(14, 28)]  # rows 0-13 were given
+    assert events[-1]["object"] == "image.completion.usage"
+
+
+def test_requests_reach_both_replicas(seen):
+    replicas = [a["replica"] for a in seen["text"]]
+    assert all(replicas), "every answer names its replica (X-Rnnserve-Replica)"
+    assert len(set(replicas)) == 2, f"16 requests all went to {set(replicas)}"
+
+
+def test_metrics_through_the_proxy_are_not_routed(seen):
+    answer = seen["metrics_through_proxy"]
+    assert answer["status"] == 404
+    error = json.loads(answer["body"])["error"]
+    assert error["code"] == "metrics_not_routed" and "ray_rnnserve_" in error["message"]
+
+
+def test_node_export_has_every_replicas_series_with_their_types(seen):
+    exported = families(seen["node_metrics"])
+    replicas = {a["replica"] for a in seen["text"]}
+    expected = {"ray_rnnserve_generated_tokens": "counter", "ray_rnnserve_requests": "counter",
+                "ray_rnnserve_time_to_first_token_seconds": "histogram",
+                "ray_rnnserve_inter_token_latency_seconds": "histogram", "ray_rnnserve_running_sequences": "gauge"}
+    for name, kind in expected.items():
+        assert name in exported and exported[name].type == kind, f"{name}: {exported.get(name)}"
+        labelled = {s.labels.get("replica") for s in exported[name].samples}
+        assert replicas <= labelled, f"{name} lacks replicas {replicas - labelled}"
+    tokens = sum(s.value for s in exported["ray_rnnserve_generated_tokens"].samples
+                 if s.name.endswith("_total") and s.labels["model"] == "text-softmax")
+    assert tokens == 6 * 17, "16 + 1 streamed text requests of 6 tokens, summed over both replicas"
+
+
+def test_ray_dashboard_queries_only_what_the_node_exports(seen):
+    labels: dict[str, set[str]] = {}
+    for family in families(seen["node_metrics"]).values():
+        for sample in family.samples:
+            labels.setdefault(sample.name, set()).update(sample.labels)
+    dashboard = json.loads(RAY_DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    for expr in exprs:
+        for name in promql_metric_names(expr):
+            assert name in labels, f"the Ray dashboard queries {name}, which the node does not export"
+            assert promql_grouping_labels(expr) <= labels[name] | {"le"}, f"{name} lacks labels in {expr}"
+
+
+def test_each_replica_logs_the_apps_lines(seen):
+    logs = seen["replica_logs"]
+    assert len(logs) == 2, sorted(logs)
+    for name, text in logs.items():
+        assert "serving digits-linear, text-softmax" in text, f"{name} has no rnnserve line"
+
+
+def test_sigterm_drains_the_replicas_and_exits_0(seen):
+    drain = seen["drain"]
+    assert drain["health"]["status"] == 503 and json.loads(drain["health"]["body"])["error"]["code"] == "shutting_down"
+    assert drain["new_request"]["status"] == 503
+    assert "server is shutting down" in json.loads(drain["new_request"]["body"])["error"]["message"]
+    assert len(drain["streams"]) == 6
+    for stream in drain["streams"].values():  # all finished within --drain-seconds 60: whole images
+        assert stream["status"] == 200
+        events = sse_payloads(stream["body"])
+        rows = sorted((e["index"], e["row"]) for e in events if e["object"] == "image.completion.row")
+        assert rows == [(i, r) for i in range(4) for r in range(28)]
+    assert drain["exit_code"] == 0, seen["server_log"]
+
+
+def test_a_replica_that_ray_stops_drains_like_the_server(tmp_path):
+    """Ray's own stop (here `serve.delete`; also scale-down, redeploy): streams that finish within
+    --drain-seconds 2 are whole, the rest end with the shutdown error and [DONE]; none is cut."""
+    record = run_scenario("ray-stop", tmp_path)
+    streams = record["streams"]
+    assert all(s is not None and s["status"] == 200 for s in streams), streams
+    ended = [sse_payloads(s["body"])[-1] for s in streams]  # each ends with exactly one [DONE]
+    failed = [e for e in ended if "error" in e]
+    assert len(failed) >= 3, f"six 784-step images on one slot cannot mostly finish in a 2 s drain: {ended}"
+    assert all("server is shutting down" in e["error"]["message"] for e in failed)
+    assert all(e["object"] == "image.completion.usage" for e in ended if "error" not in e)
+    assert any("drained (past the deadline)" in text for text in record["replica_logs"].values())
+    assert record["exit_code"] == 0, record["server_log"]

@@ -1,0 +1,134 @@
+"""Flags of `rnnserve train`, `rnnserve eval` and `rnnserve pictures`.
+
+Kept apart from the code that runs them and free of torch, so that
+`rnnserve train --help` answers without importing it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from model.registry import attention_kinds
+
+from .presets import PRESETS, REFORMER_LOCAL_WINDOW
+
+SAVE_DTYPE_NAMES = ("bfloat16", "float16", "float32")  # torch dtypes of these names
+OCCLUSIONS = ("bottom-half", "right-half", "centre-box")  # `eval --completions`: which pixels are unknown
+DEFAULT_CLASSIFIER = "weights/classifier/digit-classifier.safetensors"
+CHECKPOINT_PRECISIONS = ("bfloat16", "float32")  # of the AdamW moments (training/checkpoint.py PRECISIONS)
+DEVICES = ("cpu", "cuda", "auto")
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--task", choices=("mnist", "text"), required=True)
+    parser.add_argument("--attention", choices=attention_kinds(), required=True)
+    parser.add_argument("--data", required=True, help="MNIST: folder (or train images file); text: a UTF-8 file")
+    parser.add_argument("--eval-data", help="MNIST test images folder/file (default: the --data folder)")
+    parser.add_argument("--out", required=True, help="output weights file, e.g. weights/mnist-linear.safetensors")
+    _add_architecture_arguments(parser.add_argument_group("architecture (override the preset)"))
+    _add_optimisation_arguments(parser.add_argument_group("optimisation"))
+    _add_run_arguments(parser.add_argument_group("run"))
+
+
+def _add_architecture_arguments(arch) -> None:
+    arch.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    arch.add_argument("--layers", type=int)
+    arch.add_argument("--d-model", type=int)
+    arch.add_argument("--heads", type=int)
+    arch.add_argument("--d-ff", type=int)
+    arch.add_argument("--context", type=int, default=256, help="text: window length in bytes (= max_len)")
+    arch.add_argument("--dropout", type=float, default=0.0)
+    arch.add_argument("--pos-encoding", choices=("learned", "sinusoidal"), default="learned")
+    arch.add_argument("--linformer-k", type=int, default=64)
+    arch.add_argument("--reformer-buckets", type=int, default=32)
+    arch.add_argument("--reformer-rounds", type=int, default=1)
+    arch.add_argument("--reformer-local-window", type=int, default=REFORMER_LOCAL_WINDOW,
+                      help="Reformer: also attend to the W positions before each query (0: hashed buckets only)")
+
+
+def _add_optimisation_arguments(opt) -> None:
+    opt.add_argument("--minutes", type=float, help="wall-clock budget for training (eval not included)")
+    opt.add_argument("--steps", type=int, help="number of optimiser steps")
+    opt.add_argument("--batch-size", type=int)
+    opt.add_argument("--lr", type=float, help="peak learning rate (AdamW)")
+    opt.add_argument("--warmup-steps", type=int, default=100)
+    opt.add_argument("--weight-decay", type=float, default=0.01)
+    opt.add_argument("--seed", type=int, default=0)
+
+
+def _add_run_arguments(run) -> None:
+    run.add_argument("--device", choices=DEVICES, default="auto")
+    run.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for torch")
+    run.add_argument("--save-dtype", choices=sorted(SAVE_DTYPE_NAMES), default="bfloat16")
+    run.add_argument("--autocast", choices=("auto", "bf16", "off"), default="auto",
+                     help="bfloat16 autocast; auto: on for CUDA and for CPUs with native bf16 (AVX512-BF16, AMX)")
+    run.add_argument("--checkpoint", help="checkpoint path (default: checkpoints/NAME.ckpt in the folder of --out, "
+                                          "NAME the stem of --out: weights/checkpoints/ is kept in git)")
+    run.add_argument("--checkpoint-every", type=int, default=500,
+                     help="steps between checkpoints, also written on SIGTERM/SIGINT (0: never)")
+    run.add_argument("--checkpoint-precision", choices=CHECKPOINT_PRECISIONS, default="bfloat16",
+                     help="AdamW moments in the checkpoint (weights stay float32); float32: resumes bit for bit")
+    run.add_argument("--resume", action="store_true", help="continue from the checkpoint if it exists")
+    run.add_argument("--extend", action="store_true",
+                     help="with --resume: accept a --steps/--minutes other than the checkpoint's run "
+                          "(the cosine schedule is recomputed over the new horizon)")
+    run.add_argument("--no-eval", action="store_true", help="skip the evaluation at the end")
+    run.add_argument("--eval-limit", type=int, help="evaluate on the first N test images / windows only")
+    run.add_argument("--eval-batch-size", type=int, default=32)
+    run.add_argument("--no-progress", action="store_true", help="no progress bar (logs print a line per checkpoint)")
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("models", nargs="+", help="one or more .safetensors files")
+    parser.add_argument("--data", required=True,
+                        help="MNIST: folder with t10k-images-idx3-ubyte[.gz] (or the file); text: the UTF-8 file")
+    parser.add_argument("--limit", type=int, help="only the first N test images / validation windows")
+    parser.add_argument("--batch-size", type=int, help="images or windows per batch (default 32; 200 with --completions)")
+    parser.add_argument("--device", choices=DEVICES, default="auto")
+    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    parser.add_argument("--store", action="store_true",
+                        help="also write each result into its file's metadata (info['eval'], completions under "
+                             "info['eval']['completions'][OCCLUSION]), as `rnnserve train` does at its end; the "
+                             "tensors are written back unchanged")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--no-progress", action="store_true")
+    add_completion_arguments(parser.add_argument_group("completions (rnnserve eval --completions)"))
+
+
+def add_completion_arguments(group) -> None:
+    group.add_argument("--completions", action="store_true",
+                       help="complete occluded test digits instead: the share the digit classifier reads as the "
+                            "true digit (completions, occluded input, originals) and bits/dim over unknown pixels")
+    group.add_argument("--occlusion", choices=OCCLUSIONS, help="which pixels are unknown (default bottom-half)")
+    group.add_argument("--mask", help="a 28x28 mask PNG instead, white (or transparent) where pixels are unknown")
+    group.add_argument("--classifier", default=DEFAULT_CLASSIFIER,
+                       help=f"digit classifier file (default {DEFAULT_CLASSIFIER}, from `rnnserve train-classifier`)")
+    group.add_argument("--seed", type=int, default=0, help="seeds the sampling; digit i uses its own noise")
+    group.add_argument("--temperature", type=float, default=1.0)
+
+
+def add_classifier_arguments(parser: argparse.ArgumentParser) -> None:
+    """`rnnserve train-classifier`; the defaults are training.classifier.TrainSettings'."""
+    parser.add_argument("--data", required=True,
+                        help="folder with the MNIST train and test images and labels (IDX, e.g. ../shared/data/mnist)")
+    parser.add_argument("--out", default=DEFAULT_CLASSIFIER, help=f"output file (default {DEFAULT_CLASSIFIER})")
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--max-shift", type=int, default=2,
+                        help="augmentation: shift each training digit by up to this many pixels (0: off)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+
+
+def add_pictures_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", nargs="+", required=True, help="MNIST .safetensors files, one column each")
+    parser.add_argument("--data", required=True, help="folder with the MNIST test images (or the file)")
+    parser.add_argument("--out", required=True, help="output PNG path")
+    parser.add_argument("--digits", type=int, default=6, help="how many test digits (rows)")
+    parser.add_argument("--keep-rows", type=int, default=14, help="rows of each digit shown to the models")
+    parser.add_argument("--seed", type=int, default=0, help="picks the digits and seeds the sampling")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--scale", type=int, default=3, help="pixels per MNIST pixel in the PNG")
+    parser.add_argument("--device", choices=DEVICES, default="auto")

@@ -51,11 +51,12 @@ def linear_attention_chunked(q, k, v, s0, z0, eps: float):
     Returns out (B, H, T, E) and the final (S, Z).
     """
     b, h, t, d = q.shape
-    n = -(-t // BLOCK)
-    pad = n * BLOCK - t
+    block = min(BLOCK, t)  # a chunk shorter than a block is one block of its own length, not padded to 64
+    n = -(-t // block)
+    pad = n * block - t
     if pad:  # zero keys/values add nothing to the sums
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    qb, kb, vb = (x.reshape(b, h, n, BLOCK, x.shape[-1]) for x in (q, k, v))  # (B, H, N, C, D)
+    qb, kb, vb = (x.reshape(b, h, n, block, x.shape[-1]) for x in (q, k, v))  # (B, H, N, C, D)
     kv = torch.einsum("bhncd,bhnce->bhnde", kb, vb)  # (B, H, N, D, E) per-block sums
     ksum = kb.sum(dim=3)  # (B, H, N, D)
     # Exclusive prefix over blocks: what every block sees from earlier blocks.
@@ -64,7 +65,7 @@ def linear_attention_chunked(q, k, v, s0, z0, eps: float):
     scores = (qb @ kb.transpose(-1, -2)).tril()  # (B, H, N, C, C)
     num = scores @ vb + qb @ s_before
     den = scores.sum(-1) + torch.einsum("bhncd,bhnd->bhnc", qb, z_before) + eps
-    out = (num / den[..., None]).reshape(b, h, n * BLOCK, -1)[:, :, :t]
+    out = (num / den[..., None]).reshape(b, h, n * block, -1)[:, :, :t]
     return out, s_before[:, :, -1] + kv[:, :, -1], z_before[:, :, -1] + ksum[:, :, -1]
 
 

@@ -101,21 +101,31 @@ def top_p_mask(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def sample(logits: torch.Tensor, params: BatchSampling, position: torch.Tensor, draw=None) -> torch.Tensor:
-    """(B, V) logits -> (B,) tokens; position (B,) is the index being drawn.
-
-    draw: `gumbel_max` or a function equal to it (model/compiled_decode.py passes a compiled copy).
-    """
-    logits = logits.float()
-    temp = params.temperature.clamp(min=1e-5)[:, None]
-    filtered = logits / temp
+def filtered_logits(logits: torch.Tensor, params: BatchSampling) -> torch.Tensor:
+    """(B, V) logits -> the (B, V) logits `sample` draws from: divided by temperature, top-k/top-p applied."""
+    filtered = logits.float() / params.temperature.clamp(min=1e-5)[:, None]
     # Both filters sort the vocabulary: skip them when no row asks (a quarter of a
     # small model's decode step on CPU). The check reads two flags back from the device.
     if bool((params.top_k > 0).any()):
         filtered = top_k_mask(filtered, params.top_k)
     if bool((params.top_p < 1).any()):
         filtered = top_p_mask(filtered, params.top_p)
-    return (draw or gumbel_max)(logits, filtered, params.temperature, params.seed, position)
+    return filtered
+
+
+def sampling_logprobs(logits: torch.Tensor, params: BatchSampling, tokens: torch.Tensor) -> torch.Tensor:
+    """Log-probability of (B,) `tokens` under the distribution `sample` draws from (temperature > 0):
+    the weight a particle takes for a known token. -inf where the filters exclude the token."""
+    return token_logprobs(filtered_logits(logits, params), tokens)
+
+
+def sample(logits: torch.Tensor, params: BatchSampling, position: torch.Tensor, draw=None) -> torch.Tensor:
+    """(B, V) logits -> (B,) tokens; position (B,) is the index being drawn.
+
+    draw: `gumbel_max` or a function equal to it (model/compiled_decode.py passes a compiled copy).
+    """
+    logits = logits.float()
+    return (draw or gumbel_max)(logits, filtered_logits(logits, params), params.temperature, params.seed, position)
 
 
 def gumbel_max(logits: torch.Tensor, filtered: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor,

@@ -25,11 +25,13 @@ import torch
 from model.config import ModelConfig
 from model.transformer import Transformer
 
+from . import particles
 from .metrics import Metrics
-from .runner import Drawn, ModelRunner
-from .scheduler import CANCELLED, Placement, QueueFull, Scheduler, Sequence, StepOutcome
-from .streams import DONE, EngineFailure, GenerationStream, Outbox, ScoreJob, deliver, finish
-from .types import Generation, GenerationRequest, PromptScores, SampleResult
+from .runner import ModelRunner
+from .scheduler import Placement, QueueFull, Scheduler
+from .step_events import step_events
+from .streams import EngineFailure, GenerationStream, ScoreJob, deliver, finish
+from .types import GenerationRequest, PromptScores
 from .validation import check_fits, check_generation, check_scoring
 
 __all__ = ["Engine", "EngineFailure", "EngineLimits", "GenerationStream", "QueueFull"]
@@ -43,7 +45,7 @@ class EngineLimits:
     max_batch: int = 64
     max_waiting: int = 256
     cuda_graphs: bool = True  # capture decode steps on CUDA (linear, Linformer)
-    compile_decode: bool = True  # compile decode steps on the CPU (softmax, linear, Linformer)
+    compile_decode: bool = False  # compile decode steps on the CPU (the server passes --compile-decode, default on)
 
 
 class Engine:
@@ -214,44 +216,26 @@ class Engine:
     def _prefill(self, group: list[GenerationStream]) -> None:
         """Write the group's rows, then register them: a failure leaves none of the group decoding."""
         places: list[Placement] = self.scheduler.placements(group)
-        self.runner.prefill([s.request for s in group], places[0].row)
+        likelihoods = self.runner.prefill([s.request for s in group], places[0].row)
         self.runner.place_copies(places)
-        self.scheduler.register(places)
+        self.scheduler.register(places, dict(zip(group, likelihoods)))
 
     def _step(self) -> None:
-        n = self.scheduler.running
-        drawn = self.runner.sample(n, self.scheduler.needs())
+        n, needs = self.scheduler.running, self.scheduler.needs()
+        known = particles.known_rows(self.scheduler.rows) if needs.weigh else []
+        weights = self.runner.known_logprobs(known, needs) if known else []
+        drawn = self.runner.sample(n, needs)
+        if known:  # resampling copies rows within a sample's own particles, before anything reads them
+            self.runner.copy_particles(particles.weigh(self.scheduler.rows, known, weights), drawn.tokens)
         token_list = drawn.tokens.tolist()
         outcome = self.scheduler.update_from_output(token_list, time.monotonic())
-        outbox = self._events(outcome, token_list, drawn)  # read before rows move
+        outbox = step_events(self.scheduler.rows, outcome, token_list, drawn, self.runner)  # before rows move
         self.runner.move_rows(self.scheduler.compact(outcome.finished), drawn.tokens)
         live = self.scheduler.running
         # Metrics first: a client that has its answer must find the step counted when it scrapes.
         self.metrics.record_step(self.scheduler.make_stats(outcome, self.runner.state_bytes(live)))
         deliver(outbox)
         self.runner.decode(drawn.tokens[:live])
-
-    def _events(self, outcome: StepOutcome, token_list: list[int], drawn: Drawn) -> Outbox:
-        """A Generation per streamed row, a SampleResult per finished non-streamed row, DONE per finished request."""
-        outbox: Outbox = defaultdict(list)
-        extras = _StepExtras.of(drawn)
-        for i, (seq, reason) in enumerate(zip(self.scheduler.rows, outcome.reasons)):
-            stream = seq.owner
-            if reason == CANCELLED:
-                continue
-            if stream.each_event:
-                outbox[stream].append(extras.generation(i, seq, token_list[i], reason))
-            elif reason is not None:
-                outbox[stream].append(self._result(i, seq, reason))
-        for stream in outcome.completed:
-            outbox[stream].append(DONE)
-        return outbox
-
-    def _result(self, row: int, seq: Sequence, reason: str) -> SampleResult:
-        request = seq.owner.request
-        tokens, logprobs, top = self.runner.read_sample(row, seq.start, seq.position, request)
-        return SampleResult(request.request_id, seq.sample, seq.start, tokens, logprobs, reason, seq.stopping.matched,
-                            top)
 
     def _fail_running(self, message: str) -> None:
         finish(self.scheduler.clear_rows(), message)
@@ -265,27 +249,3 @@ class Engine:
         for job in scores:
             job.resolve(error=EngineFailure(message))
         self._fail_running(message)
-
-
-@dataclass
-class _StepExtras:
-    """A step's log-probabilities as host lists, read once for all streamed rows."""
-
-    logprobs: list[float] | None
-    top_ids: list[list[int]] | None
-    top_values: list[list[float]] | None
-
-    @classmethod
-    def of(cls, drawn: Drawn) -> "_StepExtras":
-        def host(t):
-            return t.tolist() if t is not None else None
-
-        return cls(host(drawn.logprobs), host(drawn.top_ids), host(drawn.top_values))
-
-    def generation(self, i: int, seq: Sequence, token: int, reason: str | None) -> Generation:
-        request = seq.owner.request
-        k = request.top_logprobs
-        top = list(zip(self.top_ids[i][:k], self.top_values[i][:k])) if k else None
-        return Generation(request.request_id, seq.sample, seq.position - 1, token,
-                          self.logprobs[i] if request.wants_logprobs else None, reason,
-                          seq.stopping.matched if reason else None, top)

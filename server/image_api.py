@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel, Field, model_validator
 
 from .errors import FieldError
+from .image_particles import DEFAULT_PARTICLES, MAX_PARTICLES
 from .imaging import SIDE
 from .responses import GENERATION_ERRORS, SSE
 from .schemas import Int, SamplingOptions
@@ -23,6 +24,10 @@ class ImageOptions(SamplingOptions):
     model: str | None = Field(None, description="an mnist model from GET /v1/models; may be left out when only one is loaded")
     stream: bool = Field(False, description="send rows as server-sent events as they complete")
     keep_rows: Int(ge=0, le=SIDE) | None = Field(None, description="rows 0..k-1 known, the rest unknown")
+    particles: Int(ge=1, le=MAX_PARTICLES) | None = Field(
+        None, description="particles per sample (sequential Monte Carlo, weighed by the known pixels that follow "
+                          f"unknown ones); n x particles must fit --max-batch. Default: {DEFAULT_PARTICLES} (fewer "
+                          "if they do not fit) when a known pixel follows an unknown one, else 1")
 
 
 class ImageCompletionRequest(ImageOptions):
@@ -38,16 +43,32 @@ class ImageCompletionRequest(ImageOptions):
         return self
 
 
+class SampleParticles(BaseModel):
+    resamplings: int
+    effective_sample_size: float = Field(description="of the final weights, 1..particles")
+    known_log_likelihood: float | None = Field(description="estimate of log p(known pixels), nats; null if 0")
+
+
 class ImageEntry(BaseModel):
     index: int
     png_base64: str
     pixels: Grid
+    particles: SampleParticles | None = None
+
+
+class ParticleUsage(BaseModel):
+    per_sample: int
+    resamplings: int | None = Field(None, description="over all samples")
+    effective_sample_size: float | None = Field(None, description="the samples' lowest final one")
+    known_log_likelihood: float | None = Field(None, description="log p(known pixels), nats, over the samples")
+    note: str | None = Field(None, description="why fewer particles ran than asked")
 
 
 class ImageUsage(BaseModel):
     pixels_generated: int
     seconds: float
     pixels_per_second: float | None
+    particles: ParticleUsage
 
 
 class ImageCompletionResponse(BaseModel):

@@ -2,8 +2,8 @@
 
 * No 422: validation errors answer 400 with the error body every other error
   has, so FastAPI's 422 and its validation-error schemas are dropped.
-* Limits of this server, not only of the API: `n` and `best_of` at most
-  --max-batch, `max_tokens` at most the longest loaded text model's max_len.
+* Limits of this server, not only of the API: `n`, `best_of` and `particles`
+  at most --max-batch (n x particles too, which no schema can express), `max_tokens` at most the longest loaded text model's max_len.
   (A prompt plus max_tokens past a model's max_len is a 400 no schema can
   express: it depends on both fields and the model.)
 """
@@ -23,7 +23,7 @@ def install(app: FastAPI, max_batch: int) -> None:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
             _drop_422(schema)
-            limits = {"n": max_batch, "best_of": max_batch}
+            limits = {"n": max_batch, "best_of": max_batch, "particles": max_batch}
             server = getattr(app.state, "server", None)
             text_lengths = [e.config.max_len for e in server.engines if e.config.task == "text"] if server else []
             if text_lengths:

@@ -27,6 +27,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 DRAIN_MARGIN_SECONDS = 5.0  # past the replicas' own drain and answer time, stop waiting for their reports
 
 
+PROXY_READY_SECONDS = 30
+
+
 def serve_on_ray(settings: Settings) -> int:
     try:
         check_ray_installed()
@@ -37,6 +40,9 @@ def serve_on_ray(settings: Settings) -> int:
     import ray
 
     stop = threading.Event()
+    # Serve's proxy must answer a readiness check within 5 s or it is restarted, which fails
+    # serve.start; a busy small machine misses that while the replicas load. The user's value wins.
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(PROXY_READY_SECONDS))
     try:
         ray.init(address="local", include_dashboard=False, num_cpus=os.cpu_count(),
                  _metrics_export_port=settings.ray_metrics_port)

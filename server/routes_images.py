@@ -26,8 +26,9 @@ from .engine import Engine, GenerationStream
 from .errors import APIError, invalid_request, raise_validation
 from .imaging import PIXELS, SIDE, ImageError, OccludedImage
 from .image_api import IMAGE_REQUEST_BODY, IMAGE_RESPONSES, ImageCompletionRequest, ImageOptions
+from .image_particles import ParticlePlan, entry_report, plan_particles, usage_report
 from .streaming import SSE_HEADERS, ClientGone, collect, sse, sse_stream, submit
-from .types import Generation, GenerationRequest, SampleResult
+from .types import Generation, GenerationRequest, ParticleSummary, Progress, SampleResult
 
 router = APIRouter()
 FILE_FIELDS = ("image", "mask", "pixels")
@@ -80,6 +81,10 @@ class Canvases:
         """Place a whole sample's generated pixels at once."""
         self.images[result.sample, result.start:result.start + len(result.tokens)] = result.tokens
 
+    def rows_after(self, result: SampleResult) -> range:
+        """The image rows a whole sample's pixels reach into."""
+        return range(result.start // SIDE, SIDE)
+
     def image(self, sample: int) -> np.ndarray:
         return self.images[sample].reshape(SIDE, SIDE)
 
@@ -93,13 +98,23 @@ class ImageJob:
     id: str
     engine: Engine
     canvases: Canvases
+    plan: ParticlePlan
     started: float = field(default_factory=time.monotonic)
+    summaries: dict[int, ParticleSummary] = field(default_factory=dict)  # per sample, once finished
+
+    def finished(self, sample: int, summary: ParticleSummary | None) -> None:
+        if summary is not None:
+            self.summaries[sample] = summary
 
     def usage(self) -> dict[str, Any]:
         seconds = time.monotonic() - self.started
         pixels = self.canvases.n * self.canvases.occluded.unknown_count
         return {"pixels_generated": pixels, "seconds": round(seconds, 4),
-                "pixels_per_second": round(pixels / seconds, 1) if seconds > 0 else None}
+                "pixels_per_second": round(pixels / seconds, 1) if seconds > 0 else None,
+                **usage_report(self.plan, [self.summaries[i] for i in sorted(self.summaries)])}
+
+    def entry(self, sample: int) -> dict[str, Any]:
+        return {**self.canvases.entry(sample), **entry_report(self.summaries.get(sample))}
 
     def record(self) -> None:
         self.engine.metrics.request_latency(time.monotonic() - self.started)
@@ -116,7 +131,8 @@ async def complete_image(request: Request, server: ServerState = Depends(get_ser
         raise invalid_request(str(exc), exc.param, exc.code) from None
     options = given.options
     engine = server.engines.for_request(request, options.model, "mnist")
-    job = ImageJob(f"imgcmpl-{uuid.uuid4().hex}", engine, Canvases(occluded, options.n))
+    plan = plan_particles(options.particles, occluded, options.n, engine.limits.max_batch, options.temperature)
+    job = ImageJob(f"imgcmpl-{uuid.uuid4().hex}", engine, Canvases(occluded, options.n), plan)
     stream = submit(engine, generation_request(job, options), each_event=options.stream)
     if options.stream:
         return StreamingResponse(sse_stream(request, row_events(job, stream), [stream]), media_type="text/event-stream",
@@ -128,6 +144,7 @@ async def complete_image(request: Request, server: ServerState = Depends(get_ser
         return Response(status_code=499)
     for result in results:
         job.canvases.fill(result)
+        job.finished(result.sample, result.particles)
     job.record()
     usage = job.usage()
     if "image/png" in request.headers.get("accept", ""):
@@ -136,7 +153,7 @@ async def complete_image(request: Request, server: ServerState = Depends(get_ser
                                                                  "X-Seconds": str(usage["seconds"])})
     # A JSONResponse skips FastAPI's jsonable_encoder, which walks the 784 pixels one by one (0.9 ms a response).
     return JSONResponse({"id": job.id, "object": "image.completion", "created": int(time.time()), "model": engine.name,
-                         "data": [job.canvases.entry(i) for i in range(options.n)], "usage": usage})
+                         "data": [job.entry(i) for i in range(options.n)], "usage": usage})
 
 
 def generation_request(job: ImageJob, options: ImageOptions) -> GenerationRequest:
@@ -144,7 +161,8 @@ def generation_request(job: ImageJob, options: ImageOptions) -> GenerationReques
     occluded = job.canvases.occluded
     prompt = occluded.prompt()
     return GenerationRequest(request_id=job.id, prompt=prompt, max_new_tokens=PIXELS - len(prompt),
-                             sampling=options.sampling(), n=options.n, forced=occluded.forced())
+                             sampling=options.sampling(), n=options.n, forced=occluded.forced(),
+                             particles=job.plan.count)
 
 
 async def read_input(request: Request) -> ImageInput:
@@ -209,14 +227,34 @@ def _json_grid(text: Any, param: str) -> Grid:
 
 
 async def row_events(job: ImageJob, stream: GenerationStream) -> AsyncIterator[str]:
-    """One event per completed row of each completion, one per finished image, then usage."""
+    """Rows of each completion as they are fixed, one event per finished image, then usage.
+
+    With one particle a row is final as soon as its last pixel is drawn. With several, resampling
+    may replace any pixel until the end: progress events say how far the particles have got, and
+    each completion's rows follow once its particles have finished."""
     async for event in stream:
-        row = job.canvases.add(event)
-        if row is not None:
-            pixels = job.canvases.image(event.sample)[row].tolist()
-            yield sse({"object": "image.completion.row", "index": event.sample, "row": row, "pixels": pixels})
+        if isinstance(event, Progress):
+            if event.position % SIDE == SIDE - 1:
+                yield sse({"object": "image.completion.progress", "rows_drawn": event.position // SIDE + 1})
+            continue
+        for payload in _fixed_rows(job, event):
+            yield sse(payload)
         if event.finish_reason is not None:
-            entry = job.canvases.entry(event.sample)
-            yield sse({"object": "image.completion", "index": event.sample, "png_base64": entry["png_base64"]})
+            job.finished(event.sample, event.particles)
+            entry = job.entry(event.sample)
+            entry.pop("pixels")
+            yield sse({"object": "image.completion", **entry})
     job.record()
     yield sse({"object": "image.completion.usage", "id": job.id, "model": job.engine.name, "usage": job.usage()})
+
+
+def _fixed_rows(job: ImageJob, event: Generation | SampleResult) -> list[dict[str, Any]]:
+    """Row events for rows an event completes: one pixel's row, or every row of a whole sample."""
+    if isinstance(event, SampleResult):
+        job.canvases.fill(event)
+        rows = job.canvases.rows_after(event)
+    else:
+        row = job.canvases.add(event)
+        rows = [] if row is None else [row]
+    return [{"object": "image.completion.row", "index": event.sample, "row": r,
+             "pixels": job.canvases.image(event.sample)[r].tolist()} for r in rows]

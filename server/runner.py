@@ -19,10 +19,11 @@ import torch
 
 from model.config import BOS_TOKEN
 from model.cuda_graphs import EagerDecoder, make_decoder
-from model.sampling import BatchSampling, force_tokens, penalize, token_logprobs, top_logprobs
+from model.sampling import BatchSampling, force_tokens, penalize, sampling_logprobs, token_logprobs, top_logprobs
 from model.state import ModelState
 from model.transformer import Transformer, with_bos
 
+from .particles import RowCopy
 from .scheduler import Placement, StepNeeds
 from .types import GenerationRequest, PromptScores, TopLogprobs
 
@@ -76,9 +77,10 @@ class Slots:
             t[dst] = t[src]
         self.state.copy_rows(src, dst)
 
-    def batch_sampling(self, n: int) -> BatchSampling:
-        s = self.sampling
-        return BatchSampling(s.temperature[:n], s.top_k[:n], s.top_p[:n], s.seed[:n])
+    def batch_sampling(self, rows: int | list[int]) -> BatchSampling:
+        """Rows [0, n), or the rows listed."""
+        s, pick = self.sampling, (slice(0, rows) if isinstance(rows, int) else rows)
+        return BatchSampling(s.temperature[pick], s.top_k[pick], s.top_p[pick], s.seed[pick])
 
     def penalized(self, n: int) -> torch.Tensor:
         """Rows [0, n)'s logits after penalties and bias: what they draw from."""
@@ -114,32 +116,36 @@ class ModelRunner:
         self.decoder.compile(background=True)
 
     # -- new sequences --------------------------------------------------------
-    def prefill(self, requests: list[GenerationRequest], first: int) -> None:
-        """One forward over prompts of equal length, into rows [first, first + len(requests))."""
+    def prefill(self, requests: list[GenerationRequest], first: int) -> list[float]:
+        """One forward over prompts of equal length, into rows [first, first + len(requests)).
+        Returns each prompt's log-likelihood under its sampling distribution (0.0 where not weighed)."""
         rows = slice(first, first + len(requests))
-        self.slots.logits[rows] = self._run_prompts(requests, self.slots.state.slice(rows.start, rows.stop))
+        logits = self._run_prompts(requests, self.slots.state.slice(rows.start, rows.stop))  # (count, P + 1, V)
+        self.slots.logits[rows] = logits[:, -1].float()
         for row, request in enumerate(requests, start=first):
             self._fill_row(row, request)
+        return [prompt_log_likelihood(logits[i, :-1], r) if r.particles is not None and r.prompt else 0.0
+                for i, r in enumerate(requests)]
 
     def place_copies(self, places: list[Placement]) -> None:
-        """Further samples of a prompt copy its prefilled row, with seed + sample."""
+        """Further samples and particles of a prompt copy its prefilled row, with their own seeds."""
         for place in places:
             if place.copy_of is not None:
                 self.slots.copy_row(place.copy_of, place.row)
-                self.slots.sampling.seed[place.row] = place.owner.request.sampling.seed + place.sample
+                self.slots.sampling.seed[place.row] = place.seed
 
     def _run_prompts(self, requests: list[GenerationRequest], row_state: ModelState) -> torch.Tensor:
-        """Prefill one row per request with BOS + its prompt -> (count, V) next-token logits.
+        """Prefill one row per request with BOS + its prompt -> (count, P + 1, V) logits.
         Empty prompts (e.g. images with no known first pixel) copy the state after BOS alone,
         computed once at start-up, instead of running the model."""
         if not requests[0].prompt:
             after_bos, logits = self._after_bos
             row_state.write_rows(range(len(requests)), after_bos)
-            return logits
+            return logits[:, None].expand(len(requests), 1, -1)
         row_state.reset_rows(range(len(requests)))
         tokens = torch.tensor([[BOS_TOKEN, *r.prompt] for r in requests], device=self.model.device)
-        logits, _ = self.model(tokens, row_state)  # (count, P + 1, V)
-        return logits[:, -1].float()
+        logits, _ = self.model(tokens, row_state)
+        return logits
 
     def _prefill_bos(self) -> tuple[ModelState, torch.Tensor]:
         """The state after BOS alone and its next-token logits (1, V): where every empty prompt starts."""
@@ -192,6 +198,23 @@ class ModelRunner:
             slots.top_ids[rows, position], slots.top_values[rows, position] = drawn.top_ids, drawn.top_values
         return drawn
 
+    def known_logprobs(self, rows: list[int], needs: StepNeeds) -> list[float]:
+        """Log-probability of the known token each of `rows` is about to take, under the distribution it
+        would otherwise draw from: the particles' weights. Called before `sample` counts the token."""
+        slots = self.slots
+        logits = slots.logits[rows]  # (R, V)
+        if needs.adjust:
+            logits = penalize(logits, slots.counts[rows], slots.frequency[rows], slots.presence[rows], slots.bias[rows])
+        known = slots.forced[rows].gather(1, slots.position[rows][:, None])[:, 0]  # (R,)
+        return sampling_logprobs(logits, slots.batch_sampling(rows), known).tolist()
+
+    def copy_particles(self, copies: list[RowCopy], tokens: torch.Tensor) -> None:
+        """Resampling: each copy's row takes its source's state, history and token, and a seed of its own."""
+        for copy in copies:
+            self.slots.copy_row(copy.src, copy.dst)
+            tokens[copy.dst] = tokens[copy.src]
+            self.slots.sampling.seed[copy.dst] = copy.seed
+
     def move_rows(self, moves: list[tuple[int, int]], tokens: torch.Tensor) -> None:
         """Apply the scheduler's compaction: each (src, dst) row moves, with its drawn token."""
         for src, dst in moves:
@@ -224,6 +247,15 @@ class ModelRunner:
         if top:
             scores.top_logprobs = pair_up(*top_logprobs(logits[0], top))
         return scores
+
+
+def prompt_log_likelihood(logits: torch.Tensor, request: GenerationRequest) -> float:
+    """log p(prompt) under the request's sampling distribution: (P, V) logits, each predicting the next token."""
+    p = request.sampling
+    count = len(request.prompt)
+    params = BatchSampling.from_params([p] * count, logits.device)
+    tokens = torch.tensor(request.prompt, device=logits.device)
+    return float(sampling_logprobs(logits, params, tokens).double().sum())
 
 
 def pair_up(ids: torch.Tensor, values: torch.Tensor) -> list[TopLogprobs]:

@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from .particles import ParticleGroup, conclude, particle_seed
 from .stopping import StoppingCriteria
 from .types import GenerationRequest, StepStats
 
@@ -42,6 +43,9 @@ class Sequence:
     position: int  # absolute position of the next token to draw
     stopping: StoppingCriteria
     last_token_at: float = 0.0
+    particle: int = 0  # which of the sample's particles (server/particles.py)
+    log_weight: float = 0.0  # the particle's weight since the last resampling, log
+    group: ParticleGroup | None = None  # what the sample's particles share; None: no weights kept
 
     @property
     def start(self) -> int:
@@ -57,6 +61,12 @@ class Placement:
     owner: Submission
     sample: int
     copy_of: int | None
+    particle: int = 0
+
+    @property
+    def seed(self) -> int:
+        """The seed the row draws with: seed + sample, or one of its particles' own."""
+        return particle_seed(self.owner.request.sampling.seed + self.sample, self.particle)
 
 
 @dataclass
@@ -81,12 +91,14 @@ class StepNeeds:
     logprobs: bool = False  # each token's log-probability
     top: bool = False  # the most likely tokens at each position
     adjust: bool = False  # penalties or logit bias
+    weigh: bool = False  # particles weighed by known tokens
 
     @classmethod
     def of(cls, requests) -> "StepNeeds":
         requests = list(requests)
         return cls(logprobs=any(r.wants_logprobs for r in requests), top=any(r.top_logprobs for r in requests),
-                   adjust=any(r.sampling.adjusts_logits for r in requests))
+                   adjust=any(r.sampling.adjusts_logits for r in requests),
+                   weigh=any(r.weighs_known for r in requests))
 
 
 class Scheduler:
@@ -106,8 +118,8 @@ class Scheduler:
 
     @property
     def waiting_sequences(self) -> int:
-        """Sequences queued: a request for n samples waits for n slots."""
-        return sum(s.request.n for s in list(self.waiting))
+        """Sequences queued: a request waits for a slot per particle of each of its n samples."""
+        return sum(s.request.rows for s in list(self.waiting))
 
     def free_slots(self) -> int:
         """Slots neither running, nor promised to a queued request, nor being admitted."""
@@ -117,7 +129,7 @@ class Scheduler:
     def add(self, submission: Submission) -> None:
         """Queue a request, unless the queue is full and no free slot could take it at once."""
         self.drop_cancelled()
-        if len(self.waiting) >= self.max_waiting and submission.request.n > self.free_slots():
+        if len(self.waiting) >= self.max_waiting and submission.request.rows > self.free_slots():
             raise QueueFull(f"{len(self.waiting)} requests are waiting, the limit; retry later")
         self.waiting.append(submission)
 
@@ -137,10 +149,10 @@ class Scheduler:
     def schedule(self) -> list[Submission]:
         """Take every waiting request that fits, in order; they count as admitting until `admitted`."""
         taken, free = [], self.max_batch - len(self.rows)
-        while self.waiting and self.waiting[0].request.n <= free:
+        while self.waiting and self.waiting[0].request.rows <= free:
             taken.append(self.waiting.popleft())
-            free -= taken[-1].request.n
-        self.admitting = sum(s.request.n for s in taken)
+            free -= taken[-1].request.rows
+        self.admitting = sum(s.request.rows for s in taken)
         return taken
 
     def admitted(self) -> None:
@@ -150,21 +162,28 @@ class Scheduler:
     # -- rows -----------------------------------------------------------------
     def placements(self, group: list[Submission]) -> list[Placement]:
         """Rows for a group prefilled together: one per request first (the prefill writes them),
-        then each request's further samples, copied from its first row."""
+        then the rest of each request's rows (further samples, particles), copied from its first."""
         first = len(self.rows)
         places = [Placement(first + i, s, 0, None) for i, s in enumerate(group)]
         for i, submission in enumerate(group):
-            for sample in range(1, submission.request.n):
-                places.append(Placement(first + len(places), submission, sample, first + i))
+            per_sample = submission.request.particles or 1
+            for r in range(1, submission.request.rows):
+                places.append(Placement(first + len(places), submission, r // per_sample, first + i, r % per_sample))
         return places
 
-    def register(self, places: list[Placement]) -> None:
-        """The rows of `places` are written: they decode from the next step on."""
+    def register(self, places: list[Placement], prompt_log_likelihood: dict[Submission, float] | None = None) -> None:
+        """The rows of `places` are written: they decode from the next step on. A weighed request's
+        samples start their likelihood estimate at their prompt's (`prompt_log_likelihood`)."""
+        groups: dict[tuple[Submission, int], ParticleGroup] = {}
         for place in places:
             req = place.owner.request
             stopping = StoppingCriteria(tuple(req.stop), req.max_new_tokens)
-            self.rows.append(Sequence(place.owner, place.sample, len(req.prompt), stopping))
-            self._live[place.owner] = req.n
+            seq = Sequence(place.owner, place.sample, len(req.prompt), stopping, particle=place.particle)
+            if req.particles is not None:
+                seq.group = groups.setdefault((place.owner, place.sample), ParticleGroup(
+                    req.sampling.seed + place.sample, req.particles, (prompt_log_likelihood or {}).get(place.owner, 0.0)))
+            self.rows.append(seq)
+            self._live[place.owner] = req.rows
         self._needs = None
 
     def update_from_output(self, tokens: list[int], now: float) -> StepOutcome:
@@ -181,6 +200,7 @@ class Scheduler:
             if reason is not None:
                 outcome.reasons[i] = reason
                 outcome.finished.append(i)
+        self._conclude_particles(outcome.finished)
         for i in outcome.finished:
             owner = self.rows[i].owner
             self._live[owner] -= 1
@@ -189,6 +209,15 @@ class Scheduler:
                 outcome.completed.append(owner)
                 self._needs = None
         return outcome
+
+    def _conclude_particles(self, finished: list[int]) -> None:
+        """Samples whose particles finished draw their answer (a sample's particles finish together)."""
+        groups: dict[ParticleGroup, list[Sequence]] = {}
+        for i in finished:
+            if self.rows[i].group is not None:
+                groups.setdefault(self.rows[i].group, []).append(self.rows[i])
+        for group, particles in groups.items():
+            conclude(group, particles)
 
     def compact(self, finished: list[int]) -> list[tuple[int, int]]:
         """Remove finished rows, moving the last live row into each hole: the (src, dst) moves, in order."""

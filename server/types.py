@@ -26,10 +26,33 @@ class GenerationRequest:
     stop: list[bytes] = field(default_factory=list)
     logprobs: bool = False
     top_logprobs: int = 0  # also the this many most likely tokens per position (implies logprobs)
+    # Sequential Monte Carlo (server/particles.py): each sample runs this many particles, weighted by the
+    # known tokens in `forced`. None: no weights kept (text); 1: forced sampling, with the likelihood estimate.
+    particles: int | None = None
 
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
+
+    @property
+    def rows(self) -> int:
+        """Decode slots the request holds while it runs: a row per particle of each sample."""
+        return self.n * (self.particles or 1)
+
+    @property
+    def weighs_known(self) -> bool:
+        """Whether its particles take weights from known tokens after the prompt."""
+        return self.particles is not None and bool(self.forced)
+
+
+@dataclass(frozen=True, slots=True)
+class ParticleSummary:
+    """How one sample's particles went: reported in the answer's usage."""
+
+    particles: int
+    resamplings: int
+    effective_sample_size: float  # of the final weights, 1..particles
+    known_log_likelihood: float  # estimate of log p(known tokens) in nats, prompt included
 
 
 TopLogprobs = list[tuple[int, float]]  # (token, log-probability), most likely first
@@ -47,6 +70,15 @@ class Generation:
     finish_reason: str | None = None  # "length", "stop", or None while running
     matched_stop: bytes | None = None  # the stop sequence that ended the sample (finish_reason "stop")
     top_logprobs: TopLogprobs | None = None  # when the request asks for them
+    particles: ParticleSummary | None = None  # on a sample's last token, for requests with particles
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """A streamed request with particles has reached `position`: its tokens come once they are fixed."""
+
+    request_id: str
+    position: int  # absolute position of the token just drawn
 
 
 @dataclass(slots=True)
@@ -62,6 +94,7 @@ class SampleResult:
     finish_reason: str  # "length" or "stop"
     matched_stop: bytes | None = None  # the stop sequence that ended the sample (finish_reason "stop")
     top_logprobs: list[TopLogprobs] | None = None  # one list per token when asked for
+    particles: ParticleSummary | None = None  # for requests with particles
 
 
 @dataclass

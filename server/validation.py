@@ -29,6 +29,9 @@ def check_generation(request: GenerationRequest, model_name: str, max_len: int, 
     if not 1 <= request.n <= max_batch:
         raise InvalidRequest(f"n is {request.n}; this server decodes at most {max_batch} sequences per model "
                              "at once (--max-batch)", "n")
+    if request.particles is not None and not 1 <= request.rows <= max_batch:
+        raise InvalidRequest(f"n ({request.n}) x particles ({request.particles}) = {request.rows} decode slots; "
+                             f"this server has {max_batch} per model (--max-batch)", "particles")
 
 
 def check_fits(prompt: list[int], max_new_tokens: int, model_name: str, max_len: int) -> None:

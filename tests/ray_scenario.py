@@ -121,11 +121,22 @@ def drain(server: subprocess.Popen, client: httpx.Client) -> dict:
     first_event.wait(60)
     server.send_signal(signal.SIGTERM)
     seen["health"] = first_refusal(client)
-    seen["new_request"] = answer(client.post("/v1/completions", json={"model": "text-softmax", "prompt": "x"}))
+    seen["new_request"] = first_refused_request(client)
     for reader in readers:
         reader.join(EXIT_SECONDS)
     seen["exit_code"] = server.wait(EXIT_SECONDS)
     return seen
+
+
+def first_refused_request(client: httpx.Client) -> dict:
+    """A new completion until one is refused: each replica sees the drain flag on its own next look
+    (every 0.25 s, longer under load), so one that has not looked yet may still serve a request."""
+    deadline = time.monotonic() + 10
+    while True:
+        reply = answer(client.post("/v1/completions", json={"model": "text-softmax", "prompt": "x", "max_tokens": 1}))
+        if reply["status"] != 200 or time.monotonic() > deadline:
+            return reply
+        time.sleep(0.05)
 
 
 def first_refusal(client: httpx.Client) -> dict:

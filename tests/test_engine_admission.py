@@ -22,7 +22,7 @@ PROMPTS = [([1, 2, 3], 1, 10), ([4, 5, 6], 2, 20), ([7, 8, 9, 10, 11], 1, 30), (
 
 
 def make_engine(kind: str) -> Engine:
-    return Engine("tiny", make_tiny_model(kind, seed=2), {}, EngineLimits(max_batch=8, max_waiting=8, compile_decode=False), Metrics())
+    return Engine("tiny", make_tiny_model(kind, seed=2), {}, EngineLimits(max_batch=8, max_waiting=8), Metrics())
 
 
 def request(i: int, prompt: list[int], n: int, seed: int) -> GenerationRequest:

@@ -52,9 +52,10 @@ def test_every_multipart_field_is_documented_and_limits_are_this_servers(documen
     form = body["content"]["multipart/form-data"]["schema"]
     assert body["required"] and form["required"] == ["image"]
     assert {"image", "mask", "pixels", "model", "n", "temperature", "top_k", "top_p", "seed", "stream",
-            "keep_rows"} == set(form["properties"])
+            "keep_rows", "particles"} == set(form["properties"])
     completion = document["components"]["schemas"]["CompletionRequest"]["properties"]
     assert completion["n"]["maximum"] == 8  # --max-batch 8
+    assert form["properties"]["particles"]["maximum"] == 8
     assert completion["max_tokens"]["maximum"] == 64  # the text model's max_len
 
 

@@ -223,19 +223,24 @@ class Engine:
     def _step(self) -> None:
         n, needs = self.scheduler.running, self.scheduler.needs()
         known = particles.known_rows(self.scheduler.rows) if needs.weigh else []
-        weights = self.runner.known_logprobs(known, needs) if known else []
+        weights = self.runner.known_logprobs(known, needs) if known else []  # before sampling counts the tokens
         drawn = self.runner.sample(n, needs)
-        if known:  # resampling copies rows within a sample's own particles, before anything reads them
-            self.runner.copy_particles(particles.weigh(self.scheduler.rows, known, weights), drawn.tokens)
+        resamplings = self._resample(known, weights, drawn.tokens) if known else 0
         token_list = drawn.tokens.tolist()
         outcome = self.scheduler.update_from_output(token_list, time.monotonic())
         outbox = step_events(self.scheduler.rows, outcome, token_list, drawn, self.runner)  # before rows move
         self.runner.move_rows(self.scheduler.compact(outcome.finished), drawn.tokens)
         live = self.scheduler.running
         # Metrics first: a client that has its answer must find the step counted when it scrapes.
-        self.metrics.record_step(self.scheduler.make_stats(outcome, self.runner.state_bytes(live)))
+        self.metrics.record_step(self.scheduler.make_stats(outcome, self.runner.state_bytes(live), resamplings))
         deliver(outbox)
         self.runner.decode(drawn.tokens[:live])
+
+    def _resample(self, known: list[int], weights: list[float], tokens: torch.Tensor) -> int:
+        """Weigh the particles at known tokens; copy rows (within each sample's own) where they resample."""
+        resampling = particles.weigh(self.scheduler.rows, known, weights)
+        self.runner.copy_particles(resampling.copies, tokens)
+        return resampling.samples
 
     def _fail_running(self, message: str) -> None:
         finish(self.scheduler.clear_rows(), message)

@@ -118,6 +118,8 @@ class Metrics:
         s = series or PrometheusSeries(self.registry)
         self.generated_tokens = s.counter("rnnserve_generated_tokens", "Tokens generated (pixels or bytes).", MODEL_LABELS)
         self.completed_images = s.counter("rnnserve_completed_images", "Image completions finished.", MODEL_LABELS)
+        self.resamplings = s.counter("rnnserve_particle_resamplings", "Resamplings of image completions' particles "
+                                     "(sequential Monte Carlo), each a set of decode-state row copies.", MODEL_LABELS)
         self.requests = s.counter("rnnserve_requests", "HTTP requests by endpoint, outcome, and the model they named (none: no model).",
                                   ("endpoint", "outcome", *MODEL_LABELS))
         self.ttft = s.histogram("rnnserve_time_to_first_token_seconds", "Time from submission to a sequence's first generated token.",
@@ -202,7 +204,7 @@ class Metrics:
     def register_model(self, model: str, attention: str, images: bool) -> None:
         """Create a model's series at zero so dashboards see them before traffic (image series for image models only)."""
         labels = (model, attention)
-        for metric in (self.generated_tokens, self.decode_steps) + ((self.completed_images,) if images else ()):
+        for metric in (self.generated_tokens, self.decode_steps) + ((self.completed_images, self.resamplings) if images else ()):
             self._bound(metric, *labels).inc(0)
         gauges = (self.running, self.waiting, self.batch_size, self.tokens_per_second, self.state_in_use, self.state_allocated)
         for metric in gauges + ((self.images_per_second,) if images else ()):
@@ -237,6 +239,8 @@ class ModelMetrics:
             m.first_token(*labels, seconds)
         for gap, count in stats.token_gaps.items():
             m.inter_tokens(*labels, gap, count)
+        if stats.resamplings:
+            m._bound(m.resamplings, *labels).inc(stats.resamplings)
 
     def idle(self, waiting: int) -> None:
         """Nothing is running: the batch is empty and the rate windows slide on."""

@@ -124,22 +124,31 @@ def known_rows(rows: list["Sequence"]) -> list[int]:
     return [i for i, seq in enumerate(rows) if seq.group is not None and seq.position in seq.owner.request.forced]
 
 
-def weigh(rows: list["Sequence"], known: list[int], logprobs: list[float]) -> list[RowCopy]:
+@dataclass
+class Resampling:
+    """What a step's weighing asks of the rows: copies, and how many samples were resampled."""
+
+    copies: list[RowCopy]
+    samples: int
+
+
+def weigh(rows: list["Sequence"], known: list[int], logprobs: list[float]) -> Resampling:
     """Add each known token's log-probability to its row's weight; resample the samples whose
     effective sample size fell too low. The row copies to make, with the copies' new seeds."""
     groups: dict[ParticleGroup, list[int]] = {}
     for i, logprob in zip(known, logprobs):
         rows[i].log_weight += logprob
         groups.setdefault(rows[i].group, []).append(i)
-    copies: list[RowCopy] = []
+    done = Resampling([], 0)
     for group, members in groups.items():
         members.sort(key=lambda i: rows[i].particle)  # particle order: independent of where rows sit
         weights = [rows[i].log_weight for i in members]
         last = rows[members[0]].position - rows[members[0]].start + 1 >= rows[members[0]].owner.request.max_new_tokens
         # At the last token no draw follows, so resampling would only add noise: `conclude` draws by weight.
         if group.particles > 1 and not last and effective_sample_size(weights) < RESAMPLE_BELOW * group.particles:
-            copies += _resample(group, [rows[i] for i in members], members)
-    return copies
+            done.copies += _resample(group, [rows[i] for i in members], members)
+            done.samples += 1
+    return done
 
 
 def _resample(group: ParticleGroup, particles: list["Sequence"], members: list[int]) -> list[RowCopy]:

@@ -77,6 +77,14 @@ class Slots:
             t[dst] = t[src]
         self.state.copy_rows(src, dst)
 
+    def copy_rows(self, src: list[int], dst: list[int]) -> None:
+        """Many copies in one indexed write per tensor; no row may be both a source and a destination."""
+        s = torch.tensor(src, device=self.position.device)
+        d = torch.tensor(dst, device=self.position.device)
+        for t in self.row_tensors():
+            t[d] = t[s]
+        self.state.copy_rows(s, d)
+
     def batch_sampling(self, rows: int | list[int]) -> BatchSampling:
         """Rows [0, n), or the rows listed."""
         s, pick = self.sampling, (slice(0, rows) if isinstance(rows, int) else rows)
@@ -129,10 +137,11 @@ class ModelRunner:
 
     def place_copies(self, places: list[Placement]) -> None:
         """Further samples and particles of a prompt copy its prefilled row, with their own seeds."""
-        for place in places:
-            if place.copy_of is not None:
-                self.slots.copy_row(place.copy_of, place.row)
-                self.slots.sampling.seed[place.row] = place.seed
+        copies = [place for place in places if place.copy_of is not None]
+        if copies:
+            self.slots.copy_rows([p.copy_of for p in copies], [p.row for p in copies])
+            self.slots.sampling.seed[[p.row for p in copies]] = torch.tensor([p.seed for p in copies],
+                                                                             device=self.slots.position.device)
 
     def _run_prompts(self, requests: list[GenerationRequest], row_state: ModelState) -> torch.Tensor:
         """Prefill one row per request with BOS + its prompt -> (count, P + 1, V) logits.
@@ -210,10 +219,12 @@ class ModelRunner:
 
     def copy_particles(self, copies: list[RowCopy], tokens: torch.Tensor) -> None:
         """Resampling: each copy's row takes its source's state, history and token, and a seed of its own."""
-        for copy in copies:
-            self.slots.copy_row(copy.src, copy.dst)
-            tokens[copy.dst] = tokens[copy.src]
-            self.slots.sampling.seed[copy.dst] = copy.seed
+        if not copies:
+            return
+        src, dst = [c.src for c in copies], [c.dst for c in copies]
+        self.slots.copy_rows(src, dst)
+        tokens[dst] = tokens[src]
+        self.slots.sampling.seed[dst] = torch.tensor([c.seed for c in copies], device=tokens.device)
 
     def move_rows(self, moves: list[tuple[int, int]], tokens: torch.Tensor) -> None:
         """Apply the scheduler's compaction: each (src, dst) row moves, with its drawn token."""

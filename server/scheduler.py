@@ -244,11 +244,12 @@ class Scheduler:
             self._needs = StepNeeds.of(owner.request for owner in self._live)
         return self._needs
 
-    def make_stats(self, outcome: StepOutcome, state_bytes: int) -> StepStats:
+    def make_stats(self, outcome: StepOutcome, state_bytes: int, resamplings: int = 0) -> StepStats:
         """The step's figures for the metrics, once its finished rows have left."""
         return StepStats(batch=len(outcome.reasons), tokens=outcome.tokens, running=self.running,
                          waiting=self.waiting_sequences, state_bytes=state_bytes,
-                         first_token_seconds=outcome.first_token_seconds, token_gaps=outcome.token_gaps)
+                         first_token_seconds=outcome.first_token_seconds, token_gaps=outcome.token_gaps,
+                         resamplings=resamplings)
 
 
 def _time_token(seq: Sequence, now: float, outcome: StepOutcome) -> None:

@@ -124,3 +124,4 @@ class StepStats:
     state_bytes: int  # decode-state bytes held by the running sequences
     first_token_seconds: list[float] = field(default_factory=list)  # submission -> first token, per new sequence
     token_gaps: dict[float, int] = field(default_factory=dict)  # seconds since a sequence's previous token -> count
+    resamplings: int = 0  # particle resamplings the step made

@@ -27,8 +27,9 @@ from server_support import make_settings, running_server
 from training import classifier as clf
 from training import arguments, evaluate
 from training.completions import (
-    Occlusion, choose_occlusion, complete_digits, mask_from_file, occlusion_mask, unknown_bits_per_dim,
+    SEED_STRIDE, Occlusion, choose_occlusion, complete_digits, mask_from_file, occlusion_mask, unknown_bits_per_dim,
 )
+from training.particle_completions import complete_with_particles
 from training.data import DataError, load_labeled_mnist, write_idx_images, write_idx_labels
 
 WEIGHTS = Path(__file__).resolve().parent.parent / "weights"
@@ -230,6 +231,21 @@ def test_completions_are_seeded_and_do_not_depend_on_the_batch_size() -> None:
     assert not torch.equal(one, complete_digits(model, images, occlusion, seed=2, batch_size=5))
 
 
+def test_one_particle_through_the_engine_is_the_plain_sampler_and_more_keep_the_known_pixels() -> None:
+    """`eval --particles K` runs the server's engine: K=1 draws exactly the plain sampler's completions."""
+    images, _ = toy_digits(3, seed=8)
+    occlusion = Occlusion("right-half", occlusion_mask("right-half"))
+    model = tiny_mnist_model()
+    plain = complete_digits(model, images, occlusion, seed=4, batch_size=3)
+    seeds = [4 * SEED_STRIDE + i for i in range(3)]
+    forced = occlusion.forced(images)
+    one = complete_with_particles(model, forced, occlusion.first_unknown, seeds, 1.0, particles=1, rows=3)
+    assert torch.equal(one.images, plain)
+    four = complete_with_particles(model, forced, occlusion.first_unknown, seeds, 1.0, particles=4, rows=8)
+    assert torch.equal(four.images[:, ~occlusion.unknown], images[:, ~occlusion.unknown])
+    assert [s.particles for s in four.summaries] == [4, 4, 4] and not torch.equal(four.images, plain)
+
+
 def test_unknown_bits_per_dim_equals_a_direct_computation() -> None:
     images, _ = toy_digits(3, seed=7)
     images = images.clone()
@@ -300,6 +316,8 @@ def test_a_bits_per_dim_store_keeps_stored_completions(tmp_path: Path, toy_data:
     ("text model", "is a text model; --completions needs an MNIST model"),
     ("mask without --completions", "--mask only applies with --completions"),
     ("mask and occlusion", "give either --occlusion or --mask, not both"),
+    ("particles without --completions", "--particles only applies with --completions"),
+    ("zero particles", "--particles must be in 1..256, got 0"),
 ])
 def test_eval_completions_errors_are_clear(problem: str, expected: str, tmp_path: Path, toy_data: Path,
                                            toy_classifier: Path, capsys) -> None:
@@ -319,6 +337,10 @@ def test_eval_completions_errors_are_clear(problem: str, expected: str, tmp_path
         save_model(build_model(ModelConfig(task="text", d_model=32, n_layers=1, n_heads=2, d_ff=32, max_len=16)), path)
     elif problem == "mask without --completions":
         flags = ["--mask", str(mask), "--device", "cpu"]
+    elif problem == "particles without --completions":
+        flags = ["--particles", "4", "--device", "cpu"]
+    elif problem == "zero particles":
+        flags += ["--particles", "0"]
     else:
         flags += ["--mask", str(mask), "--occlusion", "right-half"]
     argv = [str(path), "--data", args["data"], "--classifier", args["classifier"], *flags]

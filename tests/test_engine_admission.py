@@ -71,15 +71,15 @@ def test_requests_admitted_together_get_their_solo_answers(kind, monkeypatch):
 
 
 def test_a_failed_group_prefill_fails_its_requests_and_leaves_no_row_decoding(monkeypatch):
-    copy_row = Slots.copy_row
+    copy_rows = Slots.copy_rows  # how a prefilled row is copied to a request's further samples
     failing = {"on": True}
 
     def copy_or_fail(self, src, dst):
         if failing["on"]:
             raise RuntimeError("copy failed")
-        copy_row(self, src, dst)
+        copy_rows(self, src, dst)
 
-    monkeypatch.setattr(Slots, "copy_row", copy_or_fail)
+    monkeypatch.setattr(Slots, "copy_rows", copy_or_fail)
     engine = make_engine("linear")
 
     async def scenario():

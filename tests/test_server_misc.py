@@ -19,6 +19,7 @@ METRIC_NAMES = (
     "rnnserve_time_to_first_token_seconds", "rnnserve_inter_token_latency_seconds", "rnnserve_request_latency_seconds",
     "rnnserve_running_sequences", "rnnserve_waiting_sequences", "rnnserve_batch_size", "rnnserve_decode_steps_total",
     "rnnserve_tokens_per_second", "rnnserve_images_per_second", "rnnserve_decode_state_in_use_bytes",
+    "rnnserve_particle_resamplings_total",
 )
 
 

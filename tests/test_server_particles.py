@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from server.image_particles import DEFAULT_PARTICLES, PREFIX_ONLY
-from server_support import make_settings, running_server, save_tiny_model, sse_payloads
+from server_support import make_settings, metric_value, running_server, save_tiny_model, sse_payloads
 
 MAX_BATCH = 32
 
@@ -53,6 +53,16 @@ def test_default_particles_when_known_pixels_follow_unknown_ones(server):
         assert np.array_equal(np.asarray(entry["pixels"], dtype=np.uint8)[~hole], digit()[~hole])
         assert entry["particles"]["resamplings"] >= 0 and entry["particles"]["known_log_likelihood"] < 0
     assert usage["resamplings"] == sum(e["particles"]["resamplings"] for e in out["data"])
+
+
+def test_resamplings_are_counted_in_the_metrics(server):
+    def counted() -> float:
+        return metric_value(server.get("/metrics").text, "rnnserve_particle_resamplings_total", model="digits")
+
+    before = counted()
+    out = complete(server, n=2, particles=8, seed=5)
+    assert out["usage"]["particles"]["resamplings"] > 0
+    assert counted() == before + out["usage"]["particles"]["resamplings"]
 
 
 def test_the_default_fits_the_slots(server):

@@ -106,6 +106,9 @@ def add_completion_arguments(group) -> None:
                        help=f"digit classifier file (default {DEFAULT_CLASSIFIER}, from `rnnserve train-classifier`)")
     group.add_argument("--seed", type=int, default=0, help="seeds the sampling; digit i uses its own noise")
     group.add_argument("--temperature", type=float, default=1.0)
+    group.add_argument("--particles", type=int,
+                       help="complete with the server's particle sampler (sequential Monte Carlo), K particles per "
+                            "digit, --batch-size decode slots (default: the plain sampler, known pixels forced)")
 
 
 def add_classifier_arguments(parser: argparse.ArgumentParser) -> None:

@@ -38,6 +38,7 @@ from model.weights_io import WeightsError, load_model, read_metadata, update_inf
 from . import arguments
 from .classifier import DigitClassifier, accuracy, load_classifier
 from .data import MNIST_PIXELS, MNIST_SIDE, DataError, load_labeled_mnist
+from .particle_completions import complete_with_particles
 
 OCCLUSIONS = arguments.OCCLUSIONS
 CENTRE_BOX = slice(7, 21)  # the central 14 x 14 pixels
@@ -149,6 +150,7 @@ class CompletionRun:
     temperature: float = 1.0
     batch_size: int = DEFAULT_BATCH
     show_progress: bool = False
+    particles: int | None = None  # None: the plain sampler; K: the server's particle sampler, K per digit
 
 
 @dataclass(frozen=True)
@@ -169,9 +171,16 @@ class CompletionResult:
     data: str
     classifier: str
     classifier_test_accuracy: float | None
+    particles: int | None = None  # per digit, with the particle sampler
+    mean_resamplings: float | None = None  # per digit, with the particle sampler
 
     def as_dict(self) -> dict[str, Any]:
         return {"metric": "completions", **asdict(self)}
+
+    @property
+    def key(self) -> str:
+        """Where it is stored: the occlusion, and the particles when the particle sampler ran."""
+        return self.occlusion if self.particles is None else f"{self.occlusion}, particles={self.particles}"
 
 
 def evaluate_completions(path: str | Path, run: CompletionRun, device: torch.device) -> CompletionResult:
@@ -182,8 +191,15 @@ def evaluate_completions(path: str | Path, run: CompletionRun, device: torch.dev
     test = load_labeled_mnist(run.data, "test")
     images, labels = test.images[:run.limit], test.labels[:run.limit]
     sampling_start = time.perf_counter()
-    completed = complete_digits(model, images, run.occlusion, run.seed, run.temperature, run.batch_size,
-                                run.show_progress)
+    resamplings = None
+    if run.particles is None:
+        completed = complete_digits(model, images, run.occlusion, run.seed, run.temperature, run.batch_size,
+                                    run.show_progress)
+    else:
+        seeds = [run.seed * SEED_STRIDE + i for i in range(len(images))]
+        done = complete_with_particles(model, run.occlusion.forced(images), run.occlusion.first_unknown, seeds,
+                                       run.temperature, run.particles, run.batch_size)
+        completed, resamplings = done.images, round(done.mean_resamplings, 2)
     sampling_s = time.perf_counter() - sampling_start
     reads = shares_read_as_true(classifier, labels, completed, run.occlusion.hide(images), images)
     return CompletionResult(
@@ -193,7 +209,8 @@ def evaluate_completions(path: str | Path, run: CompletionRun, device: torch.dev
         seed=run.seed, temperature=run.temperature, batch_size=run.batch_size, device=describe(device),
         data=test.path + (f" (first {len(images)} images)" if len(images) < len(test.images) else ""),
         classifier=str(run.classifier),
-        classifier_test_accuracy=classifier_info.get("test_accuracy"))
+        classifier_test_accuracy=classifier_info.get("test_accuracy"), particles=run.particles,
+        mean_resamplings=resamplings)
 
 
 def load_completion_model(path: str | Path, device: torch.device) -> Transformer:
@@ -217,13 +234,14 @@ def store_result(path: str | Path, result: CompletionResult) -> None:
     """Into info["eval"]["completions"][occlusion], keeping every other stored result."""
     _, info = read_metadata(path)
     evaluation = dict(info.get("eval") or {})
-    evaluation["completions"] = {**evaluation.get("completions", {}), result.occlusion: result.as_dict()}
+    evaluation["completions"] = {**evaluation.get("completions", {}), result.key: result.as_dict()}
     update_info(path, {"eval": evaluation})
 
 
 def print_table(rows: list[tuple[str, CompletionResult]], file=sys.stdout) -> None:
     first = rows[0][1]
-    print(f"{first.occlusion} ({first.unknown_pixels} unknown pixels), {first.digits} test digits, "
+    sampler = "plain sampler" if first.particles is None else f"{first.particles} particles per digit"
+    print(f"{first.occlusion} ({first.unknown_pixels} unknown pixels), {sampler}, {first.digits} test digits, "
           f"temperature {first.temperature:g}, seed {first.seed}; classifier {first.classifier} "
           f"(test accuracy {first.classifier_test_accuracy})", file=file)  # as stored: None if it has none
     width = max(len(name) for name, _ in rows)

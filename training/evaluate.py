@@ -166,13 +166,15 @@ def check_args(args: argparse.Namespace) -> None:
             raise DataError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     if not args.completions:
-        given = [flag for flag in ("occlusion", "mask") if getattr(args, flag) is not None]
+        given = [flag for flag in ("occlusion", "mask", "particles") if getattr(args, flag) is not None]
         if given:
             raise DataError(f"--{given[0]} only applies with --completions")
     elif args.occlusion is not None and args.mask is not None:
         raise DataError("give either --occlusion or --mask, not both")
     elif args.temperature < 0:
         raise DataError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    elif args.particles is not None and not 1 <= args.particles <= 256:
+        raise DataError(f"--particles must be in 1..256, got {args.particles}")
 
 
 def store_eval(path: str | Path, result: dict[str, Any]) -> None:
@@ -185,7 +187,7 @@ def run_completions(args: argparse.Namespace, device: torch.device) -> int:
     """`eval --completions`: every model on the same digits, occlusion and seed."""
     run = CompletionRun(args.data, args.classifier, choose_occlusion(args.occlusion, args.mask), args.limit,
                         args.seed, args.temperature, args.batch_size or DEFAULT_BATCH,
-                        show_progress=not args.no_progress and not args.json)
+                        show_progress=not args.no_progress and not args.json, particles=args.particles)
     rows = [(m, evaluate_completions(m, run, device)) for m in args.models]
     if args.store:
         for path, result in rows:

@@ -28,12 +28,14 @@ import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 
-from model.config import ModelConfig
+from model.config import BOS_TOKEN, ModelConfig
 from model.cuda_graphs import EagerDecoder, make_decoder
 from model.generate import generate
 from model.registry import attention_kinds
@@ -71,6 +73,10 @@ class DecodeSettings:
     device: str = "cpu"
     dtype: str = "float32"  # model weights; linear and Linformer states stay float32
     cuda_graphs: bool = True  # on CUDA, decode steps of graphable kinds replay captured graphs
+    compiled: bool = True  # on the CPU, decode steps of compilable kinds run through torch.compile
+    eager_too: bool = True  # with compiled: also time each compiled kind's eager path, "KIND (eager)"
+    peers: bool = False  # also time other implementations (benchmarks/peers.py)
+    peer_batch_sizes: tuple[int, ...] = ()  # batch sizes for the peers; empty: the largest only
     seed: int = 0
 
 
@@ -99,6 +105,9 @@ class ImageResult:
     vs_no_cache: float | None = None
     vs_softmax_cache_cpu: float | None = None
     cuda_graphs: bool = False  # decode steps replayed CUDA graphs
+    compiled: bool = False  # decode steps and draws ran through torch.compile graphs
+    group: str = "rnnserve"  # "rnnserve", "eager" (a compiled kind's eager path) or "peer"
+    rival: str | None = None  # for "eager" and "peer" rows: the rnnserve kind they are compared with
 
 
 @dataclass
@@ -150,6 +159,10 @@ class DecodeReport:
     machine: dict = field(default_factory=dict)  # measured copy bandwidth and matmul rate
     roofline: dict[str, dict] = field(default_factory=dict)  # kind -> per-token cost and bounds
     targets: list[dict] = field(default_factory=list)
+    compile_seconds: dict[str, dict[str, float]] = field(default_factory=dict)  # "KIND batch N" -> class -> s
+    comparisons: list[dict] = field(default_factory=list)  # rnnserve against its eager path and its peers
+    peers: list[dict] = field(default_factory=list)  # what each peer is: cache, sampling
+    load: dict = field(default_factory=dict)  # /proc/loadavg before and after the run
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -228,46 +241,98 @@ def _sampling(batch: int, device: torch.device) -> BatchSampling:
 # ---------------------------------------------------------------- images/s
 
 
-def _time_generation(decoder: EagerDecoder, tokens: int) -> tuple[float, float]:
-    """(wall, CPU) seconds of one generation of `tokens` tokens from BOS in every row of the decoder's state."""
-    model, batch = decoder.model, decoder.state.batch_size
-    sampling = _sampling(batch, model.device)
-    prompt = torch.zeros(batch, 0, dtype=torch.long, device=model.device)  # (B, 0): nothing known
+@dataclass
+class Contestant:
+    """One row of the images table: a way to generate whole images, a batch at a time, from BOS."""
+
+    name: str  # the row's label: "linear", "linear (eager)", "peer: ..."
+    kind: str  # rnnserve's kind it is, or the one it is compared with
+    group: str  # "rnnserve", "eager" or "peer"
+    generate: Callable[[int], torch.Tensor]  # tokens -> (batch, tokens)
+    compiled: bool = False
+    graphed: bool = False
+
+
+def check_generated(name: str, out: torch.Tensor, batch: int, tokens: int) -> None:
+    """A timed run counts only if it produced batch x tokens tokens (bytes, or a peer's byte + BOS vocabulary)."""
+    if tuple(out.shape) != (batch, tokens) or int(out.min()) < 0 or int(out.max()) > BOS_TOKEN:
+        raise BenchError(f"{name} produced {tuple(out.shape)} tokens in [{int(out.min())}, {int(out.max())}], "
+                         f"not {batch} x {tokens} tokens")
+
+
+def _timed_run(contestant: Contestant, batch: int, tokens: int, device: torch.device) -> tuple[float, float]:
+    """(wall, CPU) seconds of one checked generation of `tokens` tokens in every row."""
+    out: list[torch.Tensor] = []
     cpu = time.process_time()
-    wall = _timed(lambda: generate(model, prompt, tokens, sampling, decoder=decoder), model.device)
-    return wall, time.process_time() - cpu
+    wall = _timed(lambda: out.append(contestant.generate(tokens)), device)
+    cpu = time.process_time() - cpu
+    check_generated(contestant.name, out[0], batch, tokens)
+    return wall, cpu
 
 
-def measure_images(models: dict[str, Transformer], settings: DecodeSettings, progress) -> list[ImageResult]:
-    """Every kind at every batch size, best of `repeats`.
+def _with_decoder(decoder: EagerDecoder, sampling: BatchSampling, tokens: int) -> torch.Tensor:
+    prompt = torch.zeros(decoder.state.batch_size, 0, dtype=torch.long, device=decoder.model.device)  # (B, 0)
+    return generate(decoder.model, prompt, tokens, sampling, decoder=decoder)
 
-    The kinds take turns within each repeat, so a slow spell on a shared
+
+@torch.inference_mode()
+def rnnserve_contestants(models: dict[str, Transformer], batch: int, settings: DecodeSettings,
+                         compile_seconds: dict, progress) -> list[Contestant]:
+    """Each kind's decoder as the server makes it (CUDA graphs or compiled, made once per batch size
+    outside the timings, as a server does at start-up), and the eager path beside each compiled one."""
+    out = []
+    for kind, model in models.items():
+        sampling = _sampling(batch, model.device)
+        decoder = make_decoder(model, model.new_state(batch), settings.cuda_graphs, sizes=[batch],
+                               compiled=settings.compiled)
+        log = decoder.compile(batch=batch)
+        if log is not None:
+            compile_seconds[f"{kind} batch {batch}"] = log.seconds
+            progress(f"compile {kind:9s} batch {batch:4d}: " + (log.error or ", ".join(
+                f"{name} {seconds:.1f} s" for name, seconds in log.seconds.items())))
+        out.append(Contestant(kind, kind, "rnnserve", partial(_with_decoder, decoder, sampling), decoder.compiled,
+                              decoder.graphed))
+        if decoder.compiled and settings.eager_too:
+            eager = EagerDecoder(model, model.new_state(batch))
+            out.append(Contestant(f"{kind} (eager)", kind, "eager", partial(_with_decoder, eager, sampling)))
+    return out
+
+
+def peer_contestants(peers: list, batch: int) -> list[Contestant]:
+    return [Contestant(f"peer: {p.spec.name}", p.spec.rival, "peer", partial(p.run, batch)) for p in peers]
+
+
+def measure_images(models: dict[str, Transformer], settings: DecodeSettings, progress,
+                   peers: list | None = None) -> tuple[list[ImageResult], dict]:
+    """Every contestant at every batch size (peers at theirs), best of `repeats`; and compile times.
+
+    The contestants take turns within each repeat, so a slow spell on a shared
     machine hits all of them rather than one.
     """
-    results = []
+    results, compile_seconds = [], {}
+    device = torch.device(settings.device)
+    peer_batches = settings.peer_batch_sizes or (max(settings.batch_sizes),)
     for batch in settings.batch_sizes:
-        # State and CUDA graphs made once per batch size, outside the timings, as a server does at start-up.
-        with torch.inference_mode():
-            decoders = {kind: make_decoder(model, model.new_state(batch), settings.cuda_graphs, sizes=[batch])
-                        for kind, model in models.items()}
-        for decoder in decoders.values():
-            _time_generation(decoder, min(8, settings.image_tokens))  # warm-up: allocator, kernels
-        runs: dict[str, list[tuple[float, float]]] = {kind: [] for kind in models}
+        contestants = rnnserve_contestants(models, batch, settings, compile_seconds, progress)
+        contestants += peer_contestants(peers or [], batch) if batch in peer_batches else []
+        for contestant in contestants:
+            _timed_run(contestant, batch, min(8, settings.image_tokens), device)  # warm-up: allocator, kernels
+        runs: dict[str, list[tuple[float, float]]] = {c.name: [] for c in contestants}
         for _ in range(settings.repeats):
-            for kind, decoder in decoders.items():
-                runs[kind].append(_time_generation(decoder, settings.image_tokens))
-        for kind, timings in runs.items():
-            results.append(_image_result(kind, batch, timings, settings.image_tokens))
-            results[-1].cuda_graphs = decoders[kind].graphed
-            progress(f"images  {kind:9s} batch {batch:4d}: {results[-1].images_per_s:10.3f} images/s")
-    return results
+            for contestant in contestants:
+                runs[contestant.name].append(_timed_run(contestant, batch, settings.image_tokens, device))
+        for contestant in contestants:
+            results.append(_image_result(contestant, batch, runs[contestant.name], settings.image_tokens))
+            progress(f"images  {contestant.name:40s} batch {batch:4d}: {results[-1].images_per_s:10.3f} images/s")
+    return results, compile_seconds
 
 
-def _image_result(kind: str, batch: int, timings: list[tuple[float, float]], tokens: int) -> ImageResult:
+def _image_result(contestant: Contestant, batch: int, timings: list[tuple[float, float]], tokens: int) -> ImageResult:
     wall = min(w for w, _ in timings)
     cpu = min(c for _, c in timings)
-    return ImageResult(kind, batch, wall, batch / wall, batch * tokens / wall, [w for w, _ in timings],
-                       cpu, batch / cpu)
+    return ImageResult(contestant.name, batch, wall, batch / wall, batch * tokens / wall, [w for w, _ in timings],
+                       cpu, batch / cpu, cuda_graphs=contestant.graphed, compiled=contestant.compiled,
+                       group=contestant.group, rival=None if contestant.group == "rnnserve" else contestant.kind)
 
 
 # ---------------------------------------------------------------- no-cache baseline
@@ -340,31 +405,40 @@ def _advance(model: Transformer, state, target: int, gen: torch.Generator) -> No
 
 
 @torch.inference_mode()
+def step_decoder(model: Transformer, settings: DecodeSettings, batch: int) -> EagerDecoder:
+    """A decoder as the server makes it (compiled here and now when it is compiled) on a new state."""
+    decoder = make_decoder(model, model.new_state(batch), settings.cuda_graphs, sizes=[batch], compiled=settings.compiled)
+    decoder.compile(batch=batch)
+    return decoder
+
+
+@torch.inference_mode()
 def measure_positions(models: dict[str, Transformer], positions: list[int], settings: DecodeSettings,
                       progress) -> dict[str, list[PositionPoint]]:
-    """Per kind, one state advanced through increasing positions; timed single-token steps at each.
+    """Per kind, one state advanced through increasing positions; timed single-token steps at each,
+    through the decoder the server would use (compiled, CUDA graphs or eager).
 
     At each position the kinds take turns in a few rounds, so a noisy spell
     on a shared machine does not land on one kind only.
     """
     batch = settings.position_batch
-    states = {kind: model.new_state(batch) for kind, model in models.items()}
+    decoders = {kind: step_decoder(model, settings, batch) for kind, model in models.items()}
     gens = {kind: torch.Generator().manual_seed(settings.seed) for kind in models}
     points: dict[str, list[PositionPoint]] = {kind: [] for kind in models}
     rounds = min(STEP_ROUNDS, settings.steps_per_position)
-    for kind, model in models.items():  # warm-up, untimed: first calls allocate and pick kernels
-        _time_steps(model, states[kind], 2)
+    for decoder in decoders.values():  # warm-up, untimed: first calls allocate and pick kernels
+        _time_steps(decoder, 2)
     for pos in positions:
         times: dict[str, list[float]] = {kind: [] for kind in models}
         for kind, model in models.items():
-            if pos < int(states[kind].lengths[0]):
+            if pos < int(decoders[kind].state.lengths[0]):
                 raise BenchError(f"positions must grow by more than --steps-per-position; {pos} is too close to the one before")
-            _advance(model, states[kind], pos, gens[kind])
-        state_bytes = {kind: state.nbytes_in_use() // batch for kind, state in states.items()}
+            _advance(model, decoders[kind].state, pos, gens[kind])
+        state_bytes = {kind: d.state.nbytes_in_use() // batch for kind, d in decoders.items()}
         for r in range(rounds):
             steps = settings.steps_per_position // rounds + (r < settings.steps_per_position % rounds)
-            for kind, model in models.items():
-                times[kind] += _time_steps(model, states[kind], steps)
+            for kind, decoder in decoders.items():
+                times[kind] += _time_steps(decoder, steps)
         for kind, t in times.items():
             points[kind].append(PositionPoint(pos, min(t), statistics.median(t), state_bytes[kind]))
         progress(f"steps   at {pos:6d}: " + ", ".join(f"{k} {p[-1].step_seconds_min * 1e3:.3f} ms" for k, p in points.items()))
@@ -372,7 +446,7 @@ def measure_positions(models: dict[str, Transformer], positions: list[int], sett
 
 
 @torch.inference_mode()
-def measure_flatness(models: dict[str, Transformer], near: int, far: int, gen_seed: int,
+def measure_flatness(models: dict[str, Transformer], near: int, far: int, settings: DecodeSettings,
                      progress) -> list[FlatnessResult]:
     """Kinds with a constant-size state: one state at `near`, one at `far`, single steps timed
     in alternation (FLAT_ROUNDS rounds, the order flipping each round). The sweep visits each
@@ -382,13 +456,13 @@ def measure_flatness(models: dict[str, Transformer], near: int, far: int, gen_se
     for kind, model in models.items():
         if not model.capabilities.constant_state:
             continue
-        states = {pos: model.new_state(1) for pos in (near, far)}
-        for pos, state in states.items():
-            _advance(model, state, pos, torch.Generator().manual_seed(gen_seed))
+        decoders = {pos: step_decoder(model, settings, 1) for pos in (near, far)}
+        for pos, decoder in decoders.items():
+            _advance(model, decoder.state, pos, torch.Generator().manual_seed(settings.seed))
         times: dict[int, list[float]] = {near: [], far: []}
         for r in range(FLAT_ROUNDS):
             for pos in ((near, far) if r % 2 == 0 else (far, near)):
-                times[pos] += _time_steps(model, states[pos], FLAT_STEPS_PER_ROUND)
+                times[pos] += _time_steps(decoders[pos], FLAT_STEPS_PER_ROUND)
         medians = {pos: statistics.median(t) for pos, t in times.items()}
         results.append(FlatnessResult(kind, near, far, medians[near], medians[far], min(times[near]), min(times[far]),
                                       medians[far] / medians[near], len(times[near])))
@@ -397,9 +471,9 @@ def measure_flatness(models: dict[str, Transformer], near: int, far: int, gen_se
     return results
 
 
-def _time_steps(model: Transformer, state, steps: int) -> list[float]:
-    token = torch.zeros(state.batch_size, 1, dtype=torch.long, device=model.device)  # (B, 1)
-    return [_timed(lambda: model(token, state), model.device) for _ in range(steps)]
+def _time_steps(decoder: EagerDecoder, steps: int) -> list[float]:
+    token = torch.zeros(decoder.state.batch_size, dtype=torch.long, device=decoder.model.device)  # (B,)
+    return [_timed(lambda: decoder(token), decoder.model.device) for _ in range(steps)]
 
 
 # ---------------------------------------------------------------- the whole run
@@ -407,31 +481,78 @@ def _time_steps(model: Transformer, state, steps: int) -> list[float]:
 
 def run_decode_bench(settings: DecodeSettings, progress=print) -> DecodeReport:
     _check(settings)
+    load_before = machine_load()
     models = image_models(settings)
     kinds = [k for k in settings.kinds if k in models]
     infos = {k: _model_info(k, m, src, settings.image_tokens) for k, (m, src) in models.items()}
-    # Lightest first: right after the large batch-64 allocations, single-token
-    # steps ran slower for a while (benchmarks/README.md, "Measurements behind design choices").
+    peers = _build_peers(settings) if settings.peers else []
+    sweep, flatness = _measure_steps(models, kinds, settings, progress)
+    images, compile_seconds = measure_images({k: models[k][0] for k in kinds}, settings, progress, peers)
+    no_cache = _measure_no_cache(models, settings, progress)
+    _add_ratios(images, no_cache)
+    report = DecodeReport(asdict(settings), environment(settings), infos, images, no_cache, sweep, flatness)
+    report.compile_seconds, report.comparisons = compile_seconds, compare(images)
+    report.peers = [asdict(p.spec) for p in peers]
+    report.machine = probe_machine() if settings.device == "cpu" else {}  # a GPU is judged by its datasheet
+    batch = max(settings.batch_sizes)
+    report.roofline = {k: roofline(models[k][0].config, settings.image_tokens, batch, report.machine) for k in kinds}
+    report.load = {"before": load_before, "after": machine_load()}
+    report.targets = evaluate_targets(report)
+    return report
+
+
+def _measure_steps(models: dict, kinds: list[str], settings: DecodeSettings, progress):
+    """Step time against position, and flatness: lightest first (right after the large batch-64
+    allocations, single-token steps ran slower for a while: benchmarks/README.md, "Measurements
+    behind design choices")."""
     positions = list(settings.positions) or choose_positions(settings.max_position)
     max_len = max(positions) + max(settings.steps_per_position, FLAT_ROUNDS * FLAT_STEPS_PER_ROUND) + 1
     text_models = {kind: position_model(models[kind][0], max_len, settings.seed) for kind in kinds}
     sweep = measure_positions(text_models, positions, settings, progress)
     near, far = _closest(positions, FLAT_NEAR), _closest(positions, FLAT_FAR)
-    flatness = measure_flatness(text_models, near, far, settings.seed, progress) if near < far else []
-    del text_models  # their caches reach tens of MB per kind
-    images = measure_images({k: models[k][0] for k in kinds}, settings, progress)
-    no_cache = []
-    if "softmax" in models:
-        for batch in settings.batch_sizes:
-            no_cache.append(measure_no_cache(models["softmax"][0], batch, settings))
-            progress(f"no-cache softmax   batch {batch:4d}: {no_cache[-1].images_per_s:10.4f} images/s (extrapolated)")
-    _add_ratios(images, no_cache)
-    report = DecodeReport(asdict(settings), environment(settings), infos, images, no_cache, sweep, flatness)
-    report.machine = probe_machine() if settings.device == "cpu" else {}  # a GPU is judged by its datasheet
-    batch = max(settings.batch_sizes)
-    report.roofline = {k: roofline(models[k][0].config, settings.image_tokens, batch, report.machine) for k in kinds}
-    report.targets = evaluate_targets(report)
-    return report
+    flatness = measure_flatness(text_models, near, far, settings, progress) if near < far else []
+    return sweep, flatness  # the text models go: their caches reach tens of MB per kind
+
+
+def _measure_no_cache(models: dict, settings: DecodeSettings, progress) -> list[NoCacheResult]:
+    if "softmax" not in models:
+        return []
+    results = []
+    for batch in settings.batch_sizes:
+        results.append(measure_no_cache(models["softmax"][0], batch, settings))
+        progress(f"no-cache softmax   batch {batch:4d}: {results[-1].images_per_s:10.4f} images/s (extrapolated)")
+    return results
+
+
+def _build_peers(settings: DecodeSettings) -> list:
+    from .peers import build_peers
+
+    if settings.weights is not None:
+        raise BenchError("--peers compares random-weight models of a preset's sizes; drop --weights")
+    return build_peers(settings.preset, settings.image_tokens, settings.seed)
+
+
+def compare(images: list[ImageResult]) -> list[dict]:
+    """rnnserve's kind against its eager path and against each peer, at every batch both ran."""
+    ours = {(r.kind, r.batch): r for r in images if r.group == "rnnserve"}
+    rows = []
+    for r in images:
+        mine = ours.get((r.rival, r.batch))
+        if r.group == "rnnserve" or mine is None:
+            continue
+        rows.append({"batch": r.batch, "rnnserve": mine.kind, "against": r.kind, "group": r.group,
+                     "rnnserve_images_per_s": mine.images_per_s, "against_images_per_s": r.images_per_s,
+                     "ratio": mine.images_per_s / r.images_per_s, "ratio_cpu_time": mine.images_per_cpu_s / r.images_per_cpu_s})
+    return rows
+
+
+def machine_load() -> dict:
+    """The 1, 5 and 15-minute load averages: how shared the machine was."""
+    try:
+        one, five, fifteen = Path("/proc/loadavg").read_text().split()[:3]
+        return {"load_1min": float(one), "load_5min": float(five), "load_15min": float(fifteen)}
+    except (OSError, ValueError):
+        return {}
 
 
 def _check(settings: DecodeSettings) -> None:
@@ -496,11 +617,17 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-# ---------------------------------------------------------------- targets (issue 5)
+# ---------------------------------------------------------------- targets (issues 5 and 16)
+
+BATCH1_LINEAR_STEP_BEFORE = 1.03e-3  # seconds: issue 16's "today", linear's eager step at position 100, batch 1
 
 
 def evaluate_targets(report: DecodeReport) -> list[dict]:
-    """The issue's CPU targets, computed from this run only (ratios measured side by side)."""
+    """The issues' CPU targets, computed from this run only (ratios measured side by side)."""
+    return _issue5_targets(report) + _issue16_targets(report)
+
+
+def _issue5_targets(report: DecodeReport) -> list[dict]:
     targets = []
     largest = max((r.batch for r in report.images), default=None)
     linear = next((r for r in report.images if r.kind == "linear" and r.batch == largest), None)
@@ -520,6 +647,31 @@ def evaluate_targets(report: DecodeReport) -> list[dict]:
         sizes = {p.state_bytes_per_sequence for p in points}
         targets.append({"name": "linear state bytes identical at every position", "measured": sorted(sizes),
                         "threshold": "one value", "met": len(sizes) == 1})
+    return targets
+
+
+def _issue16_targets(report: DecodeReport) -> list[dict]:
+    largest = max((r.batch for r in report.images), default=None)
+    ratios = {(c["rnnserve"], c["against"]): c["ratio"] for c in report.comparisons if c["batch"] == largest}
+    targets = []
+    for kind, against, minimum in (("linear", "peer: fast-transformers recurrent linear", 2.0),
+                                   ("softmax", "peer: HF GPT-2 generate, static cache", 2.0),
+                                   ("linformer", "linformer (eager)", 1.5)):
+        if (kind, against) in ratios:
+            targets.append(_target(f"{kind} images/s >= {minimum:g}x {against} (batch {largest})",
+                                   ratios[(kind, against)], minimum))
+    linear = next((r for r in report.images if r.kind == "linear" and r.batch == largest), None)
+    bound = report.roofline.get("linear", {}).get("bound_images_per_s_here")
+    if linear is not None and bound:
+        targets.append(_target(f"linear images/s >= 50% of its bound on this machine (batch {largest})",
+                               linear.images_per_s / bound, 0.5))
+    points = report.positions.get("linear", [])
+    if points:
+        near = min(points, key=lambda p: abs(p.position - FLAT_NEAR))
+        targets.append({"name": f"linear ms per step at position {near.position}, batch {report.settings['position_batch']}"
+                                f" (best step): <= half of {BATCH1_LINEAR_STEP_BEFORE * 1e3:.2f} ms",
+                        "measured": near.step_seconds_min * 1e3, "threshold": f"<= {BATCH1_LINEAR_STEP_BEFORE * 500:.3f}",
+                        "met": near.step_seconds_min <= BATCH1_LINEAR_STEP_BEFORE / 2})
     return targets
 
 

@@ -16,6 +16,7 @@ from .errors import BenchError
 QUICK = {  # a tiny model and a few steps of each measurement: seconds, for tests; explicit flags still win
     "preset": "tiny", "batch_sizes": (1, 4), "image_tokens": 64, "max_position": 256,
     "steps_per_position": 2, "nocache_pixels": 8, "nocache_samples": 2,
+    "compiled": False,  # compiling takes tens of seconds per graph
 }
 
 
@@ -60,6 +61,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ins.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="model weights (default float32)")
     ins.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
                      help="on CUDA, replay decode steps of graphable kinds (linear, Linformer) as CUDA graphs (default on)")
+    ins.add_argument("--compile-decode", dest="compiled", action=argparse.BooleanOptionalAction,
+                     help="on the CPU, decode compilable kinds (softmax, linear, Linformer) through torch.compile, as "
+                          "the server does (default on; --quick: off)")
+    ins.add_argument("--eager-too", action=argparse.BooleanOptionalAction,
+                     help="with --compile-decode, also time each compiled kind's eager path (default on)")
+    ins.add_argument("--peers", action="store_true",
+                     help="also time fast-transformers, a plain PyTorch recurrence, HF GPT-2 and HF Reformer at the "
+                          "preset's sizes (install: benchmarks/install_peers.sh)")
+    ins.add_argument("--peer-batch-sizes", type=_int_list, help="batch sizes for the peers (default: the largest)")
     ins.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     ins.add_argument("--plot", type=Path, help="draw step time and state bytes against position to this PNG")
     ins.add_argument("--quick", action="store_true", help="tiny model, few steps: finishes in seconds (tests)")

@@ -19,11 +19,12 @@ def images_table(report: DecodeReport) -> str:
             f"vs softmax+cache by CPU time | state bytes/seq @{tokens} |")
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report.images:
-        state = report.models[r.kind].state_bytes_per_sequence
-        kind = f"{r.kind} (CUDA graphs)" if r.cuda_graphs else r.kind
+        model = report.models.get(r.kind if r.group == "rnnserve" else r.rival)
+        state = f"{model.state_bytes_per_sequence:,}" if r.group != "peer" and model else "-"
+        kind = f"{r.kind} (CUDA graphs)" if r.cuda_graphs else f"{r.kind} (compiled)" if r.compiled else r.kind
         lines.append(f"| {kind} | {r.batch} | {_rate(r.images_per_s)} | {r.tokens_per_s:,.0f} | "
                      f"{_ratio(r.vs_softmax_cache)} | {_ratio(r.vs_no_cache)} | {_rate(r.images_per_cpu_s)} | "
-                     f"{_ratio(r.vs_softmax_cache_cpu)} | {state:,} |")
+                     f"{_ratio(r.vs_softmax_cache_cpu)} | {state} |")
     for n in report.no_cache:
         lines.append(f"| softmax, no cache (extrapolated from {n.measured_pixels} px + "
                      f"{len(n.sampled_steps)} sampled steps) | {n.batch} | {_rate(n.images_per_s)} | "
@@ -46,6 +47,42 @@ def positions_table(report: DecodeReport) -> str:
                                                    f"{p.state_bytes_per_sequence / 1024:,.1f}"]
         lines.append(f"| {pos:,} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def comparisons_table(report: DecodeReport) -> str:
+    """rnnserve's kinds against their eager path and their peers, same run."""
+    if not report.comparisons:
+        return ""
+    lines = ["| batch | rnnserve | images/s | against | images/s | ratio | ratio by CPU time |",
+             "|---:|---|---:|---|---:|---:|---:|"]
+    for c in report.comparisons:
+        lines.append(f"| {c['batch']} | {c['rnnserve']} | {_rate(c['rnnserve_images_per_s'])} | {c['against']} | "
+                     f"{_rate(c['against_images_per_s'])} | **{c['ratio']:.2f}x** | {c['ratio_cpu_time']:.2f}x |")
+    return "\n".join(lines)
+
+
+def peers_table(report: DecodeReport) -> str:
+    if not report.peers:
+        return ""
+    lines = ["| peer | compared with | kept between steps | sampling |", "|---|---|---|---|"]
+    lines += [f"| {p['name']} | {p['rival']} | {p['cache']} | {p['sampling']} |" for p in report.peers]
+    return "\n".join(lines)
+
+
+def compile_line(report: DecodeReport) -> str:
+    if not report.compile_seconds:
+        return ""
+    parts = [f"{name}: " + ", ".join(f"{cls} {s:.1f} s" for cls, s in classes.items())
+             for name, classes in report.compile_seconds.items() if classes]
+    return "Compile times (torch.compile, outside the timings): " + ("; ".join(parts) or "all cached")
+
+
+def load_line(report: DecodeReport) -> str:
+    before, after = report.load.get("before", {}), report.load.get("after", {})
+    if not before or not after:
+        return ""
+    return (f"Machine load (1-minute average, {report.environment['cpu_count']} CPUs): {before['load_1min']:.2f} at "
+            f"the start, {after['load_1min']:.2f} at the end; 15-minute average {after['load_15min']:.2f}.")
 
 
 def targets_table(report: DecodeReport) -> str:
@@ -89,6 +126,8 @@ def full_report(report: DecodeReport) -> str:
         f"Machine: {env['processor']}, {env['cpu_count']} CPUs, torch {env['torch']} "
         f"({env['torch_threads']} threads), device {env['device']}. Times: best of {s['repeats']} run(s), "
         "kinds taking turns.",
+        load_line(report),
+        compile_line(report),
         "",
         f"Generations of {s['image_tokens']} tokens from BOS, batch at a time (model.generate.generate):",
         images_table(report),
@@ -99,7 +138,12 @@ def full_report(report: DecodeReport) -> str:
         "",
         roofline_table(report),
         "",
-        "Targets (issue 5):",
+        "Against the eager path and the peers (same run, ratio of images/s):",
+        comparisons_table(report),
+        "",
+        peers_table(report),
+        "",
+        "Targets (issues 5 and 16):",
         targets_table(report),
     ]
     return "\n".join(parts)

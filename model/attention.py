@@ -1,9 +1,9 @@
 """What every attention kind is: a module with the chunk-and-state contract
 that declares, as class attributes, what its decoding can do and cost.
 
-Everything that treats kinds differently (CUDA graphs, padded decode steps,
-the benchmark's flatness check, the roofline) reads these declarations
-instead of naming kinds, so a new kind is one module derived from
+Everything that treats kinds differently (CUDA graphs, compiled CPU decode
+steps, padded decode steps, the benchmark's flatness check, the roofline)
+reads these declarations instead of naming kinds, so a new kind is one module derived from
 `Attention` plus one line in `model/registry.py`.
 """
 
@@ -27,6 +27,7 @@ class Capabilities:
     constant_state: bool  # the state does not grow with length: every decode step costs the same
     graphable: bool  # a decode step has fixed shapes, so a CUDA graph can capture it
     paddable: bool  # padding rows may run decode steps from position 0 without harm
+    compilable: bool  # a decode step traces whole into a torch.compile graph (model/compiled_decode.py)
 
 
 @dataclass(frozen=True)

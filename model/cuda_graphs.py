@@ -25,6 +25,7 @@ import logging
 import torch
 
 from .registry import kinds_where
+from .sampling import sample
 from .state import ModelState
 from .transformer import Transformer
 
@@ -49,6 +50,23 @@ class EagerDecoder:
     @property
     def graphed(self) -> bool:
         return False
+
+    @property
+    def compiled(self) -> bool:
+        """Whether steps run through torch.compile graphs (model/compiled_decode.py)."""
+        return False
+
+    def sample(self, logits: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """Draw the next tokens from these rows' logits (`model.sampling.sample`)."""
+        return sample(logits, *args, **kwargs)
+
+    def compile(self, background: bool = False, batch: int | None = None):
+        """Nothing to compile for these steps (see CompiledDecoder): None."""
+        return None
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for a background compile to end; True once nothing is left to compile."""
+        return True
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """Tokens (n,) for rows [0, n) -> their next-token logits (n, V)."""
@@ -130,9 +148,15 @@ class CudaGraphDecoder(PaddedDecoder):
 
 
 def make_decoder(model: Transformer, state: ModelState, cuda_graphs: bool,
-                 sizes: list[int] | None = None) -> EagerDecoder:
-    """CUDA graphs when asked for and possible (a CUDA model of a graphable kind), else eager.
+                 sizes: list[int] | None = None, compiled: bool = False) -> EagerDecoder:
+    """CUDA graphs when asked for and possible (a CUDA model of a graphable kind); on the CPU,
+    compiled steps when asked for and the kind is compilable (see model/compiled_decode.py: the
+    caller starts the compile, `decoder.compile()`); else eager.
     A capture that fails (e.g. out of memory) is logged and decoding stays eager."""
+    if compiled and model.device.type == "cpu" and model.capabilities.compilable:
+        from .compiled_decode import CompiledDecoder  # it builds on EagerDecoder, here
+
+        return CompiledDecoder(model, state)
     if cuda_graphs and model.device.type == "cuda" and model.capabilities.graphable:
         try:
             return CudaGraphDecoder(model, state, sizes or padded_sizes(state.batch_size))

@@ -8,19 +8,22 @@ from __future__ import annotations
 
 import torch
 
-from .cuda_graphs import EagerDecoder
-from .sampling import BatchSampling, force_tokens, sample
+from .cuda_graphs import EagerDecoder, make_decoder
+from .sampling import BatchSampling, force_tokens
 from .transformer import SequenceTooLong, Transformer, with_bos
 
 
 @torch.inference_mode()
 def generate(model: Transformer, prompt: torch.Tensor, total_len: int, sampling: BatchSampling,
-             forced: torch.Tensor | None = None, decoder: EagerDecoder | None = None) -> torch.Tensor:
+             forced: torch.Tensor | None = None, decoder: EagerDecoder | None = None,
+             compiled: bool = True) -> torch.Tensor:
     """Extend (B, P) prompts to (B, total_len) tokens, P may be 0.
 
     forced (B, total_len) holds known tokens (>= 0) to keep instead of sampling.
     decoder: decode steps over a B-row state made once (e.g. CUDA graphs,
-    `make_decoder`) and reused across calls; by default eager steps on a new state.
+    `make_decoder`) and reused across calls; by default steps on a new state,
+    compiled on the CPU for the kinds model/compiled_decode.py covers unless
+    compiled=False (the first call compiles: seconds to a minute), else eager.
     """
     b, p = prompt.shape
     if total_len > model.config.max_len:  # decode steps do not check (see Transformer.decode_step)
@@ -28,7 +31,8 @@ def generate(model: Transformer, prompt: torch.Tensor, total_len: int, sampling:
     tokens = torch.empty(b, total_len, dtype=torch.long, device=model.device)
     tokens[:, :p] = prompt
     if decoder is None:
-        decoder = EagerDecoder(model, model.new_state(b))  # a new state is already empty
+        decoder = make_decoder(model, model.new_state(b), cuda_graphs=False, compiled=compiled)  # empty state
+        decoder.compile(batch=b)
     elif decoder.state.batch_size != b:
         raise ValueError(f"decoder has {decoder.state.batch_size} rows for a batch of {b}")
     else:
@@ -39,7 +43,7 @@ def generate(model: Transformer, prompt: torch.Tensor, total_len: int, sampling:
     logits = logits[:, -1]
     for pos in range(p, total_len):
         position = torch.full((b,), pos, dtype=torch.long, device=model.device)
-        nxt = sample(logits, sampling, position)
+        nxt = decoder.sample(logits, sampling, position)
         if forced is not None:
             nxt = force_tokens(nxt, forced[:, pos])
         tokens[:, pos] = nxt

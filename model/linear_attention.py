@@ -70,7 +70,7 @@ def linear_attention_chunked(q, k, v, s0, z0, eps: float):
 
 
 class LinearAttention(Attention):
-    capabilities = Capabilities(constant_state=True, graphable=True, paddable=True)
+    capabilities = Capabilities(constant_state=True, graphable=True, paddable=True, compilable=True)
 
     @classmethod
     def token_cost(cls, cfg: ModelConfig, t: float) -> TokenCost:

@@ -73,7 +73,7 @@ def linformer_chunked(q, k, v, e, f, keys0, values0):
 
 
 class LinformerAttention(Attention):
-    capabilities = Capabilities(constant_state=True, graphable=True, paddable=True)
+    capabilities = Capabilities(constant_state=True, graphable=True, paddable=True, compilable=True)
 
     @classmethod
     def token_cost(cls, cfg: ModelConfig, t: float) -> TokenCost:

@@ -119,14 +119,22 @@ def sampling_logprobs(logits: torch.Tensor, params: BatchSampling, tokens: torch
     return token_logprobs(filtered_logits(logits, params), tokens)
 
 
-def sample(logits: torch.Tensor, params: BatchSampling, position: torch.Tensor) -> torch.Tensor:
-    """(B, V) logits -> (B,) tokens; position (B,) is the index being drawn."""
+def sample(logits: torch.Tensor, params: BatchSampling, position: torch.Tensor, draw=None) -> torch.Tensor:
+    """(B, V) logits -> (B,) tokens; position (B,) is the index being drawn.
+
+    draw: `gumbel_max` or a function equal to it (model/compiled_decode.py passes a compiled copy).
+    """
     logits = logits.float()
+    return (draw or gumbel_max)(logits, filtered_logits(logits, params), params.temperature, params.seed, position)
+
+
+def gumbel_max(logits: torch.Tensor, filtered: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor,
+               position: torch.Tensor) -> torch.Tensor:
+    """Each row's draw from softmax(filtered), or its greedy token where temperature is 0. (B, V) x 2, (B,) x 3 -> (B,)."""
     greedy = logits.argmax(dim=-1)
-    filtered = filtered_logits(logits, params)
     # Gumbel noise -log(-log u), subtracted as log(-log u): in place, one temporary.
-    drawn = (filtered - uniform_noise(params.seed, position, logits.shape[-1]).log_().neg_().log_()).argmax(dim=-1)
-    return torch.where(params.temperature > 0, drawn, greedy)
+    drawn = (filtered - uniform_noise(seed, position, logits.shape[-1]).log_().neg_().log_()).argmax(dim=-1)
+    return torch.where(temperature > 0, drawn, greedy)
 
 
 def penalize(logits: torch.Tensor, counts: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,

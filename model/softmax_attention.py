@@ -27,9 +27,9 @@ class KVCache(RowState):
 
 
 class SoftmaxAttention(Attention):
-    # The cache grows by position, so steps read a prefix of changing length: no graph; padding rows
-    # restarting at position 0 only overwrite their own first slot.
-    capabilities = Capabilities(constant_state=False, graphable=False, paddable=True)
+    # The cache grows by position, so steps read a prefix of changing length: no CUDA graph (torch.compile
+    # traces the length symbolically); padding rows restarting at position 0 only overwrite their own first slot.
+    capabilities = Capabilities(constant_state=False, graphable=False, paddable=True, compilable=True)
 
     @classmethod
     def token_cost(cls, cfg: ModelConfig, t: float) -> TokenCost:
@@ -64,6 +64,9 @@ class SoftmaxAttention(Attention):
         state.k[rows, :, pos] = k.transpose(1, 2).to(state.k.dtype)
         state.v[rows, :, pos] = v.transpose(1, 2).to(state.v.dtype)
         used = int(pos.max()) + 1  # attend only to the written prefix
-        keys, values = state.k[:, :, :used], state.v[:, :, :used]
+        # For torch.compile, which cannot see the value: at least one key, and narrow (not a slice)
+        # gives exactly `used` of them.
+        torch._check(used > 0)
+        keys, values = state.k.narrow(2, 0, used), state.v.narrow(2, 0, used)
         mask = torch.arange(used, device=q.device) <= pos[:, :, None]  # (B, T, L)
         return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None])

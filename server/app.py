@@ -62,7 +62,7 @@ def _lifespan(settings: Settings, metrics: Metrics, models: list[LoadedModel] | 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loaded = models if models is not None else load_models(settings)
         limits = EngineLimits(max_batch=settings.max_batch, max_waiting=settings.max_waiting,
-                              cuda_graphs=settings.cuda_graphs)
+                              cuda_graphs=settings.cuda_graphs, compile_decode=settings.compile_decode)
         engines = [Engine(m.name, m.model, m.info, limits, metrics) for m in loaded]
         started: list[Engine] = []
         try:

@@ -45,6 +45,7 @@ class EngineLimits:
     max_batch: int = 64
     max_waiting: int = 256
     cuda_graphs: bool = True  # capture decode steps on CUDA (linear, Linformer)
+    compile_decode: bool = False  # compile decode steps on the CPU (the server passes --compile-decode, default on)
 
 
 class Engine:
@@ -57,7 +58,7 @@ class Engine:
         self.state_bytes_allocated = 0  # all slots' state, known once started
         self.metrics = metrics.for_model(name, model.config.attention, images=model.config.task == "mnist")
         self.scheduler = Scheduler(limits.max_batch, limits.max_waiting)
-        self.runner = ModelRunner(model, limits.max_batch, limits.cuda_graphs)
+        self.runner = ModelRunner(model, limits.max_batch, limits.cuda_graphs, limits.compile_decode)
         self._lock = threading.Lock()  # the scheduler's queue: submissions come from the event loop
         self._wakeup = threading.Event()
         self._ready = threading.Event()
@@ -83,6 +84,11 @@ class Engine:
     def cuda_graphs(self) -> bool:
         """Whether decode steps replay captured CUDA graphs (known once started)."""
         return self.runner.decoder is not None and self.runner.decoder.graphed
+
+    @property
+    def compiled_decode(self) -> bool:
+        """Whether decode steps run through compiled graphs (false until the background compile is done)."""
+        return self.runner.decoder is not None and self.runner.decoder.compiled
 
     @property
     def running(self) -> int:

@@ -19,8 +19,7 @@ import torch
 
 from model.config import BOS_TOKEN
 from model.cuda_graphs import EagerDecoder, make_decoder
-from model.sampling import (BatchSampling, force_tokens, penalize, sample, sampling_logprobs, token_logprobs,
-                            top_logprobs)
+from model.sampling import BatchSampling, force_tokens, penalize, sampling_logprobs, token_logprobs, top_logprobs
 from model.state import ModelState
 from model.transformer import Transformer, with_bos
 
@@ -107,19 +106,22 @@ class Drawn:
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, rows: int, cuda_graphs: bool):
+    def __init__(self, model: Transformer, rows: int, cuda_graphs: bool, compile_decode: bool = False):
         self.model = model.eval()
         self.rows = rows
         self.cuda_graphs = cuda_graphs
+        self.compile_decode = compile_decode
         self.slots: Slots | None = None
         self.decoder: EagerDecoder | None = None
         self._after_bos: tuple[ModelState, torch.Tensor] | None = None  # see _prefill_bos
 
     def allocate(self) -> None:
-        """Slots, the state after BOS, and the decoder (may capture CUDA graphs): once, at start."""
+        """Slots, the state after BOS, and the decoder (may capture CUDA graphs, or start compiling
+        in the background): once, at start."""
         self.slots = Slots.allocate(self.model, self.rows)
         self._after_bos = self._prefill_bos()
-        self.decoder = make_decoder(self.model, self.slots.state, self.cuda_graphs)
+        self.decoder = make_decoder(self.model, self.slots.state, self.cuda_graphs, compiled=self.compile_decode)
+        self.decoder.compile(background=True)
 
     # -- new sequences --------------------------------------------------------
     def prefill(self, requests: list[GenerationRequest], first: int) -> list[float]:
@@ -183,7 +185,7 @@ class ModelRunner:
         slots = self.slots
         position = slots.position[:n]
         source = slots.penalized(n) if needs.adjust else slots.logits[:n]
-        tokens = sample(source, slots.batch_sampling(n), position)
+        tokens = self.decoder.sample(source, slots.batch_sampling(n), position)  # compiled draw, once ready
         tokens = force_tokens(tokens, slots.forced[:n].gather(1, position[:, None])[:, 0])
         slots.generated[:n].scatter_(1, position[:, None], tokens[:, None])
         if needs.adjust:

@@ -24,6 +24,7 @@ CONSTANT_STATE_KINDS = kinds_where(lambda c: c.constant_state)
 GROWING_STATE_KINDS = kinds_where(lambda c: not c.constant_state)
 PADDABLE_KINDS = kinds_where(lambda c: c.paddable)
 GRAPHABLE_KINDS = kinds_where(lambda c: c.graphable)
+COMPILABLE_KINDS = kinds_where(lambda c: c.compilable)
 TINY_MAX_LEN = 96  # above the linear kind's 64-token block, so several blocks are exercised
 
 

@@ -45,7 +45,7 @@ def start_server(mode: str, weights: Path, ray_tmp: Path, log: Path) -> subproce
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_TMPDIR": str(ray_tmp), "RAY_DEDUP_LOGS": "0"}
     command = [str(Path(sys.executable).parent / "rnnserve"), "serve", "--ray", "--weights", str(weights),
                "--port", str(PORT), "--ray-metrics-port", str(METRICS_PORT), "--cpus-per-replica", "1",
-               "--device", "cpu", *SERVE_FLAGS[mode]]
+               "--device", "cpu", "--no-compile-decode", *SERVE_FLAGS[mode]]
     with log.open("wb") as out:
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
 

@@ -78,7 +78,10 @@ def save_script_model(folder: Path, name: str, script: bytes) -> Path:
 
 
 def make_settings(**fields: Any) -> Settings:
-    """Settings from `fields` and defaults only: RNNSERVE_* variables of the shell running the tests do not leak in."""
+    """Settings from `fields` and defaults only: RNNSERVE_* variables of the shell running the tests do not leak in.
+    Decode steps stay eager unless asked for: compiling takes tens of seconds (tests/test_compiled_decode.py
+    covers it)."""
+    fields.setdefault("compile_decode", False)
     with pytest.MonkeyPatch.context() as env:
         for name in [n for n in os.environ if n.startswith("RNNSERVE_")]:
             env.delenv(name)
@@ -141,8 +144,9 @@ def serving_process(folder: Path, *flags: str) -> Iterator[str]:
     port, log = free_port(), folder / "server.log"
     script = Path(sys.executable).parent / "rnnserve"
     with open(log, "wb") as out:
+        # eager decode steps: compiling is covered by tests/test_compiled_decode.py
         proc = subprocess.Popen([str(script), "serve", "--weights", str(folder), "--port", str(port), "--device", "cpu",
-                                 *flags], stdout=out, stderr=subprocess.STDOUT)
+                                 "--no-compile-decode", *flags], stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, log)

@@ -23,7 +23,8 @@ from benchmarks.roofline import attention_cost
 from benchmarks.run import QUICK
 from model.attention import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
 from model.config import ConfigError, ModelConfig
-from model.cuda_graphs import EagerDecoder, PaddedDecoder
+from model.compiled_decode import CompiledDecoder
+from model.cuda_graphs import EagerDecoder, PaddedDecoder, make_decoder
 from model.heads import chunk_positions, merge_heads, split_heads
 from model.registry import ATTENTION_CLASSES, attention_class, attention_kinds, kinds_where
 from model.state import RowState
@@ -53,7 +54,7 @@ class RunningSum(RowState):
 class MeanAttention(Attention):
     """out_i = mean of v_j over j <= i (a causal average: no queries, no keys)."""
 
-    capabilities = Capabilities(constant_state=True, graphable=True, paddable=True)
+    capabilities = Capabilities(constant_state=True, graphable=True, paddable=True, compilable=True)
     projections = 2  # values and output
 
     @classmethod
@@ -110,6 +111,15 @@ def test_padded_decode_steps_of_the_new_kind_match_exact_steps(kind):
     tokens = random_bytes(1, 3, 10)
     for step in range(10):
         torch.testing.assert_close(padded(tokens[:, step]), eager(tokens[:, step]), atol=1e-5, rtol=0)
+
+
+def test_the_declared_compilable_capability_picks_the_compiled_cpu_decoder(kind, monkeypatch):
+    model = make_tiny_model(kind)
+    assert type(make_decoder(model, model.new_state(2), cuda_graphs=False, compiled=True)) is CompiledDecoder
+    monkeypatch.setattr(MeanAttention, "capabilities", replace(MeanAttention.capabilities, compilable=False))
+    assert type(make_decoder(model, model.new_state(2), cuda_graphs=False, compiled=True)) is EagerDecoder
+    with pytest.raises(ValueError, match=f"{kind} decode steps are not compiled; compilable kinds: softmax, linear"):
+        CompiledDecoder(model, model.new_state(2))
 
 
 def test_roofline_reads_the_declared_cost_which_matches_the_real_state(kind):

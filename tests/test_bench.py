@@ -103,6 +103,53 @@ def test_table_targets_and_plot_are_written(quick_result):
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _peers_installed() -> bool:
+    try:
+        import fast_transformers.builders  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _peers_installed(), reason="the peers are not installed in this environment "
+                    "(benchmarks/install_peers.sh builds fast-transformers in about 6 minutes; make install does not)")
+def test_compiled_kinds_their_eager_path_and_the_peers_run_side_by_side():
+    """One in-process run: the compiled kind beside its eager path and every peer, each checked
+    for batch x tokens tokens, and the ratios are those of the rows."""
+    settings = decode.DecodeSettings(kinds=("linear", "reformer"), preset="tiny", batch_sizes=(2,), image_tokens=16,
+                                     positions=(8, 16), steps_per_position=2, nocache_pixels=2, nocache_samples=1,
+                                     compiled=True, peers=True)
+    report = decode.run_decode_bench(settings, progress=lambda line: None)
+    rows = {r.kind: r for r in report.images}
+    assert rows["linear"].compiled and rows["linear"].group == "rnnserve" and not rows["reformer"].compiled
+    assert rows["linear (eager)"].group == "eager" and rows["linear (eager)"].rival == "linear"
+    peers = [r for r in report.images if r.group == "peer"]
+    assert {r.kind for r in peers} == {f"peer: {p.name}" for p in __import__("benchmarks.peers").peers.PEERS}
+    assert report.compile_seconds["linear batch 2"]  # compiled outside the timings, and logged
+    for c in report.comparisons:
+        assert c["ratio"] == pytest.approx(rows[c["rnnserve"]].images_per_s / rows[c["against"]].images_per_s)
+    assert {c["against"] for c in report.comparisons} >= {"linear (eager)", "peer: fast-transformers recurrent linear",
+                                                          "peer: HF Reformer generate, LSH cache"}
+    assert report.load["before"]["load_1min"] >= 0
+
+
+def test_a_run_that_does_not_produce_every_token_is_refused():
+    decode.check_generated("ok", torch.zeros(2, 5, dtype=torch.long), 2, 5)
+    with pytest.raises(decode.BenchError, match=r"stopped early produced \(2, 4\) tokens .* not 2 x 5 tokens"):
+        decode.check_generated("stopped early", torch.zeros(2, 4, dtype=torch.long), 2, 5)
+    with pytest.raises(decode.BenchError, match=r"in \[0, 300\]"):
+        decode.check_generated("out of vocabulary", torch.tensor([[0, 300]]), 1, 2)
+
+
+def test_peers_without_their_packages_say_how_to_install_them(monkeypatch):
+    from benchmarks.peers import build_peers
+
+    monkeypatch.setitem(sys.modules, "fast_transformers", None)  # as if it were not installed: import fails
+    with pytest.raises(decode.BenchError, match="install them with benchmarks/install_peers.sh"):
+        build_peers("tiny", 16, 0)
+
+
 def test_bench_uses_trained_weights_from_a_folder(tmp_path):
     for kind in ("linear", "softmax"):
         cfg = ModelConfig(attention=kind, task="mnist", d_model=16, n_layers=1, n_heads=2, d_ff=32, max_len=784)
@@ -187,7 +234,7 @@ def server_url(tmp_path_factory):
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     with log.open("w") as out:
         process = subprocess.Popen([sys.executable, "-m", "server", "serve", "--weights", str(folder), "--port", str(port),
-                                    "--log-level", "warning"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+                                    "--log-level", "warning", "--no-compile-decode"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(process, url, log)
@@ -270,8 +317,9 @@ def test_flatness_steps_run_without_autograd(monkeypatch):
     """Autograd on would add a fixed cost to every step and pull the ratio towards 1."""
     seen = []
     real = decode._time_steps
-    monkeypatch.setattr(decode, "_time_steps", lambda model, state, steps: seen.append(
-        torch.is_inference_mode_enabled()) or real(model, state, steps))
+    monkeypatch.setattr(decode, "_time_steps", lambda decoder, steps: seen.append(
+        torch.is_inference_mode_enabled()) or real(decoder, steps))
     model = build_model(decode.preset_config("tiny", "linear", task="text", max_len=512)).eval()
-    (result,) = decode.measure_flatness({"linear": model}, 10, 200, 0, lambda line: None)
+    settings = decode.DecodeSettings(compiled=False)  # eager steps: what is checked is the mode they run in
+    (result,) = decode.measure_flatness({"linear": model}, 10, 200, settings, lambda line: None)
     assert seen and all(seen) and result.steps == FLAT_ROUNDS * FLAT_STEPS_PER_ROUND

@@ -136,7 +136,8 @@ def _serve(weights: Path, port: int, log: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RNNSERVE_")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")  # the test machine's 2 cores are shared
     command = [sys.executable, "-m", "server", "serve", "--weights", str(weights), "--host", "127.0.0.1",
-               "--port", str(port), "--device", "cpu", "--log-level", "warning"]
+               "--port", str(port), "--device", "cpu", "--log-level", "warning",
+               "--no-compile-decode"]  # compiling is covered by tests/test_compiled_decode.py
     # Output to a file, not a pipe: nobody reads a pipe while tests run, and a full one blocks the server.
     with log.open("w") as out:
         return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)

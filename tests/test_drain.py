@@ -53,7 +53,7 @@ def serve(tmp_path: Path, *flags: str) -> Server:
     save_tiny_model(weights, MODEL, "linear", "mnist")
     port, log = free_port(), tmp_path / "server.log"
     process = start(["--weights", str(weights), "--port", str(port), "--device", "cpu",
-                     "--max-batch", "1", "--max-waiting", "8", *flags], log)
+                     "--max-batch", "1", "--max-waiting", "8", "--no-compile-decode", *flags], log)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(process, url, log)

@@ -37,7 +37,7 @@ def start_server(args: list[str], log: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RNNSERVE_")}
     env["OMP_NUM_THREADS"] = "1"
     with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "server", "serve", "--device", "cpu", *args],
+        return subprocess.Popen([sys.executable, "-m", "server", "serve", "--device", "cpu", "--no-compile-decode", *args],
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
 
 

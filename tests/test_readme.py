@@ -63,7 +63,7 @@ def served(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RNNSERVE_")}
     env["OMP_NUM_THREADS"] = "1"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(["make", "serve", f"ARGS=--port {port} --device cpu --log-level warning"],
+        proc = subprocess.Popen(["make", "serve", f"ARGS=--port {port} --device cpu --log-level warning --no-compile-decode"],
                                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     workdir = tmp_path_factory.mktemp("readme_cwd")

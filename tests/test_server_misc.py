@@ -37,7 +37,7 @@ def test_settings_defaults(clean_env):
     s = build_settings()
     assert (s.host, s.port, str(s.weights), s.device) == ("127.0.0.1", 8000, "weights", "auto")
     assert (s.max_batch, s.max_waiting, s.api_key, s.models) == (64, 256, None, [])
-    assert s.cuda_graphs is True
+    assert s.cuda_graphs is True and s.compile_decode is True
 
 
 def test_flags_override_env_over_defaults(clean_env):
@@ -54,6 +54,9 @@ def test_flags_override_env_over_defaults(clean_env):
     clean_env.setenv("RNNSERVE_CUDA_GRAPHS", "false")
     assert settings_from_args(parser.parse_args([])).cuda_graphs is False
     assert settings_from_args(parser.parse_args(["--cuda-graphs"])).cuda_graphs is True
+    clean_env.setenv("RNNSERVE_COMPILE_DECODE", "false")
+    assert settings_from_args(parser.parse_args([])).compile_decode is False
+    assert settings_from_args(parser.parse_args(["--compile-decode"])).compile_decode is True
 
 
 def test_bad_settings_name_the_flag(clean_env):

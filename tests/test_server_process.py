@@ -43,7 +43,7 @@ def url(tmp_path_factory):
     save_tiny_model(folder, "chat", "linear", "text")
     port, log = free_port(), folder / "server.log"
     proc = start(["--weights", str(folder), "--port", str(port), "--device", "cpu",
-                  "--max-batch", "1", "--max-waiting", "1"], log)
+                  "--max-batch", "1", "--max-waiting", "1", "--no-compile-decode"], log)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, base, log)

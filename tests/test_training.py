@@ -526,6 +526,6 @@ def test_shipped_model_loads_reports_metrics_and_generates(path: Path) -> None:
         length = 64
     model, _ = load_model(path, device="cpu")
     sampling = BatchSampling.from_params([SamplingParams(seed=1)], "cpu")
-    tokens = generate(model, torch.zeros(1, 0, dtype=torch.long), length, sampling)
+    tokens = generate(model, torch.zeros(1, 0, dtype=torch.long), length, sampling, compiled=False)  # a file test
     assert tokens.shape == (1, length)
     assert int(tokens.min()) >= 0 and int(tokens.max()) <= 255

@@ -1,0 +1,207 @@
+"""Peers for `rnnserve bench --peers`: other implementations of the same models, built at the
+preset's sizes and timed in the same run as rnnserve's kinds.
+
+  * fast-transformers' recurrent linear transformer (`RecurrentEncoderBuilder`, attention "linear":
+    phi = elu + 1, post-norm layers), with an embedding, learned positions and an output layer
+    around it; one `encoder(x, state)` call per token;
+  * a plain PyTorch recurrence of the same pre-norm model: S += phi(k) v^T and Z += phi(k) as
+    separate tensors, out = phi(q)^T S / phi(q)^T Z, one einsum each;
+  * Hugging Face transformers' GPT-2 (`GPT2LMHeadModel.generate`), with its static cache
+    (preallocated for the whole length, every step attends over all of it with a mask) and with
+    its default dynamic cache (grown by concatenation);
+  * Hugging Face's `ReformerModelWithLMHead.generate` with its LSH cache: local and LSH layers
+    alternating, 1 hashing round over 32 buckets, chunks of 32.
+
+Sampling: the two recurrences draw with rnnserve's own `model.sampling.sample` (Gumbel-max with
+counter-based noise, temperature 1, no filter); the Hugging Face models with `generate(do_sample=True,
+top_k=0, top_p=1.0, temperature=1.0)` (softmax then `torch.multinomial`): the same distribution,
+drawn another way. Every run is checked to have produced batch x tokens tokens.
+
+The peers install with `benchmarks/install_peers.sh` (transformers, and fast-transformers built
+without the CUDA compiler on PATH).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import BOS_TOKEN, BYTE_VOCAB
+from model.sampling import BatchSampling, SamplingParams, sample
+from training.presets import PRESETS
+
+from .errors import BenchError
+
+HF_VOCAB = BYTE_VOCAB + 1  # bytes and BOS in one vocabulary: HF models predict over their input vocabulary
+REFORMER_CHUNK, REFORMER_BUCKETS = 32, 32
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    name: str
+    rival: str  # the rnnserve kind it is compared with
+    cache: str  # what it keeps between steps
+    sampling: str
+
+
+PEERS = (
+    PeerSpec("fast-transformers recurrent linear", "linear", "S, Z per layer (fast-transformers' recurrent state)",
+             "rnnserve's Gumbel-max, temperature 1"),
+    PeerSpec("plain PyTorch linear recurrence", "linear", "S and Z as separate tensors", "rnnserve's Gumbel-max, temperature 1"),
+    PeerSpec("HF GPT-2 generate, static cache", "softmax", "static KV cache of the whole length, masked",
+             "HF multinomial, top_k=0, temperature 1"),
+    PeerSpec("HF GPT-2 generate, dynamic cache", "softmax", "dynamic KV cache, grown each step",
+             "HF multinomial, top_k=0, temperature 1"),
+    PeerSpec("HF Reformer generate, LSH cache", "reformer", "past buckets and states (LSH and local layers)",
+             "HF multinomial, top_k=0, temperature 1"),
+)
+
+
+class Peer:
+    """One contestant: `run(batch, tokens)` generates (batch, tokens) tokens from BOS (the bench checks them)."""
+
+    def __init__(self, spec: PeerSpec, run: Callable[[int, int], torch.Tensor]):
+        self.spec = spec
+        self._run = run
+
+    def run(self, batch: int, tokens: int) -> torch.Tensor:
+        with torch.inference_mode():
+            return self._run(batch, tokens)
+
+
+def build_peers(preset: str, max_len: int, seed: int) -> list[Peer]:
+    """All peers at the preset's sizes; a clear error when their packages are missing."""
+    sizes = PRESETS[preset].architecture()
+    try:
+        import fast_transformers  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise BenchError(f"--peers needs transformers and fast-transformers ({exc}); "
+                         "install them with benchmarks/install_peers.sh") from None
+    builders = (_fast_transformers, _plain_recurrence, _gpt2_static, _gpt2_dynamic, _reformer)
+    peers = []
+    for spec, build in zip(PEERS, builders, strict=True):
+        torch.manual_seed(seed)
+        peers.append(Peer(spec, build(sizes, max_len)))
+    return peers
+
+
+# ---------------------------------------------------------------- recurrent linear transformers
+
+
+class _Recurrent(nn.Module):
+    """Embedding + learned positions -> `step(x, state)` -> output layer, sampled with rnnserve's sampler."""
+
+    def __init__(self, sizes: dict, max_len: int, step: nn.Module):
+        super().__init__()
+        d = sizes["d_model"]
+        self.tok, self.pos, self.step_module = nn.Embedding(BYTE_VOCAB + 1, d), nn.Embedding(max_len, d), step
+        self.head = nn.Linear(d, BYTE_VOCAB)
+
+    def generate(self, batch: int, tokens: int) -> torch.Tensor:
+        sampling = BatchSampling.from_params([SamplingParams(temperature=1.0, seed=i) for i in range(batch)])
+        out = torch.empty(batch, tokens, dtype=torch.long)
+        token, state = torch.full((batch,), BOS_TOKEN), None
+        for pos in range(tokens):
+            x = self.tok(token) + self.pos.weight[pos]
+            y, state = self.step_module(x, state)
+            token = sample(self.head(y), sampling, torch.full((batch,), pos))
+            out[:, pos] = token
+        return out
+
+
+def _fast_transformers(sizes: dict, max_len: int):
+    from fast_transformers.builders import RecurrentEncoderBuilder
+
+    d, h = sizes["d_model"], sizes["n_heads"]
+    encoder = RecurrentEncoderBuilder.from_kwargs(
+        attention_type="linear", n_layers=sizes["n_layers"], n_heads=h, feed_forward_dimensions=sizes["d_ff"],
+        query_dimensions=d // h, value_dimensions=d // h, activation="gelu", dropout=0.0, attention_dropout=0.0).get()
+    return _Recurrent(sizes, max_len, encoder).eval().generate
+
+
+class _PlainLayer(nn.Module):
+    def __init__(self, d: int, heads: int, d_ff: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ln2, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, d_ff), nn.Linear(d_ff, d)
+
+    def forward(self, x: torch.Tensor, state):
+        b = x.shape[0]
+        q, k, v = (t.view(b, self.heads, -1) for t in self.qkv(self.ln1(x)).chunk(3, dim=-1))  # (B, H, D)
+        q, k = F.elu(q) + 1, F.elu(k) + 1
+        s, z = state if state is not None else (k.new_zeros(*k.shape, k.shape[-1]), torch.zeros_like(k))
+        s = s + torch.einsum("bhd,bhe->bhde", k, v)
+        z = z + k
+        out = torch.einsum("bhd,bhde->bhe", q, s) / (torch.einsum("bhd,bhd->bh", q, z)[..., None] + 1e-6)
+        x = x + self.proj(out.reshape(b, -1))
+        return x + self.down(F.gelu(self.up(self.ln2(x)))), (s, z)
+
+
+class _PlainStack(nn.Module):
+    def __init__(self, sizes: dict):
+        super().__init__()
+        self.layers = nn.ModuleList(_PlainLayer(sizes["d_model"], sizes["n_heads"], sizes["d_ff"])
+                                    for _ in range(sizes["n_layers"]))
+        self.norm = nn.LayerNorm(sizes["d_model"])
+
+    def forward(self, x: torch.Tensor, state):
+        state = state or [None] * len(self.layers)
+        for i, layer in enumerate(self.layers):
+            x, state[i] = layer(x, state[i])
+        return self.norm(x), state
+
+
+def _plain_recurrence(sizes: dict, max_len: int):
+    return _Recurrent(sizes, max_len, _PlainStack(sizes)).eval().generate
+
+
+# ---------------------------------------------------------------- Hugging Face generate()
+
+
+def _hf_generate(model, batch: int, tokens: int, **options) -> torch.Tensor:
+    bos = torch.full((batch, 1), BOS_TOKEN)
+    out = model.generate(bos, attention_mask=torch.ones_like(bos), max_new_tokens=tokens, min_new_tokens=tokens,
+                         do_sample=True, top_k=0, top_p=1.0, temperature=1.0, pad_token_id=0, eos_token_id=None,
+                         **options)
+    return out[:, 1:]
+
+
+def _gpt2(sizes: dict, max_len: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=HF_VOCAB, n_positions=max_len + 1, n_embd=sizes["d_model"], n_layer=sizes["n_layers"],
+                     n_head=sizes["n_heads"], n_inner=sizes["d_ff"], activation_function="gelu", resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=BOS_TOKEN, eos_token_id=None)
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def _gpt2_static(sizes: dict, max_len: int):
+    model = _gpt2(sizes, max_len)
+    return lambda batch, tokens: _hf_generate(model, batch, tokens, cache_implementation="static")
+
+
+def _gpt2_dynamic(sizes: dict, max_len: int):
+    model = _gpt2(sizes, max_len)
+    return lambda batch, tokens: _hf_generate(model, batch, tokens)
+
+
+def _reformer(sizes: dict, max_len: int):
+    from transformers import ReformerConfig, ReformerModelWithLMHead
+
+    d, h = sizes["d_model"], sizes["n_heads"]
+    cfg = ReformerConfig(vocab_size=HF_VOCAB, hidden_size=d, num_attention_heads=h, attention_head_size=d // h,
+                         feed_forward_size=sizes["d_ff"], attn_layers=["local", "lsh"] * (sizes["n_layers"] // 2)
+                         + ["local"] * (sizes["n_layers"] % 2), num_hashes=1, num_buckets=REFORMER_BUCKETS,
+                         lsh_attn_chunk_length=REFORMER_CHUNK, local_attn_chunk_length=REFORMER_CHUNK,
+                         axial_pos_embds=False, max_position_embeddings=max_len + 1, is_decoder=True,
+                         hidden_act="gelu", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                         lsh_attention_probs_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0,
+                         bos_token_id=BOS_TOKEN, eos_token_id=None, pad_token_id=0)
+    model = ReformerModelWithLMHead(cfg).eval()
+    return lambda batch, tokens: _hf_generate(model, batch, tokens)

@@ -1,0 +1,169 @@
+"""Decode steps and sampling compiled for the CPU with torch.compile: the default fast path.
+
+On a CPU a decode step of a small model is a few hundred small operators,
+and at batch 64 launching them one by one costs about as much as the
+matrix products. torch.compile (inductor) traces `Transformer.decode_step`
+once and emits a few C++ loops per layer that fuse the small operators
+(layer norms, biases, feature maps, the state update and read-out, the
+residuals) between the matrix products; sampling (the noise hash, Gumbel-max
+and argmax over the vocabulary) becomes one loop as well.
+
+The batch dimension is compiled symbolically, so one graph serves every
+batch of 2 rows or more, and a second one the single row (torch.compile
+specialises sizes 0 and 1): two compiles per model, whatever --max-batch.
+Softmax's growing prefix is symbolic too. Rows are those of the state the
+decoder was made with, [0, n), as for the eager decoder: no padding needed.
+
+Compiling takes seconds to a minute per graph on a small CPU. `compile()`
+does it in the caller (generate, the bench); `compile(background=True)`
+starts a thread and decodes eagerly until each graph is ready (the server:
+start-up is not held up). Each compile is logged with its time. A compile that fails
+(e.g. no C++ compiler) is logged and that decoder stays eager.
+
+Which kinds are compiled is what they declare (`compilable` in
+model/attention.py's capabilities). Reformer is not: its decode step gathers
+buckets whose sizes change every step and are read back to the host, so it
+stays eager.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .cuda_graphs import EagerDecoder
+from .registry import kinds_where
+from .sampling import gumbel_max, sample
+from .state import ModelState
+from .transformer import Transformer
+
+log = logging.getLogger("rnnserve.compiled_decode")
+
+# Inductor: store any intermediate read by more than one loop instead of recomputing it in each
+# (the feature map elu + 1 was recomputed for every element of the state update otherwise), and
+# call the kernels from compiled C++ rather than Python (less host work per step, which counts most at batch 1).
+INDUCTOR_OPTIONS = {"realize_opcount_threshold": 2, "cpp_wrapper": True}
+# Dynamo: softmax reads `int(lengths.max())` to size its prefix: traced as a symbolic integer, not
+# a graph break. Every model served adds two graphs to the same code: no fallback to eager at 8.
+DYNAMO_OPTIONS = {"capture_scalar_outputs": True, "recompile_limit": 64, "accumulated_recompile_limit": 4096}
+WARMUP_ROWS = {"2 or more rows": 2, "1 row": 1}  # one compile per shape class, on a scratch state
+
+
+@dataclass
+class CompileLog:
+    """What was compiled and how long it took (seconds per shape class), and what failed."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+
+def _decode_step(model: Transformer, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
+    return model.decode_step(tokens, state)
+
+
+class CompiledDecoder(EagerDecoder):
+    """Decode steps (and draws) on rows [0, n) of a preallocated state through compiled graphs, once ready."""
+
+    def __init__(self, model: Transformer, state: ModelState):
+        super().__init__(model, state)
+        if not model.capabilities.compilable:
+            raise ValueError(f"{model.config.attention} decode steps are not compiled; compilable kinds: "
+                             f"{', '.join(kinds_where(lambda c: c.compilable))}")
+        if model.device.type != "cpu":
+            raise ValueError(f"the compiled decode path is for the CPU, this model is on {model.device}")
+        self._step = torch.compile(_decode_step, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS)
+        self._compiled_draw = torch.compile(gumbel_max, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS)
+        self.ready: set[int] = set()  # warm-up row counts (1, 2) whose graphs are compiled
+        self.log = CompileLog()
+        self._finished = threading.Event()  # compile_now has run to its end (compiled or failed)
+        self._token_buffer = torch.zeros(state.batch_size, dtype=torch.long, device=model.device)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether steps run compiled: a graph is ready and nothing has failed."""
+        return bool(self.ready) and self.log.error is None
+
+    def _use_compiled(self, rows: int) -> bool:
+        return self.log.error is None and min(rows, 2) in self.ready
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[0]
+        if self._use_compiled(n):
+            try:
+                with torch._dynamo.config.patch(DYNAMO_OPTIONS):
+                    return self._step(self.model, self._tokens(tokens), self.state.slice(0, n))
+            except Exception as exc:  # a recompile that failed: it stopped before running the step
+                self._fail("decode step", exc)
+        return super().__call__(tokens)
+
+    def _tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The step's tokens in a buffer of unit stride: a strided column would compile again."""
+        buffer = self._token_buffer[:tokens.shape[0]]
+        buffer.copy_(tokens)
+        return buffer
+
+    def sample(self, logits: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """`model.sampling.sample` whose final draw (noise, Gumbel-max, argmax) is compiled, once
+        this many rows' graphs are."""
+        if self._use_compiled(logits.shape[0]):
+            kwargs["draw"] = self._draw
+        return sample(logits, *args, **kwargs)
+
+    def _draw(self, logits, filtered, temperature, seed, position) -> torch.Tensor:
+        # One layout for every caller, or torch.compile would compile again: unit strides (a
+        # prefill's last position is a strided view) and tensors made under inference mode.
+        args = tuple(t.clone(memory_format=torch.contiguous_format) for t in (logits, filtered, temperature, seed, position))
+        try:
+            return self._compiled_draw(*args)
+        except Exception as exc:  # a failed recompile stops before running: the same draw, eagerly
+            self._fail("sampling", exc)
+            return gumbel_max(*args)
+
+    # -- compiling ----------------------------------------------------------------
+    def compile(self, background: bool = False, batch: int | None = None) -> CompileLog | None:
+        """Compile now (returns what was compiled), or on a daemon thread while steps run eagerly
+        until each graph is ready (returns None). batch: only the graph a batch of that many rows
+        uses (a fixed-batch loop); None: both."""
+        if not background:
+            return self.compile_now(batch)
+        threading.Thread(target=self.compile_now, args=(batch,), name="compile-decode", daemon=True).start()
+        return None
+
+    def compile_now(self, batch: int | None = None) -> CompileLog:
+        """Compile the shape classes here and now, one log line each; a failure leaves decoding eager."""
+        for name, rows in WARMUP_ROWS.items():
+            wanted = rows <= self.state.batch_size if batch is None else rows == min(batch, 2)
+            if not wanted or rows in self.ready or self.log.error is not None:
+                continue
+            start = time.perf_counter()
+            try:
+                self._warm_up(rows)
+            except Exception as exc:  # a missing C++ compiler, an operator it cannot trace
+                self._fail("decode step", exc)
+                break
+            self.log.seconds[name] = time.perf_counter() - start
+            self.ready.add(rows)
+            log.info("compiled the %s decode step and sampling for %s in %.1f s", self.model.config.attention, name,
+                     self.log.seconds[name])
+        self._finished.set()
+        return self.log
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        return self._finished.wait(timeout)
+
+    def _fail(self, what: str, exc: Exception) -> None:
+        self.log.error = f"{what}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        log.warning("compiling the %s %s failed (%s); decoding eagerly", self.model.config.attention, what, self.log.error)
+
+    @torch.inference_mode()
+    def _warm_up(self, rows: int) -> None:
+        """A compiled step and a compiled draw on a scratch state of `rows` rows: compiles them."""
+        scratch = self.model.new_state(rows)
+        tokens = torch.zeros(rows, dtype=torch.long, device=self.model.device)
+        with torch._dynamo.config.patch(DYNAMO_OPTIONS):
+            logits = self._step(self.model, tokens, scratch)
+        self._draw(logits, logits.clone(), torch.ones(rows, device=logits.device), tokens, tokens.clone())

@@ -1,0 +1,169 @@
+"""The compiled CPU decode path (model/compiled_decode.py) against the eager one.
+
+Compiling takes seconds to a minute per graph here, so every test uses the
+same tiny configs (`make_tiny_model`): torch.compile keeps its graphs for the
+whole test session and reuses them across model instances of one shape, and
+tests/test_sampling.py's generate tests (which run compiled by default) find
+them already built.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import torch._inductor.config
+
+from model.compiled_decode import CompiledDecoder
+from model.config import BOS_TOKEN
+from model.cuda_graphs import EagerDecoder, make_decoder
+from model.generate import generate
+from model.sampling import BatchSampling, SamplingParams, token_logprobs
+from model.weights_io import load_model
+
+from conftest import COMPILABLE_KINDS, make_tiny_model, random_bytes
+from server_support import free_port, save_tiny_model, stop_process, token_bytes, wait_healthy
+
+ROWS = 8
+LOGPROB_TOLERANCE = 1e-4
+REPO = Path(__file__).resolve().parents[1]
+
+
+def compiled_decoder(model, rows: int = ROWS) -> CompiledDecoder:
+    decoder = make_decoder(model, model.new_state(rows), cuda_graphs=False, compiled=True)
+    assert isinstance(decoder, CompiledDecoder)
+    log = decoder.compile_now()
+    assert log.error is None and decoder.compiled, log
+    return decoder
+
+
+@pytest.mark.parametrize("kind", COMPILABLE_KINDS)
+def test_compiled_steps_give_eager_log_probabilities_as_rows_finish_and_join(kind):
+    model = make_tiny_model(kind)  # outside inference mode, as models are loaded: the graphs are shared
+    with torch.inference_mode():
+        _compare_steps_as_rows_finish_and_join(model)
+
+
+def _compare_steps_as_rows_finish_and_join(model) -> None:
+    eager, compiled = EagerDecoder(model, model.new_state(ROWS)), compiled_decoder(model)
+    assert set(compiled.log.seconds) == {"1 row", "2 or more rows"}  # two graphs, whatever the batch
+    tokens = random_bytes(7, ROWS, 40)
+    # live rows per step: all, rows finish, one row alone (the 1-row graph), rows join from reset slots
+    schedule = [8, 8, 5, 5, 1, 3, 4, 4, 8, 2]
+    for step, live in enumerate(schedule):
+        if step and live > schedule[step - 1]:
+            for decoder in (eager, compiled):
+                decoder.state.reset_rows(range(schedule[step - 1], live))
+        want, got = eager(tokens[:live, step]), compiled(tokens[:live, step])
+        assert torch.equal(got.argmax(-1), want.argmax(-1)), f"step {step}"
+        gap = (torch.log_softmax(got, -1) - torch.log_softmax(want, -1)).abs().max().item()
+        assert gap < LOGPROB_TOLERANCE, f"step {step}: log-probabilities differ by {gap:.2e}"
+    assert torch.equal(compiled.state.lengths, eager.state.lengths)
+
+
+@pytest.mark.parametrize("kind", COMPILABLE_KINDS)
+def test_compiled_generate_draws_the_eager_tokens(kind):
+    model = make_tiny_model(kind)
+    params = [SamplingParams(seed=3), SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=20, seed=4),
+              SamplingParams(temperature=1.3, top_p=0.8, seed=5)]
+    prompts = random_bytes(2, len(params), 6)
+    sampling = BatchSampling.from_params(params)
+    assert torch.equal(generate(model, prompts, 60, sampling), generate(model, prompts, 60, sampling, compiled=False))
+    one = BatchSampling.from_params(params[:1])
+    assert torch.equal(generate(model, prompts[:1], 60, one), generate(model, prompts[:1], 60, one, compiled=False))
+
+
+def test_compiled_draws_are_the_eager_draws():
+    model = make_tiny_model("linear")
+    decoder, eager = compiled_decoder(model), EagerDecoder(model, model.new_state(ROWS))
+    logits = torch.randn(ROWS, 256, generator=torch.Generator().manual_seed(1)) * 3
+    params = BatchSampling.from_params([SamplingParams(temperature=0.5 + i / 4, seed=i) for i in range(ROWS)])
+    with torch.inference_mode():
+        for position in range(50):
+            where = torch.full((ROWS,), position)
+            assert torch.equal(decoder.sample(logits, params, where), eager.sample(logits, params, where))
+
+
+def test_reformer_and_unasked_decoders_stay_eager():
+    reformer = make_tiny_model("reformer")
+    decoder = make_decoder(reformer, reformer.new_state(2), cuda_graphs=False, compiled=True)
+    assert type(decoder) is EagerDecoder and not decoder.compiled
+    linear = make_tiny_model("linear")
+    assert type(make_decoder(linear, linear.new_state(2), cuda_graphs=True)) is EagerDecoder
+    with pytest.raises(ValueError, match="reformer decode steps are not compiled"):
+        CompiledDecoder(reformer, reformer.new_state(2))
+
+
+def test_a_compile_that_fails_is_logged_and_decoding_stays_eager(caplog):
+    # A shape no other test compiles (nothing cached) and a C++ compiler that does not exist.
+    model = make_tiny_model("linear", n_layers=1, d_model=16)
+    decoder = make_decoder(model, model.new_state(2), cuda_graphs=False, compiled=True)
+    with torch._inductor.config.patch({"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False}), \
+            caplog.at_level(logging.WARNING, logger="rnnserve.compiled_decode"):
+        log = decoder.compile_now()
+    assert log.error is not None and not decoder.compiled and decoder.wait_compiled(0)
+    assert "decoding eagerly" in caplog.text
+    eager = EagerDecoder(model, model.new_state(2))
+    tokens = torch.tensor([3, 4])
+    with torch.inference_mode():
+        assert torch.equal(decoder(tokens), eager(tokens))  # the same steps, run eagerly
+
+
+# ---------------------------------------------------------------- the server's default
+
+
+def test_server_compiles_in_the_background_and_answers_what_eager_generate_draws(tmp_path):
+    """`rnnserve serve` with default flags: eager first, compiled once the background compile is
+    logged; its completion is the eager `generate` draw from the same file."""
+    path = save_tiny_model(tmp_path, "text-linear", "linear", "text")
+    port, log = free_port(), tmp_path / "server.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RNNSERVE_")} | {"OMP_NUM_THREADS": "1"}
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "server", "serve", "--weights", str(tmp_path), "--port",
+                                    str(port), "--max-batch", "4"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(process, url, log)
+        _wait_for_compiled(url, log)
+        body = {"model": "text-linear", "prompt": "abc", "max_tokens": 20, "temperature": 0.9, "seed": 7, "logprobs": 1}
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    finally:
+        stop_process(process)
+    assert "compiled the linear decode step and sampling for 2 or more rows in" in log.read_text()
+    model, _ = load_model(path, "cpu")
+    want_tokens, want_logprobs = _eager_generation(model, list(b"abc"), 20, SamplingParams(temperature=0.9, seed=7))
+    assert token_bytes(answer["logprobs"]["tokens"]) == want_tokens
+    assert answer["logprobs"]["token_logprobs"] == pytest.approx(want_logprobs, abs=LOGPROB_TOLERANCE)
+
+
+@torch.inference_mode()
+def _eager_generation(model, prompt: list[int], count: int, params: SamplingParams) -> tuple[list[int], list[float]]:
+    """Tokens of eager `generate` and their log-probabilities from eager decode steps."""
+    tokens = generate(model, torch.tensor([prompt]), len(prompt) + count, BatchSampling.from_params([params]),
+                      compiled=False)[0, len(prompt):]
+    decoder = EagerDecoder(model, model.new_state(1))
+    logits, _ = model(torch.tensor([[BOS_TOKEN, *prompt]]), decoder.state)
+    logits, logprobs = logits[:, -1], []
+    for token in tokens:
+        logprobs.append(float(token_logprobs(logits, token[None])[0]))
+        logits = decoder(token[None])
+    return tokens.tolist(), logprobs
+
+
+def _wait_for_compiled(url: str, log: Path, seconds: float = 600) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        entry = httpx.get(f"{url}/v1/models").json()["data"][0]
+        if entry["compiled_decode"]:
+            return
+        if "decoding eagerly" in log.read_text():
+            pytest.fail(f"the background compile failed:\n{log.read_text()}")
+        time.sleep(1)
+    pytest.fail(f"not compiled after {seconds:g} s:\n{log.read_text()}")

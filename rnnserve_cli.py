@@ -33,6 +33,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                         "benchmarks.run:add_arguments", "benchmarks.run:run"),
     "pictures": Subcommand("draw occluded digits and each model's completions to a PNG",
                            "training.arguments:add_pictures_arguments", "training.pictures:run"),
+    "curves": Subcommand("draw the training curves stored in model files and checkpoints to a PNG",
+                         "training.arguments:add_curves_arguments", "training.curves:run"),
     "train-classifier": Subcommand("train the digit classifier that `eval --completions` reads with",
                                    "training.arguments:add_classifier_arguments", "training.classifier:run"),
 }

@@ -509,6 +509,52 @@ def test_pictures_draws_one_column_per_model(tmp_path: Path, mnist_dir: Path) ->
     assert height == pictures.LABEL_HEIGHT + 2 * (28 + pictures.GAP) + pictures.GAP
 
 
+def test_the_training_curve_survives_a_resume_and_is_drawn(tmp_path: Path, text_file: Path, capsys) -> None:
+    from PIL import Image
+
+    from training import curves
+
+    common = ["--steps", "110", "--checkpoint-every", "60", "--no-eval", "--checkpoint-precision", "float32"]
+    straight = text_args(tmp_path, text_file, *common, "--checkpoint", str(tmp_path / "a.ckpt"),
+                         "--out", str(tmp_path / "a.safetensors"))
+    train.train(straight)
+    resumed = text_args(tmp_path, text_file, *common, "--checkpoint", str(tmp_path / "b.ckpt"), "--resume",
+                        "--out", str(tmp_path / "b.safetensors"))
+    train.train(resumed, stop_after=60)
+    assert [p[0] for p in read_checkpoint(tmp_path / "b.ckpt").progress.curve] == [50]
+    train.train(resumed)
+    a, b = (read_metadata(tmp_path / f"{name}.safetensors")[1]["curve"] for name in "ab")
+    assert a["columns"] == ["step", "examples", "elapsed_s", "train_loss_nats"]
+    assert [p[0] for p in b["points"]] == [50, 100, 110]  # the point from before the stop is kept; the last step
+    assert [(p[0], p[1], p[3]) for p in a["points"]] == [(p[0], p[1], p[3]) for p in b["points"]]
+    out = tmp_path / "curves.png"
+    argv = [str(tmp_path / "b.safetensors"), str(tmp_path / "b.ckpt"), "--out", str(out), "--target", "1.6"]
+    assert curves.run(parse("curves", argv)) == 0
+    printed = capsys.readouterr().out
+    assert "b.safetensors: 880 examples" in printed and "b.ckpt: 800 examples" in printed
+    assert f"training loss {b['points'][-1][3]:.3f} nats/byte" in printed
+    assert Image.open(out).format == "PNG"
+
+
+def test_curves_names_a_file_without_a_curve_and_mixed_tasks(tmp_path: Path, capsys) -> None:
+    from training import curves
+
+    old = tmp_path / "old.safetensors"
+    save_model(build_model(ModelConfig(task="text", d_model=32, n_layers=1, n_heads=2, d_ff=32, max_len=16)), old)
+    assert curves.run(parse("curves", [str(old), "--out", str(tmp_path / "c.png")])) == 2
+    assert "old.safetensors: no training curve stored" in capsys.readouterr().err
+    assert curves.run(parse("curves", [str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "c.png")])) == 2
+    assert "missing.ckpt: no such file" in capsys.readouterr().err
+    points = {"columns": [], "points": [[50, 400, 1.0, 2.0], [100, 800, 2.0, 1.5]]}
+    for task, length in (("text", 16), ("mnist", 784)):
+        model = build_model(ModelConfig(task=task, d_model=32, n_layers=1, n_heads=2, d_ff=32, max_len=length))
+        save_model(model, tmp_path / f"{task}.safetensors", {"curve": points})
+    argv = [str(tmp_path / "text.safetensors"), str(tmp_path / "mnist.safetensors"), "--out", str(tmp_path / "c.png")]
+    assert curves.run(parse("curves", argv)) == 2
+    assert "different tasks (mnist, text)" in capsys.readouterr().err
+    assert not (tmp_path / "c.png").exists()
+
+
 # ---------------------------------------------------------------- shipped weights
 
 

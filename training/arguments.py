@@ -1,4 +1,4 @@
-"""Flags of `rnnserve train`, `rnnserve eval` and `rnnserve pictures`.
+"""Flags of `rnnserve train`, `eval`, `pictures`, `curves` and `train-classifier`.
 
 Kept apart from the code that runs them and free of torch, so that
 `rnnserve train --help` answers without importing it.
@@ -135,3 +135,12 @@ def add_pictures_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--scale", type=int, default=3, help="pixels per MNIST pixel in the PNG")
     parser.add_argument("--device", choices=DEVICES, default="auto")
+
+
+def add_curves_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("files", nargs="+", metavar="FILE",
+                        help="model .safetensors files or training checkpoints (.ckpt) of one task, one line each")
+    parser.add_argument("--out", required=True, help="output PNG path")
+    parser.add_argument("--target", type=float, help="draw this loss as a dashed line (bits/dim for MNIST, "
+                        "nats/byte for text)")
+    parser.add_argument("--title", help="the figure's title (default: the task)")

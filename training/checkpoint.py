@@ -25,7 +25,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -43,6 +43,8 @@ METADATA_KEY = "rnnserve.checkpoint"
 PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LEGACY_KEYS = ("config", "model", "optimizer", "progress", "data_rng", "torch_rng", "cuda_rng")
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
+CURVE_EVERY = 50  # steps between two points of the training curve
+CURVE_COLUMNS = ("step", "examples", "elapsed_s", "train_loss_nats")
 
 
 @dataclass
@@ -53,6 +55,20 @@ class Progress:
     examples: int = 0
     elapsed_s: float = 0.0
     loss_ema: float = float("nan")
+    # The training curve, kept across resumes: [step, examples, elapsed_s, loss_ema] every CURVE_EVERY steps.
+    curve: list[list[float]] = field(default_factory=list)
+
+    def record_curve(self) -> None:
+        if self.step % CURVE_EVERY == 0:
+            self.curve.append(self._point())
+
+    def finished_curve(self) -> list[list[float]]:
+        """The curve with the last step's point, for the model file (a run rarely ends on a multiple of 50)."""
+        done = bool(self.curve) and self.curve[-1][0] == self.step
+        return self.curve if done or self.step == 0 else [*self.curve, self._point()]
+
+    def _point(self) -> list[float]:
+        return [self.step, self.examples, round(self.elapsed_s, 1), round(self.loss_ema, 5)]
 
 
 @dataclass(frozen=True)

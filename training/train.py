@@ -35,8 +35,8 @@ from model.transformer import with_bos
 from model.weights_io import save_model
 
 from .arguments import SAVE_DTYPE_NAMES
-from .checkpoint import (CheckpointWriter, Progress, RunSettings, StopRequest, TrainingStopped, check_config,
-                         read_checkpoint, restore, run_changes, stop_on_signals)
+from .checkpoint import (CURVE_COLUMNS, CheckpointWriter, Progress, RunSettings, StopRequest, TrainingStopped,
+                         check_config, read_checkpoint, restore, run_changes, stop_on_signals)
 from .data import MNIST_PIXELS, DataError, load_mnist, load_text
 from .errors import TrainError
 from .evaluate import device_description, evaluate_file, print_table, resolve_device
@@ -247,6 +247,7 @@ def train_steps(model: Transformer, opt: torch.optim.Optimizer, batches: Batches
         prog.examples += tokens.shape[0]
         prog.elapsed_s = time.perf_counter() - t_start
         prog.loss_ema = value if math.isnan(prog.loss_ema) else 0.98 * prog.loss_ema + 0.02 * value
+        prog.record_curve()
         bar.update(1)
         bar.set_postfix(loss=f"{prog.loss_ema:.4f}", ex_s=f"{prog.examples / prog.elapsed_s:.1f}",
                         lr=f"{rate:.2e}", min=f"{prog.elapsed_s / 60:.1f}", refresh=False)
@@ -282,6 +283,7 @@ def training_info(args: argparse.Namespace, data_path: str, prog: Progress, devi
         "lr": lr,
         "seed": args.seed,
         "final_train_loss_nats": round(prog.loss_ema, 5),  # moving average over ~50 steps
+        "curve": {"columns": list(CURVE_COLUMNS), "points": prog.finished_curve()},  # `rnnserve curves` draws it
         "torch": torch.__version__,
         "python": platform.python_version(),
         "command": args.command_line,

@@ -31,7 +31,7 @@ from test_deploy import promql_grouping_labels, promql_metric_names  # noqa: E40
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY_DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "rnnserve-ray.json"
-SCENARIO_SECONDS = 600  # start-up ~25-40 s here; everything inside is bounded
+SCENARIO_SECONDS = 1200  # start-up 25-160 s here, the drain up to 300 s; everything inside is bounded
 
 
 def namespace_command() -> list[str]:
@@ -145,8 +145,8 @@ def test_sigterm_drains_the_replicas_and_exits_0(seen):
     assert drain["new_request"]["status"] == 503
     assert "server is shutting down" in json.loads(drain["new_request"]["body"])["error"]["message"]
     assert len(drain["streams"]) == 6
-    for stream in drain["streams"].values():  # all finished within --drain-seconds 60: whole images
-        assert stream["status"] == 200
+    for stream in drain["streams"].values():  # all finished within --drain-seconds 300: whole images
+        assert stream["status"] == 200, stream["body"]
         events = sse_payloads(stream["body"])
         assert all("error" not in e for e in events), [e for e in events if "error" in e]
         rows = sorted((e["index"], e["row"]) for e in events if e["object"] == "image.completion.row")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from typing import Any
 
 import ray
@@ -44,11 +45,24 @@ log = logging.getLogger("rnnserve.ray")
 def build(args: dict[str, Any] | None = None) -> serve.Application:
     """The Serve application builder (`import_path: server.ray_app:build`, `args`: settings)."""
     try:
+        settings = settings_for_serve(args)
+    except SettingsError as exc:
+        if ray.is_initialized():
+            raise  # inside Ray (`serve deploy`, KubeRay): one line in Serve's error report
+        # `serve run`'s own process: one line and exit 2, not the command's traceback
+        print(exc, file=sys.stderr)
+        raise SystemExit(2) from None
+    return application(settings)
+
+
+def settings_for_serve(args: dict[str, Any] | None) -> Settings:
+    """The builder's `args` as checked settings; a SettingsError holds one line naming what is wrong."""
+    try:
         settings = build_settings(**(args or {}))
         check_settings(settings)
     except SettingsError as exc:
-        raise SettingsError(f"rnnserve on Ray Serve: {exc}") from None  # one line in Serve's error report
-    return application(settings)
+        raise SettingsError(f"rnnserve on Ray Serve: {exc}") from None
+    return settings
 
 
 def check_settings(settings: Settings) -> None:

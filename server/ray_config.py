@@ -96,6 +96,11 @@ def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m server.ray_config SERVE_CONFIG_OR_RAYSERVICE.yaml...", file=sys.stderr)
         return 2
+    try:
+        import ray.serve.schema  # noqa: F401  (the schema every config is checked against)
+    except ImportError:
+        print("server.ray_config needs Ray Serve, which is not installed: pip install 'rnnserve[ray]'", file=sys.stderr)
+        return 2
     failed = False
     for name in argv:
         configs = serve_configs(Path(name))

@@ -16,6 +16,7 @@ import importlib.util
 import json
 import re
 import runpy
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -198,6 +199,20 @@ def test_more_replicas_than_cpus_is_one_line(tmp_path):
                      f"and this machine has {os.cpu_count()}; lower one of them"]
 
 
+@needs_ray
+def test_a_port_in_use_stops_ray_start_up_in_one_line(tmp_path):
+    """--ray checks its port before Ray starts and before any model file is read (a broken one is given)."""
+    (tmp_path / "broken.safetensors").write_bytes(b"\x00" * 64)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, lines = run_serve_ray(["--weights", str(tmp_path), "--port", str(port)], tmp_path)
+    assert code == 2
+    assert lines == [f"rnnserve serve: error: cannot listen on 127.0.0.1:{port}: "
+                     "the address is already in use (another server?); pass another --port"]
+
+
 def test_replicas_and_autoscaling_together_is_one_line(tmp_path):
     code, lines = run_serve_ray(["--replicas", "2", "--max-replicas", "3"], tmp_path, without_ray=True)
     assert code == 2 and len(lines) == 1
@@ -206,13 +221,33 @@ def test_replicas_and_autoscaling_together_is_one_line(tmp_path):
 
 @needs_ray
 def test_builder_refuses_unknown_args_in_one_line():
-    from server.ray_app import build
+    from server.ray_app import settings_for_serve
 
     with pytest.raises(SettingsError) as caught:
-        build({"weights": "weights", "replicaz": 2})
+        settings_for_serve({"weights": "weights", "replicaz": 2})
     assert "\n" not in str(caught.value) and "unknown setting 'replicaz'" in str(caught.value)
     with pytest.raises(SettingsError, match="--device cuda needs --gpus-per-replica above 0"):
-        build({"device": "cuda"})
+        settings_for_serve({"device": "cuda"})
+
+
+@needs_ray
+def test_serve_run_with_a_bad_arg_says_one_line_and_exits_2(tmp_path):
+    """`serve run server.ray_app:build replicaz=2` fails before Ray starts: our line, not Ray's CLI traceback."""
+    serve_cli = Path(sys.executable).with_name("serve")
+    result = subprocess.run([str(serve_cli), "run", "server.ray_app:build", "replicaz=2", "--app-dir", str(ROOT)],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stdout + result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("rnnserve on Ray Serve: invalid settings: unknown setting 'replicaz'")
+
+
+def test_config_check_without_the_extra_is_one_line(tmp_path):
+    code = ("import runpy, sys; sys.modules['ray'] = None; sys.argv = ['ray_config', 'x.yaml']; "
+            "runpy.run_module('server.ray_config', run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 2
+    assert (result.stdout + result.stderr).strip().splitlines() == [
+        "server.ray_config needs Ray Serve, which is not installed: pip install 'rnnserve[ray]'"]
 
 
 @needs_ray

@@ -14,11 +14,12 @@ from pathlib import Path
 import torch
 
 from model import build_model
+from model.registry import attention_kinds
 from training import train
 from training.checkpoint import CheckpointWriter, Progress, RunSettings
 
 TASKS = {"mnist": ["--task", "mnist"], "shakespeare": ["--task", "text", "--context", "256"]}
-KINDS = ("softmax", "linear", "linformer", "reformer")
+KINDS = attention_kinds()
 
 
 def train_args(task: str, kind: str) -> argparse.Namespace:

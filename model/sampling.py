@@ -104,7 +104,7 @@ def top_p_mask(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 def filtered_logits(logits: torch.Tensor, params: BatchSampling) -> torch.Tensor:
     """(B, V) logits -> the (B, V) logits `sample` draws from: divided by temperature, top-k/top-p applied."""
     filtered = logits.float() / params.temperature.clamp(min=1e-5)[:, None]
-    # Both filters sort the vocabulary: skip them when no row asks (a quarter of a
+    # Both filters sort the vocabulary: skip them when no row asks (a large share of a
     # small model's decode step on CPU). The check reads two flags back from the device.
     if bool((params.top_k > 0).any()):
         filtered = top_k_mask(filtered, params.top_k)

@@ -36,23 +36,20 @@ def plan_particles(asked: int | None, occluded: OccludedImage, n: int, max_batch
     """The particles per sample for this image; a 400 when the ask cannot be met."""
     weighed = bool(occluded.forced())
     if asked is not None and asked > 1:
-        _check_asked(asked, occluded, n, max_batch, temperature)
+        _check_asked(asked, occluded, temperature)  # n x particles against --max-batch: validation.py
         return ParticlePlan(asked) if weighed else ParticlePlan(1, PREFIX_ONLY)
     if asked is None and weighed and temperature > 0:
         return ParticlePlan(max(1, min(DEFAULT_PARTICLES, max_batch // n)))
     return ParticlePlan(1, None if weighed else PREFIX_ONLY)
 
 
-def _check_asked(asked: int, occluded: OccludedImage, n: int, max_batch: int, temperature: float) -> None:
+def _check_asked(asked: int, occluded: OccludedImage, temperature: float) -> None:
     if occluded.unknown.all():
         raise invalid_request(f"particles={asked} needs known pixels to weigh completions by, and the mask marks "
                               "every pixel unknown; leave particles out or keep some pixels", "particles")
     if temperature == 0:
         raise invalid_request(f"particles={asked} needs temperature > 0: greedy decoding gives every particle "
                               "the same pixels", "particles")
-    if n * asked > max_batch:
-        raise invalid_request(f"n ({n}) x particles ({asked}) = {n * asked} decode slots, more than the {max_batch} "
-                              "this server has per model (--max-batch); lower n or particles", "particles")
 
 
 def entry_report(summary: ParticleSummary | None) -> dict[str, Any]:

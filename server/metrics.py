@@ -46,7 +46,7 @@ class CountedHistogram:
 
     All rows of a decoding step share one inter-token gap (the time since the
     previous step), so the engine records a step as one update instead of an
-    observe per row (64 observes took 4% of a step on a 2-core CPU).
+    observe per row (benchmarks/README.md, "Measurements behind design choices").
     """
 
     def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...], buckets: tuple[float, ...],

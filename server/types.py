@@ -58,7 +58,7 @@ class ParticleSummary:
 TopLogprobs = list[tuple[int, float]]  # (token, log-probability), most likely first
 
 
-@dataclass(slots=True)  # not frozen: a frozen __init__ costs 4x, and the engine makes one per row per step
+@dataclass(slots=True)  # not frozen: a frozen __init__ is slower, and the engine makes one per row per step
 class Generation:
     """One generated token of one sample, as the engine emits it. Read-only by convention."""
 

@@ -31,7 +31,7 @@ def check_generation(request: GenerationRequest, model_name: str, max_len: int, 
                              "at once (--max-batch)", "n")
     if request.particles is not None and not 1 <= request.rows <= max_batch:
         raise InvalidRequest(f"n ({request.n}) x particles ({request.particles}) = {request.rows} decode slots; "
-                             f"this server has {max_batch} per model (--max-batch)", "particles")
+                             f"this server has {max_batch} per model (--max-batch); lower n or particles", "particles")
 
 
 def check_fits(prompt: list[int], max_new_tokens: int, model_name: str, max_len: int) -> None:

@@ -273,3 +273,23 @@ def test_counted_histogram_exposes_what_one_observe_per_value_would():
 
     assert samples(ours_registry) == samples(reference_registry)
     assert 'x_seconds_count{model="m"} 70.0' in samples(ours_registry)
+
+
+def test_image_series_exist_for_image_models_only(server):
+    """A text model has no images/s or completed-images series (they would read 0 forever)."""
+    text = server.get("/metrics").text
+    for name in ("rnnserve_images_per_second", "rnnserve_completed_images_total"):
+        series = [line for line in text.splitlines() if line.startswith(name + "{")]
+        assert any('model="linear-mnist"' in line for line in series), name
+        assert not any('model="linear-text"' in line for line in series), name
+
+
+def test_models_route_and_state_gauges_agree(server):
+    """/v1/models' state_bytes_allocated is the allocated gauge; state_bytes_per_sequence x slots is that figure."""
+    cards = {card["id"]: card for card in server.get("/v1/models").json()["data"]}
+    text = server.get("/metrics").text
+    for name, card in cards.items():
+        labels = {"model": name, "attention": card["attention"]}
+        allocated = metric_value(text, "rnnserve_decode_state_allocated_bytes", **labels)
+        assert allocated == card["state_bytes_allocated"] > 0, name
+        assert 0 <= metric_value(text, "rnnserve_decode_state_in_use_bytes", **labels) <= allocated

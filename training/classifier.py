@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         classifier = train_classifier(train, settings)
         seconds = time.perf_counter() - start
-        info = classifier_info(classifier, train, test, settings, seconds)
+        info = classifier_info(classifier, train, test, settings, seconds, getattr(args, "command_line", None))
         save_classifier(classifier, args.out, info)
     except (DataError, WeightsError) as exc:
         print(f"rnnserve train-classifier: error: {exc}", file=sys.stderr)
@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def classifier_info(classifier: DigitClassifier, train: LabeledMnist, test: LabeledMnist,
-                    settings: TrainSettings, seconds: float) -> dict[str, Any]:
+                    settings: TrainSettings, seconds: float, command: str | None) -> dict[str, Any]:
     """What the file records about itself: its test accuracy and how it was made."""
     return {
         "kind": "digit classifier",
@@ -212,5 +212,5 @@ def classifier_info(classifier: DigitClassifier, train: LabeledMnist, test: Labe
         "train_images": int(train.images.shape[0]), "train_data": train.path,
         "parameters": classifier.num_parameters(), "training": asdict(settings),
         "seconds": round(seconds, 1), "threads": torch.get_num_threads(),
-        "command": "rnnserve " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["train-classifier"] else None,
+        "command": command,
     }

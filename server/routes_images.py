@@ -166,12 +166,13 @@ def generation_request(job: ImageJob, options: ImageOptions) -> GenerationReques
 
 
 async def read_input(request: Request) -> ImageInput:
-    content_type = request.headers.get("content-type", "application/json")
+    content_type = request.headers.get("content-type", "")
     if content_type.startswith("multipart/form-data"):
         return await _from_form(request)
     if content_type.startswith("application/json"):
         return await _from_json(request)
-    raise APIError(415, f"content type '{content_type}' is not supported; send application/json "
+    sent = f"content type '{content_type}' is not supported" if content_type else "the body has no content type"
+    raise APIError(415, f"{sent}; send Content-Type: application/json "
                    "or multipart/form-data with an `image` file", None, "unsupported_media_type")
 
 

@@ -50,6 +50,13 @@ def test_a_body_without_the_json_content_type_is_a_415_naming_it(client, headers
     assert "Content-Type: application/json" in error["message"]
 
 
+@pytest.mark.parametrize("headers", [{}, {"content-type": "text/plain"}])
+def test_an_image_body_of_another_content_type_is_a_415_naming_the_ones_read(client, headers):
+    error = error_of(client.post("/v1/images/completions", content=b'{"keep_rows": 3}', headers=headers), 415)
+    assert "application/json" in error["message"] and "multipart/form-data" in error["message"]
+    still_serving(client)
+
+
 def test_per_pixel_errors_fold_into_one_short_message(client):
     grid = [[0.5] * 28 for _ in range(28)]
     response = client.post("/v1/images/completions", json={"model": "digits", "pixels": grid, "keep_rows": 3})

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
@@ -82,14 +81,26 @@ def greedy_with_penalties(path: Path, prompt: bytes, steps: int, frequency: floa
 
 @pytest.mark.parametrize("frequency, presence", [(0.0, 0.0), (1.5, 0.0), (0.0, 2.0), (1.0, -1.0)])
 def test_penalties_follow_openais_formula(served, frequency, presence):
-    client, folder, base = served
+    client, folder, _ = served
     expected = greedy_with_penalties(folder / "tiny.safetensors", b"ab", 12, frequency, presence)
-    body = dict(model="tiny", prompt="ab", max_tokens=12, temperature=0, frequency_penalty=frequency,
-                presence_penalty=presence, logprobs=0)
-    out = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
-    tokens = [t for t in out["choices"][0]["logprobs"]["tokens"]]
+    out = client.completions.create(model="tiny", prompt="ab", max_tokens=12, temperature=0,
+                                    frequency_penalty=frequency, presence_penalty=presence, logprobs=0)
+    tokens = out.choices[0].logprobs.tokens
     got = bytes(int(t[len("bytes:\\x"):], 16) if t.startswith("bytes:") else ord(t) for t in tokens)
     assert got == expected
+
+
+def test_streamed_top_logprobs_equal_the_whole_answers(served):
+    client, _, _ = served
+    whole = client.completions.create(model="tiny", prompt="ab", max_tokens=6, seed=4, logprobs=3).choices[0].logprobs
+    streamed_tokens, streamed_top = [], []
+    for chunk in client.completions.create(model="tiny", prompt="ab", max_tokens=6, seed=4, logprobs=3, stream=True):
+        for choice in chunk.choices:
+            streamed_tokens += choice.logprobs.tokens
+            streamed_top += choice.logprobs.top_logprobs
+    assert streamed_tokens == whole.tokens and len(streamed_top) == 6
+    for mine, theirs in zip(streamed_top, whole.top_logprobs, strict=True):
+        assert mine.keys() == theirs.keys() and all(math.isclose(mine[k], theirs[k], abs_tol=1e-6) for k in mine)
 
 
 def test_logit_bias_moves_the_script_off_its_bytes(served):

@@ -5,12 +5,13 @@
 #
 #   benchmarks/particle_grid.sh [KINDS (default "linear softmax linformer reformer")] [KS (default "1 16 4 64")]
 #
-# Digits per cell: DIGITS (default 100); K = 64 uses DIGITS_64 (default 25). One thread, one cell at a time.
+# Digits per cell: DIGITS (default 100); K = 64 uses DIGITS_64 (default 25); OUT: another folder for the JSON.
+# One thread, one cell at a time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kinds=${1:-linear softmax linformer reformer}
 ks=${2:-1 16 4 64}
-out=benchmarks/results/particles
+out=${OUT:-benchmarks/results/particles}
 data=${DATA:-../shared/data/mnist}
 mkdir -p "$out"
 for k in $ks; do

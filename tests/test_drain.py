@@ -94,13 +94,14 @@ def send_in_background(url: str, bodies: list[dict]) -> tuple[list[threading.Thr
 
 
 def wait_for_queue(url: str, in_engine: int) -> None:
-    """Until running + waiting sequences of the model reach `in_engine`."""
+    """Until `in_engine` sequences of the model have reached the engine: running, waiting or already done
+    (a count that only grows, so a fast first request that ends early cannot hide a later arrival)."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         text = httpx.get(f"{url}/metrics").text
         labels = {"model": MODEL, "attention": "linear"}
-        if (metric_value(text, "rnnserve_running_sequences", **labels)
-                + metric_value(text, "rnnserve_waiting_sequences", **labels)) >= in_engine:
+        if sum(metric_value(text, name, **labels) for name in ("rnnserve_running_sequences",
+               "rnnserve_waiting_sequences", "rnnserve_completed_images_total")) >= in_engine:
             return
         time.sleep(0.02)
     pytest.fail(f"{in_engine} requests never reached the engine")

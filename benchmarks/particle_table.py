@@ -10,24 +10,25 @@ Run: `.venv/bin/python -m benchmarks.particle_table [FOLDER]`.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
-KINDS = ("linear", "softmax", "linformer", "reformer")
+from model.registry import attention_kinds
+
 OCCLUSIONS = ("right-half", "centre-box")
 PARTICLES = (1, 4, 16, 64)
+CELL_NAME = re.compile(r"(?P<kind>[a-z0-9_]+)-(?P<occlusion>right-half|centre-box)-p(?P<k>\d+)\.json")
 
 
 def read_cells(folder: Path) -> dict[tuple[str, str, int], dict]:
-    """(kind, occlusion, particles) -> the eval's result for that cell."""
+    """(kind, occlusion, particles) -> the eval's result for that cell, for every cell file in `folder`."""
     cells = {}
-    for kind in KINDS:
-        for occlusion in OCCLUSIONS:
-            for k in PARTICLES:
-                path = folder / f"{kind}-{occlusion}-p{k}.json"
-                if path.is_file():
-                    (result,) = json.loads(path.read_text()).values()
-                    cells[kind, occlusion, k] = result
+    for path in folder.glob("*.json"):
+        name = CELL_NAME.fullmatch(path.name)
+        if name:
+            (result,) = json.loads(path.read_text()).values()
+            cells[name["kind"], name["occlusion"], int(name["k"])] = result
     return cells
 
 
@@ -61,7 +62,7 @@ def tables(cells: dict) -> str:
     speed = ["| kind | unknown | " + " | ".join(f"images/s, K = {k}" for k in PARTICLES) + " | "
              + " | ".join(f"resamplings per digit, K = {k}" for k in PARTICLES) + " |",
              "|---|---|" + "---:|" * (2 * len(PARTICLES))]
-    for kind in KINDS:
+    for kind in attention_kinds():
         for occlusion in OCCLUSIONS:
             row = [cells.get((kind, occlusion, k)) for k in PARTICLES]
             if not any(row):

@@ -23,6 +23,8 @@ without the CUDA compiler on PATH).
 
 from __future__ import annotations
 
+import contextlib
+import io
 from dataclasses import dataclass
 from typing import Callable
 
@@ -204,4 +206,11 @@ def _reformer(sizes: dict, max_len: int):
                          lsh_attention_probs_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0,
                          bos_token_id=BOS_TOKEN, eos_token_id=None, pad_token_id=0)
     model = ReformerModelWithLMHead(cfg).eval()
-    return lambda batch, tokens: _hf_generate(model, batch, tokens)
+    return lambda batch, tokens: _quiet(_hf_generate, model, batch, tokens)
+
+
+def _quiet(fn: Callable, *args) -> torch.Tensor:
+    """fn(*args) with its prints dropped: transformers 5's Reformer prints a line per step
+    ("Warning: logits_to_keep is not a recognized input."), thousands per generation."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        return fn(*args)

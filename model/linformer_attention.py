@@ -33,7 +33,13 @@ BLOCK = 64
 @dataclass
 class LinformerState(RowState):
     keys_projected: torch.Tensor  # (B, H, k, D) float32: K~, keys summed into the k slots by E
-    values_projected: torch.Tensor  # (B, H, k, D) float32: V~, values summed into the k slots by F
+    # V~ stored transposed, (B, H, D, k): a step's read attn V~ then sums along contiguous memory,
+    # as its read of K~ (q K~^T) does, and both updates are elementwise (timings: benchmarks/README.md).
+    values_projected_t: torch.Tensor  # (B, H, D, k) float32: V~^T, values summed into the k slots by F
+
+    @property
+    def values_projected(self) -> torch.Tensor:
+        return self.values_projected_t.transpose(-1, -2)  # (B, H, k, D): V~
 
 
 def _exclusive_block_prefix(per_block: torch.Tensor, initial: torch.Tensor | None) -> torch.Tensor:
@@ -96,7 +102,7 @@ class LinformerAttention(Attention):
     def new_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> LinformerState:
         del dtype  # sums accumulate in float32
         shape = (batch, self.n_heads, self.slots, self.proj.in_features // self.n_heads)
-        return LinformerState(torch.zeros(shape, device=device), torch.zeros(shape, device=device))
+        return LinformerState(torch.zeros(shape, device=device), torch.zeros(shape, device=device).transpose(-1, -2).contiguous())
 
     def _columns(self, proj: torch.Tensor, start: torch.Tensor, t: int, state) -> torch.Tensor:
         """Columns of E or F (H or 1, k, max_len) at the chunk's positions -> (B or 1, H or 1, T, k)."""
@@ -123,8 +129,8 @@ class LinformerAttention(Attention):
         """One token per row, state updated in place first (a query sees itself).
 
         q, k, v: (B, H, 1, D); e, f: (B, H or 1, 1, k). Returns (B, H, 1, D)."""
-        state.keys_projected.add_(e.transpose(-1, -2) @ k)  # (B, H, k, D) += E[:, i] k_i^T
-        state.values_projected.add_(f.transpose(-1, -2) @ v)
+        state.keys_projected.addcmul_(e.transpose(-1, -2), k)  # (B, H, k, D) += E[:, i] k_i^T
+        state.values_projected_t.addcmul_(v.transpose(-1, -2), f)  # (B, H, D, k) += v_i F[:, i]^T
         scores = q @ state.keys_projected.transpose(-1, -2)  # (B, H, 1, k)
         attn = torch.softmax(scores / math.sqrt(q.shape[-1]), dim=-1)
-        return attn @ state.values_projected
+        return attn @ state.values_projected  # (B, H, 1, D)

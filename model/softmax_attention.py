@@ -69,4 +69,15 @@ class SoftmaxAttention(Attention):
         torch._check(used > 0)
         keys, values = state.k.narrow(2, 0, used), state.v.narrow(2, 0, used)
         mask = torch.arange(used, device=q.device) <= pos[:, :, None]  # (B, T, L)
+        if t == 1 and q.device.type == "cpu":
+            return attend_one_query(q, keys.to(q.dtype), values.to(q.dtype), mask[:, None])
         return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None])
+
+
+def attend_one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """A decode step's attention, written out: q (B, H, 1, D) over keys, values (B, H, L, D) where visible
+    (B, 1, 1, L). The same as scaled_dot_product_attention, but compiled on a CPU inductor turns these three
+    steps into loops over the prefix that beat the fused kernel at reading the cache (benchmarks/README.md)."""
+    scores = (q @ keys.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, H, 1, L)
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)  # at least one key is visible
+    return weights @ values  # (B, H, 1, D)

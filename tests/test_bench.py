@@ -323,3 +323,17 @@ def test_flatness_steps_run_without_autograd(monkeypatch):
     settings = decode.DecodeSettings(compiled=False)  # eager steps: what is checked is the mode they run in
     (result,) = decode.measure_flatness({"linear": model}, 10, 200, settings, lambda line: None)
     assert seen and all(seen) and result.steps == FLAT_ROUNDS * FLAT_STEPS_PER_ROUND
+
+
+def test_step_kernel_forms_compute_the_same_thing():
+    """Each pair `python -m benchmarks.step_kernels` times is one computation in two forms: same output, and
+    for the recurrent kinds the same state after the update (in its own layout)."""
+    from benchmarks.step_kernels import cases
+
+    forms = list(cases(batch=3, prefix=9).values())
+    for (first, first_args), (second, second_args) in zip(forms[::2], forms[1::2]):
+        with torch.inference_mode():
+            out_first, out_second = first(*first_args), second(*second_args)
+        torch.testing.assert_close(out_first.reshape(out_second.shape), out_second, rtol=1e-5, atol=1e-5)
+        for a, b in zip(first_args, second_args):  # states (in their own layouts) updated alike
+            torch.testing.assert_close(a, b if a.shape == b.shape else b.transpose(-1, -2))

@@ -1,13 +1,16 @@
-"""How the recurrent state's memory layout changes a decode step's state update and read.
+"""Two ways to write each kind's attention in a decode step, eager and compiled.
 
-    python -m benchmarks.state_layout [--batch 64] [--rounds 7] [--calls 200]
+    python -m benchmarks.step_kernels [--batch 64] [--prefix 392] [--rounds 7] [--calls 200]
 
-Times one layer's state update and read of a decode step, eager and through torch.compile
-(the options of model/compiled_decode.py), for two layouts of each constant-state kind:
+Times one layer's attention of a decode step (state update and read), eager and through
+torch.compile (the options of model/compiled_decode.py), in two forms per kind:
   * linear: [S | Z] as (B, H, D, D + 1), the read phi(q)^T [S | Z] summing down columns,
     against the transposed (B, H, D + 1, D), the read summing along rows;
   * Linformer: V~ as (B, H, k, D), updated by a batched outer product, against V~^T as
-    (B, H, D, k), updated elementwise (`addcmul_`); K~ is (B, H, k, D) in both.
+    (B, H, D, k), updated elementwise (`addcmul_`); K~ is (B, H, k, D) in both;
+  * softmax: one query over a cached prefix of --prefix positions (one row at half of it, so
+    the mask matters), by the fused `scaled_dot_product_attention` against the product, masked
+    softmax and product written out (`model.softmax_attention.attend_one_query`).
 The variants take turns in every round; medians of the rounds, milliseconds per call, one thread.
 """
 
@@ -21,7 +24,10 @@ from typing import Callable
 
 import torch
 
+import torch.nn.functional as F
+
 from model.compiled_decode import INDUCTOR_OPTIONS
+from model.softmax_attention import attend_one_query
 
 HEADS, D_HEAD, SLOTS = 4, 32, 64  # the cpu preset: 4 heads of 32; Linformer k = 64
 
@@ -54,20 +60,34 @@ def linformer_transposed(keys, values_t, q, k, v, e):  # values_t (B, H, D, k)
     return attn @ values_t.transpose(-1, -2)
 
 
-def cases(batch: int) -> dict[str, tuple[Callable, tuple]]:
-    """name -> (function, arguments); each variant gets its own state."""
+def softmax_fused(q, keys, values, visible):
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
+
+
+def cases(batch: int, prefix: int) -> dict[str, tuple[Callable, tuple]]:
+    """name -> (function, arguments), in pairs: two forms of one computation."""
     b, h, d = batch, HEADS, D_HEAD
+    positions = torch.full((b,), prefix - 1)
+    positions[0] = prefix // 2
+    visible = (torch.arange(prefix) <= positions[:, None])[:, None, None]  # (B, 1, 1, L)
+    cache = (torch.rand(b, h, 1, d), torch.rand(b, h, prefix, d), torch.rand(b, h, prefix, d), visible)
     q, k, v = (torch.rand(b, h, d) for _ in range(3))
     q4, k4, v4 = (x[:, :, None] for x in (q, k, v))
     e = torch.rand(b, 1, 1, SLOTS)
+    sz, keys, values = torch.rand(b, h, d, d + 1), torch.rand(b, h, SLOTS, d), torch.rand(b, h, SLOTS, d)
+    # Each pair holds the same state in its two layouts, so both forms give the same output (tested).
     return {
-        "linear, [S \\| Z] (B, H, D, D + 1)": (linear_columns, (torch.rand(b, h, d, d + 1), q, k, v)),
-        "linear, [S \\| Z]^T (B, H, D + 1, D)": (linear_rows, (torch.rand(b, h, d + 1, d), q, k, v)),
-        "Linformer, V~ (B, H, k, D), outer products": (
-            linformer_outer, (torch.rand(b, h, SLOTS, d), torch.rand(b, h, SLOTS, d), q4, k4, v4, e)),
-        "Linformer, V~^T (B, H, D, k), addcmul_": (
-            linformer_transposed, (torch.rand(b, h, SLOTS, d), torch.rand(b, h, d, SLOTS), q4, k4, v4, e)),
+        "linear, [S \\| Z] (B, H, D, D + 1)": (linear_columns, (sz, q, k, v)),
+        "linear, [S \\| Z]^T (B, H, D + 1, D)": (linear_rows, (_transposed(sz), q, k, v)),
+        "Linformer, V~ (B, H, k, D), outer products": (linformer_outer, (keys, values, q4, k4, v4, e)),
+        "Linformer, V~^T (B, H, D, k), addcmul_": (linformer_transposed, (keys.clone(), _transposed(values), q4, k4, v4, e)),
+        f"softmax, prefix {prefix}: fused scaled_dot_product_attention": (softmax_fused, cache),
+        f"softmax, prefix {prefix}: product, masked softmax, product": (attend_one_query, cache),
     }
+
+
+def _transposed(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(-1, -2).contiguous()
 
 
 def timed(fn: Callable, args: tuple, calls: int) -> float:
@@ -81,23 +101,23 @@ def timed(fn: Callable, args: tuple, calls: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--prefix", type=int, default=392, help="softmax's cached positions (392: a generation's mean)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=200)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     runs = {}
-    for name, (fn, fn_args) in cases(args.batch).items():
+    for name, (fn, fn_args) in cases(args.batch, args.prefix).items():
         compiled = torch.compile(fn, fullgraph=True, options=INDUCTOR_OPTIONS)
+        compiled(*(a.clone() for a in fn_args))  # compiles outside the timings
         for mode, f in (("eager", fn), ("compiled", compiled)):
-            state_copy = tuple(a.clone() for a in fn_args)  # eager and compiled update their own state
-            f(*state_copy)  # compiles
-            runs[(name, mode)] = (f, state_copy)
+            runs[(name, mode)] = (f, tuple(a.clone() for a in fn_args))  # each updates its own state
     times = {key: [] for key in runs}
     for _ in range(args.rounds):
         for key, (f, fn_args) in runs.items():
             times[key].append(timed(f, fn_args, args.calls))
-    print(f"| layout, batch {args.batch}, one layer | eager, ms | compiled, ms |\n|---|---:|---:|")
-    for name in cases(1):
+    print(f"| kind and form, batch {args.batch}, one layer | eager, ms | compiled, ms |\n|---|---:|---:|")
+    for name in cases(1, args.prefix):
         print(f"| {name} | {statistics.median(times[(name, 'eager')]):.3f} | {statistics.median(times[(name, 'compiled')]):.3f} |")
 
 

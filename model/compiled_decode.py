@@ -116,7 +116,8 @@ class CompiledDecoder(EagerDecoder):
     def _draw(self, logits, filtered, temperature, seed, position) -> torch.Tensor:
         # One layout for every caller, or torch.compile would compile again: unit strides (a
         # prefill's last position is a strided view) and tensors made under inference mode.
-        args = tuple(t.clone(memory_format=torch.contiguous_format) for t in (logits, filtered, temperature, seed, position))
+        args = tuple(t if t.is_contiguous() and t.is_inference() else t.clone(memory_format=torch.contiguous_format)
+                     for t in (logits, filtered, temperature, seed, position))
         try:
             return self._compiled_draw(*args)
         except Exception as exc:  # a failed recompile stops before running: the same draw, eagerly

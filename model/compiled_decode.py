@@ -81,6 +81,7 @@ class CompiledDecoder(EagerDecoder):
         self.log = CompileLog()
         self._finished = threading.Event()  # compile_now has run to its end (compiled or failed)
         self._token_buffer = torch.zeros(state.batch_size, dtype=torch.long, device=model.device)
+        self._row_views: dict[int, ModelState] = {}
 
     @property
     def compiled(self) -> bool:
@@ -93,12 +94,17 @@ class CompiledDecoder(EagerDecoder):
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[0]
         if self._use_compiled(n):
-            try:
-                with torch._dynamo.config.patch(DYNAMO_OPTIONS):
-                    return self._step(self.model, self._tokens(tokens), self.state.slice(0, n))
+            try:  # no dynamo config patch here (it costs 1% of a step): it matters for compiling, done by _warm_up
+                return self._step(self.model, self._tokens(tokens), self._rows(n))
             except Exception as exc:  # a recompile that failed: it stopped before running the step
                 self._fail("decode step", exc)
         return super().__call__(tokens)
+
+    def _rows(self, n: int) -> ModelState:
+        """The state's rows [0, n), made once per n: views of the same tensors every step."""
+        if n not in self._row_views:
+            self._row_views[n] = self.state.slice(0, n)
+        return self._row_views[n]
 
     def _tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """The step's tokens in a buffer of unit stride: a strided column would compile again."""

@@ -32,6 +32,11 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
 
+    @property
+    def filters(self) -> bool:
+        """Whether top-k or top-p narrows the draw."""
+        return self.top_k > 0 or self.top_p < 1
+
 
 @dataclass
 class BatchSampling:
@@ -41,13 +46,17 @@ class BatchSampling:
     top_k: torch.Tensor
     top_p: torch.Tensor
     seed: torch.Tensor
+    # Whether any row asks for top-k or top-p, when the caller knows (the engine does); None: read it
+    # off top_k and top_p, two reads back from the device per draw.
+    filters: bool | None = None
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> "BatchSampling":
         def col(name, dtype):
             return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
 
-        return cls(col("temperature", torch.float32), col("top_k", torch.long), col("top_p", torch.float32), col("seed", torch.long))
+        return cls(col("temperature", torch.float32), col("top_k", torch.long), col("top_p", torch.float32), col("seed", torch.long),
+                   filters=any(p.filters for p in params))
 
 
 def _mix(x: torch.Tensor, below_2_62: bool = False) -> torch.Tensor:
@@ -105,7 +114,9 @@ def filtered_logits(logits: torch.Tensor, params: BatchSampling) -> torch.Tensor
     """(B, V) logits -> the (B, V) logits `sample` draws from: divided by temperature, top-k/top-p applied."""
     filtered = logits.float() / params.temperature.clamp(min=1e-5)[:, None]
     # Both filters sort the vocabulary: skip them when no row asks (a large share of a
-    # small model's decode step on CPU). The check reads two flags back from the device.
+    # small model's decode step on CPU).
+    if params.filters is False:
+        return filtered
     if bool((params.top_k > 0).any()):
         filtered = top_k_mask(filtered, params.top_k)
     if bool((params.top_p < 1).any()):

@@ -9,6 +9,7 @@ operation for every kind.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -59,7 +60,12 @@ class RowState:
 
         A constant-size state uses all of its rows' bytes; caches override this.
         """
-        return self.nbytes() * lengths.numel() // self.batch_size
+        return self.row_bytes * lengths.numel()
+
+    @functools.cached_property
+    def row_bytes(self) -> int:
+        """Bytes allocated per row (read every step for the metrics: computed once)."""
+        return self.nbytes() // self.batch_size
 
 
 @dataclass

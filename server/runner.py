@@ -85,10 +85,10 @@ class Slots:
             t[d] = t[s]
         self.state.copy_rows(s, d)
 
-    def batch_sampling(self, rows: int | list[int]) -> BatchSampling:
-        """Rows [0, n), or the rows listed."""
+    def batch_sampling(self, rows: int | list[int], filters: bool | None = None) -> BatchSampling:
+        """Rows [0, n), or the rows listed; filters: whether any of them uses top-k or top-p, if known."""
         s, pick = self.sampling, (slice(0, rows) if isinstance(rows, int) else rows)
-        return BatchSampling(s.temperature[pick], s.top_k[pick], s.top_p[pick], s.seed[pick])
+        return BatchSampling(s.temperature[pick], s.top_k[pick], s.top_p[pick], s.seed[pick], filters)
 
     def penalized(self, n: int) -> torch.Tensor:
         """Rows [0, n)'s logits after penalties and bias: what they draw from."""
@@ -185,7 +185,7 @@ class ModelRunner:
         slots = self.slots
         position = slots.position[:n]
         source = slots.penalized(n) if needs.adjust else slots.logits[:n]
-        tokens = self.decoder.sample(source, slots.batch_sampling(n), position)  # compiled draw, once ready
+        tokens = self.decoder.sample(source, slots.batch_sampling(n, needs.filters), position)  # compiled draw, once ready
         tokens = force_tokens(tokens, slots.forced[:n].gather(1, position[:, None])[:, 0])
         slots.generated[:n].scatter_(1, position[:, None], tokens[:, None])
         if needs.adjust:
@@ -215,7 +215,7 @@ class ModelRunner:
         if needs.adjust:
             logits = penalize(logits, slots.counts[rows], slots.frequency[rows], slots.presence[rows], slots.bias[rows])
         known = slots.forced[rows].gather(1, slots.position[rows][:, None])[:, 0]  # (R,)
-        return sampling_logprobs(logits, slots.batch_sampling(rows), known).tolist()
+        return sampling_logprobs(logits, slots.batch_sampling(rows, needs.filters), known).tolist()
 
     def copy_particles(self, copies: list[RowCopy], tokens: torch.Tensor) -> None:
         """Resampling: each copy's row takes its source's state, history and token, and a seed of its own."""

@@ -1,8 +1,9 @@
 """The engine's admission and results: requests queued together join together, prompts of one
 length in one prefill forward, a failed group leaves nothing of itself decoding, empty prompts start
 from the cached state after BOS, and non-streamed samples (read from the slot buffers at the end)
-equal their streamed tokens. A real engine thread on a tiny model; requests are queued before the
-engine starts, so they are admitted in one step."""
+equal their streamed tokens; rows that filter (top-k, top-p) draw filtered beside rows that do not.
+A real engine thread on a tiny model; requests are queued before the engine starts, so they are
+admitted in one step."""
 
 from __future__ import annotations
 
@@ -179,3 +180,21 @@ def test_scoring_runs_on_the_engine_thread_that_owns_the_model(monkeypatch):
         engine.stop()
     assert threads == ["engine-tiny"]
     assert scored.logprobs == pytest.approx(engine.runner.score([5, 6, 7]).logprobs, abs=1e-5) and len(results[0].tokens) == 12
+
+
+def test_rows_with_top_k_or_top_p_draw_from_their_filtered_distribution_beside_rows_without():
+    """The engine tells sampling whether a live row filters, so a step without filters reads no flags
+    back: top_k 1 and a tiny top_p keep only the best token, so those rows draw the greedy tokens, in a
+    batch whose other rows draw from the whole distribution."""
+    def req(i: int, **sampling) -> GenerationRequest:
+        return GenerationRequest(f"f{i}", [1, 2, 3], max_new_tokens=16, sampling=SamplingParams(seed=i, **sampling))
+
+    requests = [req(0, top_k=1), req(1, top_p=1e-6), req(2, temperature=0.0), req(3), req(4)]
+    engine = make_engine("linear")
+    try:
+        results = asyncio.run(_whole_results(engine, requests))
+    finally:
+        engine.stop()
+    top_k, top_p, greedy, free, other = ([r.tokens for r in rs] for rs in results)
+    assert top_k == top_p == greedy
+    assert free != greedy and other != greedy  # the unfiltered rows sample (a tiny random model is near uniform)

@@ -94,7 +94,7 @@ class CompiledDecoder(EagerDecoder):
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[0]
         if self._use_compiled(n):
-            try:  # no dynamo config patch here (it costs 1% of a step): it matters for compiling, done by _warm_up
+            try:  # no dynamo config patch per step (entering one is not free): it only matters when compiling, in _warm_up
                 return self._step(self.model, self._tokens(tokens), self._rows(n))
             except Exception as exc:  # a recompile that failed: it stopped before running the step
                 self._fail("decode step", exc)

@@ -14,7 +14,7 @@ def plot_decode(result: dict, path: str | Path) -> None:
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    fig, (ax_time, ax_state, ax_images) = plt.subplots(1, 3, figsize=(16, 4.8))
+    fig, (ax_time, ax_state, ax_images) = plt.subplots(1, 3, figsize=(19, 4.8))
     for kind, points in result["positions"].items():
         pos = [p["position"] for p in points]
         ax_time.plot(pos, [p["step_seconds_min"] * 1e3 for p in points], "o-", label=kind, color=COLORS.get(kind))
@@ -33,11 +33,22 @@ def plot_decode(result: dict, path: str | Path) -> None:
     plt.close(fig)
 
 
+PEER_COLORS = ["tab:orange", "tab:brown", "tab:pink", "tab:gray", "tab:olive", "tab:cyan"]
+
+
+def _line_style(name: str, peers_seen: int) -> tuple[str, str | None]:
+    """An rnnserve kind in its colour (its eager path dashed), a peer in a colour of its own, as squares."""
+    if name.startswith("peer:"):
+        return "s:", PEER_COLORS[peers_seen % len(PEER_COLORS)]
+    return ("o--" if name.endswith("(eager)") else "o-"), COLORS.get(name.split(" ")[0])
+
+
 def _images_panel(ax, result: dict) -> None:
     kinds = list(dict.fromkeys(r["kind"] for r in result["images"]))
     for kind in kinds:
         rows = [r for r in result["images"] if r["kind"] == kind]
-        ax.plot([r["batch"] for r in rows], [r["images_per_s"] for r in rows], "o-", label=kind, color=COLORS.get(kind))
+        style, color = _line_style(kind, sum(k.startswith("peer:") for k in kinds[:kinds.index(kind)]))
+        ax.plot([r["batch"] for r in rows], [r["images_per_s"] for r in rows], style, label=kind, color=color)
     if result["no_cache"]:
         rows = result["no_cache"]
         ax.plot([r["batch"] for r in rows], [r["images_per_s"] for r in rows], "x--", color="black",
@@ -48,6 +59,7 @@ def _images_panel(ax, result: dict) -> None:
     ax.set_yscale("log")
     tokens = result["settings"]["image_tokens"]
     _labels(ax, "batch size", f"generations of {tokens} tokens per second", "throughput")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))  # a dozen lines: beside the panel
 
 
 def _labels(ax, xlabel: str, ylabel: str, title: str) -> None:

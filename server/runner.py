@@ -186,7 +186,8 @@ class ModelRunner:
         position = slots.position[:n]
         source = slots.penalized(n) if needs.adjust else slots.logits[:n]
         tokens = self.decoder.sample(source, slots.batch_sampling(n, needs.filters), position)  # compiled draw, once ready
-        tokens = force_tokens(tokens, slots.forced[:n].gather(1, position[:, None])[:, 0])
+        if needs.forced:
+            tokens = force_tokens(tokens, slots.forced[:n].gather(1, position[:, None])[:, 0])
         slots.generated[:n].scatter_(1, position[:, None], tokens[:, None])
         if needs.adjust:
             slots.counts[:n].scatter_add_(1, tokens[:, None], torch.ones_like(slots.counts[:n, :1]))

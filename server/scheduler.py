@@ -93,13 +93,15 @@ class StepNeeds:
     adjust: bool = False  # penalties or logit bias
     weigh: bool = False  # particles weighed by known tokens
     filters: bool = False  # top-k or top-p
+    forced: bool = False  # known tokens to keep instead of the drawn ones
 
     @classmethod
     def of(cls, requests) -> "StepNeeds":
         requests = list(requests)
         return cls(logprobs=any(r.wants_logprobs for r in requests), top=any(r.top_logprobs for r in requests),
                    adjust=any(r.sampling.adjusts_logits for r in requests),
-                   weigh=any(r.weighs_known for r in requests), filters=any(r.sampling.filters for r in requests))
+                   weigh=any(r.weighs_known for r in requests), filters=any(r.sampling.filters for r in requests),
+                   forced=any(r.forced for r in requests))
 
 
 class Scheduler:

@@ -27,9 +27,14 @@ import torch
 import torch.nn.functional as F
 
 from model.compiled_decode import INDUCTOR_OPTIONS
+from model.transformer import build_model
+from model.linear_attention import LinearAttention, LinearState
+from model.linformer_attention import LinformerAttention, LinformerState
 from model.softmax_attention import attend_one_query
 
-HEADS, D_HEAD, SLOTS = 4, 32, 64  # the cpu preset: 4 heads of 32; Linformer k = 64
+from .decode import preset_config
+
+# The old forms are written out here; the current ones are the models' own decode steps, at the cpu preset's sizes.
 
 
 def linear_columns(sz, q, k, v):  # sz (B, H, D, D + 1)
@@ -39,11 +44,10 @@ def linear_columns(sz, q, k, v):  # sz (B, H, D, D + 1)
     return out[..., :-1] / (out[..., -1:] + 1e-6)
 
 
-def linear_rows(sz_t, q, k, v):  # sz_t (B, H, D + 1, D)
-    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-    sz_t.addcmul_(v1[..., :, None], k[..., None, :])
-    out = (q[..., None, :] @ sz_t.transpose(-1, -2))[..., 0, :]
-    return out[..., :-1] / (out[..., -1:] + 1e-6)
+def linear_rows(attention: LinearAttention) -> Callable:
+    def step(sz_t, q, k, v):  # sz_t (B, H, D + 1, D)
+        return attention._step(q, k, v, LinearState(sz_t))
+    return step
 
 
 def linformer_outer(keys, values, q, k, v, e):  # values (B, H, k, D)
@@ -53,11 +57,10 @@ def linformer_outer(keys, values, q, k, v, e):  # values (B, H, k, D)
     return attn @ values
 
 
-def linformer_transposed(keys, values_t, q, k, v, e):  # values_t (B, H, D, k)
-    keys.addcmul_(e.transpose(-1, -2), k)
-    values_t.addcmul_(v.transpose(-1, -2), e)
-    attn = torch.softmax(q @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1)
-    return attn @ values_t.transpose(-1, -2)
+def linformer_transposed(attention: LinformerAttention) -> Callable:
+    def step(keys, values_t, q, k, v, e):  # values_t (B, H, D, k); E = F, as in linformer_outer
+        return attention._step(q, k, v, e, e, LinformerState(keys, values_t))
+    return step
 
 
 def softmax_fused(q, keys, values, visible):
@@ -66,24 +69,33 @@ def softmax_fused(q, keys, values, visible):
 
 def cases(batch: int, prefix: int) -> dict[str, tuple[Callable, tuple]]:
     """name -> (function, arguments), in pairs: two forms of one computation."""
-    b, h, d = batch, HEADS, D_HEAD
+    linear, linformer = (attention_of(kind) for kind in ("linear", "linformer"))
+    b, h, d, slots = batch, linear.n_heads, linear.proj.in_features // linear.n_heads, linformer.slots
     positions = torch.full((b,), prefix - 1)
     positions[0] = prefix // 2
     visible = (torch.arange(prefix) <= positions[:, None])[:, None, None]  # (B, 1, 1, L)
     cache = (torch.rand(b, h, 1, d), torch.rand(b, h, prefix, d), torch.rand(b, h, prefix, d), visible)
     q, k, v = (torch.rand(b, h, d) for _ in range(3))
     q4, k4, v4 = (x[:, :, None] for x in (q, k, v))
-    e = torch.rand(b, 1, 1, SLOTS)
-    sz, keys, values = torch.rand(b, h, d, d + 1), torch.rand(b, h, SLOTS, d), torch.rand(b, h, SLOTS, d)
+    e = torch.rand(b, 1, 1, slots)
+    sz, keys, values = torch.rand(b, h, d, d + 1), torch.rand(b, h, slots, d), torch.rand(b, h, slots, d)
     # Each pair holds the same state in its two layouts, so both forms give the same output (tested).
     return {
         "linear, [S \\| Z] (B, H, D, D + 1)": (linear_columns, (sz, q, k, v)),
-        "linear, [S \\| Z]^T (B, H, D + 1, D)": (linear_rows, (_transposed(sz), q, k, v)),
+        "linear, [S \\| Z]^T (B, H, D + 1, D)": (linear_rows(linear), (_transposed(sz), q, k, v)),
         "Linformer, V~ (B, H, k, D), outer products": (linformer_outer, (keys, values, q4, k4, v4, e)),
-        "Linformer, V~^T (B, H, D, k), addcmul_": (linformer_transposed, (keys.clone(), _transposed(values), q4, k4, v4, e)),
+        "Linformer, V~^T (B, H, D, k), addcmul_": (linformer_transposed(linformer), (keys.clone(), _transposed(values), q4, k4, v4, e)),
         f"softmax, prefix {prefix}: fused scaled_dot_product_attention": (softmax_fused, cache),
         f"softmax, prefix {prefix}: product, masked softmax, product": (attend_one_query, cache),
     }
+
+
+LINFORMER_K = 64  # `rnnserve train --linformer-k`'s default: the shipped Linformer models' k
+
+
+def attention_of(kind: str):
+    """The first layer's attention of a cpu-preset model of this kind (Linformer with the shipped models' k)."""
+    return build_model(preset_config("cpu", kind).replace(linformer_k=LINFORMER_K)).blocks[0].attn
 
 
 def _transposed(x: torch.Tensor) -> torch.Tensor:

@@ -335,5 +335,5 @@ def test_step_kernel_forms_compute_the_same_thing():
         with torch.inference_mode():
             out_first, out_second = first(*first_args), second(*second_args)
         torch.testing.assert_close(out_first.reshape(out_second.shape), out_second, rtol=1e-5, atol=1e-5)
-        for a, b in zip(first_args, second_args):  # states (in their own layouts) updated alike
+        for a, b in zip(first_args, second_args):  # states updated alike (a transposed layout has another shape: k != D)
             torch.testing.assert_close(a, b if a.shape == b.shape else b.transpose(-1, -2))

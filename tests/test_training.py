@@ -416,6 +416,46 @@ def test_mnist_training_records_data_and_eval_in_the_file(tmp_path: Path, mnist_
     assert info["command"] == shlex.join(["rnnserve", "train", *argv])  # the argv given, not pytest's sys.argv
 
 
+def test_mnist_batches_shift_each_digit_by_at_most_max_shift() -> None:
+    # Image i is one pixel of grey level i + 1 at the centre: where it lands in a batch is its shift.
+    images = torch.zeros(50, 28, 28, dtype=torch.uint8)
+    images[:, 14, 14] = torch.arange(1, 51, dtype=torch.uint8)
+    batches = train.Batches(images.view(50, 784), 784, 64, torch.Generator().manual_seed(0), max_shift=1)
+    offsets = set()
+    for _ in range(4):
+        batch = batches.next().view(64, 28, 28)  # (B, 28, 28)
+        assert batch.dtype == torch.int64
+        for digit in batch:
+            (row, col), = digit.nonzero().tolist()  # each digit still holds its one pixel
+            offsets.add((row - 14, col - 14))
+    assert offsets == {(r, c) for r in (-1, 0, 1) for c in (-1, 0, 1)}  # every shift of up to 1, no more
+    unshifted = train.Batches(images.view(50, 784), 784, 64, torch.Generator().manual_seed(0))
+    assert (unshifted.next().view(64, 28, 28)[:, 14, 14] > 0).all()
+
+
+def test_max_shift_may_change_only_with_extend_and_is_recorded(tmp_path: Path, mnist_dir: Path, capsys) -> None:
+    out, ckpt = tmp_path / "s.safetensors", tmp_path / "s.ckpt"
+    common = ["--task", "mnist", "--attention", "linear", "--data", str(mnist_dir), "--preset", "tiny", "--threads", "1",
+              "--device", "cpu", "--no-progress", "--no-eval", "--checkpoint", str(ckpt), "--out", str(out)]
+    train.train(parse("train", [*common, "--steps", "2"]))
+    with pytest.raises(train.TrainError, match=r"max_shift 0 -> 1\); resume with the same flags .* or add --extend"):
+        train.train(parse("train", [*common, "--steps", "4", "--resume", "--max-shift", "1"]))
+    info = train.train(parse("train", [*common, "--steps", "4", "--resume", "--extend", "--max-shift", "1"]))
+    assert "--extend: steps 2 -> 4; max_shift 0 -> 1" in capsys.readouterr().err
+    assert info["max_shift"] == 1 and read_checkpoint(ckpt).run.max_shift == 1
+    assert read_metadata(out)[1]["max_shift"] == 1
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-shift", "5"], r"--max-shift must be in 0\.\.4 pixels, got 5"),
+    (["--max-shift", "-1"], r"--max-shift must be in 0\.\.4 pixels, got -1"),
+    (["--max-shift", "1", "--task", "text"], "--max-shift shifts MNIST digits; --task text has no images to shift"),
+])
+def test_bad_max_shift_is_a_clear_error(tmp_path: Path, text_file: Path, flags: list[str], message: str) -> None:
+    with pytest.raises(train.TrainError, match=message):
+        train.train(text_args(tmp_path, text_file, "--steps", "1", *flags))
+
+
 def read_safetensors_dtypes(path: Path) -> set[str]:
     """Tensor dtypes as the file's own JSON header lists them."""
     raw = path.read_bytes()

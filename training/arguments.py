@@ -55,6 +55,9 @@ def _add_optimisation_arguments(opt) -> None:
     opt.add_argument("--warmup-steps", type=int, default=100)
     opt.add_argument("--weight-decay", type=float, default=0.01)
     opt.add_argument("--seed", type=int, default=0)
+    opt.add_argument("--max-shift", type=int, default=0,
+                     help="MNIST augmentation: shift each training digit by up to this many pixels along each axis, "
+                          "filled with 0 (0: off); may change with --resume --extend")
 
 
 def _add_run_arguments(run) -> None:
@@ -71,7 +74,7 @@ def _add_run_arguments(run) -> None:
                      help="AdamW moments in the checkpoint (weights stay float32); float32: resumes bit for bit")
     run.add_argument("--resume", action="store_true", help="continue from the checkpoint if it exists")
     run.add_argument("--extend", action="store_true",
-                     help="with --resume: accept a --steps/--minutes other than the checkpoint's run "
+                     help="with --resume: accept a --steps/--minutes/--max-shift other than the checkpoint's run "
                           "(the cosine schedule is recomputed over the new horizon)")
     run.add_argument("--no-eval", action="store_true", help="skip the evaluation at the end")
     run.add_argument("--eval-limit", type=int, help="evaluate on the first N test images / windows only")

@@ -75,7 +75,8 @@ class Progress:
 class RunSettings:
     """The flags that fix the learning-rate schedule and the data order: a resume must match them."""
 
-    HORIZON: ClassVar[tuple[str, ...]] = ("steps", "minutes")  # may change with --extend
+    # May change with --extend: the horizon, and the augmentation (to fine-tune a model against overfitting).
+    EXTENDABLE: ClassVar[tuple[str, ...]] = ("steps", "minutes", "max_shift")
 
     steps: int | None
     minutes: float | None
@@ -84,6 +85,7 @@ class RunSettings:
     warmup_steps: int
     weight_decay: float
     data_items: int  # training images, or bytes of training text
+    max_shift: int = 0  # MNIST augmentation (pixels); checkpoints written before it had none
 
 
 @dataclass

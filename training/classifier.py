@@ -30,7 +30,7 @@ from torch import nn
 from model.weights_io import INFO_KEY, WeightsError
 
 from . import arguments
-from .data import MNIST_SIDE, DataError, LabeledMnist, load_labeled_mnist
+from .data import MNIST_SIDE, DataError, LabeledMnist, load_labeled_mnist, random_shift
 
 CLASSIFIER_KEY = "rnnserve.classifier"
 DEFAULT_CLASSIFIER = Path(arguments.DEFAULT_CLASSIFIER)
@@ -72,19 +72,6 @@ class DigitClassifier(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
-
-def random_shift(images: torch.Tensor, max_shift: int, generator: torch.Generator) -> torch.Tensor:
-    """(B, 784) -> (B, 784), each image moved by up to max_shift pixels along each axis, filled with 0."""
-    if max_shift == 0:
-        return images
-    b = images.shape[0]
-    padded = F.pad(images.view(b, MNIST_SIDE, MNIST_SIDE), (max_shift,) * 4)  # (B, 28 + 2s, 28 + 2s)
-    offsets = torch.randint(0, 2 * max_shift + 1, (2, b), generator=generator)  # crop corner per image
-    span = torch.arange(MNIST_SIDE)
-    rows = (offsets[0][:, None] + span)[:, :, None]  # (B, 28, 1)
-    cols = (offsets[1][:, None] + span)[:, None, :]  # (B, 1, 28)
-    return padded[torch.arange(b)[:, None, None], rows, cols].reshape(b, -1)
 
 
 @torch.inference_mode()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 IMAGES_MAGIC = 2051
 LABELS_MAGIC = 2049
@@ -178,3 +179,16 @@ def load_text(path: str | Path) -> TextSplits:
     data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     cut = int(len(raw) * TEXT_TRAIN_FRACTION)
     return TextSplits(data[:cut].clone(), data[cut:].clone(), str(path))
+
+
+def random_shift(images: torch.Tensor, max_shift: int, generator: torch.Generator) -> torch.Tensor:
+    """(B, 784) -> (B, 784), each image moved by up to max_shift pixels along each axis, filled with 0."""
+    if max_shift == 0:
+        return images
+    b = images.shape[0]
+    padded = F.pad(images.view(b, MNIST_SIDE, MNIST_SIDE), (max_shift,) * 4)  # (B, 28 + 2s, 28 + 2s)
+    offsets = torch.randint(0, 2 * max_shift + 1, (2, b), generator=generator)  # crop corner per image
+    span = torch.arange(MNIST_SIDE)
+    rows = (offsets[0][:, None] + span)[:, :, None]  # (B, 28, 1)
+    cols = (offsets[1][:, None] + span)[:, None, :]  # (B, 1, 28)
+    return padded[torch.arange(b)[:, None, None], rows, cols].reshape(b, -1)

@@ -37,31 +37,33 @@ from model.weights_io import save_model
 from .arguments import SAVE_DTYPE_NAMES
 from .checkpoint import (CURVE_COLUMNS, CheckpointWriter, Progress, RunSettings, StopRequest, TrainingStopped,
                          check_config, read_checkpoint, restore, run_changes, stop_on_signals)
-from .data import MNIST_PIXELS, DataError, load_mnist, load_text
+from .data import MNIST_PIXELS, DataError, load_mnist, load_text, random_shift
 from .errors import TrainError
 from .evaluate import device_description, evaluate_file, print_table, resolve_device
 from .presets import PRESETS
 
 SAVE_DTYPES = {name: getattr(torch, name) for name in SAVE_DTYPE_NAMES}
 MIN_LR_FRACTION = 0.1  # the cosine ends at 10% of the peak rate
+MAX_SHIFT = 4  # pixels: a 28x28 digit has a blank border about this wide
 
 
 
 
 @dataclass
 class Batches:
-    """Random training batches: whole MNIST images or random text windows."""
+    """Random training batches: whole MNIST images (each shifted by up to max_shift pixels) or random text windows."""
 
     data: torch.Tensor  # MNIST (N, 784) or text (N,) uint8
     seq_len: int
     batch_size: int
     generator: torch.Generator
+    max_shift: int = 0  # MNIST augmentation; the shifts come from the same generator, so resumes replay them
 
     def next(self) -> torch.Tensor:
         """(B, seq_len) int64 tokens."""
         if self.data.dim() == 2:
             rows = torch.randint(self.data.shape[0], (self.batch_size,), generator=self.generator)
-            return self.data[rows].long()
+            return random_shift(self.data[rows], self.max_shift, self.generator).long()
         starts = torch.randint(self.data.shape[0] - self.seq_len + 1, (self.batch_size,), generator=self.generator)
         offsets = starts[:, None] + torch.arange(self.seq_len)
         return self.data[offsets].long()
@@ -157,7 +159,7 @@ def check_same_run(path: Path, saved: RunSettings, now: RunSettings, extend: boo
     changes = run_changes(saved, now)
     if not changes:
         return
-    fixed = {k: v for k, v in changes.items() if k not in RunSettings.HORIZON}
+    fixed = {k: v for k, v in changes.items() if k not in RunSettings.EXTENDABLE}
     listed = "; ".join(f"{name} {old} -> {new}" for name, (old, new) in changes.items())
     if fixed or not extend:
         hint = "" if fixed else ", or add --extend to continue over the new horizon"
@@ -182,6 +184,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise TrainError(f"--checkpoint {args.checkpoint}: folder {Path(args.checkpoint).parent} does not exist")
     if args.extend and not args.resume:
         raise TrainError("--extend changes the horizon of a resumed run: add --resume")
+    if not 0 <= args.max_shift <= MAX_SHIFT:
+        raise TrainError(f"--max-shift must be in 0..{MAX_SHIFT} pixels, got {args.max_shift}")
+    if args.max_shift and args.task != "mnist":
+        raise TrainError(f"--max-shift shifts MNIST digits; --task {args.task} has no images to shift")
 
 
 def make_optimizer(model: Transformer, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -282,6 +288,7 @@ def training_info(args: argparse.Namespace, data_path: str, prog: Progress, devi
         "batch_size": batch_size,
         "lr": lr,
         "seed": args.seed,
+        "max_shift": args.max_shift,
         "final_train_loss_nats": round(prog.loss_ema, 5),  # moving average over ~50 steps
         "curve": {"columns": list(CURVE_COLUMNS), "points": prog.finished_curve()},  # `rnnserve curves` draws it
         "torch": torch.__version__,
@@ -305,8 +312,9 @@ def train(args: argparse.Namespace, stop_after: int | None = None) -> dict[str, 
     batch_size, lr = args.batch_size or preset.batch_size, args.lr or preset.lr
     model = build_model(cfg).to(device)
     opt = make_optimizer(model, lr, args.weight_decay)
-    batches = Batches(data, cfg.max_len, batch_size, torch.Generator().manual_seed(args.seed))
-    run = RunSettings(args.steps, args.minutes, batch_size, lr, args.warmup_steps, args.weight_decay, data.shape[0])
+    batches = Batches(data, cfg.max_len, batch_size, torch.Generator().manual_seed(args.seed), args.max_shift)
+    run = RunSettings(args.steps, args.minutes, batch_size, lr, args.warmup_steps, args.weight_decay, data.shape[0],
+                      args.max_shift)
     writer = CheckpointWriter(checkpoint_path(args), args.checkpoint_precision, run)
     prog = resume(args, writer, model, opt, batches) if args.resume else Progress()
     print(f"{cfg.attention} {cfg.task}: {model.num_parameters():,} parameters, batch {batch_size}, "

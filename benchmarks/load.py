@@ -1,6 +1,6 @@
 """HTTP load generator for a running rnnserve: `rnnserve bench --url http://HOST:PORT`.
 
-N workers share one httpx.AsyncClient and send requests back to back until
+N workers share one aiohttp.ClientSession and send requests back to back until
 the duration is over or the request budget is spent; every request has its
 own timeout, and the whole run is cut at duration + timeout, so it always
 ends. It talks only to the URL given.
@@ -12,6 +12,11 @@ at the first event carrying a choice; inter-token latency is the gap between
 consecutive such events (the server sends one per token, except that bytes
 of an incomplete UTF-8 character are held back and sent together). Token
 counts come from the server's `usage`.
+
+The client is aiohttp, as vLLM's serving benchmark uses: on this project's
+2-core machine the load generator shares the CPU with the server, and
+httpx spent about six times more CPU per image request (measurements in
+benchmarks/README.md, "HTTP load generator").
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
 
-import httpx
+import aiohttp
 import numpy as np
 
 from .errors import BenchError
@@ -132,14 +137,14 @@ def text_body(s: LoadSettings, index: int) -> dict:
 # ---------------------------------------------------------------- one request
 
 
-async def image_request(client: httpx.AsyncClient, s: LoadSettings, index: int) -> RequestRecord:
+async def image_request(session: aiohttp.ClientSession, s: LoadSettings, index: int) -> RequestRecord:
     start = time.perf_counter()
-    response = await client.post(IMAGE_PATH, json=image_body(s, index))
-    latency = time.perf_counter() - start
-    record = RequestRecord(str(response.status_code), latency)
-    if response.status_code == 200:
+    async with session.post(s.url.rstrip("/") + IMAGE_PATH, json=image_body(s, index)) as response:
+        raw = await response.read()
+    record = RequestRecord(str(response.status), time.perf_counter() - start)
+    if response.status == 200:
         try:
-            body = response.json()
+            body = json.loads(raw)
             record.images = len(body["data"])
             record.tokens = int(body["usage"]["pixels_generated"])
         except (ValueError, KeyError, TypeError) as exc:
@@ -147,23 +152,24 @@ async def image_request(client: httpx.AsyncClient, s: LoadSettings, index: int) 
     return record
 
 
-async def text_request(client: httpx.AsyncClient, s: LoadSettings, index: int) -> RequestRecord:
+async def text_request(session: aiohttp.ClientSession, s: LoadSettings, index: int) -> RequestRecord:
     start = time.perf_counter()
-    async with client.stream("POST", TEXT_PATH, json=text_body(s, index)) as response:
-        record = RequestRecord(str(response.status_code), 0.0)
-        if response.status_code == 200:
+    async with session.post(s.url.rstrip("/") + TEXT_PATH, json=text_body(s, index)) as response:
+        record = RequestRecord(str(response.status), 0.0)
+        if response.status == 200:
             await _read_events(response, record, start)
         else:
-            await response.aread()
+            await response.read()
     record.latency = time.perf_counter() - start
     return record
 
 
-async def _read_events(response: httpx.Response, record: RequestRecord, start: float) -> None:
+async def _read_events(response: aiohttp.ClientResponse, record: RequestRecord, start: float) -> None:
     """Consume `data: {...}` events until `data: [DONE]`, timing each text event."""
     last = None
     done = False
-    async for line in response.aiter_lines():
+    async for raw in response.content:  # one line at a time, with its line break
+        line = raw.decode("utf-8").rstrip("\r\n")
         if not line.startswith("data:"):
             continue
         payload = line[5:].strip()
@@ -191,32 +197,32 @@ async def _read_events(response: httpx.Response, record: RequestRecord, start: f
 # ---------------------------------------------------------------- the run
 
 
-async def _worker(client, s: LoadSettings, budget: dict, records: list[RequestRecord]) -> None:
+async def _worker(session: aiohttp.ClientSession, s: LoadSettings, budget: dict, records: list[RequestRecord]) -> None:
     send = image_request if s.kind == "image" else text_request
     while time.perf_counter() < budget["deadline"] and budget["issued"] < s.max_requests:
         index = budget["issued"]
         budget["issued"] += 1
         start = time.perf_counter()
         try:
-            records.append(await send(client, s, index))
-        except httpx.TimeoutException:
+            records.append(await send(session, s, index))
+        except TimeoutError:  # aiohttp's timeouts are TimeoutErrors (asyncio's too, since Python 3.11)
             records.append(RequestRecord("timeout", time.perf_counter() - start))
-        except httpx.ConnectError as exc:
+        except aiohttp.ClientConnectorError as exc:
             records.append(RequestRecord("connect_error", time.perf_counter() - start, error=str(exc)))
-        except (httpx.HTTPError, ValueError) as exc:
+        except (aiohttp.ClientError, ValueError) as exc:
             records.append(RequestRecord("protocol_error", time.perf_counter() - start, error=str(exc)))
 
 
 async def run_load_async(s: LoadSettings) -> dict:
     check_settings(s)
     headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
-    limits = httpx.Limits(max_connections=s.concurrency, max_keepalive_connections=s.concurrency)
     records: list[RequestRecord] = []
     start = time.perf_counter()
     budget = {"deadline": start + s.duration, "issued": 0}
-    async with httpx.AsyncClient(base_url=s.url.rstrip("/"), headers=headers, timeout=s.timeout, limits=limits,
-                                 trust_env=False) as client:
-        workers = [asyncio.create_task(_worker(client, s, budget, records)) for _ in range(s.concurrency)]
+    connector = aiohttp.TCPConnector(limit=s.concurrency)  # one keep-alive connection per worker
+    async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=s.timeout),
+                                     connector=connector, trust_env=False) as session:
+        workers = [asyncio.create_task(_worker(session, s, budget, records)) for _ in range(s.concurrency)]
         # Hard stop: no request may outlive duration + its own timeout.
         _, pending = await asyncio.wait(workers, timeout=s.duration + s.timeout + 5.0)
         for task in pending:

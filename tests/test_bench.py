@@ -292,6 +292,14 @@ def test_load_errors_are_counted_by_status(server_url):
         metric_value(before, "rnnserve_requests_total", endpoint="/v1/completions", outcome="not_found") == 4
 
 
+def test_requests_past_their_timeout_are_counted_as_timeouts(server_url):
+    # A whole image is 784 decoding steps: far longer than a millisecond.
+    result = run_load(LoadSettings(url=server_url, kind="image", concurrency=2, duration=30.0, max_requests=3,
+                                   keep_rows=0, timeout=0.001))
+    assert result["sent"] == 3 and result["completed"] == 0
+    assert result["outcomes"] == {"timeout": 3}
+
+
 def test_load_against_a_closed_port_reports_connection_errors():
     result = run_load(LoadSettings(url=f"http://127.0.0.1:{free_port()}", kind="image", concurrency=2,
                                    duration=30.0, max_requests=3, timeout=5))

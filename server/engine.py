@@ -90,6 +90,10 @@ class Engine:
         """Whether decode steps run through compiled graphs (false until the background compile is done)."""
         return self.runner.decoder is not None and self.runner.decoder.compiled
 
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for the background compile of the decode steps; True once nothing is left to compile."""
+        return self.runner.decoder is None or self.runner.decoder.wait_compiled(timeout)
+
     @property
     def running(self) -> int:
         return self.scheduler.running

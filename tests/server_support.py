@@ -6,6 +6,7 @@ server from disk, and tests talk to uvicorn over a TCP socket.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -121,6 +122,7 @@ def running_server(settings: Settings) -> Iterator[tuple[str, Any]]:
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+        gc.unfreeze()  # the app froze this test process's heap at start-up, as a server does: undo it
 
 
 def wait_healthy(process: subprocess.Popen, url: str, log: Path, seconds: float = 90) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import gc
+import time
 
 import httpx
 import pytest
@@ -249,6 +251,20 @@ def test_no_waiting_queue_still_serves_when_a_slot_is_free(tmp_path):
         answer = httpx.post(f"{url}/v1/completions", json={"prompt": "ab", "max_tokens": 4, "seed": 1}, timeout=30)
         assert answer.status_code == 200, answer.text
         assert len(answer.json()["choices"][0]["text"].encode("utf-8", "surrogateescape")) >= 1
+
+
+def test_start_up_objects_are_frozen_out_of_the_garbage_collectors_reach(tmp_path):
+    # A full collection walks every tracked object with the GIL held, stalling the engine threads.
+    save_tiny_model(tmp_path, "linear-text", "linear", "text")
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    with running_server(make_settings(weights=tmp_path)) as (url, _app):
+        deadline = time.monotonic() + 30
+        while gc.get_freeze_count() == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        frozen = gc.get_freeze_count()
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "ab", "max_tokens": 2}, timeout=30).status_code == 200
+    assert frozen > 10_000  # torch, the models and the app: everything start-up built
 
 
 def test_counted_histogram_exposes_what_one_observe_per_value_would():

@@ -16,6 +16,7 @@ from .registry import attention_kinds
 TASKS = ("mnist", "text")
 POS_ENCODINGS = ("learned", "sinusoidal")
 LINFORMER_SHARING = ("none", "headwise", "kv")
+OUTPUT_HEADS = ("categorical", "logistic_mixture")
 
 BYTE_VOCAB = 256  # grey levels for pixels, bytes for text
 BOS_TOKEN = 256  # start-of-sequence token, only ever an input
@@ -47,6 +48,9 @@ class ModelConfig:
     # Reformer: one more round over the W positions before each query (0: none;
     # files from before this option have none)
     reformer_local_window: int = 0
+    # Output: 256 free logits, or (MNIST) a mixture of logistics over the grey levels (model/pixel_head.py)
+    output_head: str = "categorical"
+    mixtures: int = 10
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -54,7 +58,11 @@ class ModelConfig:
         self._check_choice("task", TASKS)
         self._check_choice("pos_encoding", POS_ENCODINGS)
         self._check_choice("linformer_sharing", LINFORMER_SHARING)
-        for name in ("d_model", "n_layers", "n_heads", "d_ff", "max_len", "linformer_k", "reformer_rounds"):
+        self._check_choice("output_head", OUTPUT_HEADS)
+        if self.output_head == "logistic_mixture" and self.task != "mnist":
+            raise ConfigError(f"output_head logistic_mixture models grey levels; task {self.task!r} predicts bytes, "
+                              f"which have no order: use output_head categorical")
+        for name in ("d_model", "n_layers", "n_heads", "d_ff", "max_len", "linformer_k", "reformer_rounds", "mixtures"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.d_model % self.n_heads:

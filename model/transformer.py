@@ -19,6 +19,7 @@ from torch import nn
 from .attention import Capabilities
 from .config import BOS_TOKEN, ModelConfig
 from .heads import chunk_positions
+from .pixel_head import LogisticMixtureHead, build_output_head
 from .registry import attention_class
 from .state import ModelState
 
@@ -73,16 +74,18 @@ class Transformer(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_out)
+        self.head = build_output_head(cfg)
         self.apply(_init_weights)
+        if isinstance(self.head, LogisticMixtureHead):
+            self.head.initialise()
 
     @property
     def device(self) -> torch.device:
-        return self.head.weight.device
+        return self.ln_f.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.head.weight.dtype
+        return self.ln_f.weight.dtype
 
     @property
     def capabilities(self) -> Capabilities:

@@ -43,6 +43,9 @@ def _add_architecture_arguments(arch) -> None:
     arch.add_argument("--linformer-k", type=int, default=64)
     arch.add_argument("--reformer-buckets", type=int, default=32)
     arch.add_argument("--reformer-rounds", type=int, default=1)
+    arch.add_argument("--output-head", choices=("categorical", "logistic_mixture"), default="categorical",
+                      help="MNIST: 256 free logits, or a mixture of logistics over the grey levels (the paper's)")
+    arch.add_argument("--mixtures", type=int, default=10, help="logistics per pixel with --output-head logistic_mixture")
     arch.add_argument("--reformer-local-window", type=int, default=REFORMER_LOCAL_WINDOW,
                       help="Reformer: also attend to the W positions before each query (0: hashed buckets only)")
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from model import ModelConfig, Transformer, build_model
+from model.config import ConfigError
 from model.transformer import with_bos
 from model.weights_io import save_model
 
@@ -85,6 +86,8 @@ def build_config(args: argparse.Namespace) -> ModelConfig:
         reformer_buckets=args.reformer_buckets,
         reformer_rounds=args.reformer_rounds,
         reformer_local_window=args.reformer_local_window,
+        output_head=args.output_head,
+        mixtures=args.mixtures,
     )
 
 
@@ -340,7 +343,7 @@ def train(args: argparse.Namespace, stop_after: int | None = None) -> dict[str, 
 def run(args: argparse.Namespace) -> int:
     try:
         train(args)
-    except (TrainError, DataError) as exc:
+    except (TrainError, DataError, ConfigError) as exc:
         print(f"rnnserve train: error: {exc}", file=sys.stderr)
         return 2
     except TrainingStopped as exc:

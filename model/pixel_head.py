@@ -28,20 +28,38 @@ def bin_edges(device: torch.device | None = None) -> torch.Tensor:
     return torch.cat([inner.new_tensor([-OPEN_EDGE]), inner, inner.new_tensor([OPEN_EDGE])])
 
 
-def mixture_log_probs(logit_weights: torch.Tensor, means: torch.Tensor, log_scales: torch.Tensor) -> torch.Tensor:
-    """(..., n) mixture parameters -> (..., 256) log-probabilities of the grey levels' bins.
+def _log_bin_mass(means: torch.Tensor, inv_scale: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor):
+    """log of one logistic's mass on [lower, upper], elementwise (broadcast).
 
-    A bin [lo, hi] of one logistic has mass sigmoid(a) - sigmoid(b), a = (hi - mu)/s, b = (lo - mu)/s,
-    computed in log space as logsigmoid(a) + logsigmoid(-b) + log(1 - e^(b - a)) so that far tails stay finite.
-    """
+    The mass is sigmoid(a) - sigmoid(b), a = (upper - mu)/s, b = (lower - mu)/s, computed as
+    logsigmoid(a) + logsigmoid(-b) + log(1 - e^(b - a)) so that far tails stay finite."""
+    a, b = (upper - means) * inv_scale, (lower - means) * inv_scale
+    return F.logsigmoid(a) + F.logsigmoid(-b) + torch.log(-torch.expm1(b - a))
+
+
+def mixture_log_probs(logit_weights: torch.Tensor, means: torch.Tensor, log_scales: torch.Tensor,
+                      levels: torch.Tensor | None = None) -> torch.Tensor:
+    """(..., n) mixture parameters -> log-probabilities of all 256 grey levels (..., 256), or of `levels` (...) only.
+
+    Training and scoring need only the observed level: 256 times less work than the whole distribution."""
     inv_scale = torch.exp(-log_scales.clamp(min=MIN_LOG_SCALE))  # (..., n)
+    log_weights = F.log_softmax(logit_weights, dim=-1)
     edges = bin_edges(means.device)
-    z = (edges - means[..., None]) * inv_scale[..., None]  # (..., n, 257): each edge in the component's units
-    upper = F.logsigmoid(z[..., 1:])  # (..., n, 256): log CDF at each bin's upper edge
-    below = F.logsigmoid(-z[..., :-1])  # (..., n, 256): log(1 - CDF) at its lower edge
-    width = (edges[1:] - edges[:-1]) * inv_scale[..., None]  # (..., n, 256)
-    log_mass = upper + below + torch.log(-torch.expm1(-width))
-    return torch.logsumexp(F.log_softmax(logit_weights, dim=-1)[..., None] + log_mass, dim=-2)
+    if levels is not None:
+        lower, upper = edges[levels][..., None], edges[levels + 1][..., None]  # (..., 1)
+        return torch.logsumexp(log_weights + _log_bin_mass(means, inv_scale, lower, upper), dim=-1)
+    log_mass = _log_bin_mass(means[..., None], inv_scale[..., None], edges[:-1], edges[1:])  # (..., n, 256)
+    return torch.logsumexp(log_weights[..., None] + log_mass, dim=-2)
+
+
+class CategoricalHead(nn.Linear):
+    """256 free logits (an nn.Linear: its parameters keep the names `head.weight`, `head.bias`)."""
+
+    def log_probs_at(self, x: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+        """(..., d_model), (...) -> (...) log-probabilities of `levels`."""
+        logits = self(x).float()
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), levels.reshape(-1), reduction="none")
+        return -nll.view(levels.shape)
 
 
 class LogisticMixtureHead(nn.Module):
@@ -52,9 +70,16 @@ class LogisticMixtureHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(..., d_model) -> (..., 256) log-probabilities, in float32 whatever the model's dtype."""
-        logit_weights, means, log_scales = self.proj(x).float().chunk(3, dim=-1)  # (..., n) each
+        return mixture_log_probs(*self._parameters_of(x))
+
+    def log_probs_at(self, x: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+        """(..., d_model), (...) -> (...) log-probabilities of `levels`."""
+        return mixture_log_probs(*self._parameters_of(x), levels=levels)
+
+    def _parameters_of(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # Means are free: one beyond -1 or 1 puts its mass on level 0 or 255, where most MNIST pixels are.
-        return mixture_log_probs(logit_weights, means, log_scales)
+        logit_weights, means, log_scales = self.proj(x).float().chunk(3, dim=-1)  # (..., n) each
+        return logit_weights, means, log_scales
 
     def initialise(self) -> None:
         """Components spread over the grey levels and a few levels wide: an optimiser moves a bias by about
@@ -68,4 +93,4 @@ class LogisticMixtureHead(nn.Module):
 def build_output_head(cfg: ModelConfig) -> nn.Module:
     if cfg.output_head == "logistic_mixture":
         return LogisticMixtureHead(cfg.d_model, cfg.mixtures)
-    return nn.Linear(cfg.d_model, cfg.vocab_out)
+    return CategoricalHead(cfg.d_model, cfg.vocab_out)

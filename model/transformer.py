@@ -123,15 +123,25 @@ class Transformer(nn.Module):
         """
         return self._run(tokens[:, None], state.lengths, state)[:, -1]
 
+    def token_log_probs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, T) -> (B, T): log p(tokens[:, t] | tokens[:, :t]), one parallel pass from BOS (training, scoring).
+        The head scores only the observed tokens, which a mixture head does far faster than all 256."""
+        hidden = self._hidden(with_bos(tokens), tokens.new_zeros(tokens.shape[0]), None)
+        return self.head.log_probs_at(hidden, tokens)
+
     def _run(self, tokens: torch.Tensor, start: torch.Tensor, state: ModelState | None) -> torch.Tensor:
         """(B, T) tokens from positions `start` -> (B, T, V) logits."""
+        return self.head(self._hidden(tokens, start, state))
+
+    def _hidden(self, tokens: torch.Tensor, start: torch.Tensor, state: ModelState | None) -> torch.Tensor:
+        """(B, T) tokens from positions `start` -> (B, T, d_model), the final layer norm applied."""
         x = self.tok_emb(tokens) + self._positions(chunk_positions(start, tokens.shape[1]))
         x = self.drop(x)
         for i, block in enumerate(self.blocks):
             x, _ = block(x, start, state.layers[i] if state is not None else None)
         if state is not None:
             state.lengths += tokens.shape[1]
-        return self.head(self.ln_f(x))
+        return self.ln_f(x)
 
     def _positions(self, pos: torch.Tensor) -> torch.Tensor:
         if self.pos_emb is not None:

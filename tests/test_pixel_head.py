@@ -15,6 +15,7 @@ import torch
 from model import ModelConfig, build_model
 from model.config import ConfigError
 from model.pixel_head import MIN_LOG_SCALE, bin_edges, mixture_log_probs
+from model.transformer import with_bos
 from model.weights_io import load_model, save_model
 from rnnserve_cli import parse_args
 from training import train
@@ -39,6 +40,9 @@ def test_log_probs_are_the_discretized_mixtures_own(scale_shift):
     expected = direct_bin_probs(weights, means, log_scales)
     torch.testing.assert_close(got.exp().double(), expected, atol=2e-6, rtol=1e-4)
     torch.testing.assert_close(got.logsumexp(-1), torch.zeros(64), atol=1e-5, rtol=0)
+    levels = torch.randint(0, 256, (64,), generator=gen)
+    at_levels = mixture_log_probs(weights, means, log_scales, levels=levels)  # only the observed levels
+    torch.testing.assert_close(at_levels, got.gather(-1, levels[:, None])[:, 0], atol=1e-5, rtol=1e-5)
 
 
 def test_far_tails_stay_finite_where_a_cdf_difference_would_be_zero():
@@ -66,6 +70,10 @@ def test_decoding_token_by_token_equals_the_parallel_pass(attention):
         steps = torch.stack([model.decode_step(tokens[:, t], state) for t in range(40)], dim=1)
     torch.testing.assert_close(steps, parallel, atol=1e-4, rtol=0)
     torch.testing.assert_close(parallel.logsumexp(-1), torch.zeros(2, 40), atol=1e-5, rtol=0)
+    with torch.no_grad():  # training and scoring read the observed tokens' log-probabilities only
+        observed = model.token_log_probs(tokens)
+        from_bos, _ = model(with_bos(tokens))  # (2, 40, 256)
+    torch.testing.assert_close(observed, from_bos.gather(-1, tokens[..., None])[..., 0], atol=1e-5, rtol=0)
 
 
 def test_a_mixture_model_round_trips_through_its_file(tmp_path: Path):

@@ -31,8 +31,7 @@ from tqdm import tqdm
 
 from model import Transformer
 from model.generate import generate
-from model.sampling import BatchSampling, SamplingParams, token_logprobs
-from model.transformer import with_bos
+from model.sampling import BatchSampling, SamplingParams
 from model.weights_io import WeightsError, load_model, read_metadata, update_info
 
 from . import arguments
@@ -133,8 +132,7 @@ def unknown_bits_per_dim(model: Transformer, images: torch.Tensor, unknown: torc
     total = 0.0
     for start in range(0, images.shape[0], batch_size):
         tokens = images[start:start + batch_size].long().to(model.device)  # (B, 784)
-        logits, _ = model(with_bos(tokens))  # (B, 784, 256)
-        total -= float(token_logprobs(logits, tokens)[:, unknown.to(model.device)].double().sum())
+        total -= float(model.token_log_probs(tokens)[:, unknown.to(model.device)].double().sum())
     return total / (images.shape[0] * int(unknown.sum()) * math.log(2))
 
 

@@ -22,8 +22,6 @@ import torch
 from tqdm import tqdm
 
 from model import Transformer
-from model.sampling import token_logprobs
-from model.transformer import with_bos
 from model.weights_io import WeightsError, load_model, read_metadata, update_info
 
 from .completions import DEFAULT_BATCH, CompletionRun, choose_occlusion, evaluate_completions
@@ -50,8 +48,7 @@ def device_description(device: torch.device) -> str:
 
 def sum_nll(model: Transformer, tokens: torch.Tensor) -> float:
     """Sum of -ln p(tokens) over a (B, T) batch, each row predicted from BOS."""
-    logits, _ = model(with_bos(tokens))  # (B, T, 256)
-    return float(-token_logprobs(logits, tokens).double().sum())
+    return float(-model.token_log_probs(tokens).double().sum())
 
 
 def _batches(rows: torch.Tensor, batch_size: int, show_progress: bool, what: str):

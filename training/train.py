@@ -27,12 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from model import ModelConfig, Transformer, build_model
 from model.config import ConfigError
-from model.transformer import with_bos
 from model.weights_io import save_model
 
 from .arguments import SAVE_DTYPE_NAMES
@@ -119,8 +117,7 @@ def run_progress(prog: Progress, steps: int | None, minutes: float | None) -> fl
 
 def sequence_loss(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy (nats/token) of predicting tokens (B, T) from BOS-shifted inputs."""
-    logits, _ = model(with_bos(tokens))  # (B, T, 256)
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), tokens.reshape(-1))
+    return -model.token_log_probs(tokens).mean()
 
 
 def checkpoint_path(args: argparse.Namespace) -> Path:

@@ -384,8 +384,12 @@ def test_text_streams_in_pieces_and_matches_the_api(watched):
 
 def test_stop_ends_the_stream_and_frees_the_slot(watched):
     url = watched.url
-    labels = {"endpoint": "/v1/completions", "outcome": "cancelled"}
-    cancelled_before = metric_now(url, "rnnserve_requests_total", **labels)
+
+    def ended() -> float:  # text requests that ended, cancelled or not
+        return sum(metric_now(url, "rnnserve_requests_total", endpoint="/v1/completions", outcome=outcome)
+                   for outcome in ("cancelled", "ok"))
+
+    ended_before = ended()
     open_text_tab(watched, "ROMEO:\n", 240)
     page = watched.page
     # press Stop as soon as the first text arrives
@@ -397,7 +401,13 @@ def test_stop_ends_the_stream_and_frees_the_slot(watched):
     assert 0 < len(generated.encode()) < 240
     assert page.inner_text("#text-stats").startswith(f"{len(generated.encode())} tokens · ")
     assert page.inner_text("#generate") == "Generate"
-    wait_metric(url, "rnnserve_requests_total", lambda v: v == cancelled_before + 1, **labels)
+    # Usually the abort reaches the server mid-stream (outcome "cancelled"); on a loaded machine the server may
+    # have sent all 240 tokens before it, and the page still stops showing them. Cancelling on a client's
+    # disconnect is tested on the server alone in tests/test_server_process.py.
+    deadline = time.monotonic() + 30
+    while ended() != ended_before + 1:
+        assert time.monotonic() < deadline, "the stopped request never ended on the server"
+        time.sleep(0.1)
     wait_metric(url, "rnnserve_running_sequences", lambda v: v == 0, model="shakespeare-linear")
     watched.check_clean()
 

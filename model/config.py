@@ -48,7 +48,7 @@ class ModelConfig:
     # Reformer: one more round over the W positions before each query (0: none;
     # files from before this option have none)
     reformer_local_window: int = 0
-    # Output: 256 free logits, or (MNIST) a mixture of logistics over the grey levels (model/pixel_head.py)
+    # Output: 256 free logits, or (MNIST) a mixture of logistics over the grey levels (model/output_heads.py)
     output_head: str = "categorical"
     mixtures: int = 10
     extra: dict[str, Any] = field(default_factory=dict)

@@ -19,7 +19,7 @@ from torch import nn
 from .attention import Capabilities
 from .config import BOS_TOKEN, ModelConfig
 from .heads import chunk_positions
-from .pixel_head import LogisticMixtureHead, build_output_head
+from .output_heads import LogisticMixtureHead, build_output_head
 from .registry import attention_class
 from .state import ModelState
 

@@ -17,7 +17,7 @@ from torch import nn
 from .config import ModelConfig
 
 LEVELS = 256
-MIN_LOG_SCALE = -7.0  # PixelCNN++'s floor: a component never narrower than e^-7 (a tenth of a bin)
+MIN_LOG_SCALE = -7.0  # PixelCNN++'s floor: a component never narrower than e^-7 (about a ninth of a bin)
 INITIAL_LOG_SCALE = -2.0  # e^-2 = 0.135 on [-1, 1]: about 17 grey levels
 OPEN_EDGE = 1e3  # stands for +-infinity: levels 0 and 255 take all the mass beyond them
 

@@ -1,4 +1,4 @@
-"""model/pixel_head.py: the logistic-mixture output head for grey levels.
+"""model/output_heads.py: the logistic-mixture output head for grey levels.
 
 Its log-probabilities must be those of the discretized mixture itself, and a model
 with it must keep every contract a categorical model keeps.
@@ -14,7 +14,7 @@ import torch
 
 from model import ModelConfig, build_model
 from model.config import ConfigError
-from model.pixel_head import MIN_LOG_SCALE, bin_edges, mixture_log_probs
+from model.output_heads import MIN_LOG_SCALE, bin_edges, mixture_log_probs
 from model.transformer import with_bos
 from model.weights_io import load_model, save_model
 from rnnserve_cli import parse_args

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .sampling import token_logprobs
 
 LEVELS = 256
 MIN_LOG_SCALE = -7.0  # PixelCNN++'s floor: a component never narrower than e^-7 (about a ninth of a bin)
@@ -57,9 +58,7 @@ class CategoricalHead(nn.Linear):
 
     def log_probs_at(self, x: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
         """(..., d_model), (...) -> (...) log-probabilities of `levels`."""
-        logits = self(x).float()
-        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), levels.reshape(-1), reduction="none")
-        return -nll.view(levels.shape)
+        return token_logprobs(self(x), levels)
 
 
 class LogisticMixtureHead(nn.Module):

@@ -39,6 +39,7 @@ from .cuda_graphs import EagerDecoder
 from .registry import kinds_where
 from .sampling import gumbel_max, sample
 from .state import ModelState
+from .threads import adopt_process_threads
 from .transformer import Transformer
 
 log = logging.getLogger("rnnserve.compiled_decode")
@@ -137,8 +138,12 @@ class CompiledDecoder(EagerDecoder):
         uses (a fixed-batch loop); None: both."""
         if not background:
             return self.compile_now(batch)
-        threading.Thread(target=self.compile_now, args=(batch,), name="compile-decode", daemon=True).start()
+        threading.Thread(target=self._compile_in_thread, args=(batch,), name="compile-decode", daemon=True).start()
         return None
+
+    def _compile_in_thread(self, batch: int | None) -> None:
+        adopt_process_threads()  # inductor sizes its loops' thread teams by the compiling thread's count
+        self.compile_now(batch)
 
     def compile_now(self, batch: int | None = None) -> CompileLog:
         """Compile the shape classes here and now, one log line each; a failure leaves decoding eager."""

@@ -13,6 +13,7 @@ import logging
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
+import torch
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CollectorRegistry
@@ -62,6 +63,8 @@ def build_app(settings: Settings, models: list[LoadedModel] | None = None, metri
 def _lifespan(settings: Settings, metrics: Metrics, models: list[LoadedModel] | None):
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if settings.threads is not None:
+            torch.set_num_threads(settings.threads)  # before any engine thread adopts the process's count
         loaded = models if models is not None else load_models(settings)
         limits = EngineLimits(max_batch=settings.max_batch, max_waiting=settings.max_waiting,
                               cuda_graphs=settings.cuda_graphs, compile_decode=settings.compile_decode)
@@ -74,7 +77,7 @@ def _lifespan(settings: Settings, metrics: Metrics, models: list[LoadedModel] | 
                 started.append(engine)
             created = {m.name: int(m.path.stat().st_mtime) for m in loaded}
             app.state.server = ServerState(settings, metrics, EngineRegistry(engines, created))
-            log.info("serving %s", ", ".join(e.name for e in engines))
+            log.info("serving %s, %d intra-op CPU threads", ", ".join(e.name for e in engines), torch.get_num_threads())
             freezing = asyncio.create_task(freeze_heap_once_compiled(engines))
             yield
         finally:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from model.config import ModelConfig
+from model.threads import adopt_process_threads
 from model.transformer import Transformer
 
 from . import particles
@@ -150,6 +151,7 @@ class Engine:
 
     # -- worker thread --------------------------------------------------------
     def _run(self) -> None:
+        adopt_process_threads()
         with torch.inference_mode():
             try:
                 self.runner.allocate()

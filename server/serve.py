@@ -21,7 +21,8 @@ from .settings import Settings, SettingsError, build_settings
 
 GRACEFUL_SHUTDOWN_SECONDS = 5  # after the drain, uvicorn's own wait for connections to close
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-SERVER_FLAGS = ("weights", "models", "host", "port", "device", "dtype", "cuda_graphs", "compile_decode", "max_batch",
+SERVER_FLAGS = ("weights", "models", "host", "port", "device", "dtype", "cuda_graphs", "compile_decode", "threads",
+                "max_batch",
                 "max_waiting",
                 "max_body_bytes", "api_key", "log_level", "drain_seconds", "body_timeout")
 RAY_FLAGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "cpus_per_replica", "gpus_per_replica",
@@ -55,6 +56,9 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on the CPU, compile decode steps and sampling of compilable kinds (softmax, linear, "
                              "Linformer) with torch.compile, in the background after start-up (eager until ready) "
                              f"{default('compile_decode')}")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="intra-op CPU threads the models' steps use, shared by all models "
+                             "(env RNNSERVE_THREADS, default torch's: OMP_NUM_THREADS, else every core)")
     parser.add_argument("--max-batch", type=int, help=f"sequences decoded together per model {default('max_batch')}")
     parser.add_argument("--max-waiting", type=int, help=f"requests queued per model before 429 {default('max_waiting')}")
     parser.add_argument("--max-body-bytes", type=int, help=f"largest request body accepted {default('max_body_bytes')}")

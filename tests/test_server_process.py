@@ -30,20 +30,25 @@ def serve_command() -> list[str]:
 
 
 def start(args: list[str], log: Path) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RNNSERVE_")}  # only the flags count
-    env["OMP_NUM_THREADS"] = "1"
+    # Only the flags count: no RNNSERVE_* variables, and no OMP_NUM_THREADS (--threads sets the count).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RNNSERVE_") and k != "OMP_NUM_THREADS"}
     with open(log, "wb") as out:
         return subprocess.Popen(serve_command() + args, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("process_weights")
+def folder(tmp_path_factory) -> Path:
+    """The served weights, and the server's log (server.log)."""
+    return tmp_path_factory.mktemp("process_weights")
+
+
+@pytest.fixture(scope="module")
+def url(folder):
     save_tiny_model(folder, MODEL, "linear", "mnist")
     save_tiny_model(folder, "chat", "linear", "text")
     port, log = free_port(), folder / "server.log"
     proc = start(["--weights", str(folder), "--port", str(port), "--device", "cpu",
-                  "--max-batch", "1", "--max-waiting", "1", "--no-compile-decode"], log)
+                  "--max-batch", "1", "--max-waiting", "1", "--no-compile-decode", "--threads", "1"], log)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, base, log)
@@ -51,6 +56,13 @@ def url(tmp_path_factory):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_threads_flag_sets_the_intra_op_thread_count(url, folder):
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: torch's default count is 1 as well, so the flag's effect cannot be told apart")
+    started = (folder / "server.log").read_text()
+    assert "serving chat, digits, 1 intra-op CPU threads" in started
 
 
 def gauges(url: str) -> tuple[float, float, float]:
@@ -174,6 +186,8 @@ def test_bad_weights_file_fails_at_start(tmp_path):
     assert f"{bad}: not a valid safetensors file" in out and "Traceback" not in out
 
 
-def test_bad_flag_value_fails_at_start(tmp_path):
-    code, out = run_to_exit(["--weights", str(tmp_path), "--max-batch", "0"], tmp_path)
-    assert code == 2 and "--max-batch / RNNSERVE_MAX_BATCH: Input should be greater than or equal to 1" in out
+@pytest.mark.parametrize("flag", ["--max-batch", "--threads"])
+def test_bad_flag_value_fails_at_start(tmp_path, flag):
+    code, out = run_to_exit(["--weights", str(tmp_path), flag, "0"], tmp_path)
+    name = flag.removeprefix("--").replace("-", "_").upper()
+    assert code == 2 and f"{flag} / RNNSERVE_{name}: Input should be greater than or equal to 1" in out

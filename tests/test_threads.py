@@ -1,0 +1,66 @@
+"""Threads that run torch work use the process's intra-op thread count.
+
+torch.set_num_threads sets OpenMP's count for the calling thread only; a thread
+started later has OpenMP's default (every core) until it adopts the count. The
+probe reads OpenMP's own count (`omp_get_max_threads` from the libgomp torch
+loaded) inside the engine's worker thread and the compile thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import threading
+
+import pytest
+import torch
+
+from model.compiled_decode import CompiledDecoder
+from server.engine import Engine, EngineLimits
+from server.metrics import Metrics
+from server.types import GenerationRequest
+from model.sampling import SamplingParams
+from conftest import make_tiny_model
+
+
+def openmp_threads_probe():
+    """A function giving the calling thread's OpenMP thread count, or skip where it cannot be read."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: OpenMP's default count equals the process's, nothing to tell apart")
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libgomp" in line}
+    if not paths:
+        pytest.skip("torch was not built with GNU OpenMP here: no libgomp to ask")
+    return ctypes.CDLL(sorted(paths)[0]).omp_get_max_threads
+
+
+def test_engine_thread_decodes_with_the_process_thread_count():
+    probe = openmp_threads_probe()
+    assert torch.get_num_threads() == 1  # conftest's session fixture, in this (the main) thread
+    engine = Engine("tiny", make_tiny_model("linear", seed=1), {}, EngineLimits(max_batch=2, max_waiting=2), Metrics())
+    seen = []
+    allocate = engine.runner.allocate
+    engine.runner.allocate = lambda: seen.append(probe()) or allocate()  # runs first on the worker thread
+    engine.start()
+    try:
+        async def one_answer():
+            stream = engine.submit(GenerationRequest("r", [1, 2], 4, SamplingParams(seed=0)), each_event=False)
+            return [r async for r in stream]
+
+        [result] = asyncio.run(one_answer())
+    finally:
+        engine.stop()
+    assert seen == [1]
+    assert len(result.tokens) == 4
+
+
+def test_compile_thread_compiles_with_the_process_thread_count():
+    probe = openmp_threads_probe()
+    model = make_tiny_model("linear", seed=1)
+    decoder = CompiledDecoder(model, model.new_state(2))
+    seen, done = [], threading.Event()
+    decoder.compile_now = lambda batch=None: (seen.append(probe()), done.set())  # what compiling would see
+    decoder.compile(background=True)
+    assert done.wait(30)
+    assert seen == [1]

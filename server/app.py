@@ -67,7 +67,8 @@ def _lifespan(settings: Settings, metrics: Metrics, models: list[LoadedModel] | 
             torch.set_num_threads(settings.threads)  # before any engine thread adopts the process's count
         loaded = models if models is not None else load_models(settings)
         limits = EngineLimits(max_batch=settings.max_batch, max_waiting=settings.max_waiting,
-                              cuda_graphs=settings.cuda_graphs, compile_decode=settings.compile_decode)
+                              cuda_graphs=settings.cuda_graphs, compile_decode=settings.compile_decode,
+                              scheduler_steps=settings.scheduler_steps)
         engines = [Engine(m.name, m.model, m.info, limits, metrics) for m in loaded]
         started: list[Engine] = []
         freezing: asyncio.Task | None = None

@@ -47,6 +47,7 @@ class EngineLimits:
     max_waiting: int = 256
     cuda_graphs: bool = True  # capture decode steps on CUDA (linear, Linformer)
     compile_decode: bool = False  # compile decode steps on the CPU (the server passes --compile-decode, default on)
+    scheduler_steps: int = 8  # decode steps per scheduling pass when no client watches each step (multi-step)
 
 
 class Engine:
@@ -228,19 +229,29 @@ class Engine:
 
     def _step(self) -> None:
         n, needs = self.scheduler.running, self.scheduler.needs()
+        steps, started = self.scheduler.steps_ahead(self.limits.scheduler_steps), time.monotonic()
+        earlier = [self._unwatched_step(n, needs) for _ in range(steps - 1)]
         known = particles.known_rows(self.scheduler.rows) if needs.weigh else []
         weights = self.runner.known_logprobs(known, needs) if known else []  # before sampling counts the tokens
         drawn = self.runner.sample(n, needs)
         resamplings = self._resample(known, weights, drawn.tokens) if known else 0
-        token_list = drawn.tokens.tolist()
-        outcome = self.scheduler.update_from_output(token_list, time.monotonic())
-        outbox = step_events(self.scheduler.rows, outcome, token_list, drawn, self.runner)  # before rows move
+        tokens = torch.stack([*earlier, drawn.tokens], dim=1).tolist()  # (n, steps) per row
+        outcome = self.scheduler.update_from_output(tokens, time.monotonic(), started)
+        outbox = step_events(self.scheduler.rows, outcome, tokens, drawn, self.runner)  # before rows move
         self.runner.move_rows(self.scheduler.compact(outcome.finished), drawn.tokens)
         live = self.scheduler.running
         # Metrics first: a client that has its answer must find the step counted when it scrapes.
-        self.metrics.record_step(self.scheduler.make_stats(outcome, self.runner.state_bytes(live), resamplings))
+        stats = self.scheduler.make_stats(outcome, self.runner.state_bytes(live), resamplings, steps)
+        self.metrics.record_step(stats)
         deliver(outbox)
         self.runner.decode(drawn.tokens[:live])
+
+    def _unwatched_step(self, n: int, needs) -> torch.Tensor:
+        """A step of a multi-step run (no client watches each one): draw and feed rows [0, n);
+        the scheduler sees its tokens with the run's last step."""
+        tokens = self.runner.sample(n, needs).tokens
+        self.runner.decode(tokens)
+        return tokens
 
     def _resample(self, known: list[int], weights: list[float], tokens: torch.Tensor) -> int:
         """Weigh the particles at known tokens; copy rows (within each sample's own) where they resample."""

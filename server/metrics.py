@@ -155,10 +155,10 @@ class Metrics:
         return child
 
     # -- engine side -------------------------------------------------------
-    def step(self, model: str, attention: str, batch: int, tokens: int, state_bytes: int) -> None:
-        """Record one decoding step of `batch` sequences producing `tokens` tokens."""
+    def step(self, model: str, attention: str, batch: int, tokens: int, state_bytes: int, steps: int = 1) -> None:
+        """Record `steps` decoding steps of `batch` sequences producing `tokens` tokens."""
         labels = (model, attention)
-        self._bound(self.decode_steps, *labels).inc()
+        self._bound(self.decode_steps, *labels).inc(steps)
         self._bound(self.batch_size, *labels).set(batch)
         self._bound(self.state_in_use, *labels).set(state_bytes)
         self.tokens(model, attention, tokens)
@@ -233,7 +233,7 @@ class ModelMetrics:
     def record_step(self, stats: StepStats) -> None:
         """Everything one decoding step changes, in one place."""
         m, labels = self.metrics, self.labels
-        m.step(*labels, batch=stats.batch, tokens=stats.tokens, state_bytes=stats.state_bytes)
+        m.step(*labels, batch=stats.batch, tokens=stats.tokens, state_bytes=stats.state_bytes, steps=stats.steps)
         m.queue(*labels, stats.running, stats.waiting)
         for seconds in stats.first_token_seconds:
             m.first_token(*labels, seconds)

@@ -32,6 +32,7 @@ class Submission(Protocol):
     cancelled: bool
     submitted_at: float  # time.monotonic() at submission
     first_token_at: float | None
+    each_event: bool  # the client sees each token as it is drawn (streaming)
 
 
 @dataclass(slots=True)
@@ -78,7 +79,7 @@ class StepOutcome:
     completed: list[Submission] = field(default_factory=list)  # requests none of whose rows is left
     tokens: int = 0  # tokens drawn (cancelled rows draw none)
     first_token_seconds: list[float] = field(default_factory=list)
-    token_gaps: dict[float, int] = field(default_factory=dict)  # see Scheduler._time_token
+    token_gaps: dict[float, int] = field(default_factory=dict)  # see _time_tokens
 
 
 CANCELLED = "cancelled"
@@ -94,14 +95,17 @@ class StepNeeds:
     weigh: bool = False  # particles weighed by known tokens
     filters: bool = False  # top-k or top-p
     forced: bool = False  # known tokens to keep instead of the drawn ones
+    each_step: bool = False  # a client sees every step (streamed tokens, particles' progress and resampling)
 
     @classmethod
-    def of(cls, requests) -> "StepNeeds":
-        requests = list(requests)
+    def of(cls, owners) -> "StepNeeds":
+        owners = list(owners)
+        requests = [o.request for o in owners]
         return cls(logprobs=any(r.wants_logprobs for r in requests), top=any(r.top_logprobs for r in requests),
                    adjust=any(r.sampling.adjusts_logits for r in requests),
                    weigh=any(r.weighs_known for r in requests), filters=any(r.sampling.filters for r in requests),
-                   forced=any(r.forced for r in requests))
+                   forced=any(r.forced for r in requests),
+                   each_step=any(o.each_event or o.request.particles is not None for o in owners))
 
 
 class Scheduler:
@@ -189,17 +193,23 @@ class Scheduler:
             self._live[place.owner] = req.rows
         self._needs = None
 
-    def update_from_output(self, tokens: list[int], now: float) -> StepOutcome:
-        """Advance every row by its drawn token (drawn at `now`); rows that finish or were cancelled leave."""
-        outcome = StepOutcome([None] * len(self.rows))
+    def steps_ahead(self, limit: int) -> int:
+        """Steps the live rows can run before the scheduler must look again (at most `limit`): one
+        while a client sees every step, else as many as every row has tokens left to draw."""
+        if limit <= 1 or not self.rows or self.needs().each_step:
+            return 1
+        left = min(seq.stopping.max_new_tokens - seq.stopping.generated for seq in self.rows)
+        return max(1, min(limit, left))
+
+    def update_from_output(self, tokens: list[list[int]], now: float, started: float | None = None) -> StepOutcome:
+        """Advance every row by the tokens it drew since the last update (one per step, the steps run
+        from `started` to `now`); rows that finish (their later tokens are dropped) or were cancelled leave."""
+        outcome, started = StepOutcome([None] * len(self.rows)), now if started is None else started
         for i, seq in enumerate(self.rows):
             if seq.owner.cancelled:
                 reason = CANCELLED
             else:
-                reason = seq.stopping.push(tokens[i])
-                seq.position += 1
-                outcome.tokens += 1
-                _time_token(seq, now, outcome)
+                reason = _advance(seq, tokens[i], now, started, outcome)
             if reason is not None:
                 outcome.reasons[i] = reason
                 outcome.finished.append(i)
@@ -244,25 +254,41 @@ class Scheduler:
     def needs(self) -> StepNeeds:
         """What the live requests ask of the next step (recomputed only when they change)."""
         if self._needs is None:
-            self._needs = StepNeeds.of(owner.request for owner in self._live)
+            self._needs = StepNeeds.of(self._live)
         return self._needs
 
-    def make_stats(self, outcome: StepOutcome, state_bytes: int, resamplings: int = 0) -> StepStats:
-        """The step's figures for the metrics, once its finished rows have left."""
-        return StepStats(batch=len(outcome.reasons), tokens=outcome.tokens, running=self.running,
+    def make_stats(self, outcome: StepOutcome, state_bytes: int, resamplings: int = 0, steps: int = 1) -> StepStats:
+        """The figures of the `steps` steps since the last update for the metrics, once finished rows have left."""
+        return StepStats(batch=len(outcome.reasons), steps=steps, tokens=outcome.tokens, running=self.running,
                          waiting=self.waiting_sequences, state_bytes=state_bytes,
                          first_token_seconds=outcome.first_token_seconds, token_gaps=outcome.token_gaps,
                          resamplings=resamplings)
 
 
-def _time_token(seq: Sequence, now: float, outcome: StepOutcome) -> None:
-    """A request's first token times its wait; later tokens are counted by the time of their
-    sequence's previous token, so a step's inter-token gaps take one or two histogram updates."""
-    owner = seq.owner
+def _advance(seq: Sequence, tokens: list[int], now: float, started: float, outcome: StepOutcome) -> str | None:
+    """Push a row's tokens until one ends it; its finish reason, or None."""
+    reason, taken = None, 0
+    for token in tokens:
+        reason = seq.stopping.push(token)
+        taken += 1
+        if reason is not None:
+            break
+    seq.position += taken
+    outcome.tokens += taken
+    _time_tokens(seq, taken, now, started, outcome)
+    return reason
+
+
+def _time_tokens(seq: Sequence, count: int, now: float, started: float, outcome: StepOutcome) -> None:
+    """A request's first token times its wait. The `count` tokens a sequence kept since its previous
+    update (or since `started`, the update's first step, for a new sequence, whose first token is no
+    gap) share out that time, so a step's inter-token gaps take one or two histogram updates."""
+    owner, new = seq.owner, not seq.last_token_at
     if owner.first_token_at is None:
         owner.first_token_at = now
         outcome.first_token_seconds.append(now - owner.submitted_at)
-    elif seq.last_token_at:
-        gap = now - seq.last_token_at
-        outcome.token_gaps[gap] = outcome.token_gaps.get(gap, 0) + 1
+    gaps = count - 1 if new else count
+    if gaps > 0:
+        gap = (now - (started if new else seq.last_token_at)) / count
+        outcome.token_gaps[gap] = outcome.token_gaps.get(gap, 0) + gaps
     seq.last_token_at = now

@@ -18,9 +18,10 @@ from .streams import DONE, Outbox
 from .types import Generation, ParticleSummary, Progress, SampleResult
 
 
-def step_events(rows: list[Sequence], outcome: StepOutcome, token_list: list[int], drawn: Drawn,
+def step_events(rows: list[Sequence], outcome: StepOutcome, tokens: list[list[int]], drawn: Drawn,
                 runner: ModelRunner) -> Outbox:
-    """The step's events per request, DONE for each request that completed."""
+    """The step's events per request, DONE for each request that completed. tokens: each row's
+    tokens since the last update (one when a client watches each step, as a streamed one does)."""
     outbox: Outbox = defaultdict(list)
     extras = _StepExtras.of(drawn)
     for i, (seq, reason) in enumerate(zip(rows, outcome.reasons)):
@@ -30,7 +31,7 @@ def step_events(rows: list[Sequence], outcome: StepOutcome, token_list: list[int
         if seq.group is not None and seq.group.particles > 1:
             _particle_event(outbox, runner, i, seq, reason)
         elif stream.each_event:
-            outbox[stream].append(extras.generation(i, seq, token_list[i], reason))
+            outbox[stream].append(extras.generation(i, seq, tokens[i][-1], reason))
         elif reason is not None:
             outbox[stream].append(sample_result(runner, i, seq, reason))
     for stream in outcome.completed:

@@ -115,9 +115,10 @@ class GenerationError:
 
 @dataclass(slots=True)
 class StepStats:
-    """What one engine step did, for the metrics: recorded in one place from this."""
+    """What one engine update (one step, or several run at once) did, for the metrics: recorded in one place."""
 
-    batch: int  # sequences that drew a token
+    batch: int  # sequences that drew tokens
+    steps: int  # decode steps run (several at once when no client watches each: multi-step)
     tokens: int  # tokens drawn
     running: int  # sequences still decoding after the step
     waiting: int  # sequences queued

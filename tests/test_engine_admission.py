@@ -22,8 +22,9 @@ from conftest import make_tiny_model
 PROMPTS = [([1, 2, 3], 1, 10), ([4, 5, 6], 2, 20), ([7, 8, 9, 10, 11], 1, 30), ([12, 13, 14], 1, 40)]
 
 
-def make_engine(kind: str) -> Engine:
-    return Engine("tiny", make_tiny_model(kind, seed=2), {}, EngineLimits(max_batch=8, max_waiting=8), Metrics())
+def make_engine(kind: str, scheduler_steps: int = EngineLimits.scheduler_steps) -> Engine:
+    limits = EngineLimits(max_batch=8, max_waiting=8, scheduler_steps=scheduler_steps)
+    return Engine("tiny", make_tiny_model(kind, seed=2), {}, limits, Metrics())
 
 
 def request(i: int, prompt: list[int], n: int, seed: int) -> GenerationRequest:
@@ -198,3 +199,37 @@ def test_rows_with_top_k_or_top_p_draw_from_their_filtered_distribution_beside_r
     top_k, top_p, greedy, free, other = ([r.tokens for r in rs] for rs in results)
     assert top_k == top_p == greedy
     assert free != greedy and other != greedy  # the unfiltered rows sample (a tiny random model is near uniform)
+
+
+STOPS = [bytes([b]) for b in range(0, 256, 8)]  # a drawn byte stops a sample about one time in eight
+
+
+def mixed_requests() -> list[GenerationRequest]:
+    """Different budgets, stop sequences, penalties, known tokens, several samples, log-probabilities."""
+    return [GenerationRequest("len", [1, 2, 3], 13, SamplingParams(seed=1), n=2, logprobs=True),
+            GenerationRequest("stop", [4, 5, 6], 30, SamplingParams(seed=2), n=2, stop=STOPS),
+            GenerationRequest("penalty", [7, 8, 9], 9, SamplingParams(seed=3, frequency_penalty=1.5, presence_penalty=0.5)),
+            GenerationRequest("known", [], 20, SamplingParams(seed=4), forced={3: 17, 4: 18, 10: 200}, logprobs=True)]
+
+
+@pytest.mark.parametrize("kind", ["softmax", "linear", "linformer", "reformer"])
+def test_several_steps_per_scheduling_pass_give_the_answers_of_one(kind):
+    """Multi-step runs up to 8 decode steps before the scheduler looks again; rows that stop within them
+    drop their later tokens. Every answer must be the one a pass after every step gives."""
+    def run(steps: int) -> list[list]:
+        engine = make_engine(kind, scheduler_steps=steps)
+        try:
+            return [sorted(results, key=lambda r: r.sample) for results in asyncio.run(_whole_results(engine, mixed_requests()))]
+        finally:
+            engine.stop()
+
+    each, multi = run(1), run(8)
+    assert any(r.finish_reason == "stop" for r in each[1])  # the stop sequences were met
+    for one, several in zip(each, multi):
+        assert [(r.sample, r.tokens, r.finish_reason, r.matched_stop) for r in several] == \
+            [(r.sample, r.tokens, r.finish_reason, r.matched_stop) for r in one]
+        for a, b in zip(one, several):
+            assert (a.logprobs is None) == (b.logprobs is None)
+            if a.logprobs is not None:
+                assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+    assert [multi[3][0].tokens[p] for p in (3, 4, 10)] == [17, 18, 200]

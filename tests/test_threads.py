@@ -35,9 +35,17 @@ def openmp_threads_probe():
     return ctypes.CDLL(sorted(paths)[0]).omp_get_max_threads
 
 
+@pytest.fixture(autouse=True)
+def one_process_thread():
+    """The process's count is 1 (OpenMP's default in a new thread is every core), whatever ran before."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def test_engine_thread_decodes_with_the_process_thread_count():
     probe = openmp_threads_probe()
-    assert torch.get_num_threads() == 1  # conftest's session fixture, in this (the main) thread
     engine = Engine("tiny", make_tiny_model("linear", seed=1), {}, EngineLimits(max_batch=2, max_waiting=2), Metrics())
     seen = []
     allocate = engine.runner.allocate

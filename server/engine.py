@@ -9,6 +9,12 @@ of a prompt copy its row), one token is drawn for every live row, finished
 rows leave (the last live row moves into each hole), and one batched
 decode step feeds the new tokens. Each step's figures reach the metrics as
 one `StepStats`.
+
+Multi-step (vLLM's name): while no running request is streamed or uses
+particles, nobody sees a step's tokens before its request ends, so the
+engine runs up to `scheduler_steps` of them (never past a row's budget)
+and does the host work above once for all; a row that stops within them
+drops its later tokens, and its state is discarded with the row.
 """
 
 from __future__ import annotations
@@ -229,8 +235,10 @@ class Engine:
 
     def _step(self) -> None:
         n, needs = self.scheduler.running, self.scheduler.needs()
-        steps, started = self.scheduler.steps_ahead(self.limits.scheduler_steps), time.monotonic()
-        earlier = [self._unwatched_step(n, needs) for _ in range(steps - 1)]
+        planned, started, earlier = self.scheduler.steps_ahead(self.limits.scheduler_steps), time.monotonic(), []
+        while len(earlier) < planned - 1 and not self._can_admit():  # a request that can join ends the run early
+            earlier.append(self._unwatched_step(n, needs))
+        steps = len(earlier) + 1
         known = particles.known_rows(self.scheduler.rows) if needs.weigh else []
         weights = self.runner.known_logprobs(known, needs) if known else []  # before sampling counts the tokens
         drawn = self.runner.sample(n, needs)
@@ -245,6 +253,11 @@ class Engine:
         self.metrics.record_step(stats)
         deliver(outbox)
         self.runner.decode(drawn.tokens[:live])
+
+    def _can_admit(self) -> bool:
+        """A request is waiting and a slot is free (read without the lock: a stale answer only moves
+        the request's admission by one step)."""
+        return bool(self.scheduler.waiting) and self.scheduler.running < self.limits.max_batch
 
     def _unwatched_step(self, n: int, needs) -> torch.Tensor:
         """A step of a multi-step run (no client watches each one): draw and feed rows [0, n);

@@ -233,3 +233,29 @@ def test_several_steps_per_scheduling_pass_give_the_answers_of_one(kind):
             if a.logprobs is not None:
                 assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
     assert [multi[3][0].tokens[p] for p in (3, 4, 10)] == [17, 18, 200]
+
+
+def test_a_request_that_can_join_ends_a_multi_step_run_early(monkeypatch):
+    """With 64 steps per pass, a request arriving during a pass must still join within a step or two:
+    the engine stops the run when a waiting request has a free slot."""
+    engine = make_engine("linear", scheduler_steps=64)
+    joined_at = []
+    register = engine.scheduler.register
+    monkeypatch.setattr(engine.scheduler, "register",
+                        lambda places, *a: joined_at.append(int(engine.runner.slots.position[0])) or register(places, *a))
+
+    async def scenario():
+        (long_one,) = queue_then_start(engine, [GenerationRequest("long", [1], 90, SamplingParams(seed=0))], False)
+        while int(engine.runner.slots.position[0]) < 10:  # into its first run of up to 64 steps
+            await asyncio.sleep(0.001)
+        submitted_at = int(engine.runner.slots.position[0])
+        late = engine.submit(GenerationRequest("late", [2], 5, SamplingParams(seed=1)), each_event=False)
+        results = [r async for r in late] + [r async for r in long_one]
+        return submitted_at, results
+
+    try:
+        submitted_at, results = asyncio.run(scenario())
+    finally:
+        engine.stop()
+    assert [len(r.tokens) for r in results] == [5, 90]
+    assert joined_at[1] - submitted_at <= 2, (submitted_at, joined_at)

@@ -7,7 +7,9 @@ torch.compile (the options of model/compiled_decode.py), in two forms per kind:
   * linear: [S | Z] as (B, H, D, D + 1), the read phi(q)^T [S | Z] summing down columns,
     against the transposed (B, H, D + 1, D), the read summing along rows;
   * Linformer: V~ as (B, H, k, D), updated by a batched outer product, against V~^T as
-    (B, H, D, k), updated elementwise (`addcmul_`); K~ is (B, H, k, D) in both;
+    (B, H, D, k), updated elementwise (`addcmul_`); K~ is (B, H, k, D) in both; and with V~^T,
+    the state updated then read, against the model's step, whose compiled form reads the state
+    before its update and adds the update's share apart;
   * softmax: one query over a cached prefix of --prefix positions (one row at half of it, so
     the mask matters), by the fused `scaled_dot_product_attention` against the product, masked
     softmax and product written out (`model.softmax_attention.attend_one_query`).
@@ -57,6 +59,13 @@ def linformer_outer(keys, values, q, k, v, e):  # values (B, H, k, D)
     return attn @ values
 
 
+def linformer_update_then_read(keys, values_t, q, k, v, e):  # the transposed layout's first compiled form
+    keys.addcmul_(e.transpose(-1, -2), k)
+    values_t.addcmul_(v.transpose(-1, -2), e)
+    attn = torch.softmax(q @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1)
+    return attn @ values_t.transpose(-1, -2)
+
+
 def linformer_transposed(attention: LinformerAttention) -> Callable:
     def step(keys, values_t, q, k, v, e):  # values_t (B, H, D, k); E = F, as in linformer_outer
         return attention._step(q, k, v, e, e, LinformerState(keys, values_t))
@@ -68,7 +77,7 @@ def softmax_fused(q, keys, values, visible):
 
 
 def cases(batch: int, prefix: int) -> dict[str, tuple[Callable, tuple]]:
-    """name -> (function, arguments), in pairs: two forms of one computation."""
+    """name -> (function, arguments), in pairs (Linformer: three): forms of one computation."""
     linear, linformer = (attention_of(kind) for kind in ("linear", "linformer"))
     b, h, d, slots = batch, linear.n_heads, linear.proj.in_features // linear.n_heads, linformer.slots
     positions = torch.full((b,), prefix - 1)
@@ -84,7 +93,9 @@ def cases(batch: int, prefix: int) -> dict[str, tuple[Callable, tuple]]:
         "linear, [S \\| Z] (B, H, D, D + 1)": (linear_columns, (sz, q, k, v)),
         "linear, [S \\| Z]^T (B, H, D + 1, D)": (linear_rows(linear), (_transposed(sz), q, k, v)),
         "Linformer, V~ (B, H, k, D), outer products": (linformer_outer, (keys, values, q4, k4, v4, e)),
-        "Linformer, V~^T (B, H, D, k), addcmul_": (linformer_transposed(linformer), (keys.clone(), _transposed(values), q4, k4, v4, e)),
+        "Linformer, V~^T (B, H, D, k), update then read": (linformer_update_then_read, (keys.clone(), _transposed(values), q4, k4, v4, e)),
+        "Linformer, V~^T (B, H, D, k), the model's step (compiled: reads the state before its update)": (
+            linformer_transposed(linformer), (keys.clone(), _transposed(values), q4, k4, v4, e)),
         f"softmax, prefix {prefix}: fused scaled_dot_product_attention": (softmax_fused, cache),
         f"softmax, prefix {prefix}: product, masked softmax, product": (attend_one_query, cache),
     }

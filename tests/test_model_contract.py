@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from model import SequenceTooLong
+from model.heads import split_heads
 from model.linformer_attention import BLOCK as LINFORMER_BLOCK
 from model.registry import attention_kinds
 from model.weights_io import load_model, save_model
@@ -327,6 +328,26 @@ def test_linformer_blocked_form_matches_the_reference_across_blocks(sharing):
     for lo, hi in [(0, 3), (3, 4), (4, LINFORMER_BLOCK + 10), (LINFORMER_BLOCK + 10, length)]:
         outputs.append(attn(x[:, lo:hi], start + lo, state)[0])
     torch.testing.assert_close(torch.cat(outputs, dim=1), expected, atol=CHUNK_TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("sharing", ["none", "kv"])
+@torch.no_grad()
+def test_linformer_compiled_form_of_a_step_equals_the_eager_form(sharing):
+    """The decode step torch.compile traces reads the state before its update and adds the update's
+    share apart; run eagerly here, it must give the eager step's output and updated state."""
+    attn = make_tiny_model("linformer", linformer_sharing=sharing).blocks[0].attn
+    x, start = _attention_input(attn, seed=3, length=7)
+    state = attn.new_state(2, x.device, x.dtype)
+    attn(x[:, :6], start, state)  # a state with something in it
+    q, k, v = (split_heads(t, attn.n_heads) for t in attn.qkv(x[:, 6:]).chunk(3, dim=-1))  # (B, H, 1, D)
+    e = attn._columns(attn.e, start + 6, 1, state)
+    f = e if attn.f is None else attn._columns(attn.f, start + 6, 1, state)
+    fused_state = type(state)(state.keys_projected.clone(), state.values_projected_t.clone())
+    expected = attn._step(q, k, v, e, f, state)
+    got = attn._fused_step(q, k, v, e, f, fused_state)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_state.keys_projected, state.keys_projected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(fused_state.values_projected_t, state.values_projected_t, atol=1e-6, rtol=0)
 
 
 # ---------------------------------------------------------------- Reformer hashing

@@ -75,13 +75,15 @@ def make_tokens(seed: int, batch: int, length: int) -> torch.Tensor:
     return with_bos(random_bytes(seed, batch, length))
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(autouse=True)
 def single_torch_thread():
-    """Run torch on one thread during tests.
+    """Run torch on one thread during each test, whatever an earlier one set.
 
     Tiny tensors gain nothing from a second thread, and on the shared 2-core
     machine intra-op threads spin while waiting for a busy core (the slowdown
     is measured in benchmarks/README.md, "Measurements behind design choices").
+    Per test, not per session: in-process `rnnserve train` sets its --threads
+    (every core by default), which would otherwise hold for every later test.
     """
     previous = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -143,10 +143,9 @@ class LinformerAttention(Attention):
         update's share is added apart (q . (K~ + E k^T) = q . K~ + E (q . k)), so one loop over
         each state tensor both reads it and updates it in place."""
         keys, values_t = state.keys_projected, state.values_projected_t  # (B, H, k, D), (B, H, D, k)
-        e_col, f_col = e.transpose(-1, -2), f  # (B, H or 1, k, 1), (B, H or 1, 1, k)
         scores = q @ keys.transpose(-1, -2) + e * (q * k).sum(-1, keepdim=True)  # (B, H, 1, k)
         attn = torch.softmax(scores / math.sqrt(q.shape[-1]), dim=-1)  # (B, H, 1, k)
         out = attn @ values_t.transpose(-1, -2) + (attn * f).sum(-1, keepdim=True) * v  # (B, H, 1, D)
-        keys.addcmul_(e_col, k)
-        values_t.addcmul_(v.transpose(-1, -2), f_col)
+        keys.addcmul_(e.transpose(-1, -2), k)  # (B, H, k, D) += E[:, i] k_i^T
+        values_t.addcmul_(v.transpose(-1, -2), f)  # (B, H, D, k) += v_i F[:, i]^T
         return out

@@ -243,7 +243,8 @@ class Engine:
         weights = self.runner.known_logprobs(known, needs) if known else []  # before sampling counts the tokens
         drawn = self.runner.sample(n, needs)
         resamplings = self._resample(known, weights, drawn.tokens) if known else 0
-        tokens = torch.stack([*earlier, drawn.tokens], dim=1).tolist()  # (n, steps) per row
+        per_row = torch.stack([*earlier, drawn.tokens], dim=1) if earlier else drawn.tokens[:, None]  # (n, steps)
+        tokens = per_row.tolist()
         outcome = self.scheduler.update_from_output(tokens, time.monotonic(), started)
         outbox = step_events(self.scheduler.rows, outcome, tokens, drawn, self.runner)  # before rows move
         self.runner.move_rows(self.scheduler.compact(outcome.finished), drawn.tokens)

@@ -493,7 +493,7 @@ def run_decode_bench(settings: DecodeSettings, progress=print) -> DecodeReport:
     report = DecodeReport(asdict(settings), environment(settings), infos, images, no_cache, sweep, flatness)
     report.compile_seconds, report.comparisons = compile_seconds, compare(images)
     report.peers = [asdict(p.spec) for p in peers]
-    report.machine = probe_machine() if settings.device == "cpu" else {}  # a GPU is judged by its datasheet
+    report.machine = probe_machine(DTYPES[settings.dtype]) if settings.device == "cpu" else {}  # a GPU is judged by its datasheet
     batch = max(settings.batch_sizes)
     report.roofline = {k: roofline(models[k][0].config, settings.image_tokens, batch, report.machine) for k in kinds}
     report.load = {"before": load_before, "after": machine_load()}
@@ -529,7 +529,7 @@ def _build_peers(settings: DecodeSettings) -> list:
 
     if settings.weights is not None:
         raise BenchError("--peers compares random-weight models of a preset's sizes; drop --weights")
-    return build_peers(settings.preset, settings.image_tokens, settings.seed)
+    return build_peers(settings.preset, settings.image_tokens, settings.seed, DTYPES[settings.dtype])
 
 
 def compare(images: list[ImageResult]) -> list[dict]:

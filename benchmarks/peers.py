@@ -66,17 +66,22 @@ PEERS = (
 class Peer:
     """One contestant: `run(batch, tokens)` generates (batch, tokens) tokens from BOS (the bench checks them)."""
 
-    def __init__(self, spec: PeerSpec, run: Callable[[int, int], torch.Tensor]):
-        self.spec = spec
+    def __init__(self, spec: PeerSpec, module: nn.Module, run: Callable[[int, int], torch.Tensor]):
+        self.spec, self.module = spec, module
         self._run = run
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.module.parameters()).dtype
 
     def run(self, batch: int, tokens: int) -> torch.Tensor:
         with torch.inference_mode():
             return self._run(batch, tokens)
 
 
-def build_peers(preset: str, max_len: int, seed: int) -> list[Peer]:
-    """All peers at the preset's sizes; a clear error when their packages are missing."""
+def build_peers(preset: str, max_len: int, seed: int, dtype: torch.dtype = torch.float32) -> list[Peer]:
+    """All peers at the preset's sizes, weights and activations in `dtype` (the bench's own, so
+    rnnserve and its peers are compared like for like); a clear error when their packages are missing."""
     sizes = PRESETS[preset].architecture()
     try:
         import fast_transformers  # noqa: F401
@@ -88,7 +93,7 @@ def build_peers(preset: str, max_len: int, seed: int) -> list[Peer]:
     peers = []
     for spec, build in zip(PEERS, builders, strict=True):
         torch.manual_seed(seed)
-        peers.append(Peer(spec, build(sizes, max_len)))
+        peers.append(Peer(spec, *build(sizes, max_len, dtype)))
     return peers
 
 
@@ -116,14 +121,15 @@ class _Recurrent(nn.Module):
         return out
 
 
-def _fast_transformers(sizes: dict, max_len: int):
+def _fast_transformers(sizes: dict, max_len: int, dtype: torch.dtype):
     from fast_transformers.builders import RecurrentEncoderBuilder
 
     d, h = sizes["d_model"], sizes["n_heads"]
     encoder = RecurrentEncoderBuilder.from_kwargs(
         attention_type="linear", n_layers=sizes["n_layers"], n_heads=h, feed_forward_dimensions=sizes["d_ff"],
         query_dimensions=d // h, value_dimensions=d // h, activation="gelu", dropout=0.0, attention_dropout=0.0).get()
-    return _Recurrent(sizes, max_len, encoder).eval().generate
+    model = _Recurrent(sizes, max_len, encoder).to(dtype).eval()
+    return model, model.generate
 
 
 class _PlainLayer(nn.Module):
@@ -159,8 +165,9 @@ class _PlainStack(nn.Module):
         return self.norm(x), state
 
 
-def _plain_recurrence(sizes: dict, max_len: int):
-    return _Recurrent(sizes, max_len, _PlainStack(sizes)).eval().generate
+def _plain_recurrence(sizes: dict, max_len: int, dtype: torch.dtype):
+    model = _Recurrent(sizes, max_len, _PlainStack(sizes)).to(dtype).eval()
+    return model, model.generate
 
 
 # ---------------------------------------------------------------- Hugging Face generate()
@@ -174,26 +181,26 @@ def _hf_generate(model, batch: int, tokens: int, **options) -> torch.Tensor:
     return out[:, 1:]
 
 
-def _gpt2(sizes: dict, max_len: int):
+def _gpt2(sizes: dict, max_len: int, dtype: torch.dtype):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(vocab_size=HF_VOCAB, n_positions=max_len + 1, n_embd=sizes["d_model"], n_layer=sizes["n_layers"],
                      n_head=sizes["n_heads"], n_inner=sizes["d_ff"], activation_function="gelu", resid_pdrop=0.0,
                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=BOS_TOKEN, eos_token_id=None)
-    return GPT2LMHeadModel(cfg).eval()
+    return GPT2LMHeadModel(cfg).to(dtype).eval()
 
 
-def _gpt2_static(sizes: dict, max_len: int):
-    model = _gpt2(sizes, max_len)
-    return lambda batch, tokens: _hf_generate(model, batch, tokens, cache_implementation="static")
+def _gpt2_static(sizes: dict, max_len: int, dtype: torch.dtype):
+    model = _gpt2(sizes, max_len, dtype)
+    return model, lambda batch, tokens: _hf_generate(model, batch, tokens, cache_implementation="static")
 
 
-def _gpt2_dynamic(sizes: dict, max_len: int):
-    model = _gpt2(sizes, max_len)
-    return lambda batch, tokens: _hf_generate(model, batch, tokens)
+def _gpt2_dynamic(sizes: dict, max_len: int, dtype: torch.dtype):
+    model = _gpt2(sizes, max_len, dtype)
+    return model, lambda batch, tokens: _hf_generate(model, batch, tokens)
 
 
-def _reformer(sizes: dict, max_len: int):
+def _reformer(sizes: dict, max_len: int, dtype: torch.dtype):
     from transformers import ReformerConfig, ReformerModelWithLMHead
 
     d, h = sizes["d_model"], sizes["n_heads"]
@@ -205,8 +212,8 @@ def _reformer(sizes: dict, max_len: int):
                          hidden_act="gelu", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                          lsh_attention_probs_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0,
                          bos_token_id=BOS_TOKEN, eos_token_id=None, pad_token_id=0)
-    model = ReformerModelWithLMHead(cfg).eval()
-    return lambda batch, tokens: _quiet(_hf_generate, model, batch, tokens)
+    model = ReformerModelWithLMHead(cfg).to(dtype).eval()
+    return model, lambda batch, tokens: _quiet(_hf_generate, model, batch, tokens)
 
 
 def _quiet(fn: Callable, *args) -> torch.Tensor:

@@ -1,15 +1,17 @@
 """The physical limit of one decoding step: FLOPs and bytes per generated token.
 
 Per generated token, one sequence, at position t (L layers, model width d,
-feed-forward width F, V output classes, 4 bytes per number):
+feed-forward width F, V output classes):
   dense layers   2 * (L * (P d^2 + 2 d F) + d V) FLOPs, with P the kind's
                  `projections` (4; Reformer 3: shared QK)
   attention      L times the kind's own `token_cost(cfg, t)` (model/attention.py):
                  FLOPs and state bytes read + written by one layer; the
                  formulas of the four shipped kinds are tabled in
                  benchmarks/README.md.
-Weights (4 bytes per parameter in fp32) are read once per batched step, so
-per token they cost weight_bytes / batch.
+Weights (4 bytes per parameter in float32, 2 in bfloat16) are read once per batched
+step, so per token they cost weight_bytes / batch. On this machine the FLOP rate is
+a matrix product measured in the bench's own dtype: bfloat16 products run faster
+than float32 ones on CPUs with AVX512-BF16 or AMX, so they set a higher bound.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from model.attention import STATE_NUMBER_BYTES
 from model.config import ModelConfig
 from model.registry import attention_class
 
-FP32 = STATE_NUMBER_BYTES  # weights are costed in float32 too
+FP32 = STATE_NUMBER_BYTES  # the copy probe moves float32
 # Datasheet peaks for one H100 SXM5 (NVIDIA): HBM3 bandwidth, dense BF16 tensor-core and FP32 rates.
 H100 = {"name": "H100 SXM (datasheet)", "bytes_per_s": 3.35e12, "bf16_flops": 989e12, "fp32_flops": 67e12}
 
@@ -45,15 +47,15 @@ def attention_cost(cfg: ModelConfig, t: float) -> tuple[float, float]:
     return cfg.n_layers * cost.flops, cfg.n_layers * cost.state_bytes
 
 
-def weight_bytes(cfg: ModelConfig) -> int:
-    return _matrix_params(cfg) * FP32
+def weight_bytes(cfg: ModelConfig, bytes_per_weight: int = FP32) -> int:
+    return _matrix_params(cfg) * bytes_per_weight
 
 
-def token_cost(cfg: ModelConfig, t: float, batch: int) -> dict:
+def token_cost(cfg: ModelConfig, t: float, batch: int, bytes_per_weight: int = FP32) -> dict:
     """Per generated token at position t in a batch of `batch` sequences."""
     attn_flops, state_moved = attention_cost(cfg, t)
     return {"position": t, "batch": batch, "flops": dense_flops(cfg) + attn_flops, "attention_flops": attn_flops,
-            "state_bytes_moved": state_moved, "weight_bytes_per_token": weight_bytes(cfg) / batch}
+            "state_bytes_moved": state_moved, "weight_bytes_per_token": weight_bytes(cfg, bytes_per_weight) / batch}
 
 
 def bound_tokens_per_s(cost: dict, bytes_per_s: float, flops_per_s: float) -> float:
@@ -62,14 +64,17 @@ def bound_tokens_per_s(cost: dict, bytes_per_s: float, flops_per_s: float) -> fl
     return 1.0 / max(moved / bytes_per_s, cost["flops"] / flops_per_s)
 
 
-def probe_machine() -> dict:
-    """Measured copy bandwidth (256 MiB, past any cache but L3) and fp32 matmul rate, best of 3, current threads."""
+def probe_machine(dtype: torch.dtype = torch.float32) -> dict:
+    """Measured copy bandwidth (256 MiB, past any cache but L3) and the matmul rate in `dtype`, best of 3,
+    current threads."""
     src = torch.ones(64 * 2**20)  # 256 MiB of float32
     dst = torch.empty_like(src)
     copy_s = min(_time(lambda: dst.copy_(src)) for _ in range(3))
-    a = torch.randn(1024, 1024)
+    a = torch.randn(1024, 1024, dtype=dtype)
+    a @ a  # a first bfloat16 product pays for one-off setup
     mm_s = min(_time(lambda: a @ a) for _ in range(3))
-    return {"copy_bytes_per_s": 2 * src.numel() * FP32 / copy_s, "fp32_matmul_flops": 2 * 1024**3 / mm_s,
+    return {"copy_bytes_per_s": 2 * src.numel() * FP32 / copy_s, "matmul_flops": 2 * 1024**3 / mm_s,
+            "matmul_dtype": str(dtype).removeprefix("torch."), "bytes_per_weight": a.element_size(),
             "threads": torch.get_num_threads()}
 
 
@@ -81,10 +86,10 @@ def _time(fn) -> float:
 
 def roofline(cfg: ModelConfig, image_tokens: int, batch: int, machine: dict) -> dict:
     """Per-token cost at the mean position of a generation and the bounds it implies."""
-    cost = token_cost(cfg, image_tokens / 2, batch)
+    cost = token_cost(cfg, image_tokens / 2, batch, machine.get("bytes_per_weight", FP32))
     h100 = bound_tokens_per_s(cost, H100["bytes_per_s"], H100["bf16_flops"])
     here = None  # only for a machine whose rates were measured (the CPU)
     if machine:
-        here = bound_tokens_per_s(cost, machine["copy_bytes_per_s"], machine["fp32_matmul_flops"])
+        here = bound_tokens_per_s(cost, machine["copy_bytes_per_s"], machine["matmul_flops"])
     return cost | {"bound_tokens_per_s_here": here, "bound_images_per_s_here": None if here is None else here / image_tokens,
                    "bound_tokens_per_s_h100": h100, "bound_images_per_s_h100": h100 / image_tokens}

@@ -104,7 +104,7 @@ def roofline_table(report: DecodeReport) -> str:
         return ""
     m = report.machine
     measured_here = (f"this machine measured: {m['copy_bytes_per_s'] / 1e9:.1f} GB/s copy, "
-                     f"{m['fp32_matmul_flops'] / 1e9:.0f} GFLOP/s fp32 matmul, {m['threads']} threads") if m else \
+                     f"{m['matmul_flops'] / 1e9:.0f} GFLOP/s {m['matmul_dtype']} matmul, {m['threads']} threads") if m else \
         "no bound for this device: its rates were not measured"
     lines = [f"Per generated token at the mean position of a generation, batch "
              f"{next(iter(report.roofline.values()))['batch']} ({measured_here}):",

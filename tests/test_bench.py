@@ -22,7 +22,7 @@ import torch
 from benchmarks import decode
 from benchmarks.decode import FLAT_ROUNDS, FLAT_STEPS_PER_ROUND, _interpolated_sum, _later_positions, choose_positions
 from benchmarks.load import LoadSettings, run_load
-from benchmarks.roofline import attention_cost, dense_flops
+from benchmarks.roofline import attention_cost, dense_flops, probe_machine, roofline, token_cost
 from benchmarks.run import add_arguments, run
 from model import ModelConfig, build_model
 from model.registry import capabilities
@@ -132,6 +132,27 @@ def test_compiled_kinds_their_eager_path_and_the_peers_run_side_by_side():
     assert {c["against"] for c in report.comparisons} >= {"linear (eager)", "peer: fast-transformers recurrent linear",
                                                           "peer: HF Reformer generate, LSH cache"}
     assert report.load["before"]["load_1min"] >= 0
+
+
+@pytest.mark.skipif(not _peers_installed(), reason="the peers are not installed in this environment "
+                    "(benchmarks/install_peers.sh)")
+def test_peers_run_in_the_bench_dtype_like_rnnserve():
+    """A bfloat16 bench compares bfloat16 with bfloat16: every peer's weights are cast, and it still
+    generates every token."""
+    from benchmarks.peers import build_peers
+
+    for peer in build_peers("tiny", 8, 0, torch.bfloat16):
+        assert peer.dtype == torch.bfloat16, peer.spec.name
+        decode.check_generated(peer.spec.name, peer.run(2, 8), 2, 8)
+
+
+def test_the_roofline_costs_weights_and_products_in_the_bench_dtype():
+    """bfloat16 weights move half the bytes, and the FLOP rate is probed in bfloat16."""
+    cfg = ModelConfig(attention="linear", task="mnist", d_model=32, n_layers=2, n_heads=4, d_ff=64, max_len=784)
+    assert token_cost(cfg, 100, 8, 2)["weight_bytes_per_token"] * 2 == token_cost(cfg, 100, 8)["weight_bytes_per_token"]
+    machine = probe_machine(torch.bfloat16)
+    assert machine["matmul_dtype"] == "bfloat16" and machine["bytes_per_weight"] == 2
+    assert roofline(cfg, 784, 8, machine)["weight_bytes_per_token"] == token_cost(cfg, 392, 8, 2)["weight_bytes_per_token"]
 
 
 def test_a_run_that_does_not_produce_every_token_is_refused():

@@ -9,6 +9,7 @@ them already built.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import subprocess
@@ -28,7 +29,7 @@ from model.generate import generate
 from model.sampling import BatchSampling, SamplingParams, token_logprobs
 from model.weights_io import load_model
 
-from conftest import COMPILABLE_KINDS, make_tiny_model, random_bytes
+from conftest import COMPILABLE_KINDS, assert_bfloat16_close, make_tiny_model, random_bytes
 from server_support import free_port, save_tiny_model, stop_process, token_bytes, wait_healthy
 
 ROWS = 8
@@ -66,6 +67,21 @@ def _compare_steps_as_rows_finish_and_join(model) -> None:
         gap = (torch.log_softmax(got, -1) - torch.log_softmax(want, -1)).abs().max().item()
         assert gap < LOGPROB_TOLERANCE, f"step {step}: log-probabilities differ by {gap:.2e}"
     assert torch.equal(compiled.state.lengths, eager.state.lengths)
+
+
+@pytest.mark.parametrize("kind", COMPILABLE_KINDS)
+def test_compiled_bfloat16_steps_are_as_close_to_float32_as_eager_bfloat16(kind):
+    """`--dtype bfloat16` on a CPU decodes through the compiled path too: its logits stay within the
+    tolerance eager bfloat16 is held to (tests/test_model_devices.py), against eager float32."""
+    model = make_tiny_model(kind)
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    with torch.inference_mode():
+        reference, compiled = EagerDecoder(model, model.new_state(ROWS)), compiled_decoder(half)
+        tokens = random_bytes(8, ROWS, 40)
+        want = torch.stack([reference(tokens[:, step]) for step in range(40)])
+        got = torch.stack([compiled(tokens[:, step]) for step in range(40)])
+    assert got.dtype == torch.bfloat16
+    assert_bfloat16_close(kind, got.float(), want)
 
 
 @pytest.mark.parametrize("kind", COMPILABLE_KINDS)

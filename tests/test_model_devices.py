@@ -16,21 +16,11 @@ from model.generate import generate
 from model.sampling import BatchSampling, SamplingParams, sample, uniform_noise
 from model.weights_io import load_model, save_model
 
-from conftest import TINY_MAX_LEN, make_tiny_model, make_tokens, random_bytes
+from conftest import TINY_MAX_LEN, assert_bfloat16_close, make_tiny_model, make_tokens, random_bytes
 
 NO_CUDA = not torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(NO_CUDA, reason="CUDA is not available on this machine (torch.cuda.is_available() is False)")
 DEVICES = ["cpu", pytest.param("cuda", marks=cuda_only)]
-
-# Loose bfloat16 tolerances on logits of scale ~4 (bfloat16 keeps ~3 significant digits).
-BF16_MAX_ERROR = 0.1
-BF16_MEAN_ERROR = 0.03
-# Reformer hashes bfloat16-rounded keys: a key near a bucket boundary changes bucket
-# (about 0.2% of layer-0 hashes here), which moves every later query of both buckets.
-# So only the average error is tight for it; single logits may move by up to ~0.7.
-REFORMER_BF16_MEAN_ERROR = 0.05
-REFORMER_BF16_MAX_ERROR = 1.5
-
 
 @torch.no_grad()
 def logits_on(model, tokens: torch.Tensor, device: str, dtype: torch.dtype, chunks: list[int] | None = None):
@@ -46,16 +36,6 @@ def logits_on(model, tokens: torch.Tensor, device: str, dtype: torch.dtype, chun
         outputs.append(moved(tokens[:, start:start + size], state)[0])
         start += size
     return torch.cat(outputs, dim=1).float().cpu()
-
-
-def assert_bfloat16_close(kind: str, got: torch.Tensor, reference: torch.Tensor) -> None:
-    error = (got - reference).abs()
-    if kind == "reformer":
-        assert error.mean() < REFORMER_BF16_MEAN_ERROR
-        assert error.max() < REFORMER_BF16_MAX_ERROR
-    else:
-        assert error.mean() < BF16_MEAN_ERROR
-        assert error.max() < BF16_MAX_ERROR
 
 
 CHUNKS = [30, 1, 1, 17, 47]  # adds up to TINY_MAX_LEN

@@ -26,7 +26,8 @@ def plot_decode(result: dict, path: str | Path) -> None:
     _labels(ax_state, "position (tokens already decoded)", "MiB of decode state per sequence", "decode state")
     _images_panel(ax_images, result)
     env = result["environment"]
-    fig.suptitle(f"rnnserve bench: {env['processor']}, {env['torch_threads']} threads, device {env['device']}",
+    fig.suptitle(f"rnnserve bench: {env['processor']}, {env['torch_threads']} threads, device {env['device']}, "
+                 f"{result['settings']['dtype']}",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -47,6 +47,7 @@ class LoadSettings:
     kind: str = "image"  # "image" or "text"
     concurrency: int = 8
     duration: float = 10.0  # seconds during which new requests start
+    ramp_up: float = 0.0  # seconds over which the workers' first requests are spread evenly
     max_requests: int = 1000
     timeout: float = 120.0  # per request
     model: str | None = None
@@ -76,6 +77,8 @@ def add_load_arguments(group) -> None:
     group.add_argument("--kind", choices=("image", "text"), default="image", help="image completions or streamed text")
     group.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
     group.add_argument("--duration", type=float, default=10.0, help="seconds during which new requests start")
+    group.add_argument("--ramp-up", type=float, default=0.0,
+                       help="spread the workers' first requests evenly over this many seconds (default 0: all at once)")
     group.add_argument("--requests", type=int, default=1000, help="at most this many requests in all")
     group.add_argument("--timeout", type=float, default=120.0, help="seconds allowed per request")
     group.add_argument("--model", help="model name to request (default: the server's choice)")
@@ -88,7 +91,7 @@ def add_load_arguments(group) -> None:
 def load_settings(args: argparse.Namespace) -> LoadSettings:
     settings = LoadSettings(
         url=args.url, kind=args.kind, concurrency=args.concurrency, duration=args.duration,
-        max_requests=args.requests, timeout=args.timeout, model=args.model, keep_rows=args.keep_rows,
+        ramp_up=args.ramp_up, max_requests=args.requests, timeout=args.timeout, model=args.model, keep_rows=args.keep_rows,
         max_tokens=args.max_tokens, prompt=args.prompt, api_key=args.api_key)
     check_settings(settings)
     return settings
@@ -102,6 +105,8 @@ def check_settings(s: LoadSettings) -> None:
         raise BenchError(f"--concurrency must be between 1 and {MAX_CONCURRENCY}, got {s.concurrency}")
     if not 0 < s.duration <= MAX_DURATION_S:
         raise BenchError(f"--duration must be in (0, {MAX_DURATION_S:g}] seconds, got {s.duration}")
+    if not 0 <= s.ramp_up < s.duration:
+        raise BenchError(f"--ramp-up must be in [0, --duration) seconds, got {s.ramp_up} (duration {s.duration})")
     if s.max_requests < 1:
         raise BenchError(f"--requests must be >= 1, got {s.max_requests}")
     if not 0 < s.timeout <= MAX_DURATION_S:
@@ -197,8 +202,11 @@ async def _read_events(response: aiohttp.ClientResponse, record: RequestRecord, 
 # ---------------------------------------------------------------- the run
 
 
-async def _worker(session: aiohttp.ClientSession, s: LoadSettings, budget: dict, records: list[RequestRecord]) -> None:
+async def _worker(session: aiohttp.ClientSession, s: LoadSettings, budget: dict, records: list[RequestRecord],
+                  delay: float) -> None:
     send = image_request if s.kind == "image" else text_request
+    await asyncio.sleep(delay)
+    budget["first_sends"].append(time.perf_counter() - budget["start"])
     while time.perf_counter() < budget["deadline"] and budget["issued"] < s.max_requests:
         index = budget["issued"]
         budget["issued"] += 1
@@ -218,18 +226,19 @@ async def run_load_async(s: LoadSettings) -> dict:
     headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
     records: list[RequestRecord] = []
     start = time.perf_counter()
-    budget = {"deadline": start + s.duration, "issued": 0}
+    budget = {"start": start, "deadline": start + s.duration, "issued": 0, "first_sends": []}
     connector = aiohttp.TCPConnector(limit=s.concurrency)  # one keep-alive connection per worker
     async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=s.timeout),
                                      connector=connector, trust_env=False) as session:
-        workers = [asyncio.create_task(_worker(session, s, budget, records)) for _ in range(s.concurrency)]
+        workers = [asyncio.create_task(_worker(session, s, budget, records, i * s.ramp_up / s.concurrency))
+                   for i in range(s.concurrency)]
         # Hard stop: no request may outlive duration + its own timeout.
         _, pending = await asyncio.wait(workers, timeout=s.duration + s.timeout + 5.0)
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
     elapsed = time.perf_counter() - start
-    return summarize(s, records, elapsed, cut=len(pending))
+    return summarize(s, records, elapsed, cut=len(pending)) | {"first_sends_s": sorted(budget["first_sends"])}
 
 
 def run_load(s: LoadSettings) -> dict:

@@ -193,6 +193,7 @@ def test_bench_uses_trained_weights_from_a_folder(tmp_path):
     (["--weights", "/nonexistent-folder"], "not a directory"),
     (["--url", "ftp://127.0.0.1:1"], "expected http://HOST:PORT"),
     (["--url", "http://127.0.0.1:1", "--concurrency", "0"], "--concurrency must be between"),
+    (["--url", "http://127.0.0.1:1", "--duration", "5", "--ramp-up", "5"], "--ramp-up must be in"),
     (["--positions", "500,100"], "--positions must be increasing"),
 ])
 def test_bad_flags_say_what_is_expected(args, message, capsys):
@@ -284,6 +285,20 @@ def test_image_load_counts_match_the_servers_counters(server_url):
     assert result["tokens"] == result["images"] * (28 - 20) * 28  # only the occluded rows are generated
     assert delta("rnnserve_generated_tokens_total", model="mnist-linear") == result["tokens"]
     assert result["latency_s"]["count"] == result["completed"]
+
+
+def test_ramp_up_spreads_the_workers_first_requests(server_url):
+    """With --ramp-up R and c workers, worker i sends its first request R * i / c seconds in (all at once by default:
+    equal-length requests then finish and return together, in lockstep)."""
+    result = run_load(LoadSettings(url=server_url, kind="image", concurrency=4, duration=2.0, ramp_up=1.2,
+                                   max_requests=1000, keep_rows=26, timeout=60))
+    assert result["outcomes"] == {"200": result["sent"]}
+    starts = result["first_sends_s"]
+    assert len(starts) == 4 and all(start >= 0.3 * i for i, start in enumerate(starts)), starts
+    assert starts[-1] < 1.2 + 0.5, starts  # the last worker is not held back past its turn (bounded slack)
+    together = run_load(LoadSettings(url=server_url, kind="image", concurrency=4, duration=0.5, max_requests=4,
+                                     keep_rows=26, timeout=60))
+    assert together["first_sends_s"][-1] < 0.3, together["first_sends_s"]
 
 
 def test_text_stream_load_stops_at_the_request_budget(server_url):

@@ -77,7 +77,11 @@ class LogisticMixtureHead(nn.Module):
 
     def _parameters_of(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # Means are free: one beyond -1 or 1 puts its mass on level 0 or 255, where most MNIST pixels are.
-        logit_weights, means, log_scales = self.proj(x).float().chunk(3, dim=-1)  # (..., n) each
+        # The projection runs in float32 even under a bfloat16 autocast: bfloat16 keeps 8 bits, so near +-1 a
+        # mean would move in steps of half a bin, too coarse for components a fraction of a bin wide.
+        with torch.autocast(x.device.type, enabled=False):
+            out = F.linear(x.float(), self.proj.weight.float(), self.proj.bias.float())
+        logit_weights, means, log_scales = out.chunk(3, dim=-1)  # (..., n) each
         return logit_weights, means, log_scales
 
     def initialise(self) -> None:

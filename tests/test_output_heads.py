@@ -53,6 +53,21 @@ def test_far_tails_stay_finite_where_a_cdf_difference_would_be_zero():
     torch.testing.assert_close(log_probs.logsumexp(-1), torch.zeros(1), atol=1e-6, rtol=0)
 
 
+def test_the_mixture_head_keeps_float32_under_a_bfloat16_autocast():
+    """Training runs under bfloat16 autocast on CPUs with native bf16: the head's means must not be rounded to
+    bfloat16 (about half a bin near +-1), or its sharp components cannot be placed."""
+    head = mixture_model().head
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(2))
+    levels = torch.randint(0, 256, (8,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        head.proj.bias[4:8] = torch.tensor([0.9961, -0.9961, 0.9883, 0.5])  # means near +-1
+        head.proj.bias[8:] = -5.0  # narrower than a bin
+        exact = head.log_probs_at(x, levels)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            under_autocast = head.log_probs_at(x, levels)
+    torch.testing.assert_close(under_autocast, exact, atol=1e-5, rtol=1e-5)
+
+
 def mixture_model(attention: str = "linear") -> torch.nn.Module:
     torch.manual_seed(0)
     cfg = ModelConfig(attention=attention, task="mnist", d_model=32, n_layers=2, n_heads=2, d_ff=64, max_len=784,

@@ -70,7 +70,10 @@ export class TextTab {
       this.stats.textContent = `${tokens} tokens · ${(tokens / seconds).toFixed(1)} tokens/s · ${what}`;
     };
     try {
-      for await (const event of postStream("v1/completions", body, this.controller.signal)) {
+      const signal = this.controller.signal;
+      for await (const event of postStream("v1/completions", body, signal)) {
+        // Stop pressed while events were already buffered: show none of them (leaving the loop closes the stream)
+        if (signal.aborted) throw new DOMException("stopped", "AbortError");
         const choice = event.choices[0];
         generated.append(choice.text);
         tokens += utf8.encode(choice.text).length; // one token per byte

@@ -387,3 +387,16 @@ def test_step_kernel_forms_compute_the_same_thing():
             torch.testing.assert_close(out_first.reshape(out_second.shape), out_second, rtol=1e-5, atol=1e-5)
             for a, b in zip(first_args, second_args):  # states updated alike (a transposed layout has another shape: k != D)
                 torch.testing.assert_close(a, b if a.shape == b.shape else b.transpose(-1, -2))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--duty", "0"], "--duty must be in (0, 1), got 0.0"),
+    (["--duty", "1.5"], "--duty must be in (0, 1), got 1.5"),
+    (["--steps", "900"], "--steps must be in [1, 784] (the preset's positions), got 900"),
+])
+def test_gil_contention_flags_say_what_is_expected(args, message, capsys):
+    from benchmarks.gil_contention import main
+
+    with pytest.raises(SystemExit):
+        main(args)
+    assert message in capsys.readouterr().err

@@ -38,22 +38,22 @@ from .engine_speed import engine_seconds
 
 NEIGHBOURS = ("alone", "CPU work, GIL released", "Python, GIL held")
 BURST_S = 0.001
-_BUFFER = bytes(1 << 16)
+HASHED_BYTES = 1 << 16  # hashlib releases the GIL for buffers over 2 KB
 
 
-def _burst(holds_gil: bool) -> None:
+def _burst(holds_gil: bool, buffer: bytes) -> None:
     end = time.perf_counter() + BURST_S
     while time.perf_counter() < end:
         if holds_gil:
             sum(range(200))
         else:
-            hashlib.sha256(_BUFFER).digest()  # hashlib releases the GIL for buffers over 2 KB
+            hashlib.sha256(buffer).digest()
 
 
 def _neighbour(stop: threading.Event, holds_gil: bool, duty: float) -> None:
-    pause = BURST_S / duty - BURST_S
+    pause, buffer = BURST_S / duty - BURST_S, bytes(HASHED_BYTES)
     while not stop.is_set():
-        _burst(holds_gil)
+        _burst(holds_gil, buffer)
         time.sleep(pause)
 
 

@@ -18,6 +18,7 @@ class ServerState:
     engines: EngineRegistry
 
 
-def get_server(request: Request) -> ServerState:
-    """Settings, metrics and engines of this app (set by the lifespan)."""
+async def get_server(request: Request) -> ServerState:
+    """Settings, metrics and engines of this app (set by the lifespan). Async so that FastAPI calls it on the
+    event loop: a plain function would cost every request a hop to its thread pool and back."""
     return request.app.state.server

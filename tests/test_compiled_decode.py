@@ -42,6 +42,7 @@ def compiled_decoder(model, rows: int = ROWS) -> CompiledDecoder:
     assert isinstance(decoder, CompiledDecoder)
     log = decoder.compile_now()
     assert log.error is None and decoder.compiled, log
+    assert decoder._graphs.captured(1) and decoder._graphs.captured(2), "steps would keep their guard checks"
     return decoder
 
 
@@ -62,6 +63,8 @@ def _compare_steps_as_rows_finish_and_join(model) -> None:
         if step and live > schedule[step - 1]:
             for decoder in (eager, compiled):
                 decoder.state.reset_rows(range(schedule[step - 1], live))
+        # The graph a step runs without its guard checks is the one those checks would have chosen.
+        assert compiled.step_inputs_accepted(live), f"step {step}: {live} rows fail the captured graph's guards"
         want, got = eager(tokens[:live, step]), compiled(tokens[:live, step])
         assert torch.equal(got.argmax(-1), want.argmax(-1)), f"step {step}"
         gap = (torch.log_softmax(got, -1) - torch.log_softmax(want, -1)).abs().max().item()

@@ -8,6 +8,8 @@ compiled with dynamo's eager backend (guards, no C++ compile).
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -29,18 +31,20 @@ class Counted:
         return self.fn(*args)
 
 
-def graphs_for(fn) -> tuple[GuardFreeGraphs, Counted]:
+def graphs_for(fn) -> tuple[GuardFreeGraphs, Counted, types.FunctionType]:
+    """`fn` with a code object of its own (dynamo caches per code object: each test starts with an empty cache,
+    and no test resets the graphs the rest of the session shares), its guarded compile, and the two wrapped."""
+    fn = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
     guarded = Counted(torch.compile(fn, backend="eager", fullgraph=True, dynamic=False))
-    return GuardFreeGraphs(fn, guarded), guarded
+    return GuardFreeGraphs(fn, guarded), guarded, fn
 
 
 @torch.inference_mode()
 def test_a_captured_graph_runs_without_the_guarded_call_and_gives_its_result():
-    torch._dynamo.reset()
-    graphs, guarded = graphs_for(scaled_sum)
+    graphs, guarded, fn = graphs_for(scaled_sum)
     x, y = torch.randn(4, 5), torch.randn(4, 5)
     graphs("f32", x, y)  # warm-up: compiles through the guarded function
-    assert guarded.calls == 1 and len(dynamo_cache(scaled_sum)) == 1
+    assert guarded.calls == 1 and len(dynamo_cache(fn)) == 1
     assert graphs.capture("f32", x, y) and graphs.captured("f32")
     other_x, other_y = torch.randn(4, 5), torch.randn(4, 5)
     assert torch.equal(graphs("f32", other_x, other_y), scaled_sum(other_x, other_y))
@@ -49,8 +53,7 @@ def test_a_captured_graph_runs_without_the_guarded_call_and_gives_its_result():
 
 @torch.inference_mode()
 def test_guards_tell_apart_inputs_the_captured_graph_was_not_made_for():
-    torch._dynamo.reset()
-    graphs, guarded = graphs_for(scaled_sum)
+    graphs, guarded, _ = graphs_for(scaled_sum)
     x, y = torch.randn(4, 5), torch.randn(4, 5)
     graphs("f32", x, y)
     graphs.capture("f32", x, y)
@@ -66,8 +69,7 @@ def test_guards_tell_apart_inputs_the_captured_graph_was_not_made_for():
 
 
 def test_outside_inference_mode_calls_keep_their_guard_checks():
-    torch._dynamo.reset()
-    graphs, guarded = graphs_for(scaled_sum)
+    graphs, guarded, _ = graphs_for(scaled_sum)
     x, y = torch.randn(3, 2), torch.randn(3, 2)
     with torch.inference_mode():
         graphs("k", x, y)
@@ -82,6 +84,6 @@ def test_outside_inference_mode_calls_keep_their_guard_checks():
 
 
 def test_a_capture_with_the_wrong_arguments_is_refused_by_name():
-    graphs, _ = graphs_for(scaled_sum)
+    graphs, _, _ = graphs_for(scaled_sum)
     with pytest.raises(TypeError, match=r"scaled_sum takes 2 arguments \(x, y\), got 1"):
         graphs.capture("k", torch.zeros(1))

@@ -195,8 +195,10 @@ class CompiledDecoder(EagerDecoder):
     @torch.inference_mode()
     def _capture(self, rows: int) -> None:
         """Pick the warmed-up graph for this decoder's own inputs of that row class (its state views, its
-        token buffer; read only, as steps may be running on another thread)."""
-        self._graphs.capture(rows, self.model, self._token_buffer[:rows], self._rows(rows))
+        token buffer; read only, as steps may be running on another thread): for 2 or more rows, one that
+        takes 2, 3 and all the rows."""
+        counts = [1] if rows == 1 else sorted({n for n in (2, 3, self.state.batch_size) if n <= self.state.batch_size})
+        self._graphs.capture(rows, [(self.model, self._token_buffer[:n], self._rows(n)) for n in counts])
 
     @torch.inference_mode()
     def _warm_up(self, rows: int) -> None:

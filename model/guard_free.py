@@ -7,17 +7,21 @@ third of a one-row decode step and a tenth of a 64-row one. A decoder calls its
 step with inputs whose layout it fixes itself (the same state views per row
 count, its own token buffer, under inference mode), so once a shape class's
 graph is known to accept those inputs the checks can only pass again.
-`GuardFreeGraphs` checks them once, when the class is warmed up, then calls
-the code dynamo compiled for that graph directly (what vLLM's custom
-dispatcher does). Calls it cannot vouch for (another grad mode, a class not
-captured) go through the guarded function as before.
+`GuardFreeGraphs` checks them when the class is warmed up (on the inputs of
+its fewest and most rows) and at each thread's first call (the guards also
+read per-thread state), then calls the code dynamo compiled for that graph
+directly (what vLLM's custom dispatcher does). Calls it cannot vouch for
+(another grad mode, a class not captured, a thread whose first call failed the
+guards) go through the guarded function as before.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import types
-from typing import Any, Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Sequence
 
 import torch
 
@@ -33,38 +37,66 @@ def dynamo_cache(fn: Callable) -> list:
     return list(_debug_get_cache_entry_list(fn.__code__))
 
 
+@dataclass
+class _Captured:
+    entry: Any  # dynamo's cache entry: its guards
+    direct: Callable  # the code dynamo compiled for it, as a plain function
+    # Per thread, whether its first call passed the guards: they also read per-thread state (the intra-op
+    # thread count, autocast), which the capturing thread may not share. Thread-local, not by thread id:
+    # a new thread may reuse a finished one's id.
+    verdict: threading.local = field(default_factory=threading.local)
+
+
 class GuardFreeGraphs:
     """`compiled` (torch.compile of the plain function `fn`), plus direct calls of the graphs captured per key."""
 
     def __init__(self, fn: Callable, compiled: Callable):
         self._fn = fn
         self._compiled = compiled
-        self._captured: dict[Hashable, tuple[Any, Callable]] = {}  # key -> (cache entry, its compiled code)
+        self._captured: dict[Hashable, _Captured] = {}
 
-    def capture(self, key: Hashable, *args) -> bool:
-        """After `key`'s warm-up: keep the cached graph whose guards accept `args`, the inputs the class's
-        calls will have (same layouts, same grad mode). False if none does: those calls stay guarded."""
-        scope = self._scope(args)
-        for entry in dynamo_cache(self._fn):
-            if entry.guard_manager.check(scope):
-                direct = types.FunctionType(entry.code, self._fn.__globals__, self._fn.__name__)
-                self._captured[key] = (entry, direct)
-                return True
-        log.info("no compiled %s graph accepts the %s inputs: those calls keep their guard checks", self._fn.__name__, key)
-        return False
+    def capture(self, key: Hashable, samples: Sequence[tuple]) -> bool:
+        """After `key`'s warm-up: keep the cached graph whose guards accept every argument tuple in `samples`,
+        what the class's calls will look like (e.g. its fewest and most rows: a graph compiled on 2 rows can be
+        specialised to 2 when another size is 2 too). False if no graph does: those calls stay guarded."""
+        scopes = [self._scope(args) for args in samples]
+        try:
+            entries = dynamo_cache(self._fn)
+            chosen = next((e for e in entries if all(e.guard_manager.check(scope) for scope in scopes)), None)
+        except (AttributeError, RuntimeError, TypeError) as exc:  # dynamo's private cache API changed
+            log.warning("cannot read dynamo's cache of %s (%s): calls keep their guard checks", self._fn.__name__, exc)
+            return False
+        if chosen is None:
+            log.info("no compiled %s graph accepts all the %s inputs: those calls keep their guard checks",
+                     self._fn.__name__, key)
+            return False
+        self._captured[key] = _Captured(chosen, types.FunctionType(chosen.code, self._fn.__globals__, self._fn.__name__))
+        return True
 
     def captured(self, key: Hashable) -> bool:
         return key in self._captured
 
     def accepts(self, key: Hashable, *args) -> bool:
-        """Whether the graph captured for `key` passes its guards on `args` (what skipping them assumes)."""
-        return key in self._captured and self._captured[key][0].guard_manager.check(self._scope(args))
+        """Whether the graph captured for `key` passes its guards on `args` here (what skipping them assumes)."""
+        return key in self._captured and self._captured[key].entry.guard_manager.check(self._scope(args))
 
     def __call__(self, key: Hashable | None, *args):
         captured = self._captured.get(key)
         if captured is not None and torch.is_inference_mode_enabled():
-            return captured[1](*args)
+            passed = getattr(captured.verdict, "passed", None)
+            if passed is None:
+                passed = self._first_call(captured, args)
+            if passed:
+                return captured.direct(*args)
         return self._compiled(*args)
+
+    def _first_call(self, captured: _Captured, args: tuple) -> bool:
+        """A thread's first call: check the guards once, in this thread's state."""
+        captured.verdict.passed = bool(captured.entry.guard_manager.check(self._scope(args)))
+        if not captured.verdict.passed:
+            log.info("a %s call on thread %s fails the captured graph's guards: that thread's calls keep them",
+                     self._fn.__name__, threading.current_thread().name)
+        return captured.verdict.passed
 
     def _scope(self, args: tuple) -> dict[str, Any]:
         """The call's frame locals, as the guards read them."""

@@ -37,12 +37,13 @@ LOGPROB_TOLERANCE = 1e-4
 REPO = Path(__file__).resolve().parents[1]
 
 
-def compiled_decoder(model, rows: int = ROWS) -> CompiledDecoder:
+def compiled_decoder(model, rows: int = ROWS, require_captured: bool = True) -> CompiledDecoder:
     decoder = make_decoder(model, model.new_state(rows), cuda_graphs=False, compiled=True)
     assert isinstance(decoder, CompiledDecoder)
     log = decoder.compile_now()
     assert log.error is None and decoder.compiled, log
-    assert decoder._graphs.captured(1) and decoder._graphs.captured(2), "steps would keep their guard checks"
+    if require_captured:
+        assert decoder._graphs.captured(1) and decoder._graphs.captured(2), "steps would keep their guard checks"
     return decoder
 
 
@@ -56,6 +57,9 @@ def test_compiled_steps_give_eager_log_probabilities_as_rows_finish_and_join(kin
 def _compare_steps_as_rows_finish_and_join(model) -> None:
     eager, compiled = EagerDecoder(model, model.new_state(ROWS)), compiled_decoder(model)
     assert set(compiled.log.seconds) == {"1 row", "2 or more rows"}  # two graphs, whatever the batch
+    # Every step runs its captured graph directly: a call through the guarded function fails the decoder
+    # (it would fall back to eager steps, which the comparisons below could not tell apart).
+    compiled._graphs._compiled = _guarded_call_not_expected
     tokens = random_bytes(7, ROWS, 40)
     # live rows per step: all, rows finish, one row alone (the 1-row graph), rows join from reset slots
     schedule = [8, 8, 5, 5, 1, 3, 4, 4, 8, 2]
@@ -70,6 +74,27 @@ def _compare_steps_as_rows_finish_and_join(model) -> None:
         gap = (torch.log_softmax(got, -1) - torch.log_softmax(want, -1)).abs().max().item()
         assert gap < LOGPROB_TOLERANCE, f"step {step}: log-probabilities differ by {gap:.2e}"
     assert torch.equal(compiled.state.lengths, eager.state.lengths)
+    assert compiled.compiled and compiled.log.error is None, compiled.log
+
+
+def _guarded_call_not_expected(*args):
+    raise AssertionError("a warmed-up decode step went through dynamo's guard checks")
+
+
+def test_a_graph_specialised_to_two_rows_is_not_run_guard_free_for_more():
+    """With 2 heads, a graph compiled on 2 rows can tie the batch size to the head count (both 2): such a
+    graph must not serve 3 or 8 rows without its guards. The steps stay right either way."""
+    model = make_tiny_model("linear", n_heads=2)
+    with torch.inference_mode():
+        eager, compiled = EagerDecoder(model, model.new_state(ROWS)), compiled_decoder(model, require_captured=False)
+        tokens = random_bytes(9, ROWS, 4)
+        for step, live in enumerate((2, 3, ROWS, 1)):
+            if compiled._graphs.captured(2) and live >= 2:
+                assert compiled.step_inputs_accepted(live), f"{live} rows run guard-free on a graph that refuses them"
+            want, got = eager(tokens[:live, step]), compiled(tokens[:live, step])
+            gap = (torch.log_softmax(got, -1) - torch.log_softmax(want, -1)).abs().max().item()
+            assert gap < LOGPROB_TOLERANCE, f"step {step}"
+    assert compiled.log.error is None, compiled.log
 
 
 @pytest.mark.parametrize("kind", COMPILABLE_KINDS)

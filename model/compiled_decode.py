@@ -119,7 +119,11 @@ class CompiledDecoder(EagerDecoder):
     def step_inputs_accepted(self, n: int) -> bool:
         """Whether the graph captured for n rows passes its guards on this decoder's n-row inputs: what its
         guard-free calls assume (the tests check it for every call of a generation)."""
-        return self._graphs.accepts(self._graph_key(n), self.model, self._token_buffer[:n], self._rows(n))
+        return self._graphs.accepts(self._graph_key(n), *self._step_inputs(n))
+
+    def _step_inputs(self, n: int) -> tuple:
+        """The arguments an n-row step passes its graph (the token buffer read as it is, not written)."""
+        return self.model, self._token_buffer[:n], self._rows(n)
 
     def _rows(self, n: int) -> ModelState:
         """The state's rows [0, n), made once per n: views of the same tensors every step."""
@@ -198,7 +202,7 @@ class CompiledDecoder(EagerDecoder):
         token buffer; read only, as steps may be running on another thread): for 2 or more rows, one that
         takes 2, 3 and all the rows."""
         counts = [1] if rows == 1 else sorted({n for n in (2, 3, self.state.batch_size) if n <= self.state.batch_size})
-        self._graphs.capture(rows, [(self.model, self._token_buffer[:n], self._rows(n)) for n in counts])
+        self._graphs.capture(rows, [self._step_inputs(n) for n in counts])
 
     @torch.inference_mode()
     def _warm_up(self, rows: int) -> None:

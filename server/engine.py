@@ -39,7 +39,7 @@ from .scheduler import Placement, QueueFull, Scheduler
 from .step_events import step_events
 from .streams import EngineFailure, GenerationStream, ScoreJob, deliver, finish
 from .types import GenerationRequest, PromptScores
-from .validation import check_fits, check_generation, check_scoring
+from .validation import check_fits, check_generation, check_samples, check_scoring
 
 __all__ = ["Engine", "EngineFailure", "EngineLimits", "GenerationStream", "QueueFull"]
 
@@ -139,9 +139,11 @@ class Engine:
         self._wakeup.set()
         return stream
 
-    def check_prompt(self, tokens: list[int]) -> None:
-        """Raise InvalidRequest unless `tokens` are valid and fit this model's context."""
+    def check_prompt(self, tokens: list[int], samples: int) -> None:
+        """Raise InvalidRequest unless `tokens` are valid and fit this model's context, and `samples` of them
+        would fit --max-batch (a request that generates nothing is held to the limits of one that does)."""
         check_fits(tokens, 0, self.name, self.config.max_len)
+        check_samples(samples, self.limits.max_batch)
 
     async def score(self, tokens: list[int], top: int = 0) -> PromptScores:
         """Log-probability of each token given those before it (the first given BOS), and the `top`

@@ -61,7 +61,7 @@ def start_generations(engine: Engine, body: CompletionRequest, completion: TextC
         for i, prompt in enumerate(body.prompts()):
             if body.max_tokens == 0:
                 with engine_refusals(engine):
-                    engine.check_prompt(list(prompt))
+                    engine.check_prompt(list(prompt), body.samples)
             else:
                 streams.append(submit(engine, generation_request(body, prompt, f"{completion.id}-{i}"), body.stream))
     except BaseException:

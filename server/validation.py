@@ -26,12 +26,17 @@ def check_generation(request: GenerationRequest, model_name: str, max_len: int, 
     if request.max_new_tokens < 1:
         raise InvalidRequest(f"max_tokens must be at least 1 to generate, got {request.max_new_tokens}", "max_tokens")
     check_fits(request.prompt, request.max_new_tokens, model_name, max_len)
-    if not 1 <= request.n <= max_batch:
-        raise InvalidRequest(f"n is {request.n}; this server decodes at most {max_batch} sequences per model "
-                             "at once (--max-batch)", "n")
+    check_samples(request.n, max_batch)
     if request.particles is not None and not 1 <= request.rows <= max_batch:
         raise InvalidRequest(f"n ({request.n}) x particles ({request.particles}) = {request.rows} decode slots; "
                              f"this server has {max_batch} per model (--max-batch); lower n or particles", "particles")
+
+
+def check_samples(n: int, max_batch: int) -> None:
+    """n samples of one prompt fit this server's decode slots (also for a request that generates nothing)."""
+    if not 1 <= n <= max_batch:
+        raise InvalidRequest(f"n is {n}; this server decodes at most {max_batch} sequences per model "
+                             "at once (--max-batch)", "n")
 
 
 def check_fits(prompt: list[int], max_new_tokens: int, model_name: str, max_len: int) -> None:

@@ -252,6 +252,8 @@ def test_max_tokens_zero_without_echo_is_empty(server):
     (dict(prompt="a", n=0), 400, "n", ["greater than or equal to 1"]),
     (dict(prompt="a", n=65), 400, "n", ["less than or equal to 64"]),
     (dict(prompt="a", n=9), 400, "n", ["--max-batch", "8"]),
+    (dict(prompt="a", n=9, max_tokens=0), 400, "n", ["--max-batch", "8"]),  # generating nothing: the same limit
+    (dict(prompt="a", n=2, best_of=9, max_tokens=0, echo=True), 400, "n", ["--max-batch", "8"]),
     (dict(prompt="a", temperature=-1), 400, "temperature", ["greater than or equal to 0"]),
     (dict(prompt="a", top_p=0), 400, "top_p", ["greater than 0"]),
     (dict(prompt=[1, 300]), 400, "prompt", ["255"]),

@@ -89,11 +89,15 @@ class CompiledDecoder(EagerDecoder):
         self.ready: set[int] = set()  # warm-up row counts (1, 2) whose graphs are compiled
         self.log = CompileLog()
         self._finished = threading.Event()  # compile_now has run to its end (compiled or failed)
-        # Inference tensors or not, as the state is: the graphs' guards tell the two apart.
-        self._inference_tensors = state.lengths.is_inference()
         with torch.inference_mode(self._inference_tensors):
             self._token_buffer = torch.zeros(state.batch_size, dtype=torch.long, device=model.device)
         self._row_views: dict[int, ModelState] = {}
+
+    @property
+    def _inference_tensors(self) -> bool:
+        """Whether the state is made of inference tensors: the graphs' guards tell them from ordinary ones,
+        so the decoder's own buffers and its warm-up's scratch inputs are made the same way."""
+        return self.state.lengths.is_inference()
 
     @property
     def compiled(self) -> bool:

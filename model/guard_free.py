@@ -78,7 +78,7 @@ class GuardFreeGraphs:
 
     def accepts(self, key: Hashable, *args) -> bool:
         """Whether the graph captured for `key` passes its guards on `args` here (what skipping them assumes)."""
-        return key in self._captured and self._captured[key].entry.guard_manager.check(self._scope(args))
+        return key in self._captured and self._passes(self._captured[key], args)
 
     def __call__(self, key: Hashable | None, *args):
         captured = self._captured.get(key)
@@ -92,11 +92,14 @@ class GuardFreeGraphs:
 
     def _first_call(self, captured: _Captured, args: tuple) -> bool:
         """A thread's first call: check the guards once, in this thread's state."""
-        captured.verdict.passed = bool(captured.entry.guard_manager.check(self._scope(args)))
+        captured.verdict.passed = self._passes(captured, args)
         if not captured.verdict.passed:
             log.info("a %s call on thread %s fails the captured graph's guards: that thread's calls keep them",
                      self._fn.__name__, threading.current_thread().name)
         return captured.verdict.passed
+
+    def _passes(self, captured: _Captured, args: tuple) -> bool:
+        return bool(captured.entry.guard_manager.check(self._scope(args)))
 
     def _scope(self, args: tuple) -> dict[str, Any]:
         """The call's frame locals, as the guards read them."""

@@ -5,8 +5,10 @@ and at batch 64 launching them one by one costs about as much as the
 matrix products. torch.compile (inductor) traces `Transformer.decode_step`
 once and emits a few C++ loops per layer that fuse the small operators
 (layer norms, biases, feature maps, the state update and read-out, the
-residuals) between the matrix products; sampling (the noise hash, Gumbel-max
-and argmax over the vocabulary) becomes one loop as well.
+residuals) between the matrix products; sampling a batch that asks for no
+top-k or top-p (the temperature, the noise hash, Gumbel-max and argmax over
+the vocabulary) becomes one loop as well. Filtered batches sample eagerly:
+their sort of the vocabulary costs far more than the loop saves.
 
 The batch dimension is compiled symbolically, so one graph serves every
 batch of 2 rows or more, and a second one the single row (torch.compile
@@ -14,10 +16,12 @@ specialises sizes 0 and 1): two compiles per model, whatever --max-batch.
 Softmax's growing prefix is symbolic too. Rows are those of the state the
 decoder was made with, [0, n), as for the eager decoder: no padding needed.
 
-Once a row class is warmed up, its steps call the graph dynamo compiled for it
-directly, without dynamo's per-call guard checks (model/guard_free.py): the
-decoder fixes its inputs' layouts itself, so the checks, done once at capture,
-could only pass again (0.28 -> 0.22 ms a one-row linear step here).
+Once a row class is warmed up, its steps and draws call the graphs dynamo
+compiled for them directly, without dynamo's per-call guard checks
+(model/guard_free.py): the decoder fixes its inputs' layouts itself, so the
+checks, done once at capture, could only pass again (0.28 -> 0.22 ms a
+one-row linear step here; a 64-row draw 0.23 -> 0.13 ms with the temperature
+moved into its graph).
 
 Compiling takes seconds to a minute per graph on a small CPU. `compile()`
 does it in the caller (generate, the bench); `compile(background=True)`
@@ -43,7 +47,7 @@ import torch
 from .cuda_graphs import EagerDecoder
 from .guard_free import GuardFreeGraphs
 from .registry import kinds_where
-from .sampling import gumbel_max, sample
+from .sampling import BatchSampling, draw_unfiltered, sample
 from .state import ModelState
 from .threads import adopt_process_threads
 from .transformer import Transformer
@@ -85,7 +89,8 @@ class CompiledDecoder(EagerDecoder):
         self._step = torch.compile(_decode_step, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS)
         # Once a row class is warmed up, its steps skip dynamo's per-call guard checks (model/guard_free.py).
         self._graphs = GuardFreeGraphs(_decode_step, self._step)
-        self._compiled_draw = torch.compile(gumbel_max, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS)
+        self._draws = GuardFreeGraphs(draw_unfiltered, torch.compile(draw_unfiltered, dynamic=True, fullgraph=True,
+                                                                     options=INDUCTOR_OPTIONS))
         self.ready: set[int] = set()  # warm-up row counts (1, 2) whose graphs are compiled
         self.log = CompileLog()
         self._finished = threading.Event()  # compile_now has run to its end (compiled or failed)
@@ -141,23 +146,25 @@ class CompiledDecoder(EagerDecoder):
         buffer.copy_(tokens)
         return buffer
 
-    def sample(self, logits: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        """`model.sampling.sample` whose final draw (noise, Gumbel-max, argmax) is compiled, once
-        this many rows' graphs are."""
-        if self._use_compiled(logits.shape[0]):
-            kwargs["draw"] = self._draw
-        return sample(logits, *args, **kwargs)
-
-    def _draw(self, logits, filtered, temperature, seed, position) -> torch.Tensor:
-        # One layout for every caller, or torch.compile would compile again: unit strides (a
-        # prefill's last position is a strided view) and tensors made under inference mode.
-        args = tuple(t if t.is_contiguous() and t.is_inference() else t.clone(memory_format=torch.contiguous_format)
-                     for t in (logits, filtered, temperature, seed, position))
+    def sample(self, logits: torch.Tensor, params: BatchSampling, position: torch.Tensor, **kwargs) -> torch.Tensor:
+        """`model.sampling.sample`; once this many rows' graphs are compiled, a batch that asks for no top-k
+        or top-p draws through one compiled graph (temperature, noise, Gumbel-max, argmax), guard-free."""
+        n = logits.shape[0]
+        if params.filters is not False or kwargs or not self._use_compiled(n):
+            return sample(logits, params, position, **kwargs)
+        args = self._draw_inputs(logits.float(), params.temperature, params.seed, position)
         try:
-            return self._compiled_draw(*args)
+            return self._draws(self._graph_key(n), *args)
         except Exception as exc:  # a failed recompile stops before running: the same draw, eagerly
             self._fail("sampling", exc)
-            return gumbel_max(*args)
+            return draw_unfiltered(*args)
+
+    @staticmethod
+    def _draw_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One layout for every caller, the one the draw graphs were captured with (their guard-free calls rely
+        on it): unit strides (a prefill's last position is a strided view) and tensors made under inference mode."""
+        return tuple(t if t.is_contiguous() and t.is_inference() else t.clone(memory_format=torch.contiguous_format)
+                     for t in tensors)
 
     # -- compiling ----------------------------------------------------------------
     def compile(self, background: bool = False, batch: int | None = None) -> CompileLog | None:
@@ -202,11 +209,12 @@ class CompiledDecoder(EagerDecoder):
 
     @torch.inference_mode()
     def _capture(self, rows: int) -> None:
-        """Pick the warmed-up graph for this decoder's own inputs of that row class (its state views, its
-        token buffer; read only, as steps may be running on another thread): for 2 or more rows, one that
-        takes 2, 3 and all the rows."""
+        """Pick the warmed-up graphs for this decoder's own inputs of that row class (its state views, its
+        token buffer; read only, as steps may be running on another thread), and the draw's for inputs laid
+        out as `_draw_inputs` lays them: for 2 or more rows, graphs that take 2, 3 and all the rows."""
         counts = [1] if rows == 1 else sorted({n for n in (2, 3, self.state.batch_size) if n <= self.state.batch_size})
         self._graphs.capture(rows, [self._step_inputs(n) for n in counts])
+        self._draws.capture(rows, [self._draw_scratch(n) for n in counts])
 
     @torch.inference_mode()
     def _warm_up(self, rows: int) -> None:
@@ -216,5 +224,12 @@ class CompiledDecoder(EagerDecoder):
             scratch = self.model.new_state(rows)
             tokens = torch.zeros(rows, dtype=torch.long, device=self.model.device)
         with torch._dynamo.config.patch(DYNAMO_OPTIONS):
-            logits = self._step(self.model, tokens, scratch)
-        self._draw(logits, logits.clone(), torch.ones(rows, device=logits.device), tokens, tokens.clone())
+            self._step(self.model, tokens, scratch)
+            self._draws(None, *self._draw_scratch(rows))
+
+    def _draw_scratch(self, rows: int) -> tuple[torch.Tensor, ...]:
+        """Inputs of an unfiltered draw for `rows` rows, laid out as `_draw_inputs` lays a caller's out."""
+        device = self.model.device
+        return self._draw_inputs(torch.zeros(rows, self.model.config.vocab_out, device=device),
+                                 torch.ones(rows, device=device), torch.zeros(rows, dtype=torch.long, device=device),
+                                 torch.zeros(rows, dtype=torch.long, device=device))

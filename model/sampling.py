@@ -112,7 +112,7 @@ def top_p_mask(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 def filtered_logits(logits: torch.Tensor, params: BatchSampling) -> torch.Tensor:
     """(B, V) logits -> the (B, V) logits `sample` draws from: divided by temperature, top-k/top-p applied."""
-    filtered = logits.float() / params.temperature.clamp(min=1e-5)[:, None]
+    filtered = scaled_by_temperature(logits.float(), params.temperature)
     # Both filters sort the vocabulary: skip them when no row asks (a large share of a
     # small model's decode step on CPU).
     if params.filters is False:
@@ -122,6 +122,18 @@ def filtered_logits(logits: torch.Tensor, params: BatchSampling) -> torch.Tensor
     if bool((params.top_p < 1).any()):
         filtered = top_p_mask(filtered, params.top_p)
     return filtered
+
+
+def scaled_by_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """(B, V) logits / (B,) temperatures; a temperature of 0 (greedy) divides by 1e-5, finite where argmax reads it."""
+    return logits / temperature.clamp(min=1e-5)[:, None]
+
+
+def draw_unfiltered(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor,
+                    position: torch.Tensor) -> torch.Tensor:
+    """`sample` for rows that ask for no top-k or top-p, in one function the compiled path fuses whole:
+    (B, V) float logits, (B,) x 3 -> (B,) tokens."""
+    return gumbel_max(logits, scaled_by_temperature(logits, temperature), temperature, seed, position)
 
 
 def sampling_logprobs(logits: torch.Tensor, params: BatchSampling, tokens: torch.Tensor) -> torch.Tensor:

@@ -124,15 +124,23 @@ def test_compiled_generate_draws_the_eager_tokens(kind):
     assert torch.equal(generate(model, prompts[:1], 60, one), generate(model, prompts[:1], 60, one, compiled=False))
 
 
-def test_compiled_draws_are_the_eager_draws():
+@pytest.mark.parametrize("rows", [ROWS, 3, 1])
+def test_compiled_draws_are_the_eager_draws_and_skip_the_guards(rows):
+    """An unfiltered batch (greedy rows too) draws through the captured graph directly; a filtered one eagerly."""
     model = make_tiny_model("linear")
     decoder, eager = compiled_decoder(model), EagerDecoder(model, model.new_state(ROWS))
-    logits = torch.randn(ROWS, 256, generator=torch.Generator().manual_seed(1)) * 3
-    params = BatchSampling.from_params([SamplingParams(temperature=0.5 + i / 4, seed=i) for i in range(ROWS)])
+    assert decoder._draws.captured(1) and decoder._draws.captured(2), "draws would keep their guard checks"
+    decoder._draws._compiled = _guarded_call_not_expected
+    logits = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)) * 3
+    temperatures = [0.0 if i % 3 == 2 else 0.5 + i / 4 for i in range(rows)]
+    unfiltered = BatchSampling.from_params([SamplingParams(temperature=t, seed=i) for i, t in enumerate(temperatures)])
+    filtered = BatchSampling.from_params([SamplingParams(temperature=t, top_k=5, seed=i) for i, t in enumerate(temperatures)])
     with torch.inference_mode():
         for position in range(50):
-            where = torch.full((ROWS,), position)
-            assert torch.equal(decoder.sample(logits, params, where), eager.sample(logits, params, where))
+            where = torch.full((rows,), position)
+            for params in (unfiltered, filtered):
+                assert torch.equal(decoder.sample(logits, params, where), eager.sample(logits, params, where))
+    assert decoder.log.error is None, decoder.log
 
 
 def test_reformer_and_unasked_decoders_stay_eager():

@@ -150,9 +150,9 @@ class CompiledDecoder(EagerDecoder):
         """`model.sampling.sample`; once this many rows' graphs are compiled, a batch that asks for no top-k
         or top-p draws through one compiled graph (temperature, noise, Gumbel-max, argmax), guard-free."""
         n = logits.shape[0]
-        if params.filters is not False or kwargs or not self._use_compiled(n):
+        args = self._draw_inputs(logits, params.temperature, params.seed, position)
+        if params.filters is not False or kwargs or not self._use_compiled(n) or args is None:
             return sample(logits, params, position, **kwargs)
-        args = self._draw_inputs(logits.float(), params.temperature, params.seed, position)
         try:
             return self._draws(self._graph_key(n), *args)
         except Exception as exc:  # a failed recompile stops before running: the same draw, eagerly
@@ -160,11 +160,15 @@ class CompiledDecoder(EagerDecoder):
             return draw_unfiltered(*args)
 
     @staticmethod
-    def _draw_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """One layout for every caller, the one the draw graphs were captured with (their guard-free calls rely
-        on it): unit strides (a prefill's last position is a strided view) and tensors made under inference mode."""
+    def _draw_inputs(logits: torch.Tensor, *rows: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """The draw's inputs in the one layout its graphs were captured with, which their guard-free calls rely
+        on: (n, V) float32 logits, then temperature float32, seed and position int64, (n,) each; unit strides
+        (a prefill's last position is a strided view); made under inference mode. None for other shapes."""
+        if logits.dim() != 2 or any(t.shape != logits.shape[:1] for t in rows):
+            return None
+        typed = (logits.float(), rows[0].float(), rows[1].long(), rows[2].long())
         return tuple(t if t.is_contiguous() and t.is_inference() else t.clone(memory_format=torch.contiguous_format)
-                     for t in tensors)
+                     for t in typed)
 
     # -- compiling ----------------------------------------------------------------
     def compile(self, background: bool = False, batch: int | None = None) -> CompileLog | None:

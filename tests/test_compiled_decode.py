@@ -143,6 +143,23 @@ def test_compiled_draws_are_the_eager_draws_and_skip_the_guards(rows):
     assert decoder.log.error is None, decoder.log
 
 
+def test_a_compiled_draw_takes_other_dtypes_and_strides_as_the_eager_draw_does():
+    """The guard-free draw graph is captured for one layout: a caller's float64 temperatures, int32 seeds or a
+    strided logits view are brought to it first, not run on a graph that assumes it."""
+    model = make_tiny_model("linear")
+    decoder, eager = compiled_decoder(model), EagerDecoder(model, model.new_state(ROWS))
+    wide = torch.randn(ROWS, 2 * 256, generator=torch.Generator().manual_seed(2)) * 3
+    logits = wide[:, ::2]  # (ROWS, 256), stride 2
+    plain = BatchSampling.from_params([SamplingParams(temperature=0.9, seed=7 + i) for i in range(ROWS)])
+    odd = BatchSampling(plain.temperature.double(), plain.top_k, plain.top_p, plain.seed.int(), filters=False)
+    with torch.inference_mode():
+        for position in range(20):
+            where = torch.full((ROWS,), position, dtype=torch.int32)
+            want = eager.sample(logits.contiguous(), plain, where.long())
+            assert torch.equal(decoder.sample(logits, odd, where), want), f"position {position}"
+    assert decoder.log.error is None, decoder.log
+
+
 def test_reformer_and_unasked_decoders_stay_eager():
     reformer = make_tiny_model("reformer")
     decoder = make_decoder(reformer, reformer.new_state(2), cuda_graphs=False, compiled=True)

@@ -146,13 +146,13 @@ class CompiledDecoder(EagerDecoder):
         buffer.copy_(tokens)
         return buffer
 
-    def sample(self, logits: torch.Tensor, params: BatchSampling, position: torch.Tensor, **kwargs) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, params: BatchSampling, position: torch.Tensor) -> torch.Tensor:
         """`model.sampling.sample`; once this many rows' graphs are compiled, a batch that asks for no top-k
         or top-p draws through one compiled graph (temperature, noise, Gumbel-max, argmax), guard-free."""
         n = logits.shape[0]
         args = self._draw_inputs(logits, params.temperature, params.seed, position)
-        if params.filters is not False or kwargs or not self._use_compiled(n) or args is None:
-            return sample(logits, params, position, **kwargs)
+        if params.filters is not False or not self._use_compiled(n) or args is None:
+            return sample(logits, params, position)
         try:
             return self._draws(self._graph_key(n), *args)
         except Exception as exc:  # a failed recompile stops before running: the same draw, eagerly

@@ -25,7 +25,7 @@ import logging
 import torch
 
 from .registry import kinds_where
-from .sampling import sample
+from .sampling import BatchSampling, sample
 from .state import ModelState
 from .transformer import Transformer
 
@@ -56,9 +56,9 @@ class EagerDecoder:
         """Whether steps run through torch.compile graphs (model/compiled_decode.py)."""
         return False
 
-    def sample(self, logits: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, params: BatchSampling, position: torch.Tensor) -> torch.Tensor:
         """Draw the next tokens from these rows' logits (`model.sampling.sample`)."""
-        return sample(logits, *args, **kwargs)
+        return sample(logits, params, position)
 
     def compile(self, background: bool = False, batch: int | None = None):
         """Nothing to compile for these steps (see CompiledDecoder): None."""

@@ -125,7 +125,8 @@ def filtered_logits(logits: torch.Tensor, params: BatchSampling) -> torch.Tensor
 
 
 def scaled_by_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """(B, V) logits / (B,) temperatures; a temperature of 0 (greedy) divides by 1e-5, finite where argmax reads it."""
+    """(B, V) logits / (B,) temperatures. A temperature of 0 (greedy: its token is the argmax of the logits
+    themselves) divides by 1e-5 instead, so that the row stays finite."""
     return logits / temperature.clamp(min=1e-5)[:, None]
 
 
@@ -142,13 +143,10 @@ def sampling_logprobs(logits: torch.Tensor, params: BatchSampling, tokens: torch
     return token_logprobs(filtered_logits(logits, params), tokens)
 
 
-def sample(logits: torch.Tensor, params: BatchSampling, position: torch.Tensor, draw=None) -> torch.Tensor:
-    """(B, V) logits -> (B,) tokens; position (B,) is the index being drawn.
-
-    draw: `gumbel_max` or a function equal to it (model/compiled_decode.py passes a compiled copy).
-    """
+def sample(logits: torch.Tensor, params: BatchSampling, position: torch.Tensor) -> torch.Tensor:
+    """(B, V) logits -> (B,) tokens; position (B,) is the index being drawn."""
     logits = logits.float()
-    return (draw or gumbel_max)(logits, filtered_logits(logits, params), params.temperature, params.seed, position)
+    return gumbel_max(logits, filtered_logits(logits, params), params.temperature, params.seed, position)
 
 
 def gumbel_max(logits: torch.Tensor, filtered: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor,

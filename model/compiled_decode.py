@@ -150,8 +150,10 @@ class CompiledDecoder(EagerDecoder):
         """`model.sampling.sample`; once this many rows' graphs are compiled, a batch that asks for no top-k
         or top-p draws through one compiled graph (temperature, noise, Gumbel-max, argmax), guard-free."""
         n = logits.shape[0]
-        args = self._draw_inputs(logits, params.temperature, params.seed, position)
-        if params.filters is not False or not self._use_compiled(n) or args is None:
+        # Filtered batches and rows whose graphs are not ready sample eagerly: no layout work for them.
+        args = (self._draw_inputs(logits, params.temperature, params.seed, position)
+                if params.filters is False and self._use_compiled(n) else None)
+        if args is None:
             return sample(logits, params, position)
         try:
             return self._draws(self._graph_key(n), *args)

@@ -11,6 +11,9 @@
 #
 #   benchmarks/http_vs_inprocess.sh [ROUNDS (default 3)] [SECONDS per side (default 60)] [CONCURRENCY (default 64)]
 #
+# SERVE_FLAGS adds flags to the server's command line (e.g. SERVE_FLAGS=--engine-process); OUT names the JSON
+# (default benchmarks/results/http-vs-inprocess.json).
+#
 # CONCURRENCY is the number of HTTP clients, each sending its next request when its answer is in; the
 # server's batch stays 64. At 64 (the issue's measurement) a finished request's slot waits for its
 # client's next request; above 64 requests queue, and a slot is refilled from the queue at once.
@@ -30,7 +33,8 @@ trap 'kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; rm
 "$py" -c "import torch; from benchmarks.decode import preset_config; from model import build_model; \
 from model.weights_io import save_model; torch.manual_seed(0); \
 save_model(build_model(preset_config('cpu', 'linear')), '$work/mnist-linear-cpu.safetensors', {})"
-OMP_NUM_THREADS=1 "$py" -m server serve --weights "$work" --port "$port" --max-batch 64 --log-level warning &
+# shellcheck disable=SC2086  # SERVE_FLAGS is a list of flags
+OMP_NUM_THREADS=1 "$py" -m server serve --weights "$work" --port "$port" --max-batch 64 --log-level warning ${SERVE_FLAGS:-} &
 server=$!
 for _ in $(seq 120); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
 # The server compiles its decode steps in the background (eager until then): measure the compiled server.
@@ -71,6 +75,6 @@ for r in rows:
 median = statistics.median(r['ratio'] for r in rows)
 print(f'median HTTP / in-process: {100 * median:.0f}% over {len(rows)} rounds')
 json.dump({'rounds': rows, 'median_ratio': median, 'seconds_per_side': $seconds, 'inprocess_generations': $repeats,
-           'concurrency': $concurrency, 'batch': 64},
-          open('benchmarks/results/http-vs-inprocess.json', 'w'), indent=1)
+           'concurrency': $concurrency, 'batch': 64, 'serve_flags': '${SERVE_FLAGS:-}'},
+          open('${OUT:-benchmarks/results/http-vs-inprocess.json}', 'w'), indent=1)
 "

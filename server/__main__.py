@@ -4,4 +4,5 @@ import sys
 
 from rnnserve_cli import main
 
-raise SystemExit(main(sys.argv[1:]))
+if __name__ == "__main__":  # not when an engine process (spawned) imports this module as its parent's main
+    raise SystemExit(main(sys.argv[1:]))

@@ -22,6 +22,7 @@ from . import errors, openapi
 from .deps import ServerState
 from .drain import Drain, DrainMiddleware
 from .engine import Engine, EngineLimits
+from .engine_client import EngineClient
 from .metrics import Metrics
 from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestMetricsMiddleware
 from .registry import EngineRegistry, LoadedModel, load_models
@@ -69,8 +70,8 @@ def _lifespan(settings: Settings, metrics: Metrics, models: list[LoadedModel] | 
         limits = EngineLimits(max_batch=settings.max_batch, max_waiting=settings.max_waiting,
                               cuda_graphs=settings.cuda_graphs, compile_decode=settings.compile_decode,
                               scheduler_steps=settings.scheduler_steps)
-        engines = [Engine(m.name, m.model, m.info, limits, metrics) for m in loaded]
-        started: list[Engine] = []
+        engines = [make_engine(m, limits, metrics, settings) for m in loaded]
+        started: list[Engine | EngineClient] = []
         freezing: asyncio.Task | None = None
         try:
             for engine in engines:
@@ -90,7 +91,14 @@ def _lifespan(settings: Settings, metrics: Metrics, models: list[LoadedModel] | 
     return lifespan
 
 
-async def freeze_heap_once_compiled(engines: list[Engine]) -> None:
+def make_engine(loaded: LoadedModel, limits: EngineLimits, metrics: Metrics, settings: Settings) -> Engine | EngineClient:
+    """The model's engine: on a worker thread of this process, or (--engine-process) in a process of its own."""
+    if settings.engine_process:
+        return EngineClient(loaded.name, loaded.model, loaded.info, limits, metrics, settings.threads)
+    return Engine(loaded.name, loaded.model, loaded.info, limits, metrics)
+
+
+async def freeze_heap_once_compiled(engines: list[Engine | EngineClient]) -> None:
     """Put what start-up built (models, compiled graphs) out of the cyclic garbage collector's reach.
 
     A collection of the oldest generation walks every tracked object while holding the GIL, which

@@ -24,39 +24,32 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
 
-from model.config import ModelConfig
 from model.threads import adopt_process_threads
 from model.transformer import Transformer
 
 from . import particles
+from .engine_base import EngineFacts, EngineLimits
 from .metrics import Metrics
 from .runner import ModelRunner
 from .scheduler import Placement, QueueFull, Scheduler
 from .step_events import step_events
-from .streams import EngineFailure, GenerationStream, ScoreJob, deliver, finish
+from .streams import (EngineFailure, EventSink, GenerationStream, LoopSink, ScoreJob, ScoreReply, deliver, finish,
+                      reply_in_loop)
 from .types import GenerationRequest, PromptScores
-from .validation import check_fits, check_generation, check_samples, check_scoring
+from .validation import check_generation, check_scoring
 
-__all__ = ["Engine", "EngineFailure", "EngineLimits", "GenerationStream", "QueueFull"]
+__all__ = ["Engine", "EngineFacts", "EngineFailure", "EngineLimits", "GenerationStream", "QueueFull"]
 
 log = logging.getLogger("rnnserve.engine")
 IDLE_WAKEUP_SECONDS = 1.0  # refresh rate gauges while idle
 
 
-@dataclass(frozen=True)
-class EngineLimits:
-    max_batch: int = 64
-    max_waiting: int = 256
-    cuda_graphs: bool = True  # capture decode steps on CUDA (linear, Linformer)
-    compile_decode: bool = False  # compile decode steps on the CPU (the server passes --compile-decode, default on)
-    scheduler_steps: int = 8  # decode steps per scheduling pass when no client watches each step (multi-step)
+class Engine(EngineFacts):
+    """Continuous batching for one model on a worker thread of its own (see the module's docstring)."""
 
-
-class Engine:
     def __init__(self, name: str, model: Transformer, info: dict, limits: EngineLimits, metrics: Metrics):
         self.name = name
         self.model = model.eval()
@@ -76,14 +69,6 @@ class Engine:
         self._scores: list[ScoreJob] = []  # scoring waits for the worker, bounded like the queue
 
     # -- public API (event-loop side) ---------------------------------------
-    @property
-    def config(self) -> ModelConfig:
-        return self.model.config
-
-    @property
-    def attention(self) -> str:
-        return self.model.config.attention
-
     @property
     def ready(self) -> bool:
         return self._ready.is_set() and not self._stopping
@@ -126,10 +111,11 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
 
-    def submit(self, request: GenerationRequest, each_event: bool = True) -> GenerationStream:
-        """Queue a request; each_event=False hands its events over only once it has finished."""
+    def submit(self, request: GenerationRequest, each_event: bool = True, sink: EventSink | None = None) -> GenerationStream:
+        """Queue a request (thread-safe); each_event=False hands its events over only once it has finished.
+        Its events go to `sink`, by default the calling event loop."""
         check_generation(request, self.name, self.config.max_len, self.limits.max_batch)
-        stream = GenerationStream(request, asyncio.get_running_loop(), each_event)
+        stream = GenerationStream(request, sink or LoopSink(asyncio.get_running_loop()), each_event)
         with self._lock:
             try:
                 self.scheduler.add(stream)
@@ -139,24 +125,26 @@ class Engine:
         self._wakeup.set()
         return stream
 
-    def check_prompt(self, tokens: list[int], samples: int) -> None:
-        """Raise InvalidRequest unless `tokens` are valid and fit this model's context, and `samples` of them
-        would fit --max-batch (a request that generates nothing is held to the limits of one that does)."""
-        check_fits(tokens, 0, self.name, self.config.max_len)
-        check_samples(samples, self.limits.max_batch)
+    async def enqueue(self, request: GenerationRequest, each_event: bool = True) -> GenerationStream:
+        """`submit` from the event loop: what handlers call, alike for an engine in another process."""
+        return self.submit(request, each_event)
 
     async def score(self, tokens: list[int], top: int = 0) -> PromptScores:
         """Log-probability of each token given those before it (the first given BOS), and the `top`
         most likely tokens at each position; computed on the worker thread."""
-        check_scoring(tokens, self.name, self.config.max_len)
-        if len(self._scores) >= max(1, self.limits.max_waiting):
-            raise QueueFull(f"model {self.name!r} is scoring {len(self._scores)} prompts, the limit; retry later")
         loop = asyncio.get_running_loop()
-        job = ScoreJob(tokens, top, loop.create_future(), loop)
+        future = loop.create_future()
+        self.queue_score(tokens, top, reply_in_loop(loop, future))
+        return await future
+
+    def queue_score(self, tokens: list[int], top: int, reply: ScoreReply) -> None:
+        """Queue a prompt to score (thread-safe); `reply(result, error)` runs on the worker thread."""
+        check_scoring(tokens, self.name, self.config.max_len)
         with self._lock:
-            self._scores.append(job)
+            if len(self._scores) >= max(1, self.limits.max_waiting):
+                raise QueueFull(f"model {self.name!r} is scoring {len(self._scores)} prompts, the limit; retry later")
+            self._scores.append(ScoreJob(tokens, top, reply))
         self._wakeup.set()
-        return await job.future
 
     # -- worker thread --------------------------------------------------------
     def _run(self) -> None:

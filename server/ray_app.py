@@ -130,7 +130,9 @@ class RnnserveReplica:
     async def __serve_build_asgi_app__(self) -> ASGIApp:
         from .ray_metrics import RaySeries
 
-        self.built = build_app(self.settings, metrics=Metrics(series=RaySeries()))
+        # A replica is a Ray worker process of its own already; its engines run on its threads.
+        settings = self.settings.model_copy(update={"engine_process": False})
+        self.built = build_app(settings, metrics=Metrics(series=RaySeries()))
         self.built.add_middleware(ReplicaMiddleware, replica=self.replica)
         self.watcher = asyncio.get_running_loop().create_task(self._drain_when_told())
         return self.built

@@ -133,7 +133,7 @@ async def complete_image(request: Request, server: ServerState = Depends(get_ser
     engine = server.engines.for_request(request, options.model, "mnist")
     plan = plan_particles(options.particles, occluded, options.n, engine.limits.max_batch, options.temperature)
     job = ImageJob(f"imgcmpl-{uuid.uuid4().hex}", engine, Canvases(occluded, options.n), plan)
-    stream = submit(engine, generation_request(job, options), each_event=options.stream)
+    stream = await submit(engine, generation_request(job, options), each_event=options.stream)
     if options.stream:
         return StreamingResponse(sse_stream(request, row_events(job, stream), [stream]), media_type="text/event-stream",
                                  headers=SSE_HEADERS)

@@ -29,7 +29,7 @@ async def create_completion(body: CompletionRequest, request: Request,
                             server: ServerState = Depends(get_server)) -> Response | dict[str, Any]:
     engine = server.engines.for_request(request, body.model, "text")
     completion = TextCompletion(body, engine.name, f"cmpl-{uuid.uuid4().hex}")
-    streams = start_generations(engine, body, completion)
+    streams = await start_generations(engine, body, completion)
     try:
         for prompt in body.prompts():
             completion.add_prompt(prompt, await prompt_scores(engine, body, prompt))
@@ -53,7 +53,7 @@ async def create_completion(body: CompletionRequest, request: Request,
     return {**completion.envelope(completion.final_choices()), "usage": completion.usage()}
 
 
-def start_generations(engine: Engine, body: CompletionRequest, completion: TextCompletion) -> list[GenerationStream]:
+async def start_generations(engine: Engine, body: CompletionRequest, completion: TextCompletion) -> list[GenerationStream]:
     """Queue one generation per prompt (the engine validates each); none when max_tokens is 0,
     but each prompt must still fit. A refusal cancels those already queued."""
     streams: list[GenerationStream] = []
@@ -63,7 +63,7 @@ def start_generations(engine: Engine, body: CompletionRequest, completion: TextC
                 with engine_refusals(engine):
                     engine.check_prompt(list(prompt), body.samples)
             else:
-                streams.append(submit(engine, generation_request(body, prompt, f"{completion.id}-{i}"), body.stream))
+                streams.append(await submit(engine, generation_request(body, prompt, f"{completion.id}-{i}"), body.stream))
     except BaseException:
         for stream in streams:
             stream.cancel()

@@ -22,7 +22,7 @@ from .settings import Settings, SettingsError, build_settings
 GRACEFUL_SHUTDOWN_SECONDS = 5  # after the drain, uvicorn's own wait for connections to close
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 SERVER_FLAGS = ("weights", "models", "host", "port", "device", "dtype", "cuda_graphs", "compile_decode", "threads",
-                "max_batch", "max_waiting", "scheduler_steps",
+                "max_batch", "max_waiting", "scheduler_steps", "engine_process",
                 "max_body_bytes", "api_key", "log_level", "drain_seconds", "body_timeout")
 RAY_FLAGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "cpus_per_replica", "gpus_per_replica",
              "ray_metrics_port")
@@ -64,6 +64,10 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode steps run between two scheduling passes while no client watches each step "
                              "(no streamed or particle request is running): new requests wait up to N - 1 steps to "
                              f"join, and the per-step host work is paid once per N steps {default('scheduler_steps')}")
+    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction,
+                        help="run each model's engine in a process of its own (as vLLM does), so that request "
+                             "handling never holds the engine's GIL; the HTTP side talks to it over a pipe "
+                             f"{default('engine_process')}")
     parser.add_argument("--max-body-bytes", type=int, help=f"largest request body accepted {default('max_body_bytes')}")
     parser.add_argument("--body-timeout", type=float, metavar="SECONDS",
                         help=f"a request body not all arrived by then gets 408 and its connection closed {default('body_timeout')}")

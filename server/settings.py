@@ -34,6 +34,7 @@ class Settings(BaseSettings):
     max_batch: int = Field(64, ge=1, le=65536)  # sequences decoded together, per model
     max_waiting: int = Field(256, ge=0)  # sequences queued per model before 429
     scheduler_steps: int = Field(8, ge=1, le=1024)  # decode steps per scheduling pass when no client watches each
+    engine_process: bool = True  # run each model's engine in a process of its own, apart from request handling
     max_body_bytes: int = Field(4 * MIB, ge=1024)
     api_key: SecretStr | None = None
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"

@@ -38,10 +38,10 @@ def engine_refusals(engine: Engine) -> Iterator[None]:
         raise engine_error(exc) from None
 
 
-def submit(engine: Engine, request: GenerationRequest, each_event: bool = True) -> GenerationStream:
+async def submit(engine: Engine, request: GenerationRequest, each_event: bool = True) -> GenerationStream:
     """Queue a request; each_event=False (a non-streamed answer) gets its events only at the end."""
     with engine_refusals(engine):
-        return engine.submit(request, each_event)
+        return await engine.enqueue(request, each_event)
 
 
 async def score(engine: Engine, tokens: list[int], top: int = 0) -> PromptScores:

@@ -13,7 +13,7 @@ import asyncio
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, Protocol
 
 from .types import Generation, GenerationError, GenerationRequest, SampleResult
 
@@ -22,19 +22,46 @@ class EngineFailure(RuntimeError):
     """The engine failed while running a request."""
 
 
-DONE = object()  # end-of-stream marker
+class _EndOfStream:
+    """The end-of-stream marker: unpickled in another process, it is still the one `DONE`."""
+
+    def __reduce__(self) -> str:
+        return "DONE"
+
+    def __repr__(self) -> str:
+        return "DONE"
 
 
-def _is_terminal(item) -> bool:
+DONE = _EndOfStream()
+
+
+def is_terminal(item) -> bool:
     return item is DONE or isinstance(item, GenerationError)
+
+
+class EventSink(Protocol):
+    """Where the engine thread hands a step's events: an event loop, or the pipe to another process."""
+
+    def put_events(self, batch: list[tuple["GenerationStream", list]]) -> None: ...
+
+
+@dataclass(frozen=True)
+class LoopSink:
+    """Hands events to the streams' queues on `loop` (one thread hop per batch). Equal for one loop,
+    so `deliver` groups every stream of a loop into one hop."""
+
+    loop: asyncio.AbstractEventLoop
+
+    def put_events(self, batch: list[tuple["GenerationStream", list]]) -> None:
+        call_in_loop(self.loop, _put_all, batch)
 
 
 class GenerationStream:
     """One request's events; `cancel()` (on disconnect) frees its rows at the engine's next step."""
 
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None, each_event: bool = True):
+    def __init__(self, request: GenerationRequest, sink: EventSink, each_event: bool = True):
         self.request = request
-        self.loop = loop
+        self.sink = sink
         # Lists of events, one list per hand-over: a whole image is one put and one get, not 785.
         self.queue: asyncio.Queue[list] = asyncio.Queue()
         # False: the handler only wants the whole answer, so results are held until the end.
@@ -52,7 +79,7 @@ class GenerationStream:
         if self.each_event:
             return items
         self._held.extend(items)
-        if not self._held or not _is_terminal(self._held[-1]):
+        if not self._held or not is_terminal(self._held[-1]):
             return []
         ready, self._held = self._held, []
         return ready
@@ -74,14 +101,17 @@ Outbox = dict[GenerationStream, list]
 
 
 def deliver(outbox: Outbox) -> None:
-    """Hand events to their streams' event loops: one thread hop per loop."""
-    by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
-    for stream, items in outbox.items():
-        ready = stream.release(items)
-        if ready:
-            by_loop[stream.loop].append((stream, ready))
-    for loop, batch in by_loop.items():
-        call_in_loop(loop, _put_all, batch)
+    """Hand events to their streams' sinks: one hand-over per sink."""
+    hand_over([(stream, ready) for stream, items in outbox.items() if (ready := stream.release(items))])
+
+
+def hand_over(pairs: list[tuple[GenerationStream, list]]) -> None:
+    """Put each stream's released events on its sink, grouped: one hand-over per sink."""
+    by_sink: dict[EventSink, list] = defaultdict(list)
+    for stream, items in pairs:
+        by_sink[stream.sink].append((stream, items))
+    for sink, batch in by_sink.items():
+        sink.put_events(batch)
 
 
 def finish(streams, message: str | None = None) -> None:
@@ -89,21 +119,28 @@ def finish(streams, message: str | None = None) -> None:
     deliver({s: [DONE if message is None else GenerationError(s.request.request_id, message)] for s in streams})
 
 
+ScoreReply = Callable[[object, "Exception | None"], None]  # (result, error): called on the engine thread
+
+
 @dataclass
 class ScoreJob:
-    """A prompt to score on the engine thread; its result goes back to the caller's event loop."""
+    """A prompt to score on the engine thread; `reply` takes its result (or error) back to the caller."""
 
     tokens: list[int]
     top: int
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
+    reply: ScoreReply
 
     def resolve(self, result=None, error: Exception | None = None) -> None:
         """(Engine thread.) Hand over the result, or the error."""
-        call_in_loop(self.loop, _settle, self.future, result, error)
+        self.reply(result, error)
 
 
-def _settle(future: asyncio.Future, result, error: Exception | None) -> None:
+def reply_in_loop(loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> ScoreReply:
+    """A reply that settles `future` on its event loop."""
+    return lambda result, error: call_in_loop(loop, settle, future, result, error)
+
+
+def settle(future: asyncio.Future, result, error: Exception | None) -> None:
     if future.done():  # the caller went away
         return
     if error is not None:

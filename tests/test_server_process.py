@@ -1,7 +1,9 @@
 """The real `rnnserve serve` process on a free port, over real HTTP.
 
 One sequence slot and one waiting place per model (--max-batch 1
---max-waiting 1), so queueing, 429 and freed slots are observable.
+--max-waiting 1), so queueing, 429 and freed slots are observable; each test runs
+against engines on threads of the server's process and against engines in processes
+of their own (--engine-process).
 """
 
 from __future__ import annotations
@@ -42,13 +44,15 @@ def folder(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("process_weights")
 
 
-@pytest.fixture(scope="module")
-def url(folder):
+@pytest.fixture(scope="module", params=["engine-thread", "engine-process"])
+def url(folder, request):
+    """The server with its engines on threads of its own process, then with each in a process of its own."""
     save_tiny_model(folder, MODEL, "linear", "mnist")
     save_tiny_model(folder, "chat", "linear", "text")
     port, log = free_port(), folder / "server.log"
+    flags = ["--engine-process"] if request.param == "engine-process" else []
     proc = start(["--weights", str(folder), "--port", str(port), "--device", "cpu",
-                  "--max-batch", "1", "--max-waiting", "1", "--no-compile-decode", "--threads", "1"], log)
+                  "--max-batch", "1", "--max-waiting", "1", "--no-compile-decode", "--threads", "1", *flags], log)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, base, log)

@@ -1,0 +1,174 @@
+"""The engine in a process of its own (`--engine-process`, server/engine_process.py): a real spawned
+process on a tiny model, driven from asyncio as the handlers drive it. It answers what an engine on a
+thread of this process answers, token for token; its metrics reach this process's registry before its
+answers do; its refusals keep their kinds across the pipe; and when it dies, what waits on it fails
+with a message that says so instead of hanging. (tests/test_server_process.py runs the whole server
+both ways over HTTP.)"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from model.sampling import SamplingParams
+from server.engine import Engine, EngineLimits
+from server.engine_client import EngineClient
+from server.metrics import Metrics
+from server.scheduler import QueueFull
+from server.settings import Settings
+from server.streams import EngineFailure
+from server.types import GenerationRequest
+from server.validation import InvalidRequest
+from conftest import make_tiny_model
+from server_support import metric_value, running_server, save_tiny_model
+
+LIMITS = EngineLimits(max_batch=4, max_waiting=2)
+
+
+def make(kind: type, limits: EngineLimits = LIMITS, metrics: Metrics | None = None):
+    return kind("tiny", make_tiny_model("linear", seed=3), {}, limits, metrics or Metrics())
+
+
+def requests() -> list[GenerationRequest]:
+    return [GenerationRequest(f"r{i}", prompt, max_new_tokens=10, sampling=SamplingParams(seed=seed, temperature=1.0),
+                              n=n, logprobs=True)
+            for i, (prompt, n, seed) in enumerate([([1, 2, 3], 1, 5), ([4, 5], 2, 6), ([], 1, 7)])]
+
+
+async def results_of(engine, batch: list[GenerationRequest]) -> list[list[tuple]]:
+    streams = [await engine.enqueue(r, each_event=False) for r in batch]
+    return [[(s.sample, s.tokens, s.logprobs) for s in [event async for event in stream]] for stream in streams]
+
+
+async def streamed_tokens(engine, request: GenerationRequest) -> list[int]:
+    return [g.token async for g in await engine.enqueue(request, each_event=True)]
+
+
+def both_ways(scenario):
+    """Run `scenario(engine)` on a thread engine and on a process engine; both results."""
+    answers = []
+    for kind in (Engine, EngineClient):
+        engine = make(kind)
+        engine.start()
+        try:
+            answers.append(asyncio.run(scenario(engine)))
+        finally:
+            engine.stop()
+    return answers
+
+
+def tokens_of(answer) -> list:
+    results, streamed, _, top = answer
+    return [[(sample, tokens) for sample, tokens, _ in samples] for samples in results] + [streamed, [[t for t, _ in row] for row in top]]
+
+
+def numbers_of(answer) -> list[float]:
+    results, _, logprobs, top = answer
+    return ([x for samples in results for _, _, values in samples for x in values] + logprobs
+            + [p for row in top for _, p in row])
+
+
+def test_the_engine_process_answers_what_the_engine_thread_answers():
+    async def scenario(engine):
+        scored = await engine.score([9, 8, 7, 6], top=2)
+        return (await results_of(engine, requests()), await streamed_tokens(engine, requests()[0]),
+                scored.logprobs, scored.top_logprobs)
+
+    on_thread, in_process = both_ways(scenario)
+    results, streamed, logprobs, top = in_process
+    assert [len(samples) for samples in results] == [1, 2, 1] and all(len(s[1]) == 10 for r in results for s in r)
+    assert streamed == results[0][0][1]  # streamed and whole answers agree in the engine process too
+    assert tokens_of(in_process) == tokens_of(on_thread)
+    assert numbers_of(in_process) == pytest.approx(numbers_of(on_thread), abs=1e-5)  # other threads, other sums
+    assert len(logprobs) == 4 and all(len(t) == 2 for t in top)
+
+
+def test_its_steps_are_counted_here_before_its_answer_arrives():
+    async def scenario(engine):
+        before = metric_value(metrics.render()[0].decode(), "rnnserve_generated_tokens_total", model="tiny", attention="linear")
+        await results_of(engine, requests()[:1])
+        after = metric_value(metrics.render()[0].decode(), "rnnserve_generated_tokens_total", model="tiny", attention="linear")
+        return before, after
+
+    metrics = Metrics()
+    engine = make(EngineClient, metrics=metrics)
+    engine.start()
+    try:
+        before, after = asyncio.run(scenario(engine))
+        text = metrics.render()[0].decode()
+    finally:
+        engine.stop()
+    assert (before, after) == (0, 10)
+    assert metric_value(text, "rnnserve_decode_state_allocated_bytes", model="tiny", attention="linear") == engine.state_bytes_allocated > 0
+
+
+def test_refusals_keep_their_kind_across_the_pipe():
+    long_request = GenerationRequest("long", [1], max_new_tokens=90, sampling=SamplingParams(seed=1))
+
+    async def scenario(engine):
+        with pytest.raises(InvalidRequest, match="--max-batch"):
+            await engine.enqueue(GenerationRequest("wide", [1], 5, n=5))
+        held = []
+        with pytest.raises(QueueFull, match="retry later"):  # slots and waiting places run out
+            while len(held) <= LIMITS.max_batch + LIMITS.max_waiting:
+                held.append(await engine.enqueue(long_request, each_event=False))
+        for stream in held:
+            stream.cancel()
+        return len(held)
+
+    engine = make(EngineClient)
+    engine.start()
+    try:
+        assert LIMITS.max_waiting <= asyncio.run(scenario(engine)) <= LIMITS.max_batch + LIMITS.max_waiting
+        assert engine.ready  # a refusal is not a failure
+    finally:
+        engine.stop()
+
+
+def test_a_dead_engine_process_fails_what_waits_on_it_and_stops_being_ready():
+    async def scenario(engine):
+        stream = await engine.enqueue(GenerationRequest("r", [1], max_new_tokens=90, sampling=SamplingParams(seed=1)))
+        first = await anext(aiter(stream))
+        os.kill(engine.pid, signal.SIGKILL)
+        with pytest.raises(EngineFailure, match="engine process exited unexpectedly"):
+            async for _ in stream:
+                pass
+        return first.position
+
+    engine = make(EngineClient)
+    engine.start()
+    try:
+        assert engine.ready
+        assert asyncio.run(scenario(engine)) == 1
+        assert not engine.ready
+    finally:
+        engine.stop()
+
+
+def test_an_engine_process_that_cannot_allocate_its_slots_says_so():
+    engine = make(EngineClient, EngineLimits(max_batch=2**40))
+    with pytest.raises(EngineFailure, match="failed to start.*lower --max-batch"):
+        engine.start()
+    assert not engine.ready
+
+
+def test_over_http_a_killed_engine_process_leaves_the_server_answering(tmp_path):
+    save_tiny_model(tmp_path, "one", "linear", "text")
+    save_tiny_model(tmp_path, "two", "linear", "text")
+    with running_server(Settings(weights=tmp_path, compile_decode=False, engine_process=True)) as (url, app):
+        two = app.state.server.engines.engines["two"]
+        assert isinstance(two, EngineClient) and two.pid != os.getpid()
+        os.kill(two.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{url}/health").status_code == 200:
+            assert time.monotonic() < deadline, "/health kept saying ready after the engine process died"
+            time.sleep(0.05)
+        assert httpx.get(f"{url}/health").json()["error"]["message"] == "models not ready: two"
+        refused = httpx.post(f"{url}/v1/completions", json={"model": "two", "prompt": "a"})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"
+        assert httpx.post(f"{url}/v1/completions", json={"model": "one", "prompt": "a", "max_tokens": 3}).status_code == 200

@@ -74,9 +74,7 @@ def _lifespan(settings: Settings, metrics: Metrics, models: list[LoadedModel] | 
         started: list[Engine | EngineClient] = []
         freezing: asyncio.Task | None = None
         try:
-            for engine in engines:
-                engine.start()
-                started.append(engine)
+            started = await start_engines(engines)
             created = {m.name: int(m.path.stat().st_mtime) for m in loaded}
             app.state.server = ServerState(settings, metrics, EngineRegistry(engines, created))
             log.info("serving %s, %d intra-op CPU threads", ", ".join(e.name for e in engines), torch.get_num_threads())
@@ -89,6 +87,19 @@ def _lifespan(settings: Settings, metrics: Metrics, models: list[LoadedModel] | 
                 engine.stop()
 
     return lifespan
+
+
+async def start_engines(engines: list[Engine | EngineClient]) -> list[Engine | EngineClient]:
+    """Start every engine at once (an engine process takes seconds to spawn and import torch); if one
+    cannot start, stop those that did and raise its error."""
+    outcomes = await asyncio.gather(*(asyncio.to_thread(engine.start) for engine in engines), return_exceptions=True)
+    failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+    if failures:
+        for engine, outcome in zip(engines, outcomes):
+            if not isinstance(outcome, BaseException):
+                engine.stop()
+        raise failures[0]
+    return engines
 
 
 def make_engine(loaded: LoadedModel, limits: EngineLimits, metrics: Metrics, settings: Settings) -> Engine | EngineClient:

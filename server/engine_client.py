@@ -57,6 +57,7 @@ class EngineClient(EngineFacts):
         self._conn: Connection | None = None
         self._reader: threading.Thread | None = None
         self._send_lock = threading.Lock()
+        self._reaping = threading.Lock()
         self._lock = threading.Lock()  # the two tables below: the event loop adds, the reader thread removes
         self._streams: dict[int, RemoteStream] = {}
         self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}  # answers awaited
@@ -103,9 +104,7 @@ class EngineClient(EngineFacts):
             self._record(*message[1:])
         if message[0] == "started":
             return message[1]
-        self._process.join(STOP_SECONDS)
-        if self._process.is_alive():
-            self._process.kill()
+        self._end_process()
         raise EngineFailure(f"model {self.name!r}: the engine process failed to start: {message[1]}")
 
     def _next_start_message(self) -> tuple:
@@ -114,8 +113,7 @@ class EngineClient(EngineFacts):
             if self._conn.poll(START_SECONDS):
                 return self._conn.recv()
         except (EOFError, OSError):
-            self._process.join(STOP_SECONDS)
-            return ("failed", f"it exited with code {self._process.exitcode} (its log above says why)")
+            return ("failed", f"it exited with code {self._end_process()} (its log above says why)")
         return ("failed", f"it did not start within {START_SECONDS:.0f} s")
 
     def stop(self) -> None:
@@ -123,13 +121,21 @@ class EngineClient(EngineFacts):
             return
         self._stopping = True
         self._send(("stop",))
-        self._process.join(STOP_SECONDS)
-        if self._process.is_alive():
-            log.warning("model %s: engine process did not stop in %.0f s; killing it", self.name, STOP_SECONDS)
-            self._process.kill()
-            self._process.join()
+        self._end_process()
         if self._reader is not None:
             self._reader.join()
+
+    def _end_process(self) -> int | None:
+        """Wait for the engine process to exit (killed past STOP_SECONDS); its exit code. One thread at a
+        time: two threads reaping one child race, and the loser would see it alive after it has exited."""
+        assert self._process is not None
+        with self._reaping:
+            self._process.join(STOP_SECONDS)
+            if self._process.exitcode is None:
+                log.warning("model %s: engine process did not exit in %.0f s; killing it", self.name, STOP_SECONDS)
+                self._process.kill()
+                self._process.join()
+        return self._process.exitcode
 
     # -- requests (event loop) --------------------------------------------------
     async def enqueue(self, request: GenerationRequest, each_event: bool = True) -> GenerationStream:
@@ -195,9 +201,9 @@ class EngineClient(EngineFacts):
                 log.exception("model %s: bad message from the engine process: %.200r", self.name, message)
         with self._lock:
             self._alive = False
-        self._process.join(STOP_SECONDS)
+        code = self._end_process()
         reason = ("the server is shutting down" if self._stopping else
-                  f"its engine process exited unexpectedly (exit code {self._process.exitcode})")
+                  f"its engine process exited unexpectedly (exit code {code})")
         self._fail_everything(f"model {self.name!r}: {reason}")
 
     def _dispatch(self, message: tuple) -> None:

@@ -1,10 +1,12 @@
 """The stream layer: what the engine thread hands to asyncio, and how.
 
 `GenerationStream` is what `Engine.submit` returns. The engine thread puts
-lists of events on it through `deliver`, one thread hop per event loop per
-step; the handler iterates it. A streamed request gets a Generation per
-token; a non-streamed one gets its SampleResults together, once every
-sample has finished.
+lists of events on it through `deliver`, one hand-over per event sink per
+step: a `LoopSink` hops to an event loop of this process, and an engine
+process's `PipeSink` (engine_process.py) sends them to the HTTP process,
+whose `EngineClient` hands them to its loop. The handler iterates the
+stream. A streamed request gets a Generation per token; a non-streamed one
+gets its SampleResults together, once every sample has finished.
 """
 
 from __future__ import annotations

@@ -252,7 +252,10 @@ class EngineClient(EngineFacts):
         if waiting is None:  # failed already: the engine process was going away
             return
         loop, future = waiting
-        result, error = (None, None) if kind == "accepted" else (rest[0], rest[1]) if kind == "scored" else (None, rest[0])
+        if kind == "scored":
+            result, error = rest
+        else:  # accepted: no error; refused: why
+            result, error = None, (rest[0] if kind == "refused" else None)
         call_in_loop(loop, settle, future, result, rebuild_error(error))
 
     def _fail_everything(self, message: str) -> None:

@@ -18,7 +18,7 @@ from .engine import EngineFacts, EngineLimits
 from .engine_process import EngineSpec, StartedFacts, rebuild_error, serve_engine
 from .metrics import Metrics
 from .streams import EngineFailure, GenerationStream, LoopSink, call_in_loop, hand_over, is_terminal, settle
-from .types import GenerationError, GenerationRequest, PromptScores, StepStats
+from .types import GenerationError, GenerationRequest, PromptScores
 from .validation import check_generation, check_scoring
 
 log = logging.getLogger("rnnserve.engine_client")
@@ -51,7 +51,6 @@ class EngineClient(EngineFacts):
         self.cuda_graphs = False  # known once started
         self.compiled_decode = False  # true once the engine process has compiled its decode steps
         self.metrics = metrics.for_model(name, model.config.attention, images=model.config.task == "mnist")
-        self.running = self.waiting = 0  # as the engine last reported them
         self._threads = threads
         self._process: torch.multiprocessing.Process | None = None
         self._conn: Connection | None = None
@@ -236,13 +235,6 @@ class EngineClient(EngineFacts):
         if method not in FORWARDED_METRICS:
             raise ValueError(f"unknown metric call {method!r}")
         getattr(self.metrics, method)(*args)
-        if method == "record_step":
-            stats: StepStats = args[0]
-            self.running, self.waiting = stats.running, stats.waiting
-        elif method == "queue":
-            self.running, self.waiting = args
-        elif method == "idle":
-            self.running, self.waiting = 0, args[0]
 
     def _answer(self, kind: str, key: int, *rest) -> None:
         with self._lock:

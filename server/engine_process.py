@@ -169,11 +169,6 @@ class EngineServer:
             return
         self.pipe.send(("accepted", key))
 
-    def _check_alive(self) -> None:
-        """(With the lock held.) Refuse work once the engine process is gone: nothing would answer it."""
-        if not self._alive:
-            raise EngineFailure(f"model {self.name!r}: its engine process is not running")
-
     def cancel(self, key: int) -> None:
         with self.sink.lock:
             stream = self.sink.streams.get(key)

@@ -240,7 +240,8 @@ class Engine(EngineFacts):
         self.runner.move_rows(self.scheduler.compact(outcome.finished), drawn.tokens)
         live = self.scheduler.running
         # Metrics first: a client that has its answer must find the step counted when it scrapes.
-        stats = self.scheduler.make_stats(outcome, self.runner.state_bytes(live), resamplings, steps)
+        stats = self.scheduler.make_stats(outcome, self.runner.state_bytes(live), resamplings, steps,
+                                          time.monotonic() - started)
         self.metrics.record_step(stats)
         deliver(outbox)
         self.runner.decode(drawn.tokens[:live])

@@ -18,6 +18,7 @@ from prometheus_client.utils import floatToGoString
 from .types import StepStats
 
 MODEL_LABELS = ("model", "attention")
+STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.25, 0.5, 1.0)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 RATE_WINDOW_SECONDS = 10.0
 
@@ -132,6 +133,10 @@ class Metrics:
         self.waiting = s.gauge("rnnserve_waiting_sequences", "Sequences queued for a slot.", MODEL_LABELS)
         self.batch_size = s.gauge("rnnserve_batch_size", "Sequences in the last decoding step.", MODEL_LABELS)
         self.decode_steps = s.counter("rnnserve_decode_steps", "Batched decoding steps run.", MODEL_LABELS)
+        self.step_time = s.counted_histogram(
+            "rnnserve_decode_step_seconds", "Wall time of one batched decoding step, sampling and bookkeeping included "
+            "(steps run as one multi-step pass share its time); the rate of its _sum is the share of time the engine "
+            "spends decoding.", MODEL_LABELS, STEP_BUCKETS)
         self.tokens_per_second = s.gauge("rnnserve_tokens_per_second", f"Tokens generated per second over the last {RATE_WINDOW_SECONDS:g} s.",
                                          MODEL_LABELS)
         self.images_per_second = s.gauge("rnnserve_images_per_second", f"Images completed per second over the last {RATE_WINDOW_SECONDS:g} s.",
@@ -155,10 +160,13 @@ class Metrics:
         return child
 
     # -- engine side -------------------------------------------------------
-    def step(self, model: str, attention: str, batch: int, tokens: int, state_bytes: int, steps: int = 1) -> None:
-        """Record `steps` decoding steps of `batch` sequences producing `tokens` tokens."""
+    def step(self, model: str, attention: str, batch: int, tokens: int, state_bytes: int, steps: int = 1,
+             seconds: float = 0.0) -> None:
+        """Record `steps` decoding steps of `batch` sequences producing `tokens` tokens in `seconds`."""
         labels = (model, attention)
         self._bound(self.decode_steps, *labels).inc(steps)
+        if steps:
+            self.step_time.observe(labels, seconds / steps, steps)
         self._bound(self.batch_size, *labels).set(batch)
         self._bound(self.state_in_use, *labels).set(state_bytes)
         self.tokens(model, attention, tokens)
@@ -212,6 +220,7 @@ class Metrics:
         for metric in (self.ttft, self.latency):
             self._bound(metric, *labels)
         self.itl.add_series(labels)
+        self.step_time.add_series(labels)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -233,7 +242,8 @@ class ModelMetrics:
     def record_step(self, stats: StepStats) -> None:
         """Everything one decoding step changes, in one place."""
         m, labels = self.metrics, self.labels
-        m.step(*labels, batch=stats.batch, tokens=stats.tokens, state_bytes=stats.state_bytes, steps=stats.steps)
+        m.step(*labels, batch=stats.batch, tokens=stats.tokens, state_bytes=stats.state_bytes, steps=stats.steps,
+               seconds=stats.seconds)
         m.queue(*labels, stats.running, stats.waiting)
         for seconds in stats.first_token_seconds:
             m.first_token(*labels, seconds)

@@ -257,12 +257,14 @@ class Scheduler:
             self._needs = StepNeeds.of(self._live)
         return self._needs
 
-    def make_stats(self, outcome: StepOutcome, state_bytes: int, resamplings: int = 0, steps: int = 1) -> StepStats:
-        """The figures of the `steps` steps since the last update for the metrics, once finished rows have left."""
+    def make_stats(self, outcome: StepOutcome, state_bytes: int, resamplings: int = 0, steps: int = 1,
+                   seconds: float = 0.0) -> StepStats:
+        """The figures of the `steps` steps since the last update (which took `seconds`) for the metrics,
+        once finished rows have left."""
         return StepStats(batch=len(outcome.reasons), steps=steps, tokens=outcome.tokens, running=self.running,
                          waiting=self.waiting_sequences, state_bytes=state_bytes,
                          first_token_seconds=outcome.first_token_seconds, token_gaps=outcome.token_gaps,
-                         resamplings=resamplings)
+                         resamplings=resamplings, seconds=seconds)
 
 
 def _advance(seq: Sequence, tokens: list[int], now: float, started: float, outcome: StepOutcome) -> str | None:

@@ -21,7 +21,7 @@ METRIC_NAMES = (
     "rnnserve_time_to_first_token_seconds", "rnnserve_inter_token_latency_seconds", "rnnserve_request_latency_seconds",
     "rnnserve_running_sequences", "rnnserve_waiting_sequences", "rnnserve_batch_size", "rnnserve_decode_steps_total",
     "rnnserve_tokens_per_second", "rnnserve_images_per_second", "rnnserve_decode_state_in_use_bytes",
-    "rnnserve_particle_resamplings_total",
+    "rnnserve_particle_resamplings_total", "rnnserve_decode_step_seconds",
 )
 
 
@@ -139,11 +139,10 @@ def test_health_ready(server):
 
 def test_metrics_exports_every_name_and_moves(server):
     text = server.get("/metrics").text
-    for name in METRIC_NAMES:
-        assert f"\n{name}" in text, name
     labels = {"model": "linear-text", "attention": "linear"}
     before = {name: metric_value(text, name, **labels) for name in
-              ("rnnserve_generated_tokens_total", "rnnserve_decode_steps_total", "rnnserve_request_latency_seconds_count")}
+              ("rnnserve_generated_tokens_total", "rnnserve_decode_steps_total", "rnnserve_request_latency_seconds_count",
+               "rnnserve_decode_step_seconds_count", "rnnserve_decode_step_seconds_sum", "rnnserve_request_latency_seconds_sum")}
     ok_before = metric_value(text, "rnnserve_requests_total", endpoint="/v1/completions", outcome="ok")
     bad_before = metric_value(text, "rnnserve_requests_total", endpoint="/v1/completions", outcome="invalid")
     ok_model_before = metric_value(text, "rnnserve_requests_total", endpoint="/v1/completions", outcome="ok", **labels)
@@ -152,9 +151,17 @@ def test_metrics_exports_every_name_and_moves(server):
     response = server.get("/metrics")
     assert response.headers["content-type"].startswith("text/plain")
     after = response.text
+    for name in METRIC_NAMES:  # after traffic: the request counter has no series before its first request
+        assert f"\n{name}" in after, name
     assert metric_value(after, "rnnserve_generated_tokens_total", **labels) == before["rnnserve_generated_tokens_total"] + 5
     assert metric_value(after, "rnnserve_decode_steps_total", **labels) >= before["rnnserve_decode_steps_total"] + 5
     assert metric_value(after, "rnnserve_request_latency_seconds_count", **labels) == before["rnnserve_request_latency_seconds_count"] + 1
+    # every step is timed once, and the steps of one request fit inside its latency
+    steps = metric_value(after, "rnnserve_decode_steps_total", **labels) - before["rnnserve_decode_steps_total"]
+    assert metric_value(after, "rnnserve_decode_step_seconds_count", **labels) - before["rnnserve_decode_step_seconds_count"] == steps
+    step_seconds = metric_value(after, "rnnserve_decode_step_seconds_sum", **labels) - before["rnnserve_decode_step_seconds_sum"]
+    latency = metric_value(after, "rnnserve_request_latency_seconds_sum", **labels) - before["rnnserve_request_latency_seconds_sum"]
+    assert 0 < step_seconds <= latency
     assert metric_value(after, "rnnserve_requests_total", endpoint="/v1/completions", outcome="ok") == ok_before + 1
     assert metric_value(after, "rnnserve_requests_total", endpoint="/v1/completions", outcome="invalid") == bad_before + 1
     # both requests named a loaded model: the refused one is labelled by it too

@@ -18,7 +18,10 @@
 # server's batch stays 64. At 64 (the issue's measurement) a finished request's slot waits for its
 # client's next request; above 64 requests queue, and a slot is refilled from the queue at once.
 #
-# Writes benchmarks/results/http-vs-inprocess.json and prints one line per round.
+# Writes benchmarks/results/http-vs-inprocess.json and prints one line per round. Around each HTTP run it also
+# scrapes /metrics and prints how the server's engine spent it (benchmarks/engine_split.py: the share of the time
+# it decoded, rows a step, ms a step), beside each in-process run's ms a step, so a gap splits into idle time,
+# partial batches and slower steps; the JSON keeps those figures under each round's `engine`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
@@ -46,14 +49,18 @@ inprocess() {  # images/s over back-to-back batch-64 in-process generations: all
     "$py" -m rnnserve_cli bench --preset cpu --kinds linear --batch-sizes 64 --repeats "$repeats" --threads 1 --no-eager-too \
         --positions 100 --steps-per-position 2 --nocache-pixels 4 --nocache-samples 1 \
         --json-out "$work/inproc.json" >/dev/null 2>&1
-    "$py" -c "import json; r = json.load(open('$work/inproc.json'))['images'][0]; \
-print(r['batch'] * len(r['all_seconds']) / sum(r['all_seconds']))"
+    "$py" -c "import json, sys; r = json.load(open('$work/inproc.json'))['images'][0]; \
+print(r['batch'] * len(r['all_seconds']) / sum(r['all_seconds'])); \
+print(f\"in-process: {1e3 * sum(r['all_seconds']) / len(r['all_seconds']) / 784:.3f} ms a step of {r['batch']} rows\", file=sys.stderr)"
 }
-http() {  # images/s of one HTTP load run
+http() {  # images/s of one HTTP load run, and how the engine spent it (from /metrics before and after)
+    curl -sf "http://127.0.0.1:$port/metrics" >"$work/metrics-before"
     "$py" -m rnnserve_cli bench --url "http://127.0.0.1:$port" --kind image --concurrency "$concurrency" --keep-rows 0 \
         --duration "$seconds" --requests 100000 --timeout 120 --json-out "$work/http.json" >/dev/null
+    curl -sf "http://127.0.0.1:$port/metrics" >"$work/metrics-after"
     "$py" -c "import json; d = json.load(open('$work/http.json')); \
 assert d['completed'] == d['sent'], d['outcomes']; print(d['images_per_s'])"
+    "$py" -m benchmarks.engine_split "$work/metrics-before" "$work/metrics-after" "$work/http.json" --append "$work/engine.jsonl"
 }
 
 before=$(inprocess)
@@ -69,8 +76,10 @@ done
 printf '%s\n' "${runs[@]}" | "$py" -c "
 import json, statistics, sys
 rows = [dict(zip(('inprocess_before', 'http', 'inprocess_after'), map(float, line.split()))) for line in sys.stdin]
-for r in rows:
+engine = [json.loads(line) for line in open('$work/engine.jsonl')]
+for r, e in zip(rows, engine):
     r['ratio'] = r['http'] / ((r['inprocess_before'] + r['inprocess_after']) / 2)
+    r['engine'] = e  # how the server's engine spent the HTTP run (benchmarks/engine_split.py)
     print(f\"HTTP {r['http']:.2f} images/s vs in-process {r['inprocess_before']:.2f} / {r['inprocess_after']:.2f}: {100 * r['ratio']:.0f}%\")
 median = statistics.median(r['ratio'] for r in rows)
 print(f'median HTTP / in-process: {100 * median:.0f}% over {len(rows)} rounds')

@@ -287,6 +287,23 @@ def test_image_load_counts_match_the_servers_counters(server_url):
     assert result["latency_s"]["count"] == result["completed"]
 
 
+def test_engine_split_accounts_for_a_load_run(server_url, tmp_path):
+    """benchmarks/engine_split.py: from /metrics around a run, the engine's busy share, rows and step time."""
+    from benchmarks.engine_split import main as engine_split
+
+    (tmp_path / "before").write_text(_metrics(server_url))
+    result = run_load(LoadSettings(url=server_url, kind="image", concurrency=3, duration=1.5, max_requests=1000,
+                                   keep_rows=24, timeout=60))
+    (tmp_path / "after").write_text(_metrics(server_url))
+    (tmp_path / "load.json").write_text(json.dumps(result))
+    engine_split([str(tmp_path / name) for name in ("before", "after", "load.json")] + ["--append", str(tmp_path / "e.jsonl")])
+    figures = json.loads((tmp_path / "e.jsonl").read_text())
+    assert figures["rows_per_step"] * figures["steps"] == pytest.approx(result["tokens"])  # only this run decoded
+    assert 1 <= figures["rows_per_step"] <= 3  # three clients
+    assert 0 < figures["busy_share"] <= 1 and figures["step_ms"] > 0
+    assert figures["step_ms"] * figures["steps"] == pytest.approx(1e3 * figures["busy_share"] * result["elapsed_s"])
+
+
 def test_ramp_up_spreads_the_workers_first_requests(server_url):
     """With --ramp-up R and c workers, worker i sends its first request R * i / c seconds in (all at once by default:
     equal-length requests then finish and return together, in lockstep)."""

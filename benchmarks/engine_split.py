@@ -3,9 +3,11 @@
     python -m benchmarks.engine_split METRICS_BEFORE METRICS_AFTER LOAD_JSON [--append FILE.jsonl]
 
 Over the run's wall time: the share the engine spent in decoding steps (`busy`), the mean rows a step decoded,
-and the mean time of a step. A run's images/s is about busy x rows / (tokens per image x step time), so its gap to
-in-process splits into time the engine waited (for answers to leave and requests to come), partial batches, and
-slower steps. Prints one line; --append adds the figures as a JSON line.
+and the mean time of a step (its draw, forward and bookkeeping). A run's images/s is about
+busy x rows / (tokens per image x step time), so its gap to in-process splits into time the engine spent outside
+decoding steps (waiting for answers to leave and requests to come, and admitting them: prefill), partial batches,
+and slower steps. The in-process side's ms a step (`http_vs_inprocess.sh`) is a generation's whole time over its
+784 steps, its one prefill included. Prints one line; --append adds the figures as a JSON line.
 """
 
 from __future__ import annotations

@@ -67,6 +67,7 @@ class Engine(EngineFacts):
         self._thread: threading.Thread | None = None
         self._start_error: Exception | None = None
         self._scores: list[ScoreJob] = []  # scoring waits for the worker, bounded like the queue
+        self._forward_seconds = 0.0  # a pass's closing forward runs after its record: timed with the next pass
 
     # -- public API (event-loop side) ---------------------------------------
     @property
@@ -240,11 +241,13 @@ class Engine(EngineFacts):
         self.runner.move_rows(self.scheduler.compact(outcome.finished), drawn.tokens)
         live = self.scheduler.running
         # Metrics first: a client that has its answer must find the step counted when it scrapes.
-        stats = self.scheduler.make_stats(outcome, self.runner.state_bytes(live), resamplings, steps,
-                                          time.monotonic() - started)
+        seconds, self._forward_seconds = time.monotonic() - started + self._forward_seconds, 0.0
+        stats = self.scheduler.make_stats(outcome, self.runner.state_bytes(live), resamplings, steps, seconds)
         self.metrics.record_step(stats)
         deliver(outbox)
+        forward_started = time.monotonic()
         self.runner.decode(drawn.tokens[:live])
+        self._forward_seconds = time.monotonic() - forward_started
 
     def _can_admit(self) -> bool:
         """A request is waiting and a slot is free (read without the lock: a stale answer only moves

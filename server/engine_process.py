@@ -146,7 +146,11 @@ class EngineServer:
                 break
             if message[0] == "stop":
                 break
-            self.handle(message)
+            try:
+                self.handle(message)
+            except Exception as exc:  # a bug in one call must not take the model down: answer it and go on
+                log.exception("engine process: %r failed", message[0])
+                self.answer_failure(message, EngineFailure(f"internal error: {exc}"))
 
     def handle(self, message: tuple) -> None:
         kind, key, *args = message
@@ -159,12 +163,20 @@ class EngineServer:
         else:
             log.error("unknown message %r", kind)
 
+    def answer_failure(self, message: tuple, error: EngineFailure) -> None:
+        """Tell the API process that a submit or a score failed, so nothing waits on it forever."""
+        kind, key = message[0], message[1]
+        if kind == "submit":
+            self.pipe.send(("refused", key, describe_error(error)))
+        elif kind == "score":
+            self.pipe.send(("scored", key, None, describe_error(error)))
+
     def submit(self, key: int, request: GenerationRequest, each_event: bool) -> None:
         try:
             with self.sink.lock:
                 stream = self.engine.submit(request, each_event, self.sink)
                 self.sink.keys[stream], self.sink.streams[key] = key, stream
-        except (QueueFull, InvalidRequest, EngineFailure) as exc:
+        except (QueueFull, InvalidRequest) as exc:
             self.pipe.send(("refused", key, describe_error(exc)))
             return
         self.pipe.send(("accepted", key))

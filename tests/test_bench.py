@@ -301,7 +301,6 @@ def test_engine_split_accounts_for_a_load_run(server_url, tmp_path):
     assert figures["rows_per_step"] * figures["steps"] == pytest.approx(result["tokens"])  # only this run decoded
     assert 1 <= figures["rows_per_step"] <= 3  # three clients
     assert 0 < figures["busy_share"] <= 1 and figures["step_ms"] > 0
-    assert figures["step_ms"] * figures["steps"] == pytest.approx(1e3 * figures["busy_share"] * result["elapsed_s"])
 
 
 def test_ramp_up_spreads_the_workers_first_requests(server_url):

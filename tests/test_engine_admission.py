@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -259,3 +260,23 @@ def test_a_request_that_can_join_ends_a_multi_step_run_early(monkeypatch):
         engine.stop()
     assert [len(r.tokens) for r in results] == [5, 90]
     assert joined_at[1] - submitted_at <= 2, (submitted_at, joined_at)
+
+
+@pytest.mark.parametrize("steps_per_pass", [1, 8])
+def test_decode_step_time_counts_every_forward(monkeypatch, steps_per_pass):
+    """rnnserve_decode_step_seconds: a step is a draw and a forward. A pass's closing forward runs after its
+    record is sent, so it is counted with the next pass; only the very last one can be missing."""
+    from server_support import metric_value
+
+    forward_seconds = 0.02
+    decode = ModelRunner.decode
+    monkeypatch.setattr(ModelRunner, "decode", lambda self, tokens: time.sleep(forward_seconds) or decode(self, tokens))
+    engine = make_engine("linear", scheduler_steps=steps_per_pass)
+    try:
+        asyncio.run(_whole_results(engine, [GenerationRequest("timed", [1, 2], 12, SamplingParams(seed=0))]))
+        text = engine.metrics.metrics.render()[0].decode()
+    finally:
+        engine.stop()
+    steps = metric_value(text, "rnnserve_decode_steps_total")
+    assert metric_value(text, "rnnserve_decode_step_seconds_count") == steps >= 12
+    assert metric_value(text, "rnnserve_decode_step_seconds_sum") >= (steps - 1) * forward_seconds

@@ -150,6 +150,27 @@ def test_a_dead_engine_process_fails_what_waits_on_it_and_stops_being_ready():
         engine.stop()
 
 
+def test_a_call_that_fails_in_the_engine_process_is_answered_and_the_process_serves_on():
+    """A bug hit by one call (here: a submit whose request is not a GenerationRequest, which the client's own
+    checks never let through) fails that call with the reason; the engine process keeps serving."""
+    async def scenario(engine):
+        key, future = -1, asyncio.get_running_loop().create_future()
+        with engine._lock:
+            engine._pending[key] = (asyncio.get_running_loop(), future)
+        engine._send(("submit", key, "not a request", False))
+        with pytest.raises(EngineFailure, match="internal error"):
+            await future
+        return await results_of(engine, requests()[:1])
+
+    engine = make(EngineClient)
+    engine.start()
+    try:
+        assert len(asyncio.run(scenario(engine))[0][0][1]) == 10  # the next request is answered in full
+        assert engine.ready
+    finally:
+        engine.stop()
+
+
 def test_an_engine_process_that_cannot_allocate_its_slots_says_so():
     engine = make(EngineClient, EngineLimits(max_batch=2**40))
     with pytest.raises(EngineFailure, match="failed to start.*lower --max-batch"):

@@ -165,8 +165,7 @@ class Metrics:
         """Record `steps` decoding steps of `batch` sequences producing `tokens` tokens in `seconds`."""
         labels = (model, attention)
         self._bound(self.decode_steps, *labels).inc(steps)
-        if steps:
-            self.step_time.observe(labels, seconds / steps, steps)
+        self.step_time.observe(labels, seconds / steps, steps)  # an update runs at least one step
         self._bound(self.batch_size, *labels).set(batch)
         self._bound(self.state_in_use, *labels).set(state_bytes)
         self.tokens(model, attention, tokens)

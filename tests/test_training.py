@@ -446,6 +446,56 @@ def test_max_shift_may_change_only_with_extend_and_is_recorded(tmp_path: Path, m
     assert read_metadata(out)[1]["max_shift"] == 1
 
 
+def test_init_from_starts_a_new_run_from_trained_weights_under_another_hashing(tmp_path: Path, text_file: Path,
+                                                                               capsys) -> None:
+    source = tmp_path / "src.safetensors"
+    reformer = ["--attention", "reformer", "--no-eval", "--save-dtype", "float32"]
+    train.train(text_args(tmp_path, text_file, *reformer, "--steps", "40", "--out", str(source)))
+    trained, _ = load_model(source)
+    warm = text_args(tmp_path, text_file, *reformer, "--steps", "1", "--lr", "1e-12", "--reformer-buckets", "8",
+                     "--init-from", str(source), "--out", str(tmp_path / "warm.safetensors"))
+    info = train.train(warm)
+    assert "initialised from" in capsys.readouterr().err and info["init_from"] == str(source) and info["steps"] == 1
+    warmed, _ = load_model(tmp_path / "warm.safetensors")
+    assert warmed.config.reformer_buckets == 8 and trained.config.reformer_buckets == 32
+    params = dict(trained.named_parameters())
+    for name, value in warmed.named_parameters():  # a step at lr 1e-12 moves nothing visible
+        assert torch.allclose(value, params[name], atol=1e-6), name
+    rotations = [name for name, _ in warmed.named_buffers() if name.endswith("rotations")]
+    assert rotations and all(warmed.get_buffer(n).shape[-1] == 4 for n in rotations)  # drawn for 8 buckets
+    cold = text_args(tmp_path, text_file, *reformer, "--steps", "1", "--lr", "1e-12", "--reformer-buckets", "8",
+                     "--out", str(tmp_path / "cold.safetensors"))
+    assert info["final_train_loss_nats"] < train.train(cold)["final_train_loss_nats"] - 1.0
+
+
+def test_init_from_names_the_fields_that_would_change_parameters(tmp_path: Path, text_file: Path) -> None:
+    source = tmp_path / "src.safetensors"
+    train.train(text_args(tmp_path, text_file, "--steps", "1", "--no-eval", "--out", str(source)))
+    wider = text_args(tmp_path, text_file, "--steps", "1", "--no-eval", "--d-model", "64", "--init-from", str(source))
+    with pytest.raises(train.TrainError, match=r"the file has d_model=32; this run builds d_model=64; only dropout, "
+                                               r"reformer_buckets, reformer_local_window, reformer_rounds may differ"):
+        train.train(wider)
+    missing = text_args(tmp_path, text_file, "--steps", "1", "--init-from", str(tmp_path / "none.safetensors"))
+    with pytest.raises(train.TrainError, match=r"none\.safetensors: no such file; expected a \.safetensors model"):
+        train.train(missing)
+    (tmp_path / "junk.safetensors").write_bytes(b"not a model at all")
+    junk = text_args(tmp_path, text_file, "--steps", "1", "--init-from", str(tmp_path / "junk.safetensors"))
+    with pytest.raises(train.TrainError, match=r"--init-from: .*junk\.safetensors: "):
+        train.train(junk)
+
+
+def test_a_stopped_warm_start_resumes_from_its_checkpoint(tmp_path: Path, text_file: Path, capsys) -> None:
+    source, ckpt = tmp_path / "src.safetensors", str(tmp_path / "w.ckpt")
+    train.train(text_args(tmp_path, text_file, "--steps", "2", "--no-eval", "--out", str(source)))
+    warm = text_args(tmp_path, text_file, "--steps", "4", "--no-eval", "--checkpoint", ckpt, "--checkpoint-every", "2",
+                     "--resume", "--init-from", str(source))
+    train.train(warm, stop_after=2)
+    assert "initialised from" in capsys.readouterr().err
+    info = train.train(warm)  # the same command: the checkpoint wins, the file is not loaded again
+    err = capsys.readouterr().err
+    assert "resumed from" in err and "initialised from" not in err and info["steps"] == 4
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--max-shift", "5"], r"--max-shift must be in 0\.\.4 pixels, got 5"),
     (["--max-shift", "-1"], r"--max-shift must be in 0\.\.4 pixels, got -1"),

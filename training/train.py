@@ -40,6 +40,7 @@ from .data import MNIST_PIXELS, DataError, load_mnist, load_text, random_shift
 from .errors import TrainError
 from .evaluate import device_description, evaluate_file, print_table, resolve_device
 from .presets import PRESETS
+from .warm_start import init_from
 
 SAVE_DTYPES = {name: getattr(torch, name) for name in SAVE_DTYPE_NAMES}
 MIN_LR_FRACTION = 0.1  # the cosine ends at 10% of the peak rate
@@ -182,6 +183,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise TrainError(f"--out {args.out}: folder {Path(args.out).parent} does not exist")
     if args.checkpoint and not Path(args.checkpoint).parent.is_dir():
         raise TrainError(f"--checkpoint {args.checkpoint}: folder {Path(args.checkpoint).parent} does not exist")
+    if args.init_from and not Path(args.init_from).is_file():
+        raise TrainError(f"--init-from {args.init_from}: no such file; expected a .safetensors model written by rnnserve")
     if args.extend and not args.resume:
         raise TrainError("--extend changes the horizon of a resumed run: add --resume")
     if not 0 <= args.max_shift <= MAX_SHIFT:
@@ -289,6 +292,7 @@ def training_info(args: argparse.Namespace, data_path: str, prog: Progress, devi
         "lr": lr,
         "seed": args.seed,
         "max_shift": args.max_shift,
+        "init_from": args.init_from,  # the weights this run started from (None: random)
         "final_train_loss_nats": round(prog.loss_ema, 5),  # moving average over ~50 steps
         "curve": {"columns": list(CURVE_COLUMNS), "points": prog.finished_curve()},  # `rnnserve curves` draws it
         "torch": torch.__version__,
@@ -317,6 +321,8 @@ def train(args: argparse.Namespace, stop_after: int | None = None) -> dict[str, 
                       args.max_shift)
     writer = CheckpointWriter(checkpoint_path(args), args.checkpoint_precision, run)
     prog = resume(args, writer, model, opt, batches) if args.resume else Progress()
+    if args.init_from and prog.step == 0:
+        init_from(args.init_from, model)
     print(f"{cfg.attention} {cfg.task}: {model.num_parameters():,} parameters, batch {batch_size}, "
           f"lr {lr}, device {device_description(device)}", file=sys.stderr)
     with stop_on_signals() as stop:

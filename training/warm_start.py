@@ -1,0 +1,62 @@
+"""`rnnserve train --init-from FILE`: a new run that starts from a trained model's weights.
+
+Unlike `--resume`, which continues a checkpoint's own schedule, this starts a
+fresh schedule and optimiser from the weights of a shipped `.safetensors`
+file. Settings that own no parameters may differ from the file's, so a model
+can be retrained under another hashing (Reformer buckets, rounds, local
+window) or dropout; every other architecture field must match. A buffer that
+keeps its shape is copied (Reformer's rotations, when the hashing's shape is
+unchanged); one whose shape changes stays as this run drew it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+from model import Transformer
+from model.config import ModelConfig
+from model.weights_io import WeightsError, load_model
+
+from .errors import TrainError
+
+# Config fields that size no parameter: a warm start may change them.
+PARAMETER_FREE_FIELDS = frozenset({"dropout", "reformer_buckets", "reformer_rounds", "reformer_local_window"})
+
+
+def check_warm_start_config(path: str, saved: ModelConfig, built: ModelConfig) -> None:
+    """Name every field that differs and would change the parameters."""
+    was, now = dataclasses.asdict(saved), dataclasses.asdict(built)
+    fields = [name for name in was if was[name] != now[name] and name not in PARAMETER_FREE_FIELDS]
+    if fields:
+        had = ", ".join(f"{name}={was[name]}" for name in fields)
+        builds = ", ".join(f"{name}={now[name]}" for name in fields)
+        allowed = ", ".join(sorted(PARAMETER_FREE_FIELDS))
+        raise TrainError(f"--init-from {path}: the file has {had}; this run builds {builds}; only {allowed} "
+                         "may differ from the file's (they own no parameters)")
+
+
+def init_from(path: str, model: Transformer) -> list[str]:
+    """Copy the file's parameters (and same-shape buffers) into `model`; returns the buffers left as drawn."""
+    try:
+        source, _ = load_model(path)
+    except WeightsError as exc:
+        raise TrainError(f"--init-from: {exc}") from exc
+    check_warm_start_config(path, source.config, model.config)
+    state = source.state_dict()
+    parameters = {name for name, _ in model.named_parameters()}
+    kept = []
+    with torch.no_grad():
+        for name, target in model.state_dict().items():
+            if name not in parameters and state[name].shape != target.shape:
+                kept.append(name)
+                continue
+            target.copy_(state[name].to(target.dtype))
+    changed = {name: (getattr(source.config, name), getattr(model.config, name)) for name in PARAMETER_FREE_FIELDS
+               if getattr(source.config, name) != getattr(model.config, name)}
+    listed = "; ".join(f"{name} {old} -> {new}" for name, (old, new) in sorted(changed.items())) or "no change"
+    print(f"initialised from {Path(path)} ({listed}; {len(kept)} buffers drawn anew)", file=sys.stderr)
+    return kept

@@ -321,15 +321,21 @@ def restore(path: Path, ckpt: Checkpoint, model: Transformer, opt: torch.optim.O
     return ckpt.progress
 
 
+def config_differences(saved: ModelConfig, built: ModelConfig, ignored: frozenset[str] = frozenset()) -> str | None:
+    """'attention=linear; this run builds attention=softmax' for the fields that differ (bar `ignored`), or None."""
+    was, now = dataclasses.asdict(saved), dataclasses.asdict(built)
+    fields = [name for name in was if was[name] != now[name] and name not in ignored]
+    if not fields:
+        return None
+    had = ", ".join(f"{name}={was[name]}" for name in fields)
+    return f"{had}; this run builds " + ", ".join(f"{name}={now[name]}" for name in fields)
+
+
 def check_config(path: Path, saved: ModelConfig, built: ModelConfig) -> None:
     """Name every architecture field that differs, e.g. 'attention=linear; this run builds attention=softmax'."""
-    was, now = dataclasses.asdict(saved), dataclasses.asdict(built)
-    fields = [name for name in was if was[name] != now[name]]
-    if fields:
-        had = ", ".join(f"{name}={was[name]}" for name in fields)
-        builds = ", ".join(f"{name}={now[name]}" for name in fields)
-        raise TrainError(f"{path}: checkpoint has {had}; this run builds {builds}; "
-                         "use the same architecture flags as the run that wrote it")
+    differences = config_differences(saved, built)
+    if differences:
+        raise TrainError(f"{path}: checkpoint has {differences}; use the same architecture flags as the run that wrote it")
 
 
 def run_changes(saved: RunSettings, now: RunSettings) -> dict[str, tuple[Any, Any]]:

@@ -11,7 +11,6 @@ unchanged); one whose shape changes stays as this run drew it.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from model import Transformer
 from model.config import ModelConfig
 from model.weights_io import WeightsError, load_model
 
+from .checkpoint import config_differences
 from .errors import TrainError
 
 # Config fields that size no parameter: a warm start may change them.
@@ -29,14 +29,11 @@ PARAMETER_FREE_FIELDS = frozenset({"dropout", "reformer_buckets", "reformer_roun
 
 def check_warm_start_config(path: str, saved: ModelConfig, built: ModelConfig) -> None:
     """Name every field that differs and would change the parameters."""
-    was, now = dataclasses.asdict(saved), dataclasses.asdict(built)
-    fields = [name for name in was if was[name] != now[name] and name not in PARAMETER_FREE_FIELDS]
-    if fields:
-        had = ", ".join(f"{name}={was[name]}" for name in fields)
-        builds = ", ".join(f"{name}={now[name]}" for name in fields)
+    differences = config_differences(saved, built, PARAMETER_FREE_FIELDS)
+    if differences:
         allowed = ", ".join(sorted(PARAMETER_FREE_FIELDS))
-        raise TrainError(f"--init-from {path}: the file has {had}; this run builds {builds}; only {allowed} "
-                         "may differ from the file's (they own no parameters)")
+        raise TrainError(f"--init-from {path}: the file has {differences}; only {allowed} may differ from the "
+                         "file's (they own no parameters)")
 
 
 def init_from(path: str, model: Transformer) -> list[str]:

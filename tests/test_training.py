@@ -30,6 +30,7 @@ from model.transformer import with_bos
 from model.weights_io import load_model, read_metadata, save_model
 from rnnserve_cli import parse_args
 from training import checkpoint, evaluate, train
+from training.averaging import WeightAverage
 from training.checkpoint import Checkpoint, read_checkpoint
 from training.data import DataError, find_images_file, load_mnist, load_text, read_idx_images, write_idx_images
 
@@ -496,12 +497,66 @@ def test_a_stopped_warm_start_resumes_from_its_checkpoint(tmp_path: Path, text_f
     assert "resumed from" in err and "initialised from" not in err and info["steps"] == 4
 
 
+def test_weight_average_follows_each_step_and_swaps_in_and_out() -> None:
+    model = build_model(ModelConfig(attention="linear", task="text", n_layers=1, d_model=8, n_heads=2, d_ff=16,
+                                    max_len=8))
+    first = {name: p.detach().clone() for name, p in model.named_parameters()}
+    average = WeightAverage.start(model, 0.75)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    average.update(model)  # 0.75 * w + 0.25 * (w + 1) = w + 0.25
+    for name, value in average.average.items():
+        assert torch.allclose(value, first[name] + 0.25), name
+    with average.swapped_in(model):
+        for name, p in model.named_parameters():
+            assert torch.allclose(p, first[name] + 0.25), name
+    for name, p in model.named_parameters():  # its own weights are back
+        assert torch.equal(p, first[name] + 1.0), name
+
+
+def test_ema_run_saves_the_average_and_resumes_it_bit_for_bit(tmp_path: Path, text_file: Path) -> None:
+    common = ["--steps", "6", "--checkpoint-every", "3", "--no-eval", "--ema-decay", "0.9",
+              "--checkpoint-precision", "float32", "--save-dtype", "float32"]
+    straight = text_args(tmp_path, text_file, *common, "--checkpoint", str(tmp_path / "a.ckpt"),
+                         "--out", str(tmp_path / "a.safetensors"))
+    info = train.train(straight)
+    resumed = text_args(tmp_path, text_file, *common, "--checkpoint", str(tmp_path / "b.ckpt"), "--resume",
+                        "--out", str(tmp_path / "b.safetensors"))
+    train.train(resumed, stop_after=3)
+    train.train(resumed)
+    a, b = read_checkpoint(tmp_path / "a.ckpt"), read_checkpoint(tmp_path / "b.ckpt")
+    assert_same_training_state(a, b)
+    assert a.average is not None and b.average is not None and a.average.keys() == b.average.keys()
+    assert all(torch.equal(a.average[k], b.average[k]) for k in a.average)
+    saved = load_file(tmp_path / "a.safetensors")
+    assert info["ema_decay"] == 0.9
+    for name, value in a.average.items():  # the file holds the average, not the last step's weights
+        assert torch.equal(saved[name], value), name
+    assert any(not torch.equal(a.average[k], a.model[k]) for k in a.average)
+    assert all(torch.equal(v, load_file(tmp_path / "b.safetensors")[k]) for k, v in saved.items())
+
+
+def test_ema_can_be_turned_on_at_a_resume_with_extend(tmp_path: Path, text_file: Path) -> None:
+    common = ["--no-eval", "--checkpoint", str(tmp_path / "c.ckpt"), "--checkpoint-every", "2"]
+    train.train(text_args(tmp_path, text_file, *common, "--steps", "2"))
+    assert read_checkpoint(tmp_path / "c.ckpt").average is None
+    with pytest.raises(train.TrainError, match=r"ema_decay 0\.0 -> 0\.5\); resume with the same flags"):
+        train.train(text_args(tmp_path, text_file, *common, "--steps", "2", "--resume", "--ema-decay", "0.5"))
+    train.train(text_args(tmp_path, text_file, *common, "--steps", "4", "--resume", "--extend", "--ema-decay", "0.5"))
+    ckpt = read_checkpoint(tmp_path / "c.ckpt")
+    assert ckpt.run.ema_decay == 0.5 and ckpt.average is not None and ckpt.average.keys() == {
+        name for name, _ in build_model(ckpt.config).named_parameters()}
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--max-shift", "5"], r"--max-shift must be in 0\.\.4 pixels, got 5"),
     (["--max-shift", "-1"], r"--max-shift must be in 0\.\.4 pixels, got -1"),
     (["--max-shift", "1", "--task", "text"], "--max-shift shifts MNIST digits; --task text has no images to shift"),
+    (["--ema-decay", "1"], r"--ema-decay must be in \[0, 1\) \(0: no average; 0\.999 averages about the last 1,000 "
+                           r"steps\), got 1\.0"),
 ])
-def test_bad_max_shift_is_a_clear_error(tmp_path: Path, text_file: Path, flags: list[str], message: str) -> None:
+def test_bad_max_shift_or_ema_decay_is_a_clear_error(tmp_path: Path, text_file: Path, flags: list[str], message: str) -> None:
     with pytest.raises(train.TrainError, match=message):
         train.train(text_args(tmp_path, text_file, "--steps", "1", *flags))
 

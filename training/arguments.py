@@ -58,6 +58,9 @@ def _add_optimisation_arguments(opt) -> None:
     opt.add_argument("--warmup-steps", type=int, default=100)
     opt.add_argument("--weight-decay", type=float, default=0.01)
     opt.add_argument("--seed", type=int, default=0)
+    opt.add_argument("--ema-decay", type=float, default=0.0,
+                     help="keep a moving average of the weights (e.g. 0.999: about the last 1,000 steps) and save it "
+                          "as the model; the checkpoint keeps it for --resume (0: off); may change with --resume --extend")
     opt.add_argument("--max-shift", type=int, default=0,
                      help="MNIST augmentation: shift each training digit by up to this many pixels along each axis, "
                           "filled with 0 (0: off); may change with --resume --extend")

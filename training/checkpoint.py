@@ -2,6 +2,8 @@
 
 One safetensors file (no pickle: loading it runs no code) holds
   model.NAME                   the weights, always float32 (bfloat16 would round away a step's small updates)
+  average.NAME                 with --ema-decay: the moving average of the weights (training/averaging.py),
+                               in --checkpoint-precision
   optim.KEY.NAME               AdamW's moments (KEY exp_avg, exp_avg_sq) in --checkpoint-precision
   rng.data, rng.torch, rng.cuda.I   the batch sampler's, torch's and each GPU's generator state (uint8)
 and one metadata entry `rnnserve.checkpoint` (JSON): format version, model config, progress, the
@@ -76,7 +78,8 @@ class RunSettings:
     """The flags that fix the learning-rate schedule and the data order: a resume must match them."""
 
     # May change with --extend: the horizon, and the augmentation (to fine-tune a model against overfitting).
-    EXTENDABLE: ClassVar[tuple[str, ...]] = ("steps", "minutes", "max_shift")
+    # ema_decay too: the average is not part of the schedule (turned on later, it starts from the weights of then).
+    EXTENDABLE: ClassVar[tuple[str, ...]] = ("steps", "minutes", "max_shift", "ema_decay")
 
     steps: int | None
     minutes: float | None
@@ -86,6 +89,7 @@ class RunSettings:
     weight_decay: float
     data_items: int  # training images, or bytes of training text
     max_shift: int = 0  # MNIST augmentation (pixels); checkpoints written before it had none
+    ema_decay: float = 0.0  # of the weight average (0: none); checkpoints written before it had none
 
 
 @dataclass
@@ -122,6 +126,7 @@ class Checkpoint:
     rng: RngStates
     run: RunSettings | None  # None in the older format
     precision: str  # of the moments
+    average: dict[str, torch.Tensor] | None = None  # the weight average (--ema-decay), if the run kept one
 
 
 @dataclass(frozen=True)
@@ -132,8 +137,11 @@ class CheckpointWriter:
     precision: str  # a key of PRECISIONS
     run: RunSettings
 
-    def save(self, model: Transformer, opt: torch.optim.Optimizer, prog: Progress, generator: torch.Generator) -> None:
+    def save(self, model: Transformer, opt: torch.optim.Optimizer, prog: Progress, generator: torch.Generator,
+             average: dict[str, torch.Tensor] | None = None) -> None:
         tensors, metadata = encode(model, opt, prog, RngStates.capture(generator), self.run, self.precision)
+        for name, tensor in (average or {}).items():
+            tensors[f"average.{name}"] = tensor.detach().to(PRECISIONS[self.precision]).cpu().contiguous()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(self.path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
@@ -268,6 +276,7 @@ def decode(path: Path, header: dict[str, Any], tensors: dict[str, torch.Tensor])
         rng=RngStates(tensors["rng.data"], tensors["rng.torch"], cuda or None),
         run=RunSettings(**header["run"]),
         precision=header["precision"],
+        average={k.removeprefix("average."): v for k, v in tensors.items() if k.startswith("average.")} or None,
     )
 
 

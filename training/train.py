@@ -34,6 +34,7 @@ from model.config import ConfigError
 from model.weights_io import save_model
 
 from .arguments import SAVE_DTYPE_NAMES
+from .averaging import WeightAverage
 from .checkpoint import (CURVE_COLUMNS, CheckpointWriter, Progress, RunSettings, StopRequest, TrainingStopped,
                          check_config, read_checkpoint, restore, run_changes, stop_on_signals)
 from .data import MNIST_PIXELS, DataError, load_mnist, load_text, random_shift
@@ -140,19 +141,19 @@ def resume_path(args: argparse.Namespace) -> Path | None:
 
 
 def resume(args: argparse.Namespace, writer: CheckpointWriter, model: Transformer, opt: torch.optim.Optimizer,
-           batches: Batches) -> Progress:
-    """Progress of the checkpoint this run continues, after loading it; a fresh Progress if there is none."""
+           batches: Batches) -> tuple[Progress, dict[str, torch.Tensor] | None]:
+    """Progress and weight average of the checkpoint this run continues, after loading it (fresh if there is none)."""
     path = resume_path(args)
     if path is None:
         print(f"no checkpoint at {writer.path}: starting from step 0", file=sys.stderr)
-        return Progress()
+        return Progress(), None
     ckpt = read_checkpoint(path)
     check_config(path, ckpt.config, model.config)  # the architecture first: the most basic mismatch
     if ckpt.run is not None:
         check_same_run(path, ckpt.run, writer.run, args.extend, ckpt.progress)
     prog = restore(path, ckpt, model, opt, batches.generator)
     print(f"resumed from {path} at step {prog.step}", file=sys.stderr)
-    return prog
+    return prog, ckpt.average
 
 
 def check_same_run(path: Path, saved: RunSettings, now: RunSettings, extend: bool, prog: Progress) -> None:
@@ -187,6 +188,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise TrainError(f"--init-from {args.init_from}: no such file; expected a .safetensors model written by rnnserve")
     if args.extend and not args.resume:
         raise TrainError("--extend changes the horizon of a resumed run: add --resume")
+    if not 0 <= args.ema_decay < 1:
+        raise TrainError(f"--ema-decay must be in [0, 1) (0: no average; 0.999 averages about the last 1,000 steps), "
+                         f"got {args.ema_decay}")
     if not 0 <= args.max_shift <= MAX_SHIFT:
         raise TrainError(f"--max-shift must be in 0..{MAX_SHIFT} pixels, got {args.max_shift}")
     if args.max_shift and args.task != "mnist":
@@ -234,7 +238,7 @@ def autocast_context(device: torch.device, choice: str):
 
 def train_steps(model: Transformer, opt: torch.optim.Optimizer, batches: Batches, prog: Progress,
                 args: argparse.Namespace, writer: CheckpointWriter, stop: StopRequest,
-                stop_after: int | None = None) -> None:
+                average: WeightAverage | None, stop_after: int | None = None) -> None:
     """The loop: until the horizon, a stop request, or `stop_after` steps (to simulate an interruption)."""
     device = model.device
     autocast = autocast_context(device, args.autocast)
@@ -252,6 +256,8 @@ def train_steps(model: Transformer, opt: torch.optim.Optimizer, batches: Batches
         value = optimizer_step(model, opt, tokens, autocast)
         if not math.isfinite(value):
             raise TrainError(f"loss became {value} at step {prog.step}; try a lower --lr")
+        if average is not None:
+            average.update(model)
         prog.step += 1
         prog.examples += tokens.shape[0]
         prog.elapsed_s = time.perf_counter() - t_start
@@ -261,7 +267,7 @@ def train_steps(model: Transformer, opt: torch.optim.Optimizer, batches: Batches
         bar.set_postfix(loss=f"{prog.loss_ema:.4f}", ex_s=f"{prog.examples / prog.elapsed_s:.1f}",
                         lr=f"{rate:.2e}", min=f"{prog.elapsed_s / 60:.1f}", refresh=False)
         if args.checkpoint_every and prog.step % args.checkpoint_every == 0:
-            writer.save(model, opt, prog, batches.generator)
+            writer.save(model, opt, prog, batches.generator, average_of(average))
             if args.no_progress:
                 print(f"step {prog.step} loss {prog.loss_ema:.4f} examples {prog.examples} "
                       f"{prog.elapsed_s / 60:.1f} min", flush=True)
@@ -293,6 +299,7 @@ def training_info(args: argparse.Namespace, data_path: str, prog: Progress, devi
         "seed": args.seed,
         "max_shift": args.max_shift,
         "init_from": args.init_from,  # the weights this run started from (None: random)
+        "ema_decay": args.ema_decay,  # > 0: the file holds the moving average of the weights, not the last step's
         "final_train_loss_nats": round(prog.loss_ema, 5),  # moving average over ~50 steps
         "curve": {"columns": list(CURVE_COLUMNS), "points": prog.finished_curve()},  # `rnnserve curves` draws it
         "torch": torch.__version__,
@@ -318,29 +325,39 @@ def train(args: argparse.Namespace, stop_after: int | None = None) -> dict[str, 
     opt = make_optimizer(model, lr, args.weight_decay)
     batches = Batches(data, cfg.max_len, batch_size, torch.Generator().manual_seed(args.seed), args.max_shift)
     run = RunSettings(args.steps, args.minutes, batch_size, lr, args.warmup_steps, args.weight_decay, data.shape[0],
-                      args.max_shift)
+                      args.max_shift, args.ema_decay)
     writer = CheckpointWriter(checkpoint_path(args), args.checkpoint_precision, run)
-    prog = resume(args, writer, model, opt, batches) if args.resume else Progress()
+    prog, saved_average = resume(args, writer, model, opt, batches) if args.resume else (Progress(), None)
     if args.init_from and prog.step == 0:
         init_from(args.init_from, model)
+    average = WeightAverage.start(model, args.ema_decay, saved_average) if args.ema_decay else None
     print(f"{cfg.attention} {cfg.task}: {model.num_parameters():,} parameters, batch {batch_size}, "
           f"lr {lr}, device {device_description(device)}", file=sys.stderr)
     with stop_on_signals() as stop:
-        train_steps(model, opt, batches, prog, args, writer, stop, stop_after)
+        train_steps(model, opt, batches, prog, args, writer, stop, average, stop_after)
         if args.checkpoint_every:
-            writer.save(model, opt, prog, batches.generator)
+            writer.save(model, opt, prog, batches.generator, average_of(average))
     if stop.signum is not None:
         raise TrainingStopped(stop.signum, prog.step, writer.path if args.checkpoint_every else None)
     info = training_info(args, data_path, prog, device, batch_size, lr)
-    save_model(model, args.out, info, dtype=SAVE_DTYPES[args.save_dtype])
-    if not args.no_eval:
-        # Evaluate the saved 16-bit file itself: the numbers describe what ships.
-        info["eval"] = evaluate_file(args.out, eval_data_path(args), device,
-                                     args.eval_limit, args.eval_batch_size, show_progress=not args.no_progress)
-        model.cpu()
-        save_model(model, args.out, info, dtype=SAVE_DTYPES[args.save_dtype])
-        print_table([(args.out, info["eval"])])
+    with average.swapped_in(model) if average is not None else nullcontext():
+        save_and_evaluate(model, args, info, device)
     return info
+
+
+def average_of(average: WeightAverage | None) -> dict[str, torch.Tensor] | None:
+    return average.average if average is not None else None
+
+
+def save_and_evaluate(model: Transformer, args: argparse.Namespace, info: dict[str, Any], device: torch.device) -> None:
+    """Save the model; evaluate the saved 16-bit file itself (the numbers describe what ships) and store the result."""
+    save_model(model, args.out, info, dtype=SAVE_DTYPES[args.save_dtype])
+    if args.no_eval:
+        return
+    info["eval"] = evaluate_file(args.out, eval_data_path(args), device,
+                                 args.eval_limit, args.eval_batch_size, show_progress=not args.no_progress)
+    save_model(model, args.out, info, dtype=SAVE_DTYPES[args.save_dtype])
+    print_table([(args.out, info["eval"])])
 
 
 def run(args: argparse.Namespace) -> int:

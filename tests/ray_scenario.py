@@ -79,17 +79,21 @@ def requests_through_proxy(client: httpx.Client) -> dict:
 
 
 def node_metrics(replicas: set[str], text_tokens: float) -> str:
-    """The node's export once every replica's token counter is in it and the text model's counters add
-    up to the tokens the answers reported (Ray reports each worker's series every few seconds)."""
+    """The node's export once every replica's token counter is in it, the text model's counters add up to
+    the tokens the answers reported, and the image requests' counter is in it too (Ray reports each worker's
+    series every few seconds, and a slow machine may report the image's counter in a later round)."""
     deadline, text = time.monotonic() + METRICS_SECONDS, ""
     while time.monotonic() < deadline:
         try:
             text = httpx.get(METRICS_URL, timeout=10).text
         except httpx.TransportError:
             text = ""
-        counters = [line for line in text.splitlines() if line.startswith("ray_rnnserve_generated_tokens_total{")]
+        lines = text.splitlines()
+        counters = [line for line in lines if line.startswith("ray_rnnserve_generated_tokens_total{")]
         text_total = sum(float(line.rsplit(" ", 1)[1]) for line in counters if 'model="text-softmax"' in line)
-        if all(any(f'replica="{r}"' in line for line in counters) for r in replicas) and text_total >= text_tokens:
+        images = any(line.startswith("ray_rnnserve_completed_images_total{") for line in lines)
+        if all(any(f'replica="{r}"' in line for line in counters) for r in replicas) and text_total >= text_tokens \
+                and images:
             break
         time.sleep(1)
     return "\n".join(line for line in text.splitlines() if "rnnserve_" in line)

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from model import ModelConfig, Transformer, build_model
 from model.config import ConfigError
-from model.weights_io import save_model
+from model.weights_io import save_model, update_info
 
 from .arguments import SAVE_DTYPE_NAMES
 from .averaging import WeightAverage
@@ -356,7 +356,7 @@ def save_and_evaluate(model: Transformer, args: argparse.Namespace, info: dict[s
         return
     info["eval"] = evaluate_file(args.out, eval_data_path(args), device,
                                  args.eval_limit, args.eval_batch_size, show_progress=not args.no_progress)
-    save_model(model, args.out, info, dtype=SAVE_DTYPES[args.save_dtype])
+    update_info(args.out, {"eval": info["eval"]})  # the evaluated tensors stay as written
     print_table([(args.out, info["eval"])])
 
 

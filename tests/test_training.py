@@ -549,6 +549,17 @@ def test_ema_can_be_turned_on_at_a_resume_with_extend(tmp_path: Path, text_file:
         name for name, _ in build_model(ckpt.config).named_parameters()}
 
 
+def test_a_checkpoint_whose_average_lacks_a_parameter_is_a_clear_error(tmp_path: Path, text_file: Path) -> None:
+    common = ["--no-eval", "--ema-decay", "0.9", "--checkpoint", str(tmp_path / "d.ckpt"), "--checkpoint-every", "2"]
+    train.train(text_args(tmp_path, text_file, *common, "--steps", "2"))
+    with safe_open(tmp_path / "d.ckpt", "pt") as f:
+        metadata = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys() if k != "average.head.bias"}
+    save_file(tensors, tmp_path / "d.ckpt", metadata=metadata)
+    with pytest.raises(train.TrainError, match=r"weight average does not match .*missing: head\.bias; not in the model: none"):
+        train.train(text_args(tmp_path, text_file, *common, "--steps", "4", "--resume", "--extend"))
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--max-shift", "5"], r"--max-shift must be in 0\.\.4 pixels, got 5"),
     (["--max-shift", "-1"], r"--max-shift must be in 0\.\.4 pixels, got -1"),

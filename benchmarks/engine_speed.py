@@ -41,7 +41,8 @@ def sampling(i: int, adjusts: bool) -> SamplingParams:
 
 
 def engine_seconds(engine: Engine, batch: int, tokens: int, adjusting_rows: int = 0) -> float:
-    requests = [GenerationRequest(f"r{i}", [], tokens, sampling(i, i < adjusting_rows)) for i in range(batch)]
+    # As the image route sends a whole image: an empty prompt and one particle, with nothing to weigh.
+    requests = [GenerationRequest(f"r{i}", [], tokens, sampling(i, i < adjusting_rows), particles=1) for i in range(batch)]
 
     async def run() -> float:
         start = time.perf_counter()

@@ -105,7 +105,7 @@ class StepNeeds:
                    adjust=any(r.sampling.adjusts_logits for r in requests),
                    weigh=any(r.weighs_known for r in requests), filters=any(r.sampling.filters for r in requests),
                    forced=any(r.forced for r in requests),
-                   each_step=any(o.each_event or o.request.particles is not None for o in owners))
+                   each_step=any(o.each_event or o.request.steps_each for o in owners))
 
 
 class Scheduler:

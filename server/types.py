@@ -44,6 +44,13 @@ class GenerationRequest:
         """Whether its particles take weights from known tokens after the prompt."""
         return self.particles is not None and bool(self.forced)
 
+    @property
+    def steps_each(self) -> bool:
+        """Whether the engine must look after every step: weights to take at known tokens, or several
+        particles to conclude together. One particle with nothing to weigh (an image whose known pixels
+        all come first) is a plain sample and may run several steps at once."""
+        return self.weighs_known or (self.particles or 1) > 1
+
 
 @dataclass(frozen=True, slots=True)
 class ParticleSummary:

@@ -150,6 +150,17 @@ def test_steps_ahead_are_one_while_a_request_runs_particles():
     assert scheduler.running == 2 and scheduler.steps_ahead(8) == 1
 
 
+def test_one_particle_runs_several_steps_at_once_unless_it_weighs_known_tokens():
+    # The image route sends particles=1 for a digit whose known pixels all come first: a plain sample.
+    scheduler = Scheduler(max_batch=4, max_waiting=4)
+    scheduler.add(Req(GenerationRequest("plain", [1], 9, SamplingParams(seed=0), particles=1)))
+    admit(scheduler)
+    assert scheduler.steps_ahead(8) == 8
+    scheduler.add(Req(GenerationRequest("weighed", [1], 9, SamplingParams(seed=0), forced={3: 1}, particles=1)))
+    admit(scheduler)
+    assert scheduler.running == 2 and scheduler.steps_ahead(8) == 1
+
+
 def test_several_steps_at_once_advance_rows_until_a_stop_and_share_out_their_time():
     scheduler = Scheduler(max_batch=4, max_waiting=4)
     a, b = req("a", max_new=10, stop=[b"\n"]), req("b", max_new=10)

@@ -10,8 +10,9 @@ rows leave (the last live row moves into each hole), and one batched
 decode step feeds the new tokens. Each step's figures reach the metrics as
 one `StepStats`.
 
-Multi-step (vLLM's name): while no running request is streamed or uses
-particles, nobody sees a step's tokens before its request ends, so the
+Multi-step (vLLM's name): while no running request is streamed or runs
+particles that weigh known tokens (or several particles a sample: they
+conclude together), nobody sees a step's tokens before its request ends, so the
 engine runs up to `scheduler_steps` of them (never past a row's budget)
 and does the host work above once for all; a row that stops within them
 drops its later tokens, and its state is discarded with the row.

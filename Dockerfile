@@ -71,4 +71,12 @@ COPY --from=build-cuda /opt/venv /opt/venv
 
 # Last stage = default target.
 FROM runtime AS cpu
+# A C++ compiler: on the CPU the server compiles its decode steps (torch.compile's inductor) and builds its
+# decode-attention kernel (model/cpu_kernels.py) at start-up, for the machine it runs on. Without one both
+# are logged as failed and decoding stays on PyTorch's eager operators, several times slower.
+USER 0:0
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
+    && rm -rf /var/lib/apt/lists/*
+USER 10001:10001
 COPY --from=build-cpu /opt/venv /opt/venv

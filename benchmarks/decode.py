@@ -23,6 +23,7 @@ several samples, the median as well.
 
 from __future__ import annotations
 
+import copy
 import os
 import platform
 import statistics
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 
 from model.config import BOS_TOKEN, ModelConfig
+from model.cpu_kernels import turn_off_cpu_kernels
 from model.cuda_graphs import EagerDecoder, make_decoder
 from model.generate import generate
 from model.registry import attention_kinds
@@ -287,15 +289,24 @@ def rnnserve_contestants(models: dict[str, Transformer], batch: int, settings: D
                                compiled=settings.compiled)
         log = decoder.compile(batch=batch)
         if log is not None:
-            compile_seconds[f"{kind} batch {batch}"] = log.seconds
+            compile_seconds[f"{kind} batch {batch}"] = timings = dict(log.seconds)
+            if log.kernels is not None and log.kernels.ok:  # built once per machine, then loaded
+                timings["C++ kernels"] = log.kernels.seconds
             progress(f"compile {kind:9s} batch {batch:4d}: " + (log.error or ", ".join(
-                f"{name} {seconds:.1f} s" for name, seconds in log.seconds.items())))
+                f"{name} {seconds:.1f} s" for name, seconds in timings.items())))
         out.append(Contestant(kind, kind, "rnnserve", partial(_with_decoder, decoder, sampling), decoder.compiled,
                               decoder.graphed))
         if decoder.compiled and settings.eager_too:
-            eager = EagerDecoder(model, model.new_state(batch))
+            eager = EagerDecoder(pytorch_operators_only(model), model.new_state(batch))
             out.append(Contestant(f"{kind} (eager)", kind, "eager", partial(_with_decoder, eager, sampling)))
     return out
+
+
+def pytorch_operators_only(model: Transformer) -> Transformer:
+    """A copy of the model that decodes as with the fast path turned off: no C++ kernels (model/cpu_kernels.py)."""
+    plain = copy.deepcopy(model)
+    turn_off_cpu_kernels(plain)
+    return plain
 
 
 def peer_contestants(peers: list, batch: int) -> list[Contestant]:

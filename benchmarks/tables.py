@@ -74,7 +74,7 @@ def compile_line(report: DecodeReport) -> str:
         return ""
     parts = [f"{name}: " + ", ".join(f"{cls} {s:.1f} s" for cls, s in classes.items())
              for name, classes in report.compile_seconds.items() if classes]
-    return "Compile times (torch.compile, outside the timings): " + ("; ".join(parts) or "all cached")
+    return "Compile times (torch.compile, and the C++ kernels' build or load; outside the timings): " + ("; ".join(parts) or "all cached")
 
 
 def load_line(report: DecodeReport) -> str:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cpu_kernels import KernelBuild, use_cpu_kernels
 from .cuda_graphs import EagerDecoder
 from .guard_free import GuardFreeGraphs
 from .registry import kinds_where
@@ -70,6 +71,7 @@ class CompileLog:
 
     seconds: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    kernels: KernelBuild | None = None  # the C++ kernels the steps call (model/cpu_kernels.py); None: none apply
 
 
 def _decode_step(model: Transformer, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
@@ -188,6 +190,8 @@ class CompiledDecoder(EagerDecoder):
 
     def compile_now(self, batch: int | None = None) -> CompileLog:
         """Compile the shape classes here and now, one log line each; a failure leaves decoding eager."""
+        if self.log.kernels is None:  # first, so that the graphs call them
+            self.log.kernels = use_cpu_kernels(self.model)
         for name, rows in WARMUP_ROWS.items():
             wanted = rows <= self.state.batch_size if batch is None else rows == min(batch, 2)
             if not wanted or rows in self.ready or self.log.error is not None:

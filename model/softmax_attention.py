@@ -30,6 +30,8 @@ class SoftmaxAttention(Attention):
     # The cache grows by position, so steps read a prefix of changing length: no CUDA graph (torch.compile
     # traces the length symbolically); padding rows restarting at position 0 only overwrite their own first slot.
     capabilities = Capabilities(constant_state=False, graphable=False, paddable=True, compilable=True)
+    # One query per row on the CPU through model/kernels/softmax_decode.cpp (model/cpu_kernels.py turns it on).
+    cpu_decode_kernel = False
 
     @classmethod
     def token_cost(cls, cfg: ModelConfig, t: float) -> TokenCost:
@@ -63,6 +65,8 @@ class SoftmaxAttention(Attention):
         # Advanced indices on dims 0 and 2 put (B, T) first: (B, T, H, D).
         state.k[rows, :, pos] = k.transpose(1, 2).to(state.k.dtype)
         state.v[rows, :, pos] = v.transpose(1, 2).to(state.v.dtype)
+        if t == 1 and self._kernel_applies(q, state):
+            return torch.ops.rnnserve.softmax_decode_attention(q, state.k, state.v, pos[:, 0])
         used = int(pos.max()) + 1  # attend only to the written prefix
         # For torch.compile, which cannot see the value: at least one key, and narrow (not a slice)
         # gives exactly `used` of them.
@@ -72,6 +76,10 @@ class SoftmaxAttention(Attention):
         if t == 1 and q.device.type == "cpu":
             return attend_one_query(q, keys.to(q.dtype), values.to(q.dtype), mask[:, None])
         return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None])
+
+    def _kernel_applies(self, q: torch.Tensor, state: KVCache) -> bool:
+        return (self.cpu_decode_kernel and q.device.type == "cpu"
+                and q.dtype == state.k.dtype == torch.float32 and q.stride(-1) == 1)
 
 
 def attend_one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,97 @@
+"""C++ kernels for CPU decode steps, built on first use with the machine's C++ compiler.
+
+One kernel so far: softmax attention of one query per row over its KV cache
+(model/kernels/softmax_decode.cpp), which a decode step spends most of its
+time in at batch 64. It is registered as the operator
+`torch.ops.rnnserve.softmax_decode_attention`, so eager steps call it and
+torch.compile keeps it as one call inside its graphs.
+
+The build takes about 20 s once per machine (torch keeps the library under
+~/.cache/torch_extensions, keyed by the source) and uses the vector
+instructions inductor picks for this CPU. A build that fails (no compiler)
+is logged and decoding keeps the pure PyTorch attention.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("rnnserve.cpu_kernels")
+
+SOURCE = Path(__file__).with_name("kernels") / "softmax_decode.cpp"
+LIBRARY = "rnnserve_cpu_kernels"
+_BUILD_LOCK = threading.Lock()  # one build per process, whichever model's compile thread asks first
+
+
+@dataclass(frozen=True)
+class KernelBuild:
+    """Whether the kernels are usable in this process, how long loading them took, and why not."""
+
+    ok: bool
+    seconds: float
+    error: str | None = None
+
+
+def vector_flags() -> list[str]:
+    """Compiler flags for the widest vector instructions torch's inductor uses on this CPU (none: scalar loops)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = pick_vec_isa()
+    if not isa:
+        return []
+    return [f"-D{macro}" for macro in isa.build_macro()] + isa.build_arch_flags().split()
+
+
+def load_kernels() -> KernelBuild:
+    """Build (or find built) and register the kernels, once per process: later calls return the first result."""
+    with _BUILD_LOCK:
+        return _load_once()
+
+
+@functools.cache
+def _load_once() -> KernelBuild:
+    start = time.perf_counter()
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(name=LIBRARY, sources=[str(SOURCE)], extra_cflags=["-O3", *vector_flags()], is_python_module=False)
+        torch.library.register_fake("rnnserve::softmax_decode_attention")(_fake_softmax_decode_attention)
+    except Exception as exc:  # no compiler, no Python headers, a read-only cache
+        error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        log.warning("building the CPU decode kernels failed (%s); decoding with PyTorch's operators", error)
+        return KernelBuild(False, time.perf_counter() - start, error)
+    build = KernelBuild(True, time.perf_counter() - start)
+    log.info("CPU decode kernels ready in %.1f s", build.seconds)
+    return build
+
+
+def _fake_softmax_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch.Tensor):
+    return q.new_empty(q.shape)  # (B, H, 1, D), contiguous: what the kernel returns
+
+
+def _kernel_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "cpu_decode_kernel")]
+
+
+def use_cpu_kernels(model: torch.nn.Module) -> KernelBuild | None:
+    """Turn on the kernels in every layer of a CPU model that has one; None when none applies."""
+    layers = _kernel_layers(model)
+    if not layers or next(model.parameters()).device.type != "cpu":
+        return None
+    build = load_kernels()
+    for layer in layers:
+        layer.cpu_decode_kernel = build.ok
+    return build
+
+
+def turn_off_cpu_kernels(model: torch.nn.Module) -> None:
+    """Back to PyTorch's operators in every layer (the eager path the bench compares with)."""
+    for layer in _kernel_layers(model):
+        layer.cpu_decode_kernel = False

@@ -1,0 +1,155 @@
+// One query per row against a softmax KV cache on the CPU: a decode step's attention.
+//
+// Why a kernel: a decode step reads every cached key and value of every row once, so it is bound by memory
+// bandwidth. Inductor lowers this single-query product to loops that read V once per 16 lanes of the head and
+// keep one accumulator chain; this reads K once, then V once with four independent accumulators, and only the
+// positions each row can see (its own length, not the batch's longest). Built by model/cpu_kernels.py.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kMaxVectors = 8;  // head sizes up to 8 vectors run vectorized; others take the scalar path
+
+struct Row {
+  const float* q;  // (D,)
+  const float* k;  // (n, D), rows `k_stride` apart
+  const float* v;  // (n, D), rows `v_stride` apart
+  int64_t k_stride, v_stride, n, d;
+  float* out;  // (D,)
+};
+
+float sum_lanes(const Vec& x) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x);
+}
+
+// scores[l] = q . k_l / sqrt(D); returns their maximum.
+float scores_vectorized(const Row& r, float* scores) {
+  const int64_t w = Vec::size(), vectors = r.d / w;
+  Vec q[kMaxVectors];
+  const Vec scale(1.0f / std::sqrt(static_cast<float>(r.d)));
+  for (int64_t j = 0; j < vectors; ++j) q[j] = Vec::loadu(r.q + j * w) * scale;
+  float most = -std::numeric_limits<float>::infinity();
+  for (int64_t l = 0; l < r.n; ++l) {  // positions are independent: the core overlaps their reductions
+    const float* key = r.k + l * r.k_stride;
+    Vec acc = Vec::loadu(key) * q[0];
+    for (int64_t j = 1; j < vectors; ++j) acc = at::vec::fmadd(Vec::loadu(key + j * w), q[j], acc);
+    scores[l] = sum_lanes(acc);
+    most = std::max(most, scores[l]);
+  }
+  return most;
+}
+
+// scores <- exp(scores - most); returns their sum.
+float exponentiate(float* scores, int64_t n, float most) {
+  const int64_t w = Vec::size();
+  const Vec shift(most);
+  Vec total(0.0f);
+  int64_t l = 0;
+  for (; l + w <= n; l += w) {
+    const Vec e = (Vec::loadu(scores + l) - shift).exp_u20();
+    e.store(scores + l);
+    total = total + e;
+  }
+  float sum = sum_lanes(total);
+  for (; l < n; ++l) sum += scores[l] = std::exp(scores[l] - most);
+  return sum;
+}
+
+// out = sum_l weights[l] v_l / total, four positions at a time into four accumulators (no one long chain).
+void weigh_values_vectorized(const Row& r, const float* weights, float total) {
+  const int64_t w = Vec::size(), vectors = r.d / w;
+  Vec acc[4][kMaxVectors];
+  for (auto& a : acc)
+    for (int64_t j = 0; j < vectors; ++j) a[j] = Vec(0.0f);
+  int64_t l = 0;
+  for (; l + 4 <= r.n; l += 4)
+    for (int64_t i = 0; i < 4; ++i) {
+      const Vec weight(weights[l + i]);
+      const float* value = r.v + (l + i) * r.v_stride;
+      for (int64_t j = 0; j < vectors; ++j) acc[i][j] = at::vec::fmadd(weight, Vec::loadu(value + j * w), acc[i][j]);
+    }
+  for (; l < r.n; ++l)
+    for (int64_t j = 0; j < vectors; ++j)
+      acc[0][j] = at::vec::fmadd(Vec(weights[l]), Vec::loadu(r.v + l * r.v_stride + j * w), acc[0][j]);
+  const Vec inverse(1.0f / total);
+  for (int64_t j = 0; j < vectors; ++j) (((acc[0][j] + acc[1][j]) + (acc[2][j] + acc[3][j])) * inverse).store(r.out + j * w);
+}
+
+// The same three steps, one number at a time: head sizes the vector path does not cover.
+void attend_scalar(const Row& r, float* scores) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(r.d));
+  float most = -std::numeric_limits<float>::infinity();
+  for (int64_t l = 0; l < r.n; ++l) {
+    float dot = 0.0f;
+    for (int64_t j = 0; j < r.d; ++j) dot += r.q[j] * r.k[l * r.k_stride + j];
+    scores[l] = dot * scale;
+    most = std::max(most, scores[l]);
+  }
+  float total = 0.0f;
+  for (int64_t l = 0; l < r.n; ++l) total += scores[l] = std::exp(scores[l] - most);
+  for (int64_t j = 0; j < r.d; ++j) {
+    float sum = 0.0f;
+    for (int64_t l = 0; l < r.n; ++l) sum += scores[l] * r.v[l * r.v_stride + j];
+    r.out[j] = sum / total;
+  }
+}
+
+void attend(const Row& r, float* scores) {
+  const int64_t w = Vec::size();
+  if (r.d % w != 0 || r.d / w > kMaxVectors) return attend_scalar(r, scores);
+  const float most = scores_vectorized(r, scores);
+  weigh_values_vectorized(r, scores, exponentiate(scores, r.n, most));
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& last) {
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "q must be (B, H, 1, D), got ", q.sizes());
+  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes(), "k and v caches must both be (B, H, L, D), got ", k.sizes(),
+              " and ", v.sizes());
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3),
+              "caches ", k.sizes(), " do not match q ", q.sizes());
+  for (const auto* t : {&q, &k, &v})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->stride(3) == 1,
+                "q, k and v must be float32 CPU tensors with unit stride along D");
+  TORCH_CHECK(last.dim() == 1 && last.size(0) == q.size(0) && last.scalar_type() == at::kLong,
+              "last must be (B,) int64, got ", last.sizes());
+}
+
+}  // namespace
+
+// q (B, H, 1, D) attends to positions [0, last[b]] of caches (B, H, L, D): returns (B, H, 1, D).
+at::Tensor softmax_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& last) {
+  check_inputs(q, k, v, last);
+  const int64_t heads = q.size(1), d = q.size(3), max_len = k.size(2);
+  const at::Tensor ends = last.contiguous();
+  const int64_t* end = ends.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b)
+    TORCH_CHECK(end[b] >= 0 && end[b] < max_len, "row ", b, ": last position ", end[b], " outside the cache's ", max_len);
+  at::Tensor out = at::empty({q.size(0), heads, 1, d}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, q.size(0) * heads, 1, [&](int64_t begin, int64_t finish) {
+    std::vector<float> scores(max_len);
+    for (int64_t i = begin; i < finish; ++i) {
+      const int64_t b = i / heads, h = i % heads;
+      const Row row{qp + b * q.stride(0) + h * q.stride(1), kp + b * k.stride(0) + h * k.stride(1),
+                    vp + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2), end[b] + 1, d, op + i * d};
+      attend(row, scores.data());
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY(rnnserve, m) {
+  m.def("softmax_decode_attention(Tensor q, Tensor k, Tensor v, Tensor last) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(rnnserve, CPU, m) { m.impl("softmax_decode_attention", &softmax_decode_attention); }

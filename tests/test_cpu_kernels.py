@@ -1,0 +1,106 @@
+"""The C++ decode-attention kernel (model/kernels/softmax_decode.cpp) against PyTorch's attention.
+
+Built once per machine by the first test that needs it (about 20 s here), then found in torch's cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from model import cpu_kernels
+from model.cpu_kernels import load_kernels, use_cpu_kernels
+from model.heads import split_heads
+from model.softmax_attention import SoftmaxAttention, attend_one_query
+
+from conftest import TINY_MAX_LEN, make_tiny_model, make_tokens
+
+KERNEL_TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    build = load_kernels()
+    assert build.ok, build.error
+    return torch.ops.rnnserve.softmax_decode_attention
+
+
+def pytorch_attention(q, k, v, last):
+    """The eager path's attention over each row's positions [0, last]."""
+    used = int(last.max()) + 1
+    visible = (torch.arange(used) <= last[:, None])[:, None, None]  # (B, 1, 1, L)
+    return attend_one_query(q, k[:, :, :used], v[:, :, :used], visible)
+
+
+# Head sizes the vector path covers (multiples of 8 and 16, up to 8 vectors) and ones it leaves to the scalar loops.
+@pytest.mark.parametrize("head_dim", [8, 16, 24, 32, 48, 200])
+def test_the_kernel_equals_pytorch_attention_for_rows_of_different_lengths(kernel, head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    rows, heads, max_len = 5, 3, 40
+    # Caches as decoders hold them: rows [1, 6) of a larger state; q a strided view of the fused projection.
+    k_all, v_all = (torch.randn(rows + 2, heads, max_len, head_dim, generator=gen) for _ in range(2))
+    k, v = k_all[1:rows + 1], v_all[1:rows + 1]
+    q = split_heads(torch.randn(rows, 1, 3 * heads * head_dim, generator=gen)[..., :heads * head_dim], heads)
+    assert not q.is_contiguous()
+    last = torch.tensor([0, 5, 17, max_len - 1, 22])
+    got = kernel(q, k, v, last)
+    assert got.shape == (rows, heads, 1, head_dim) and got.is_contiguous()
+    torch.testing.assert_close(got, pytorch_attention(q, k, v, last), atol=KERNEL_TOLERANCE, rtol=0)
+    # Row 0 sees only its first position: its output is that value, whatever the query.
+    torch.testing.assert_close(got[0, :, 0], v[0, :, 0], atol=KERNEL_TOLERANCE, rtol=0)
+
+
+def test_the_kernel_reads_only_the_positions_each_row_can_see(kernel):
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 2, n, 32, generator=gen) for n in (1, 30, 30))
+    last = torch.tensor([9, 29])
+    before = kernel(q, k, v, last)
+    k[0, :, 10:], v[0, :, 10:] = float("nan"), float("nan")  # past row 0's last position
+    after = kernel(q, k, v, last)
+    torch.testing.assert_close(after, before, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda q, k, v, last: (q, k, v, torch.tensor([3, 30])), "last position 30 outside the cache's 30"),
+    (lambda q, k, v, last: (q, k, v, torch.tensor([-1, 3])), "last position -1"),
+    (lambda q, k, v, last: (q.double(), k, v, last), "float32"),
+    (lambda q, k, v, last: (q, k[:, :1], v, last), "must both be"),
+    (lambda q, k, v, last: (q, k, v, last[:1]), "last must be"),
+    (lambda q, k, v, last: (q, k.transpose(2, 3).contiguous().transpose(2, 3), v, last), "unit stride"),
+])
+def test_bad_inputs_are_refused_with_what_is_wrong(kernel, change, message):
+    q, k, v = torch.zeros(2, 2, 1, 32), torch.zeros(2, 2, 30, 32), torch.zeros(2, 2, 30, 32)
+    with pytest.raises(RuntimeError, match=message):
+        kernel(*change(q, k, v, torch.tensor([3, 4])))
+
+
+def test_softmax_decoding_through_the_kernel_equals_the_parallel_pass():
+    # Head size 32: the vectorized path on CPUs with 8- or 16-float vectors.
+    model = make_tiny_model("softmax", d_model=64, n_heads=2)
+    build = use_cpu_kernels(model)
+    assert build is not None and build.ok, build
+    assert all(m.cpu_decode_kernel for m in model.modules() if isinstance(m, SoftmaxAttention))
+    tokens = make_tokens(3, 3, TINY_MAX_LEN)
+    with torch.inference_mode():
+        parallel, _ = model(tokens, None)
+        state = model.new_state(3)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            steps = [model.decode_step(tokens[:, t], state) for t in range(TINY_MAX_LEN)]
+    calls = [e for e in prof.key_averages() if e.key == "rnnserve::softmax_decode_attention"]
+    assert calls and calls[0].count == TINY_MAX_LEN * model.config.n_layers
+    torch.testing.assert_close(torch.stack(steps, 1), parallel, atol=1e-4, rtol=0)
+
+
+def test_models_without_a_kernel_are_left_alone():
+    assert use_cpu_kernels(make_tiny_model("linear")) is None
+
+
+def test_a_failed_build_is_reported_and_decoding_keeps_pytorch_attention(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_kernels, "SOURCE", tmp_path / "missing.cpp")
+    build = cpu_kernels._load_once.__wrapped__()  # the uncached build, as a first call in a process would run it
+    assert not build.ok and "missing.cpp" in build.error
+    monkeypatch.setattr(cpu_kernels, "load_kernels", lambda: build)
+    model = make_tiny_model("softmax")
+    assert use_cpu_kernels(model) is build
+    assert not any(m.cpu_decode_kernel for m in model.modules() if isinstance(m, SoftmaxAttention))

@@ -61,7 +61,9 @@ def _load_once() -> KernelBuild:
     try:
         from torch.utils.cpp_extension import load
 
-        load(name=LIBRARY, sources=[str(SOURCE)], extra_cflags=["-O3", *vector_flags()], is_python_module=False)
+        # OpenMP as torch's own: the kernel splits rows over torch's intra-op threads (its libgomp, already loaded).
+        load(name=LIBRARY, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *vector_flags()],
+             extra_ldflags=["-fopenmp"], is_python_module=False)
         torch.library.register_fake("rnnserve::softmax_decode_attention")(_fake_softmax_decode_attention)
     except Exception as exc:  # no compiler, no Python headers, a read-only cache
         error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"

@@ -8,6 +8,8 @@ turned into the same shape by the handlers installed with `install`.
 from __future__ import annotations
 
 import json
+import math
+import sys
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -75,6 +77,32 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 
 MAX_ERRORS_SHOWN = 3  # per field: a 28x28 grid of bad pixels is one line, not 784
+JSON_KINDS = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number", type(None): "null"}
+BODY_EXAMPLES = {"/v1/completions": '{"prompt": "Once upon a time", "max_tokens": 16}',
+                 "/v1/images/completions": '{"image": "<base64 28x28 PNG>", "keep_rows": 14}'}
+JITER_DEPTH = 200  # pydantic's JSON parser (the image route's) refuses deeper nesting
+NESTING_NEEDED = 3  # the deepest a valid body nests: {"prompt": [[1, 2]]}, {"pixels": [[0, ...], ...]}
+
+
+def not_utf8(body: bytes) -> str | None:
+    """Where a body stops being UTF-8, in words; None when it is UTF-8."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return (f"the body is not UTF-8: byte 0x{body[exc.start]:02x} at offset {exc.start} ({exc.reason}); "
+                "JSON bodies must be UTF-8 encoded")
+    return None
+
+
+def too_deep(limit: str) -> str:
+    return (f"the body nests arrays or objects deeper than the JSON parser allows ({limit} levels); "
+            f"a request nests at most {NESTING_NEEDED}")
+
+
+def empty_body(path: str) -> str:
+    example = BODY_EXAMPLES.get(path)
+    return "the request body is empty; send a JSON object" + (f" such as {example}" if example else "")
 
 
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
@@ -94,22 +122,42 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
 def _describe(err: dict[str, Any]) -> tuple[str | None, str]:
     """One pydantic error -> (top-level field, "where: what is wrong (got ...)")."""
     if err.get("type") == "json_invalid":
-        where = next((p for p in err.get("loc", ()) if isinstance(p, int)), None)
-        reason = (err.get("ctx") or {}).get("error", "invalid JSON")
-        return None, f"the body is not valid JSON: {reason}" + (f" at character {where}" if where is not None else "")
+        return None, _json_invalid(err)
     cause = (err.get("ctx") or {}).get("error")
     loc = [p for p in err.get("loc", ()) if p not in ("body", "query", "path")]
+    if not loc and err.get("type") in ("model_type", "model_attributes_type", "dict_type"):
+        return None, f"the body must be a JSON object of the request's fields, got {_json_kind(err.get('input'))}"
     param = getattr(cause, "param", None) or (str(loc[0]) if loc else None)
     where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or param or "body"
     if isinstance(cause, FieldError):  # its message names the field already
         return param, str(cause)
-    message = err.get("msg", "invalid").removeprefix("Value error, ")
     got = err.get("input")
+    if err.get("type") == "finite_number":
+        return param, f"{where} must be a finite number, got {_short(got)}"
+    message = err.get("msg", "invalid").removeprefix("Value error, ")
     shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {_short(got)})"
     return param, f"{where}: {message}{shown}"
 
 
+def _json_invalid(err: dict[str, Any]) -> str:
+    """A body the JSON parser refused: FastAPI's (`loc` has the character) or pydantic's (`input` is the body)."""
+    body = err.get("input")
+    reason = (err.get("ctx") or {}).get("error", "invalid JSON")
+    if isinstance(body, bytes) and (problem := not_utf8(body)):
+        return problem
+    if reason.startswith("recursion limit exceeded"):
+        return too_deep(str(JITER_DEPTH))
+    where = next((p for p in err.get("loc", ()) if isinstance(p, int)), None)
+    return f"the body is not valid JSON: {reason}" + (f" at character {where}" if where is not None else "")
+
+
+def _json_kind(value: Any) -> str:
+    return JSON_KINDS.get(type(value), type(value).__name__)
+
+
 def _short(value: Any, limit: int = 60) -> str:
+    if isinstance(value, float) and not math.isfinite(value):  # as JSON spells it, which is what was sent
+        return "NaN" if math.isnan(value) else ("-Infinity" if value < 0 else "Infinity")
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
 
@@ -129,8 +177,24 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
         return error_response(415, f"send the body as JSON with Content-Type: application/json "
                               f"(got {request.headers.get('content-type') or 'no content type'})", None,
                               "unsupported_media_type")
-    message, param = validation_message(list(exc.errors()))
-    return error_response(400, message, param, "invalid_value")
+    errors = list(exc.errors())
+    if _is_empty_body(errors, getattr(exc, "body", None)):
+        return error_response(400, empty_body(request.url.path), None, "invalid_json")
+    message, param = validation_message(errors)
+    code = "invalid_json" if any(e.get("type") == "json_invalid" for e in errors) else "invalid_value"
+    return error_response(400, message, param, code)
+
+
+def _is_empty_body(errors: list[dict[str, Any]], parsed: Any) -> bool:
+    """No body, or only whitespace: FastAPI says the body is missing or gives the text it failed on (`parsed`);
+    pydantic's parser (the image route's) gives the body as the error's input."""
+    for err in errors:
+        if err.get("type") == "missing" and tuple(err.get("loc", ())) == ("body",):
+            return True
+        text = err.get("input") if isinstance(err.get("input"), (bytes, str)) else parsed
+        if err.get("type") == "json_invalid" and isinstance(text, (bytes, str)) and not text.strip():
+            return True
+    return False
 
 
 def _not_json(request: Request, exc: RequestValidationError) -> bool:
@@ -150,6 +214,9 @@ def label_named_model(request: Request, body: Any) -> None:
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    unparsed = _unparsed_body(exc.__cause__) if exc.status_code == 400 else None
+    if unparsed is not None:
+        return error_response(400, unparsed, None, "invalid_json")
     if exc.status_code == 404:
         message = f"no route {request.method} {request.url.path}; see GET /v1/models, POST /v1/completions, POST /v1/images/completions"
     elif exc.status_code == 405:
@@ -157,6 +224,15 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     else:
         message = str(exc.detail)
     return error_response(exc.status_code, message, None, None, getattr(exc, "headers", None))
+
+
+def _unparsed_body(cause: BaseException | None) -> str | None:
+    """Why FastAPI could not read a JSON body, where its "There was an error parsing the body" does not say."""
+    if isinstance(cause, UnicodeDecodeError) and isinstance(cause.object, bytes):
+        return not_utf8(cause.object)  # None for UTF-8 read as UTF-16 (a body starting with a NUL byte)
+    if isinstance(cause, RecursionError):  # Python's json parser nests as deep as the interpreter's stack
+        return too_deep(f"about {sys.getrecursionlimit()}")
+    return None
 
 
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -15,14 +15,14 @@ from .errors import FieldError
 from .image_particles import DEFAULT_PARTICLES, MAX_PARTICLES
 from .imaging import SIDE
 from .responses import GENERATION_ERRORS, SSE
-from .schemas import Int, SamplingOptions
+from .schemas import Int, OrDefault, SamplingOptions
 
 Grid = list[list[Int()]]
 
 
 class ImageOptions(SamplingOptions):
     model: str | None = Field(None, description="an mnist model from GET /v1/models; may be left out when only one is loaded")
-    stream: bool = Field(False, description="send rows as server-sent events as they complete")
+    stream: OrDefault(bool, False, description="send rows as server-sent events as they complete")
     keep_rows: Int(ge=0, le=SIDE) | None = Field(None, description="rows 0..k-1 known, the rest unknown")
     particles: Int(ge=1, le=MAX_PARTICLES) | None = Field(
         None, description="particles per sample (sequential Monte Carlo, weighed by the known pixels that follow "

@@ -21,6 +21,12 @@ SIDE = 28
 PIXELS = SIDE * SIDE
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MASK_THRESHOLD = 128  # mask PNG grey level at or above which a pixel is unknown
+HOW_TO_MARK = {  # per field the digit came in: a PNG has alpha, grey levels have no way to say "unknown"
+    "image": "mark unknown pixels with alpha 0 in the PNG, a `mask` (PNG: white = unknown; 28x28 lists: "
+             "1 = unknown), or `keep_rows` < 28",
+    "pixels": "with `pixels`, mark unknown pixels with a `mask` (28x28 lists: 1 = unknown; PNG: white = unknown) "
+              "or `keep_rows` < 28 (rows 0..k-1 known), as grey levels cannot mark them",
+}
 
 
 class ImageError(ValueError):
@@ -149,8 +155,9 @@ def mask_from_keep_rows(keep_rows: int) -> np.ndarray:
 
 
 def choose_unknown(transparent: np.ndarray | None, mask: np.ndarray | None,
-                   keep_rows: int | None) -> tuple[np.ndarray | None, str]:
-    """Which pixels are unknown: an explicit mask or keep_rows wins over the alpha channel."""
+                   keep_rows: int | None, digit: str = "image") -> tuple[np.ndarray | None, str]:
+    """Which pixels are unknown: an explicit mask or keep_rows wins over the digit's own (a PNG's alpha channel;
+    `pixels` have none). Returns them and the field that marked them."""
     if mask is not None and keep_rows is not None:
         raise ImageError("give either `mask` or `keep_rows` to mark the unknown pixels, not both", "keep_rows",
                          "invalid_value")
@@ -158,15 +165,15 @@ def choose_unknown(transparent: np.ndarray | None, mask: np.ndarray | None,
         return mask, "mask"
     if keep_rows is not None:
         return mask_from_keep_rows(keep_rows), "keep_rows"
-    return transparent, "image"
+    return transparent, digit
 
 
-def occlude(pixels: np.ndarray, unknown: np.ndarray | None, source: str) -> OccludedImage:
-    """Pair pixels with their unknown mask, refusing a mask with nothing to complete."""
+def occlude(pixels: np.ndarray, unknown: np.ndarray | None, source: str, digit: str = "image") -> OccludedImage:
+    """Pair pixels with their unknown mask, refusing a mask with nothing to complete. `digit` is the field the
+    pixels came in (`image` or `pixels`): the hint names only the ways that field's requests can mark pixels."""
     if unknown is None or not unknown.any():
-        raise ImageError(
-            f"{source} marks no unknown pixel, so there is nothing to complete; mark unknown pixels with alpha 0 "
-            "in the PNG, a `mask` (PNG: white = unknown; 28x28 lists: 1 = unknown), or `keep_rows` < 28", source)
+        raise ImageError(f"{source} marks no unknown pixel, so there is nothing to complete; {HOW_TO_MARK[digit]}",
+                         source)
     return OccludedImage(pixels, unknown)
 
 

@@ -57,8 +57,9 @@ class ImageInput:
             mask = imaging.mask_from_png(imaging.decode_png(self.mask_png, "mask"))
         elif self.mask_grid is not None:
             mask = imaging.grid_from_lists(self.mask_grid, "mask", 0, 1).astype(bool)
-        unknown, source = imaging.choose_unknown(transparent, mask, self.options.keep_rows)
-        return imaging.occlude(pixels, unknown, source)
+        digit = "image" if self.png is not None else "pixels"
+        unknown, source = imaging.choose_unknown(transparent, mask, self.options.keep_rows, digit)
+        return imaging.occlude(pixels, unknown, source, digit)
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from model.sampling import SamplingParams
 
@@ -24,15 +24,27 @@ def Int(**constraints: Any) -> Any:
     return Annotated[int, Field(**constraints), BeforeValidator(integral)]
 
 
+def Float(**constraints: Any) -> Any:
+    """A float field with its bounds; NaN and Infinity are refused by the models' `allow_inf_nan=False`."""
+    return Annotated[float, Field(**constraints)]
+
+
+def OrDefault(kind: Any, default: Any, **field: Any) -> Any:
+    """`kind`, where JSON null means `default`: OpenAI documents its optional fields as nullable, and clients
+    send null for "not set". The schema shows null as allowed; the validated value is never None."""
+    return Annotated[kind | None, Field(default, **field), AfterValidator(lambda v: default if v is None else v)]
+
+
 class SamplingOptions(BaseModel):
     # Strict: JSON `false` is no number and "5" no integer. Multipart forms, whose values are all
-    # text, are validated with strict=False (routes_images._from_form).
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # text, are validated with strict=False (routes_images._from_form). NaN and Infinity, which both
+    # JSON parsers here accept, are refused as not finite rather than as out of range.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
-    n: Int(ge=1, le=MAX_N) = Field(1, description="samples to draw (at most --max-batch)")
-    temperature: float = Field(1.0, ge=0.0, le=10.0, description="0 = greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: Int(ge=0, le=256) = Field(0, description="0 = off")
+    n: OrDefault(Int(ge=1, le=MAX_N), 1, description="samples to draw (at most --max-batch)")
+    temperature: OrDefault(Float(ge=0.0, le=10.0), 1.0, description="0 = greedy")
+    top_p: OrDefault(Float(gt=0.0, le=1.0), 1.0)
+    top_k: OrDefault(Int(ge=0, le=256), 0, description="0 = off")
     seed: Int(ge=0, lt=2**62) | None = Field(None, description="sample i uses seed + i; default random")
 
     @model_validator(mode="before")

@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .errors import FieldError
-from .schemas import MAX_N, Int, SamplingOptions, integral
+from .schemas import MAX_N, Float, Int, OrDefault, SamplingOptions, integral
 from .textcodec import SampleText, TextChunk, token_text
 from .types import Generation, PromptScores, SampleResult
 
 MAX_STOPS = 4
 MAX_PROMPTS = 16
 Byte = Int(ge=0, le=255)
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Penalty = Float(ge=-2.0, le=2.0)
 
 
 class StreamOptions(BaseModel):
@@ -35,15 +35,15 @@ class CompletionRequest(SamplingOptions):
     prompt: str | list[str] | list[Byte] | list[list[Byte]] = Field(
         "", description=f"text (sent as UTF-8 bytes), byte tokens 0-255, or a list of up to {MAX_PROMPTS} of either")
     suffix: str | None = Field(None, description="not supported (these models cannot insert text): leave it out or empty")
-    max_tokens: Int(ge=0) = Field(16, description="bytes to generate per sample; 0 with echo scores the prompt")
+    max_tokens: OrDefault(Int(ge=0), 16, description="bytes to generate per sample; 0 with echo scores the prompt")
     stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOPS} sequences that end a sample (not included)")
-    stream: bool = False
+    stream: OrDefault(bool, False)
     stream_options: StreamOptions | None = None
     logprobs: Int(ge=0, le=5) | None = Field(None, description="log-probability of each token and of the N most likely")
-    echo: bool = Field(False, description="put the prompt before the completion")
-    frequency_penalty: Penalty = Field(0.0, description="minus this times how often a token was generated so far")
-    presence_penalty: Penalty = Field(0.0, description="minus this once a token has been generated")
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+    echo: OrDefault(bool, False, description="put the prompt before the completion")
+    frequency_penalty: OrDefault(Penalty, 0.0, description="minus this times how often a token was generated so far")
+    presence_penalty: OrDefault(Penalty, 0.0, description="minus this once a token has been generated")
+    logit_bias: dict[str, Float(ge=-100, le=100)] | None = Field(
         None, description="token id (0-255, as a string) -> bias added to its logit")
     best_of: Int(ge=1, le=MAX_N) | None = Field(None, description="draw this many, return the n most likely (not with stream)")
     user: str | None = Field(None, description="accepted and ignored")

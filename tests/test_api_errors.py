@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import httpx
 import pytest
 
@@ -72,3 +74,90 @@ def test_messages_name_their_field_without_pydantic_prefixes(client):
                        json={"model": "digits", "pixels": [[0] * 28] * 28, "keep_rows": 2, "mask": [[1] * 28] * 28})
     error = error_of(both, 400)
     assert error["param"] == "keep_rows" and error["code"] == "invalid_value"
+
+
+JSON = {"content-type": "application/json"}
+GRID = [[0] * 28 for _ in range(28)]
+
+
+@pytest.mark.parametrize("path, body, content_type, where", [
+    ("/v1/completions", b'{"prompt": "\xff\xfe"}', "application/json", "byte 0xff at offset 12"),
+    ("/v1/completions", '{"prompt": "caf\xe9"}'.encode("latin-1"), "application/json; charset=latin-1",
+     "byte 0xe9 at offset 15"),
+    ("/v1/images/completions", b'{"model": "\xff"}', "application/json", "byte 0xff at offset 11"),
+])
+def test_a_body_that_is_not_utf8_says_where_and_that_json_is_utf8(client, path, body, content_type, where):
+    error = error_of(client.post(path, content=body, headers={"content-type": content_type}), 400)
+    assert error["message"].startswith(f"the body is not UTF-8: {where} (")
+    assert error["message"].endswith("JSON bodies must be UTF-8 encoded")
+    assert error["param"] is None and error["code"] == "invalid_json"
+    still_serving(client)
+
+
+@pytest.mark.parametrize("path, limit", [("/v1/completions", f"about {sys.getrecursionlimit()}"),
+                                         ("/v1/images/completions", "200")])
+def test_a_body_nested_too_deeply_says_so_and_names_the_limit(client, path, limit):
+    error = error_of(client.post(path, content=b'{"prompt": ' + b"[" * 100_000, headers=JSON), 400)
+    assert error["message"] == ("the body nests arrays or objects deeper than the JSON parser allows "
+                                f"({limit} levels); a request nests at most 3")
+    assert error["param"] is None and error["code"] == "invalid_json"
+    still_serving(client)
+
+
+VALID = {"/v1/completions": '"model": "words", "prompt": "a"',
+         "/v1/images/completions": f'"model": "digits", "pixels": {GRID}, "keep_rows": 3'}
+
+
+@pytest.mark.parametrize("path, field, where, shown", [
+    ("/v1/completions", '"temperature": NaN', "temperature", "NaN"),
+    ("/v1/completions", '"top_p": Infinity', "top_p", "Infinity"),
+    ("/v1/completions", '"presence_penalty": -Infinity', "presence_penalty", "-Infinity"),
+    ("/v1/completions", '"logit_bias": {"3": NaN}', "logit_bias.3", "NaN"),
+    ("/v1/images/completions", '"temperature": NaN', "temperature", "NaN"),
+])
+def test_nan_and_infinity_are_refused_as_not_finite_naming_the_field(client, path, field, where, shown):
+    error = error_of(client.post(path, content="{%s, %s}" % (VALID[path], field), headers=JSON), 400)
+    assert error["message"] == f"{where} must be a finite number, got {shown}"
+    assert error["param"] == where.split(".")[0]
+    still_serving(client)
+
+
+def test_null_means_the_default_for_openais_nullable_options(client):
+    nulls = dict.fromkeys(["max_tokens", "temperature", "top_p", "top_k", "n", "logprobs", "seed", "stop", "echo",
+                           "stream", "frequency_penalty", "presence_penalty", "logit_bias", "best_of"])
+    response = client.post("/v1/completions", json={"prompt": "a", **nulls})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 16 and len(response.json()["choices"]) == 1
+    image = client.post("/v1/images/completions",
+                        json={"model": "digits", "pixels": GRID, "keep_rows": 27, "n": None, "stream": None})
+    assert image.status_code == 200 and len(image.json()["data"]) == 1
+    documented = client.get("/openapi.json").json()["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert {"type": "null"} in documented["max_tokens"]["anyOf"] and documented["max_tokens"]["default"] == 16
+
+
+def test_pixels_without_a_mask_are_told_how_pixels_requests_mark_unknowns(client):
+    error = error_of(client.post("/v1/images/completions", json={"model": "digits", "pixels": GRID}), 400)
+    assert error["param"] == "pixels" and "alpha" not in error["message"]
+    assert error["message"].startswith("pixels marks no unknown pixel, so there is nothing to complete; "
+                                       "with `pixels`, mark unknown pixels with a `mask` (28x28 lists: 1 = unknown")
+    assert "or `keep_rows` < 28" in error["message"]
+    still_serving(client)
+
+
+@pytest.mark.parametrize("path, example", [("/v1/completions", '{"prompt": '),
+                                           ("/v1/images/completions", '{"image": ')])
+@pytest.mark.parametrize("body", [b"", b"  \n"])
+def test_an_empty_body_asks_for_a_json_object(client, path, example, body):
+    error = error_of(client.post(path, content=body, headers=JSON), 400)
+    assert error["message"].startswith(f"the request body is empty; send a JSON object such as {example}")
+    assert error["param"] is None
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/images/completions"])
+@pytest.mark.parametrize("body, kind", [(b"[1, 2]", "an array"), (b'"hi"', "a string"), (b"null", "null"),
+                                        (b"7", "a number")])
+def test_a_body_that_is_no_json_object_says_what_it_is(client, path, body, kind):
+    error = error_of(client.post(path, content=body, headers=JSON), 400)
+    assert error["message"] == f"the body must be a JSON object of the request's fields, got {kind}"
+    assert error["param"] is None
+    still_serving(client)

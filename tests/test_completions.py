@@ -313,7 +313,7 @@ def test_a_bits_per_dim_store_keeps_stored_completions(tmp_path: Path, toy_data:
     ("missing data", "no such file or folder"),
     ("missing classifier", "no digit classifier here; train one with `rnnserve train-classifier"),
     ("wrong-size mask", "mask is 20x20 pixels; expected 28x28"),
-    ("text model", "is a text model; --completions needs an MNIST model"),
+    ("text model", ": this is a text model; --completions needs an MNIST model (trained with --task mnist)"),
     ("mask without --completions", "--mask only applies with --completions"),
     ("mask and occlusion", "give either --occlusion or --mask, not both"),
     ("particles without --completions", "--particles only applies with --completions"),

@@ -731,3 +731,17 @@ def test_shipped_model_loads_reports_metrics_and_generates(path: Path) -> None:
     tokens = generate(model, torch.zeros(1, 0, dtype=torch.long), length, sampling, compiled=False)  # a file test
     assert tokens.shape == (1, length)
     assert int(tokens.min()) >= 0 and int(tokens.max()) <= 255
+
+
+def test_pictures_refuses_a_text_model_naming_what_it_needs(tmp_path: Path, mnist_dir: Path, capsys) -> None:
+    from training import pictures
+
+    text_model = tmp_path / "words.safetensors"
+    config = ModelConfig(task="text", d_model=32, n_layers=1, n_heads=2, d_ff=32, max_len=16)
+    save_model(build_model(config), text_model)
+    args = parse("pictures", ["--models", str(text_model), "--data", str(mnist_dir), "--out", str(tmp_path / "p.png"),
+                              "--digits", "1", "--device", "cpu"])
+    assert pictures.run(args) == 2
+    assert capsys.readouterr().err == (f"rnnserve pictures: error: {text_model}: this is a text model; "
+                                       "`rnnserve pictures` draws digits, so --models takes MNIST models "
+                                       "(trained with --task mnist)\n")

@@ -214,7 +214,8 @@ def evaluate_completions(path: str | Path, run: CompletionRun, device: torch.dev
 def load_completion_model(path: str | Path, device: torch.device) -> Transformer:
     model, _ = load_model(path, device=device, dtype=torch.float32)
     if model.config.task != "mnist":
-        raise WeightsError(path, f"is a {model.config.task} model; --completions needs an MNIST model")
+        raise WeightsError(path, f"this is a {model.config.task} model; --completions needs an MNIST model "
+                                 "(trained with --task mnist)")
     return model
 
 

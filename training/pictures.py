@@ -37,7 +37,8 @@ def complete(path: str, prompts: torch.Tensor, device: torch.device, seed: int, 
     """Sample the rest of each (B, P) prompt to 784 pixels with one model; returns (B, 784) and its label."""
     model, _ = load_model(path, device=device)
     if model.config.task != "mnist":
-        raise WeightsError(path, f"is a {model.config.task} model; pictures needs MNIST models")
+        raise WeightsError(path, f"this is a {model.config.task} model; `rnnserve pictures` draws digits, so "
+                                 "--models takes MNIST models (trained with --task mnist)")
     params = [SamplingParams(temperature=temperature, seed=seed + row) for row in range(prompts.shape[0])]
     tokens = generate(model, prompts.to(device), MNIST_PIXELS, BatchSampling.from_params(params, device))
     return tokens.cpu(), model.config.attention

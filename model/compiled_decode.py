@@ -26,7 +26,10 @@ moved into its graph).
 Compiling takes seconds to a minute per graph on a small CPU. `compile()`
 does it in the caller (generate, the bench); `compile(background=True)`
 starts a thread and decodes eagerly until each graph is ready (the server:
-start-up is not held up). Each compile is logged with its time. A compile that fails
+start-up is not held up). That thread runs at a lower CPU priority, so the
+eager steps serving requests meanwhile keep their cores, and it may hold a
+`gate` (a lock several decoders share: the server's models compile one at a
+time, and each is fast sooner). Each compile is logged with its time. A compile that fails
 (e.g. no C++ compiler) is logged and that decoder stays eager.
 
 Which kinds are compiled is what they declare (`compilable` in
@@ -38,11 +41,14 @@ stays eager.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
+import torch._inductor.config
 
 from .cpu_kernels import KernelBuild, use_cpu_kernels
 from .cuda_graphs import EagerDecoder
@@ -63,6 +69,9 @@ INDUCTOR_OPTIONS = {"realize_opcount_threshold": 2, "cpp_wrapper": True}
 # a graph break. Every model served adds two graphs to the same code: no fallback to eager at 8.
 DYNAMO_OPTIONS = {"capture_scalar_outputs": True, "recompile_limit": 64, "accumulated_recompile_limit": 4096}
 WARMUP_ROWS = {"2 or more rows": 2, "1 row": 1}  # one compile per shape class, on a scratch state
+# A background compile's niceness above its process's: under load the eager steps get about 90% of a core
+# it shares with them (Linux weighs nice 0 against nice 10 as 1024 to 110); idle, the compile runs at full speed.
+BACKGROUND_COMPILE_NICENESS = 10
 
 
 @dataclass
@@ -72,6 +81,18 @@ class CompileLog:
     seconds: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     kernels: KernelBuild | None = None  # the C++ kernels the steps call (model/cpu_kernels.py); None: none apply
+
+
+def lower_thread_priority(by: int) -> None:
+    """Raise the calling thread's niceness (Linux: per thread, inherited by the threads and processes it
+    starts); nothing where threads have no priority of their own."""
+    if not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
+        return
+    thread = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + by))
+    except OSError as exc:  # e.g. a sandbox that forbids it: compile at the same priority
+        log.debug("could not lower the compile thread's priority: %s", exc)
 
 
 def _decode_step(model: Transformer, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
@@ -175,18 +196,23 @@ class CompiledDecoder(EagerDecoder):
                      for t in typed)
 
     # -- compiling ----------------------------------------------------------------
-    def compile(self, background: bool = False, batch: int | None = None) -> CompileLog | None:
+    def compile(self, background: bool = False, batch: int | None = None,
+                gate: AbstractContextManager | None = None) -> CompileLog | None:
         """Compile now (returns what was compiled), or on a daemon thread while steps run eagerly
         until each graph is ready (returns None). batch: only the graph a batch of that many rows
-        uses (a fixed-batch loop); None: both."""
+        uses (a fixed-batch loop); None: both. gate: held by the background compile while it runs."""
         if not background:
             return self.compile_now(batch)
-        threading.Thread(target=self._compile_in_thread, args=(batch,), name="compile-decode", daemon=True).start()
+        threading.Thread(target=self._compile_in_thread, args=(batch, gate), name="compile-decode", daemon=True).start()
         return None
 
-    def _compile_in_thread(self, batch: int | None) -> None:
+    def _compile_in_thread(self, batch: int | None, gate: AbstractContextManager | None) -> None:
         adopt_process_threads()  # inductor sizes its loops' thread teams by the compiling thread's count
-        self.compile_now(batch)
+        lower_thread_priority(BACKGROUND_COMPILE_NICENESS)  # before the C++ compiler's processes inherit it
+        # One compile thread and the compilers it starts, not inductor's pool of worker processes: those
+        # would run at the priority of whichever thread made the pool, and each holds a copy of torch.
+        with gate if gate is not None else nullcontext(), torch._inductor.config.patch(compile_threads=1):
+            self.compile_now(batch)
 
     def compile_now(self, batch: int | None = None) -> CompileLog:
         """Compile the shape classes here and now, one log line each; a failure leaves decoding eager."""

@@ -6,20 +6,28 @@ time in at batch 64. It is registered as the operator
 `torch.ops.rnnserve.softmax_decode_attention`, so eager steps call it and
 torch.compile keeps it as one call inside its graphs.
 
-The build takes about 20 s once per machine (torch keeps the library under
-~/.cache/torch_extensions, keyed by the source) and uses the vector
-instructions inductor picks for this CPU. A build that fails (no compiler)
-is logged and decoding keeps the pure PyTorch attention.
+The build takes about 20 s once per machine and uses the vector
+instructions inductor picks for this CPU. torch keeps the library under
+~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR), here in a folder of
+its own per source, flags, torch and Python environment: two checkouts on
+one machine would otherwise rebuild over each other's library at every
+start. A build that fails (no compiler) is logged and decoding keeps the
+pure PyTorch attention.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
 import logging
+import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -62,8 +70,11 @@ def _load_once() -> KernelBuild:
         from torch.utils.cpp_extension import load
 
         # OpenMP as torch's own: the kernel splits rows over torch's intra-op threads (its libgomp, already loaded).
-        load(name=LIBRARY, sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *vector_flags()],
-             extra_ldflags=["-fopenmp"], is_python_module=False)
+        flags = ["-O3", "-fopenmp", *vector_flags()]
+        directory = build_directory(flags)
+        with exclusive_build(directory):
+            load(name=LIBRARY, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                 build_directory=str(directory), is_python_module=False)
         torch.library.register_fake("rnnserve::softmax_decode_attention")(_fake_softmax_decode_attention)
     except Exception as exc:  # no compiler, no Python headers, a read-only cache
         error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
@@ -72,6 +83,30 @@ def _load_once() -> KernelBuild:
     build = KernelBuild(True, time.perf_counter() - start)
     log.info("CPU decode kernels ready in %.1f s", build.seconds)
     return build
+
+
+def build_directory(flags: list[str]) -> Path:
+    """The build folder for this source file, its text, these flags, this torch and this Python environment
+    (the compile commands name the last two's headers), made if missing."""
+    from torch.utils.cpp_extension import _get_build_directory  # where torch puts extensions (honours the env)
+
+    inputs = [str(SOURCE), SOURCE.read_text(), *flags, torch.__version__, sys.prefix]
+    key = hashlib.sha256("\0".join(inputs).encode()).hexdigest()[:12]
+    return Path(_get_build_directory(f"{LIBRARY}-{key}", verbose=False))
+
+
+@contextmanager
+def exclusive_build(directory: Path) -> Iterator[None]:
+    """Build alone: an flock on the folder, which the kernel releases if this process dies. torch's own
+    build lock (the file `lock`) is not released then, and torch waits on it forever; under the flock,
+    any such file was left by a build that died, so it is removed."""
+    with open(directory / "rnnserve.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        baton = directory / "lock"
+        if baton.exists():
+            log.warning("removed %s, left by a build of the CPU decode kernels that did not finish", baton)
+            baton.unlink(missing_ok=True)
+        yield
 
 
 def _fake_softmax_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch.Tensor):

@@ -60,7 +60,7 @@ class EagerDecoder:
         """Draw the next tokens from these rows' logits (`model.sampling.sample`)."""
         return sample(logits, params, position)
 
-    def compile(self, background: bool = False, batch: int | None = None):
+    def compile(self, background: bool = False, batch: int | None = None, gate=None):
         """Nothing to compile for these steps (see CompiledDecoder): None."""
         return None
 

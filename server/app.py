@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from contextlib import asynccontextmanager
-from typing import AsyncIterator
+import threading
+from contextlib import AbstractContextManager, asynccontextmanager
+from typing import AsyncIterator, Callable
 
 import torch
+import torch.multiprocessing
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CollectorRegistry
@@ -36,12 +38,14 @@ from .settings import Settings
 log = logging.getLogger("rnnserve.app")
 
 
-def build_app(settings: Settings, models: list[LoadedModel] | None = None, metrics: Metrics | None = None) -> FastAPI:
+def build_app(settings: Settings, models: list[LoadedModel] | None = None, metrics: Metrics | None = None,
+              on_started: Callable[[], None] | None = None) -> FastAPI:
     """An app serving `models`, or the models `settings` names (loaded at start-up); its series go
-    to `metrics` (default: a registry of its own, served at /metrics)."""
+    to `metrics` (default: a registry of its own, served at /metrics). `on_started` is called (on a
+    worker thread) once the engines run, just before the app serves."""
     metrics = metrics or Metrics(CollectorRegistry())
     # FastAPIOffline serves /docs and /redoc with Swagger UI and ReDoc from a Python package, no CDN.
-    app = FastAPIOffline(title="rnnserve", version="0.1.0", lifespan=_lifespan(settings, metrics, models),
+    app = FastAPIOffline(title="rnnserve", version="0.1.0", lifespan=_lifespan(settings, metrics, models, on_started),
                          description="Image completion, streaming text and metrics for RNN-mode transformers.")
     errors.install(app)
     openapi.install(app, settings.max_batch)
@@ -61,7 +65,8 @@ def build_app(settings: Settings, models: list[LoadedModel] | None = None, metri
     return app
 
 
-def _lifespan(settings: Settings, metrics: Metrics, models: list[LoadedModel] | None):
+def _lifespan(settings: Settings, metrics: Metrics, models: list[LoadedModel] | None,
+              on_started: Callable[[], None] | None):
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.threads is not None:
@@ -70,7 +75,8 @@ def _lifespan(settings: Settings, metrics: Metrics, models: list[LoadedModel] | 
         limits = EngineLimits(max_batch=settings.max_batch, max_waiting=settings.max_waiting,
                               cuda_graphs=settings.cuda_graphs, compile_decode=settings.compile_decode,
                               scheduler_steps=settings.scheduler_steps)
-        engines = [make_engine(m, limits, metrics, settings) for m in loaded]
+        gate = compile_gate(settings)
+        engines = [make_engine(m, limits, metrics, settings, gate) for m in loaded]
         started: list[Engine | EngineClient] = []
         freezing: asyncio.Task | None = None
         try:
@@ -79,6 +85,8 @@ def _lifespan(settings: Settings, metrics: Metrics, models: list[LoadedModel] | 
             app.state.server = ServerState(settings, metrics, EngineRegistry(engines, created))
             log.info("serving %s, %d intra-op CPU threads", ", ".join(e.name for e in engines), torch.get_num_threads())
             freezing = asyncio.create_task(freeze_heap_once_compiled(engines))
+            if on_started is not None:
+                await asyncio.to_thread(on_started)
             yield
         finally:
             if freezing is not None:
@@ -102,11 +110,21 @@ async def start_engines(engines: list[Engine | EngineClient]) -> list[Engine | E
     return engines
 
 
-def make_engine(loaded: LoadedModel, limits: EngineLimits, metrics: Metrics, settings: Settings) -> Engine | EngineClient:
+def make_engine(loaded: LoadedModel, limits: EngineLimits, metrics: Metrics, settings: Settings,
+                compile_gate: AbstractContextManager | None = None) -> Engine | EngineClient:
     """The model's engine: on a worker thread of this process, or (--engine-process) in a process of its own."""
     if settings.engine_process:
-        return EngineClient(loaded.name, loaded.model, loaded.info, limits, metrics, settings.threads)
-    return Engine(loaded.name, loaded.model, loaded.info, limits, metrics)
+        return EngineClient(loaded.name, loaded.model, loaded.info, limits, metrics, settings.threads, compile_gate)
+    return Engine(loaded.name, loaded.model, loaded.info, limits, metrics, compile_gate)
+
+
+def compile_gate(settings: Settings) -> AbstractContextManager:
+    """One lock for all the server's engines, so their background compiles take turns: on a small CPU, eight
+    compiles at once would starve the eager steps serving the first requests, and make every model wait
+    for all of them. Engine processes get a lock they can share (made for spawned processes)."""
+    if settings.engine_process:
+        return torch.multiprocessing.get_context("spawn").Lock()
+    return threading.Lock()
 
 
 async def freeze_heap_once_compiled(engines: list[Engine | EngineClient]) -> None:

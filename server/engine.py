@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -51,7 +52,9 @@ IDLE_WAKEUP_SECONDS = 1.0  # refresh rate gauges while idle
 class Engine(EngineFacts):
     """Continuous batching for one model on a worker thread of its own (see the module's docstring)."""
 
-    def __init__(self, name: str, model: Transformer, info: dict, limits: EngineLimits, metrics: Metrics):
+    def __init__(self, name: str, model: Transformer, info: dict, limits: EngineLimits, metrics: Metrics,
+                 compile_gate: AbstractContextManager | None = None):
+        """compile_gate: a lock the server's engines share, so their background compiles take turns."""
         self.name = name
         self.model = model.eval()
         self.info = info
@@ -60,7 +63,7 @@ class Engine(EngineFacts):
         self.state_bytes_allocated = 0  # all slots' state, known once started
         self.metrics = metrics.for_model(name, model.config.attention, images=model.config.task == "mnist")
         self.scheduler = Scheduler(limits.max_batch, limits.max_waiting)
-        self.runner = ModelRunner(model, limits.max_batch, limits.cuda_graphs, limits.compile_decode)
+        self.runner = ModelRunner(model, limits.max_batch, limits.cuda_graphs, limits.compile_decode, compile_gate)
         self._lock = threading.Lock()  # the scheduler's queue: submissions come from the event loop
         self._wakeup = threading.Event()
         self._ready = threading.Event()

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import signal
+import sys
 import threading
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -46,6 +49,7 @@ class EngineSpec:
     limits: EngineLimits
     threads: int | None
     log_level: int
+    compile_gate: AbstractContextManager | None = None  # a spawn-context Lock the server's engine processes share (see Engine)
 
 
 @dataclass(frozen=True)
@@ -204,7 +208,7 @@ def serve_engine(conn: Connection, spec: EngineSpec) -> None:
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
     pipe = Pipe(conn)
-    engine = Engine(spec.name, spec.model, spec.info, spec.limits, ForwardedMetrics(pipe))
+    engine = Engine(spec.name, spec.model, spec.info, spec.limits, ForwardedMetrics(pipe), spec.compile_gate)
     try:
         engine.start()
     except EngineFailure as exc:
@@ -217,6 +221,17 @@ def serve_engine(conn: Connection, spec: EngineSpec) -> None:
     finally:
         engine.stop()  # fails what is still running or waiting: its clients hear it
         conn.close()
+    if not engine.wait_compiled(0):
+        exit_now()
+
+
+def exit_now() -> None:
+    """Exit without the interpreter's teardown, whose C++ destructors abort ("terminate called without an
+    active exception") while a background compile is still inside inductor. Nothing is left to flush but logs."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def report_compiled(engine: Engine, pipe: Pipe) -> None:

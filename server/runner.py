@@ -13,6 +13,7 @@ per-token objects for it; `read_sample` takes a finished row out in one go.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -106,11 +107,13 @@ class Drawn:
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, rows: int, cuda_graphs: bool, compile_decode: bool = False):
+    def __init__(self, model: Transformer, rows: int, cuda_graphs: bool, compile_decode: bool = False,
+                 compile_gate: AbstractContextManager | None = None):
         self.model = model.eval()
         self.rows = rows
         self.cuda_graphs = cuda_graphs
         self.compile_decode = compile_decode
+        self.compile_gate = compile_gate  # shared by a server's engines: their background compiles take turns
         self.slots: Slots | None = None
         self.decoder: EagerDecoder | None = None
         self._after_bos: tuple[ModelState, torch.Tensor] | None = None  # see _prefill_bos
@@ -121,7 +124,7 @@ class ModelRunner:
         self.slots = Slots.allocate(self.model, self.rows)
         self._after_bos = self._prefill_bos()
         self.decoder = make_decoder(self.model, self.slots.state, self.cuda_graphs, compiled=self.compile_decode)
-        self.decoder.compile(background=True)
+        self.decoder.compile(background=True, gate=self.compile_gate)
 
     # -- new sequences --------------------------------------------------------
     def prefill(self, requests: list[GenerationRequest], first: int) -> list[float]:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,7 +24,7 @@ import pytest
 import torch
 import torch._inductor.config
 
-from model.compiled_decode import CompiledDecoder
+from model.compiled_decode import BACKGROUND_COMPILE_NICENESS, CompiledDecoder
 from model.config import BOS_TOKEN
 from model.cuda_graphs import EagerDecoder, make_decoder
 from model.generate import generate
@@ -185,6 +187,34 @@ def test_a_compile_that_fails_is_logged_and_decoding_stays_eager(caplog):
         assert torch.equal(decoder(tokens), eager(tokens))  # the same steps, run eagerly
 
 
+class RecordingGate:
+    """A compile gate that notes the priority of each thread that takes it."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.niceness: list[int] = []
+
+    def __enter__(self):
+        self.lock.acquire()
+        self.niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return self
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+
+def test_a_background_compile_takes_its_turn_at_a_lower_priority():
+    model = make_tiny_model("linear")
+    decoder = make_decoder(model, model.new_state(ROWS), cuda_graphs=False, compiled=True)
+    gate, ours = RecordingGate(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with gate.lock:  # another model's compile holds the gate
+        decoder.compile(background=True, gate=gate)
+        assert not decoder.wait_compiled(1.0) and not decoder.compiled
+    assert decoder.wait_compiled(600) and decoder.compiled, decoder.log
+    assert gate.niceness == [min(19, ours + BACKGROUND_COMPILE_NICENESS)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == ours  # the caller's is left alone
+
+
 # ---------------------------------------------------------------- the server's default
 
 
@@ -236,3 +266,25 @@ def _wait_for_compiled(url: str, log: Path, seconds: float = 600) -> None:
             pytest.fail(f"the background compile failed:\n{log.read_text()}")
         time.sleep(1)
     pytest.fail(f"not compiled after {seconds:g} s:\n{log.read_text()}")
+
+
+def test_a_server_stopped_while_compiling_exits_cleanly(tmp_path):
+    """SIGTERM while the engine processes still compile: exit 0, and no abort from C++ destructors
+    ("terminate called without an active exception") in the log."""
+    save_tiny_model(tmp_path, "text-linear", "linear", "text")
+    save_tiny_model(tmp_path, "text-softmax", "softmax", "text")
+    port, log = free_port(), tmp_path / "server.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RNNSERVE_")} | {
+        "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}  # no cached graphs: the compile takes seconds
+    with log.open("w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "server", "serve", "--weights", str(tmp_path), "--port",
+                                    str(port), "--max-batch", "4"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(process, f"http://127.0.0.1:{port}", log)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, log.read_text()
+    finally:
+        stop_process(process)
+    text = log.read_text()
+    assert "compiled the softmax decode step" not in text, "the compile ended before the stop: nothing was tested"
+    assert "terminate called" not in text and "Traceback" not in text, text

@@ -5,6 +5,11 @@ Built once per machine by the first test that needs it (about 20 s here), then f
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -104,3 +109,51 @@ def test_a_failed_build_is_reported_and_decoding_keeps_pytorch_attention(monkeyp
     model = make_tiny_model("softmax")
     assert use_cpu_kernels(model) is build
     assert not any(m.cpu_decode_kernel for m in model.modules() if isinstance(m, SoftmaxAttention))
+
+
+def test_checkouts_and_flags_build_in_folders_of_their_own(monkeypatch, tmp_path):
+    flags = ["-O3", "-fopenmp", *cpu_kernels.vector_flags()]
+    here = cpu_kernels.build_directory(flags)
+    assert here == cpu_kernels.build_directory(list(flags)) and here.is_dir()
+    assert cpu_kernels.build_directory(flags + ["-g"]) != here
+    copy = tmp_path / "softmax_decode.cpp"  # the same source in another checkout
+    copy.write_text(cpu_kernels.SOURCE.read_text())
+    monkeypatch.setattr(cpu_kernels, "SOURCE", copy)
+    assert cpu_kernels.build_directory(flags) != here
+
+
+def test_a_build_lock_left_by_a_build_that_died_is_removed(tmp_path):
+    baton = tmp_path / "lock"  # what torch's build leaves when its process is killed mid-build
+    baton.touch()
+    with cpu_kernels.exclusive_build(tmp_path):
+        assert not baton.exists()
+
+
+def test_builds_take_turns(tmp_path):
+    order: list[str] = []
+    inside = threading.Event()
+
+    def second():
+        inside.wait()
+        with cpu_kernels.exclusive_build(tmp_path):
+            order.append("second in")
+
+    other = threading.Thread(target=second)
+    other.start()
+    with cpu_kernels.exclusive_build(tmp_path):
+        inside.set()
+        other.join(0.5)  # it cannot get in while this build holds the folder
+        order.append("first out")
+    other.join(10)
+    assert order == ["first out", "second in"]
+
+
+def test_a_process_finds_the_kernels_despite_a_dead_build_s_lock():
+    flags = ["-O3", "-fopenmp", *cpu_kernels.vector_flags()]
+    load_kernels()  # built (or found) here first, so the other process only loads it
+    (cpu_kernels.build_directory(flags) / "lock").touch()
+    code = "from model.cpu_kernels import load_kernels; b = load_kernels(); print(b.ok, b.error)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.stdout.split() == ["True", "None"], done.stderr[-2000:]
+    assert "left by a build" in done.stderr

@@ -2,9 +2,10 @@
 or with `--ray` on a local Ray Serve cluster (`ray_launch.py`).
 
 Flags override RNNSERVE_* environment variables, which override defaults.
-The port is taken first and the models are loaded before it answers, so a
+The port is taken first and the models are loaded before the app serves, so a
 busy port, a bad flag or a bad weights file stops start-up with one clear
-line (exit 2) instead of a traceback. SIGTERM or Ctrl-C drains (drain.py)
+line (exit 2) instead of a traceback; meanwhile every request gets a JSON 503
+(startup_responder.py). SIGTERM or Ctrl-C drains (drain.py)
 and the process exits 0. The model, the app and uvicorn are imported only by
 `run`: `rnnserve serve --help` does not import torch.
 """
@@ -133,7 +134,8 @@ def listen(host: str, port: int, flag: str = "--port") -> socket.socket:
 
 def serve_standalone(settings: Settings) -> int:
     try:
-        sock = listen(settings.host, settings.port)  # before torch is even imported: fails in a blink
+        settings.model_paths()  # a missing file or folder: said before torch is even imported
+        sock = listen(settings.host, settings.port)  # likewise: fails in a blink
     except SettingsError as exc:
         return fail(exc)
     with sock:
@@ -148,19 +150,26 @@ def _serve_on(sock: socket.socket, settings: Settings) -> int:
     from .app import build_app
     from .drain import DrainingServer
     from .registry import load_models
+    from .startup_responder import StartupResponder
 
+    responder = StartupResponder(sock).start()  # 503s, not a silent backlog, until the engines run
     try:
         models = load_models(settings)
     except (SettingsError, WeightsError) as exc:
+        responder.stop()
         return fail(exc)
     except (RuntimeError, MemoryError) as exc:  # e.g. out of memory while loading onto the device
+        responder.stop()
         return fail(f"could not load the models: {exc}")
     names = ", ".join(f"{m.name} ({m.model.config.attention} {m.model.config.task})" for m in models)
     first = models[0].model
     host, port = sock.getsockname()[:2]
     print(f"rnnserve: serving {names} on {first.device} in {str(first.dtype).removeprefix('torch.')} "
           f"at http://{host}:{port}", file=sys.stderr, flush=True)
-    config = uvicorn.Config(build_app(settings, models), log_level=settings.log_level,
+    config = uvicorn.Config(build_app(settings, models, on_started=responder.stop), log_level=settings.log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
-    DrainingServer(config).run(sockets=[sock])
+    try:
+        DrainingServer(config).run(sockets=[sock])
+    finally:
+        responder.stop()  # when start-up failed before the app could stop it
     return 0

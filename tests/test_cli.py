@@ -51,3 +51,13 @@ def test_python_m_server_is_the_same_command():
                           timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: rnnserve") and all(name in done.stdout for name in SUBCOMMANDS)
+
+
+def test_serve_names_a_missing_model_file_before_importing_torch(tmp_path):
+    missing = tmp_path / "nope.safetensors"
+    probe = ("import sys; from rnnserve_cli import main; "
+             f"code = main(['serve', '--model', {str(missing)!r}, '--port', '0']); "
+             "print(code, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["2", "False"], done.stderr
+    assert f"--model file not found: {missing}" in done.stderr

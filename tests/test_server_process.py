@@ -195,3 +195,29 @@ def test_bad_flag_value_fails_at_start(tmp_path, flag):
     code, out = run_to_exit(["--weights", str(tmp_path), flag, "0"], tmp_path)
     name = flag.removeprefix("--").replace("-", "_").upper()
     assert code == 2 and f"{flag} / RNNSERVE_{name}: Input should be greater than or equal to 1" in out
+
+
+def test_requests_while_starting_get_a_503_that_says_so_then_answers(tmp_path):
+    """The port is taken before the models load; until the engines run, requests get a JSON 503
+    (`starting`, with Retry-After) instead of waiting unanswered in the socket's backlog."""
+    save_tiny_model(tmp_path, "chat", "linear", "text")
+    port, log = free_port(), tmp_path / "server.log"
+    proc = start(["--weights", str(tmp_path), "--port", str(port), "--device", "cpu", "--no-compile-decode",
+                  "--engine-process"], log)
+    body, answers = {"model": "chat", "prompt": "ab", "max_tokens": 2}, []
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and proc.poll() is None and 200 not in [a.status_code for a in answers]:
+            try:
+                answers.append(httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=5))
+            except httpx.ConnectError:  # before the port is taken
+                time.sleep(0.02)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    codes = [a.status_code for a in answers]
+    assert codes and codes[-1] == 200 and set(codes[:-1]) == {503}, (codes, log.read_text())
+    error = answers[0].json()["error"]
+    assert error["code"] == "starting" and "starting" in error["message"], error
+    assert answers[0].headers["retry-after"] == "2" and answers[0].headers["connection"] == "close"
+    assert f"answered {len(codes) - 1} request(s) with 503 while starting" in log.read_text()

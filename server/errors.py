@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -95,9 +94,9 @@ def not_utf8(body: bytes) -> str | None:
     return None
 
 
-def too_deep(limit: str) -> str:
-    return (f"the body nests arrays or objects deeper than the JSON parser allows ({limit} levels); "
-            f"a request nests at most {NESTING_NEEDED}")
+def too_deep(limit: int | None) -> str:
+    allows = f"the JSON parser allows ({limit} levels)" if limit else "the JSON parser allows"
+    return f"the body nests arrays or objects deeper than {allows}; a request nests at most {NESTING_NEEDED}"
 
 
 def empty_body(path: str) -> str:
@@ -146,7 +145,7 @@ def _json_invalid(err: dict[str, Any]) -> str:
     if isinstance(body, bytes) and (problem := not_utf8(body)):
         return problem
     if reason.startswith("recursion limit exceeded"):
-        return too_deep(str(JITER_DEPTH))
+        return too_deep(JITER_DEPTH)
     where = next((p for p in err.get("loc", ()) if isinstance(p, int)), None)
     return f"the body is not valid JSON: {reason}" + (f" at character {where}" if where is not None else "")
 
@@ -230,8 +229,8 @@ def _unparsed_body(cause: BaseException | None) -> str | None:
     """Why FastAPI could not read a JSON body, where its "There was an error parsing the body" does not say."""
     if isinstance(cause, UnicodeDecodeError) and isinstance(cause.object, bytes):
         return not_utf8(cause.object)  # None for UTF-8 read as UTF-16 (a body starting with a NUL byte)
-    if isinstance(cause, RecursionError):  # Python's json parser nests as deep as the interpreter's stack
-        return too_deep(f"about {sys.getrecursionlimit()}")
+    if isinstance(cause, RecursionError):  # Python's json parser: as deep as the recursion limit, which others move
+        return too_deep(None)
     return None
 
 

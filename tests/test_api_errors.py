@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import httpx
 import pytest
 
@@ -94,12 +92,11 @@ def test_a_body_that_is_not_utf8_says_where_and_that_json_is_utf8(client, path, 
     still_serving(client)
 
 
-@pytest.mark.parametrize("path, limit", [("/v1/completions", f"about {sys.getrecursionlimit()}"),
-                                         ("/v1/images/completions", "200")])
-def test_a_body_nested_too_deeply_says_so_and_names_the_limit(client, path, limit):
+@pytest.mark.parametrize("path, limit", [("/v1/completions", ""), ("/v1/images/completions", " (200 levels)")])
+def test_a_body_nested_too_deeply_says_so(client, path, limit):
     error = error_of(client.post(path, content=b'{"prompt": ' + b"[" * 100_000, headers=JSON), 400)
-    assert error["message"] == ("the body nests arrays or objects deeper than the JSON parser allows "
-                                f"({limit} levels); a request nests at most 3")
+    assert error["message"] == ("the body nests arrays or objects deeper than the JSON parser allows"
+                                f"{limit}; a request nests at most 3")
     assert error["param"] is None and error["code"] == "invalid_json"
     still_serving(client)
 

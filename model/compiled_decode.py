@@ -72,6 +72,7 @@ WARMUP_ROWS = {"2 or more rows": 2, "1 row": 1}  # one compile per shape class, 
 # A background compile's niceness above its process's: under load the eager steps get about 90% of a core
 # it shares with them (Linux weighs nice 0 against nice 10 as 1024 to 110); idle, the compile runs at full speed.
 BACKGROUND_COMPILE_NICENESS = 10
+COMPILE_THREAD = "compile-decode"
 
 
 @dataclass
@@ -81,6 +82,11 @@ class CompileLog:
     seconds: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     kernels: KernelBuild | None = None  # the C++ kernels the steps call (model/cpu_kernels.py); None: none apply
+
+
+def background_compiles_running() -> bool:
+    """Whether a decoder's background compile thread is still at work in this process."""
+    return any(thread.name == COMPILE_THREAD and thread.is_alive() for thread in threading.enumerate())
 
 
 def lower_thread_priority(by: int) -> None:
@@ -203,7 +209,7 @@ class CompiledDecoder(EagerDecoder):
         uses (a fixed-batch loop); None: both. gate: held by the background compile while it runs."""
         if not background:
             return self.compile_now(batch)
-        threading.Thread(target=self._compile_in_thread, args=(batch, gate), name="compile-decode", daemon=True).start()
+        threading.Thread(target=self._compile_in_thread, args=(batch, gate), name=COMPILE_THREAD, daemon=True).start()
         return None
 
     def _compile_in_thread(self, batch: int | None, gate: AbstractContextManager | None) -> None:

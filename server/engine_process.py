@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import signal
-import sys
 import threading
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -30,6 +28,7 @@ import torch
 
 from model.transformer import Transformer
 
+from .drain import exit_before_teardown
 from .engine import Engine, EngineLimits
 from .scheduler import QueueFull
 from .streams import EngineFailure, GenerationStream, is_terminal
@@ -222,16 +221,7 @@ def serve_engine(conn: Connection, spec: EngineSpec) -> None:
         engine.stop()  # fails what is still running or waiting: its clients hear it
         conn.close()
     if not engine.wait_compiled(0):
-        exit_now()
-
-
-def exit_now() -> None:
-    """Exit without the interpreter's teardown, whose C++ destructors abort ("terminate called without an
-    active exception") while a background compile is still inside inductor. Nothing is left to flush but logs."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        exit_before_teardown()
 
 
 def report_compiled(engine: Engine, pipe: Pipe) -> None:

@@ -145,10 +145,11 @@ def serve_standalone(settings: Settings) -> int:
 def _serve_on(sock: socket.socket, settings: Settings) -> int:
     import uvicorn
 
+    from model.compiled_decode import background_compiles_running
     from model.weights_io import WeightsError
 
     from .app import build_app
-    from .drain import DrainingServer
+    from .drain import DrainingServer, exit_before_teardown
     from .registry import load_models
     from .startup_responder import StartupResponder
 
@@ -172,4 +173,6 @@ def _serve_on(sock: socket.socket, settings: Settings) -> int:
         DrainingServer(config).run(sockets=[sock])
     finally:
         responder.stop()  # when start-up failed before the app could stop it
+    if background_compiles_running():  # engines on this process's threads (--no-engine-process)
+        exit_before_teardown()
     return 0

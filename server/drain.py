@@ -93,8 +93,8 @@ class DrainMiddleware:
         if self.drain.draining:
             scope.setdefault("state", {})["outcome"] = "draining"  # RequestMetricsMiddleware's label
             # Connection: close, so a client or load balancer moves its keep-alive connection elsewhere.
-            response = error_response(503, f"{SHUTTING_DOWN}; retry on another replica", None, "shutting_down",
-                                      {"Connection": "close", "Retry-After": "1"})
+            response = error_response(503, f"{SHUTTING_DOWN}; retry once it is back (or on another replica)", None,
+                                      "shutting_down", {"Connection": "close", "Retry-After": "1"})
             await response(scope, receive, send)
             return
         self.drain.in_flight += 1

@@ -44,8 +44,8 @@ import logging
 import os
 import threading
 import time
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch._inductor.config
@@ -73,6 +73,16 @@ WARMUP_ROWS = {"2 or more rows": 2, "1 row": 1}  # one compile per shape class, 
 # it shares with them (Linux weighs nice 0 against nice 10 as 1024 to 110); idle, the compile runs at full speed.
 BACKGROUND_COMPILE_NICENESS = 10
 COMPILE_THREAD = "compile-decode"
+# A process that died holding the gate never releases it (a semaphore): past this wait, compile anyway.
+GATE_WAIT_SECONDS = 600
+
+
+class CompileGate(Protocol):
+    """What a background compile takes turns with: threading.Lock, or multiprocessing's across processes."""
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool: ...
+
+    def release(self) -> None: ...
 
 
 @dataclass
@@ -203,7 +213,7 @@ class CompiledDecoder(EagerDecoder):
 
     # -- compiling ----------------------------------------------------------------
     def compile(self, background: bool = False, batch: int | None = None,
-                gate: AbstractContextManager | None = None) -> CompileLog | None:
+                gate: CompileGate | None = None) -> CompileLog | None:
         """Compile now (returns what was compiled), or on a daemon thread while steps run eagerly
         until each graph is ready (returns None). batch: only the graph a batch of that many rows
         uses (a fixed-batch loop); None: both. gate: held by the background compile while it runs."""
@@ -212,13 +222,21 @@ class CompiledDecoder(EagerDecoder):
         threading.Thread(target=self._compile_in_thread, args=(batch, gate), name=COMPILE_THREAD, daemon=True).start()
         return None
 
-    def _compile_in_thread(self, batch: int | None, gate: AbstractContextManager | None) -> None:
+    def _compile_in_thread(self, batch: int | None, gate: CompileGate | None) -> None:
         adopt_process_threads()  # inductor sizes its loops' thread teams by the compiling thread's count
         lower_thread_priority(BACKGROUND_COMPILE_NICENESS)  # before the C++ compiler's processes inherit it
-        # One compile thread and the compilers it starts, not inductor's pool of worker processes: those
-        # would run at the priority of whichever thread made the pool, and each holds a copy of torch.
-        with gate if gate is not None else nullcontext(), torch._inductor.config.patch(compile_threads=1):
-            self.compile_now(batch)
+        turn = gate is not None and gate.acquire(timeout=GATE_WAIT_SECONDS)
+        if gate is not None and not turn:
+            log.warning("the %s compile waited %d s for its turn; compiling now", self.model.config.attention,
+                        GATE_WAIT_SECONDS)
+        try:
+            # One compile thread and the compilers it starts, not inductor's pool of worker processes: those
+            # would run at the priority of whichever thread made the pool, and each holds a copy of torch.
+            with torch._inductor.config.patch(compile_threads=1):
+                self.compile_now(batch)
+        finally:
+            if turn:
+                gate.release()
 
     def compile_now(self, batch: int | None = None) -> CompileLog:
         """Compile the shape classes here and now, one log line each; a failure leaves decoding eager."""

@@ -11,8 +11,8 @@ import asyncio
 import gc
 import logging
 import threading
-from contextlib import AbstractContextManager, asynccontextmanager
-from typing import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 import torch
 import torch.multiprocessing
@@ -34,6 +34,9 @@ from .routes_playground import mount_static
 from .routes_playground import router as playground_router
 from .routes_text import router as text_router
 from .settings import Settings
+
+if TYPE_CHECKING:
+    from model.compiled_decode import CompileGate
 
 log = logging.getLogger("rnnserve.app")
 
@@ -111,14 +114,14 @@ async def start_engines(engines: list[Engine | EngineClient]) -> list[Engine | E
 
 
 def make_engine(loaded: LoadedModel, limits: EngineLimits, metrics: Metrics, settings: Settings,
-                compile_gate: AbstractContextManager | None = None) -> Engine | EngineClient:
+                compile_gate: CompileGate | None = None) -> Engine | EngineClient:
     """The model's engine: on a worker thread of this process, or (--engine-process) in a process of its own."""
     if settings.engine_process:
         return EngineClient(loaded.name, loaded.model, loaded.info, limits, metrics, settings.threads, compile_gate)
     return Engine(loaded.name, loaded.model, loaded.info, limits, metrics, compile_gate)
 
 
-def compile_gate(settings: Settings) -> AbstractContextManager:
+def compile_gate(settings: Settings) -> CompileGate:
     """One lock for all the server's engines, so their background compiles take turns: on a small CPU, eight
     compiles at once would starve the eager steps serving the first requests, and make every model wait
     for all of them. Engine processes get a lock they can share (made for spawned processes)."""

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,6 +43,9 @@ from .streams import (EngineFailure, EventSink, GenerationStream, LoopSink, Scor
 from .types import GenerationRequest, PromptScores
 from .validation import check_generation, check_scoring
 
+if TYPE_CHECKING:
+    from model.compiled_decode import CompileGate
+
 __all__ = ["Engine", "EngineFacts", "EngineFailure", "EngineLimits", "GenerationStream", "QueueFull"]
 
 log = logging.getLogger("rnnserve.engine")
@@ -53,7 +56,7 @@ class Engine(EngineFacts):
     """Continuous batching for one model on a worker thread of its own (see the module's docstring)."""
 
     def __init__(self, name: str, model: Transformer, info: dict, limits: EngineLimits, metrics: Metrics,
-                 compile_gate: AbstractContextManager | None = None):
+                 compile_gate: CompileGate | None = None):
         """compile_gate: a lock the server's engines share, so their background compiles take turns."""
         self.name = name
         self.model = model.eval()

@@ -7,8 +7,8 @@ import asyncio
 import itertools
 import logging
 import threading
-from contextlib import AbstractContextManager
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import torch
 import torch.multiprocessing
@@ -21,6 +21,9 @@ from .metrics import Metrics
 from .streams import EngineFailure, GenerationStream, LoopSink, call_in_loop, hand_over, is_terminal, settle
 from .types import GenerationError, GenerationRequest, PromptScores
 from .validation import check_generation, check_scoring
+
+if TYPE_CHECKING:
+    from model.compiled_decode import CompileGate
 
 log = logging.getLogger("rnnserve.engine_client")
 STOP_SECONDS = 30.0  # an engine process told to stop gets this long before it is killed
@@ -45,7 +48,7 @@ class EngineClient(EngineFacts):
     """The API process's side of an engine process: what handlers use in place of an `Engine`."""
 
     def __init__(self, name: str, model: Transformer, info: dict, limits: EngineLimits, metrics: Metrics,
-                 threads: int | None = None, compile_gate: AbstractContextManager | None = None):
+                 threads: int | None = None, compile_gate: CompileGate | None = None):
         self.name, self.model, self.info, self.limits = name, model.eval(), info, limits
         self.state_bytes_per_sequence = model.state_bytes_per_sequence()  # at max_len
         self.state_bytes_allocated = 0  # known once started

@@ -20,9 +20,9 @@ import gc
 import logging
 import signal
 import threading
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,6 +34,9 @@ from .scheduler import QueueFull
 from .streams import EngineFailure, GenerationStream, is_terminal
 from .types import GenerationRequest, PromptScores, StepStats
 from .validation import InvalidRequest
+
+if TYPE_CHECKING:
+    from model.compiled_decode import CompileGate
 
 log = logging.getLogger("rnnserve.engine_process")
 
@@ -48,7 +51,7 @@ class EngineSpec:
     limits: EngineLimits
     threads: int | None
     log_level: int
-    compile_gate: AbstractContextManager | None = None  # a spawn-context Lock the server's engine processes share (see Engine)
+    compile_gate: CompileGate | None = None  # a spawn-context Lock the server's engine processes share (see Engine)
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ per-token objects for it; `read_sample` takes a finished row out in one go.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +27,9 @@ from model.transformer import Transformer, with_bos
 from .particles import RowCopy
 from .scheduler import Placement, StepNeeds
 from .types import GenerationRequest, PromptScores, TopLogprobs
+
+if TYPE_CHECKING:
+    from model.compiled_decode import CompileGate
 
 
 MAX_TOP_LOGPROBS = 5  # alternatives kept per position (OpenAI allows up to 5)
@@ -108,7 +111,7 @@ class Drawn:
 
 class ModelRunner:
     def __init__(self, model: Transformer, rows: int, cuda_graphs: bool, compile_decode: bool = False,
-                 compile_gate: AbstractContextManager | None = None):
+                 compile_gate: CompileGate | None = None):
         self.model = model.eval()
         self.rows = rows
         self.cuda_graphs = cuda_graphs

@@ -15,6 +15,7 @@ weights=${2:-weights}
 port=${PORT:-18125}
 py=${PYTHON:-.venv/bin/python}
 log=$(mktemp)
+server=""
 trap 'kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; rm -f "$log"' EXIT
 
 now() { date +%s%N; }
@@ -31,6 +32,11 @@ for round in $(seq 1 "$rounds"); do
         [ "$code" = 200 ] && break
         sleep 1
     done
+    if [ "$code" != 200 ]; then
+        echo "round $round: /health never said ready; the server's log:" >&2
+        cat "$log" >&2
+        exit 1
+    fi
     echo "round $round: /health said ready after $(since "$start") s; answers, one a second:$answers"
     for request in 1 2 3; do
         sent=$(now)

@@ -44,8 +44,8 @@ import logging
 import os
 import threading
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 import torch._inductor.config
@@ -73,16 +73,8 @@ WARMUP_ROWS = {"2 or more rows": 2, "1 row": 1}  # one compile per shape class, 
 # it shares with them (Linux weighs nice 0 against nice 10 as 1024 to 110); idle, the compile runs at full speed.
 BACKGROUND_COMPILE_NICENESS = 10
 COMPILE_THREAD = "compile-decode"
-# A process that died holding the gate never releases it (a semaphore): past this wait, compile anyway.
-GATE_WAIT_SECONDS = 600
-
-
-class CompileGate(Protocol):
-    """What a background compile takes turns with: threading.Lock, or multiprocessing's across processes."""
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool: ...
-
-    def release(self) -> None: ...
+# What a background compile holds while it runs, so that a server's models compile in turn (server/compile_gate.py).
+CompileGate = AbstractContextManager
 
 
 @dataclass
@@ -225,18 +217,12 @@ class CompiledDecoder(EagerDecoder):
     def _compile_in_thread(self, batch: int | None, gate: CompileGate | None) -> None:
         adopt_process_threads()  # inductor sizes its loops' thread teams by the compiling thread's count
         lower_thread_priority(BACKGROUND_COMPILE_NICENESS)  # before the C++ compiler's processes inherit it
-        turn = gate is not None and gate.acquire(timeout=GATE_WAIT_SECONDS)
-        if gate is not None and not turn:
-            log.warning("the %s compile waited %d s for its turn; compiling now", self.model.config.attention,
-                        GATE_WAIT_SECONDS)
-        try:
-            # One compile thread and the compilers it starts, not inductor's pool of worker processes: those
-            # would run at the priority of whichever thread made the pool, and each holds a copy of torch.
-            with torch._inductor.config.patch(compile_threads=1):
-                self.compile_now(batch)
-        finally:
-            if turn:
-                gate.release()
+        if self.log.kernels is None:  # before waiting for a turn: the kernels speed up the eager steps too
+            self.log.kernels = use_cpu_kernels(self.model)
+        # One compile thread and the compilers it starts, not inductor's pool of worker processes: those
+        # would run at the priority of whichever thread made the pool, and each holds a copy of torch.
+        with gate if gate is not None else nullcontext(), torch._inductor.config.patch(compile_threads=1):
+            self.compile_now(batch)
 
     def compile_now(self, batch: int | None = None) -> CompileLog:
         """Compile the shape classes here and now, one log line each; a failure leaves decoding eager."""

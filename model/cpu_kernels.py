@@ -63,6 +63,15 @@ def load_kernels() -> KernelBuild:
         return _load_once()
 
 
+def wait_for_build(seconds: float) -> bool:
+    """Wait up to `seconds` for a build running in this process; True once none is. Its compiler runs in
+    child processes, which an exit would leave writing the build folder while the next start builds there."""
+    if not _BUILD_LOCK.acquire(timeout=seconds):
+        return False
+    _BUILD_LOCK.release()
+    return True
+
+
 @functools.cache
 def _load_once() -> KernelBuild:
     start = time.perf_counter()

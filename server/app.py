@@ -10,17 +10,16 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import threading
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 import torch
-import torch.multiprocessing
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CollectorRegistry
 
 from . import errors, openapi
+from .compile_gate import CompileTurns
 from .deps import ServerState
 from .drain import Drain, DrainMiddleware
 from .engine import Engine, EngineLimits
@@ -78,8 +77,8 @@ def _lifespan(settings: Settings, metrics: Metrics, models: list[LoadedModel] | 
         limits = EngineLimits(max_batch=settings.max_batch, max_waiting=settings.max_waiting,
                               cuda_graphs=settings.cuda_graphs, compile_decode=settings.compile_decode,
                               scheduler_steps=settings.scheduler_steps)
-        gate = compile_gate(settings)
-        engines = [make_engine(m, limits, metrics, settings, gate) for m in loaded]
+        turns = CompileTurns.new()  # the engines' background compiles take turns (server/compile_gate.py)
+        engines = [make_engine(m, limits, metrics, settings, turns) for m in loaded]
         started: list[Engine | EngineClient] = []
         freezing: asyncio.Task | None = None
         try:
@@ -96,6 +95,7 @@ def _lifespan(settings: Settings, metrics: Metrics, models: list[LoadedModel] | 
                 freezing.cancel()
             for engine in started:
                 engine.stop()
+            turns.remove()
 
     return lifespan
 
@@ -119,15 +119,6 @@ def make_engine(loaded: LoadedModel, limits: EngineLimits, metrics: Metrics, set
     if settings.engine_process:
         return EngineClient(loaded.name, loaded.model, loaded.info, limits, metrics, settings.threads, compile_gate)
     return Engine(loaded.name, loaded.model, loaded.info, limits, metrics, compile_gate)
-
-
-def compile_gate(settings: Settings) -> CompileGate:
-    """One lock for all the server's engines, so their background compiles take turns: on a small CPU, eight
-    compiles at once would starve the eager steps serving the first requests, and make every model wait
-    for all of them. Engine processes get a lock they can share (made for spawned processes)."""
-    if settings.engine_process:
-        return torch.multiprocessing.get_context("spawn").Lock()
-    return threading.Lock()
 
 
 async def freeze_heap_once_compiled(engines: list[Engine | EngineClient]) -> None:

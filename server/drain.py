@@ -31,6 +31,7 @@ log = logging.getLogger("rnnserve.drain")
 POLL_SECONDS = 0.05
 ANSWER_SECONDS = 5.0  # after the engines stop, failed requests get this long to send their error answers
 SHUTTING_DOWN = "server is shutting down"
+KERNEL_BUILD_WAIT_SECONDS = 20.0  # at exit; the API process kills an engine process that takes 30 s
 
 
 class Drain:
@@ -142,7 +143,11 @@ class DrainingServer(uvicorn.Server):
 def exit_before_teardown() -> None:
     """Exit 0 without the interpreter's teardown, whose C++ destructors abort ("terminate called without an
     active exception", status 134) while a background compile is still inside inductor. Called once the
-    drain is over: nothing is left to flush but logs."""
+    drain is over: nothing is left to flush but logs, and a kernel build to let finish."""
+    from model.cpu_kernels import wait_for_build
+
+    if not wait_for_build(KERNEL_BUILD_WAIT_SECONDS):
+        log.warning("exiting during a build of the CPU decode kernels; the next start may build them again")
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -56,7 +56,7 @@ class EngineClient(EngineFacts):
         self.compiled_decode = False  # true once the engine process has compiled its decode steps
         self.metrics = metrics.for_model(name, model.config.attention, images=model.config.task == "mnist")
         self._threads = threads
-        self._compile_gate = compile_gate  # a spawn-context Lock: the server's engine processes compile in turn
+        self._compile_gate = compile_gate  # server/compile_gate.py: the engines compile in turn
         self._process: torch.multiprocessing.Process | None = None
         self._conn: Connection | None = None
         self._reader: threading.Thread | None = None

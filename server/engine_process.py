@@ -51,7 +51,7 @@ class EngineSpec:
     limits: EngineLimits
     threads: int | None
     log_level: int
-    compile_gate: CompileGate | None = None  # a spawn-context Lock the server's engine processes share (see Engine)
+    compile_gate: CompileGate | None = None  # server/compile_gate.py: the engines compile in turn
 
 
 @dataclass(frozen=True)

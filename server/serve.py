@@ -143,24 +143,35 @@ def serve_standalone(settings: Settings) -> int:
 
 
 def _serve_on(sock: socket.socket, settings: Settings) -> int:
-    import uvicorn
-
     from model.compiled_decode import background_compiles_running
-    from model.weights_io import WeightsError
 
-    from .app import build_app
-    from .drain import DrainingServer, exit_before_teardown
-    from .registry import load_models
+    from .drain import exit_before_teardown
     from .startup_responder import StartupResponder
 
     responder = StartupResponder(sock).start()  # 503s, not a silent backlog, until the engines run
     try:
+        code = _load_and_serve(sock, settings, responder)
+    finally:
+        responder.stop()  # whatever ended start-up early (a bad file, Ctrl-C): before the socket closes
+    if background_compiles_running():  # engines on this process's threads (--no-engine-process)
+        exit_before_teardown()
+    return code
+
+
+def _load_and_serve(sock: socket.socket, settings: Settings, responder) -> int:
+    import uvicorn
+
+    from model.weights_io import WeightsError
+
+    from .app import build_app
+    from .drain import DrainingServer
+    from .registry import load_models
+
+    try:
         models = load_models(settings)
     except (SettingsError, WeightsError) as exc:
-        responder.stop()
         return fail(exc)
     except (RuntimeError, MemoryError) as exc:  # e.g. out of memory while loading onto the device
-        responder.stop()
         return fail(f"could not load the models: {exc}")
     names = ", ".join(f"{m.name} ({m.model.config.attention} {m.model.config.task})" for m in models)
     first = models[0].model
@@ -169,10 +180,5 @@ def _serve_on(sock: socket.socket, settings: Settings) -> int:
           f"at http://{host}:{port}", file=sys.stderr, flush=True)
     config = uvicorn.Config(build_app(settings, models, on_started=responder.stop), log_level=settings.log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
-    try:
-        DrainingServer(config).run(sockets=[sock])
-    finally:
-        responder.stop()  # when start-up failed before the app could stop it
-    if background_compiles_running():  # engines on this process's threads (--no-engine-process)
-        exit_before_teardown()
+    DrainingServer(config).run(sockets=[sock])
     return 0

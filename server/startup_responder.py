@@ -50,10 +50,12 @@ class StartupResponder:
         return self
 
     def stop(self) -> None:
-        """Stop answering; returns once the socket is free for uvicorn (within about READ_SECONDS x 2)."""
+        """Stop answering; returns once the socket is free for uvicorn (within about READ_SECONDS x 2:
+        a client gets that long at most, however slowly it sends)."""
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
+        if not self._thread.is_alive():
+            return
+        self._thread.join()
         if self.answered:
             log.info("answered %d request(s) with 503 while starting", self.answered)
 
@@ -66,35 +68,36 @@ class StartupResponder:
                 conn, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError, ConnectionAbortedError):
                 continue
+            except OSError as exc:  # e.g. out of file descriptors: wait, as uvicorn would
+                log.warning("could not accept a connection while starting: %s", exc)
+                time.sleep(POLL_SECONDS)
+                continue
             with conn:
                 self._answer(conn)
 
     def _answer(self, conn: socket.socket) -> None:
-        conn.settimeout(READ_SECONDS)
         try:
-            read_request_head(conn)
+            read_until(conn, time.monotonic() + READ_SECONDS, head=True)
             conn.sendall(starting_response())
             self.answered += 1
             conn.shutdown(socket.SHUT_WR)
-            drain(conn)
+            read_until(conn, time.monotonic() + READ_SECONDS, head=False)  # so closing does not reset
         except OSError:  # the client left or sent nothing: nothing to answer
             pass
 
 
-def read_request_head(conn: socket.socket) -> None:
-    received = b""
-    while b"\r\n\r\n" not in received and len(received) < 64 * 1024:
-        chunk = conn.recv(4096)
-        if not chunk:
+def read_until(conn: socket.socket, deadline: float, head: bool) -> None:
+    """Read the request head (head=True) or whatever else the client sends (a body: read and dropped),
+    until the deadline, however slowly it comes, or up to MAX_READ_BYTES."""
+    received, total = b"", 0
+    while total < MAX_READ_BYTES and not (head and b"\r\n\r\n" in received):
+        left = deadline - time.monotonic()
+        if left <= 0:
             return
-        received += chunk
-
-
-def drain(conn: socket.socket) -> None:
-    """Read what the client still sends (a request body), bounded in bytes and time."""
-    deadline, total = time.monotonic() + READ_SECONDS, 0
-    while total < MAX_READ_BYTES and time.monotonic() < deadline:
+        conn.settimeout(left)
         chunk = conn.recv(65536)
         if not chunk:
             return
         total += len(chunk)
+        if head:
+            received = received[-3:] + chunk

@@ -112,9 +112,11 @@ def test_a_failed_build_is_reported_and_decoding_keeps_pytorch_attention(monkeyp
 
 
 def test_checkouts_and_flags_build_in_folders_of_their_own(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))  # leave the real cache alone
     flags = ["-O3", "-fopenmp", *cpu_kernels.vector_flags()]
     here = cpu_kernels.build_directory(flags)
     assert here == cpu_kernels.build_directory(list(flags)) and here.is_dir()
+    assert here.parent == tmp_path / "extensions"
     assert cpu_kernels.build_directory(flags + ["-g"]) != here
     copy = tmp_path / "softmax_decode.cpp"  # the same source in another checkout
     copy.write_text(cpu_kernels.SOURCE.read_text())

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -221,3 +222,35 @@ def test_requests_while_starting_get_a_503_that_says_so_then_answers(tmp_path):
     assert error["code"] == "starting" and "starting" in error["message"], error
     assert answers[0].headers["retry-after"] == "2" and answers[0].headers["connection"] == "close"
     assert f"answered {len(codes) - 1} request(s) with 503 while starting" in log.read_text()
+
+
+def test_a_client_trickling_its_request_cannot_hold_up_start_up():
+    """The start-up responder gives each client a bounded time: stop() (the app's hand-over) returns while
+    a client sending a byte every 0.2 s would go on for a minute."""
+    from server.startup_responder import StartupResponder
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    responder = StartupResponder(listener).start()
+    client = socket.create_connection(listener.getsockname()[:2])
+    sent = threading.Event()
+
+    def trickle():
+        for _ in range(300):
+            try:
+                client.send(b"G")
+            except OSError:  # the responder gave up on us and closed
+                return
+            sent.set()
+            time.sleep(0.2)
+
+    sender = threading.Thread(target=trickle, daemon=True)
+    sender.start()
+    assert sent.wait(5)
+    stopper = threading.Thread(target=responder.stop)
+    stopper.start()
+    stopper.join(20)
+    try:
+        assert not stopper.is_alive(), "stop() waited on a client that never finished its request"
+    finally:
+        client.close()
+        listener.close()

@@ -24,6 +24,7 @@ ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    406: "invalid_request_error",
     408: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",

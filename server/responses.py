@@ -28,6 +28,7 @@ WHEN = {
     400: "the request is invalid: the message says which field and what is expected",
     401: "--api-key is set and the request lacks `Authorization: Bearer KEY`",
     404: "no such model or route",
+    406: "the Accept header allows none of the types the route answers with",
     408: "the request body did not arrive in time",
     413: "the body is larger than --max-body-bytes",
     415: "the content type is not one this route reads",
@@ -41,7 +42,7 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorResponse, "description": WHEN[status]} for status in statuses}
 
 
-GENERATION_ERRORS = errors(400, 401, 404, 413, 415, 429, 500, 503)
+GENERATION_ERRORS = errors(400, 401, 404, 406, 413, 415, 429, 500, 503)
 # Each server-sent event: `data:` holds one JSON chunk; the last event's data is [DONE].
 SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
     "data": {"type": "string", "description": "one JSON chunk, or [DONE] to end the stream"},

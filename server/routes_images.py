@@ -27,6 +27,7 @@ from .errors import APIError, invalid_request, raise_validation
 from .imaging import PIXELS, SIDE, ImageError, OccludedImage
 from .image_api import IMAGE_REQUEST_BODY, IMAGE_RESPONSES, ImageCompletionRequest, ImageOptions
 from .image_particles import ParticlePlan, entry_report, plan_particles, usage_report
+from .negotiation import choose, media_ranges, stream_type
 from .streaming import SSE_HEADERS, ClientGone, collect, sse, sse_stream, submit
 from .types import Generation, GenerationRequest, ParticleSummary, Progress, SampleResult
 
@@ -131,6 +132,7 @@ async def complete_image(request: Request, server: ServerState = Depends(get_ser
     except ImageError as exc:
         raise invalid_request(str(exc), exc.param, exc.code) from None
     options = given.options
+    answer = image_answer_type(request.headers.get("accept"), options.stream)
     engine = server.engines.for_request(request, options.model, "mnist")
     plan = plan_particles(options.particles, occluded, options.n, engine.limits.max_batch, options.temperature)
     job = ImageJob(f"imgcmpl-{uuid.uuid4().hex}", engine, Canvases(occluded, options.n), plan)
@@ -148,13 +150,22 @@ async def complete_image(request: Request, server: ServerState = Depends(get_ser
         job.finished(result.sample, result.particles)
     job.record()
     usage = job.usage()
-    if "image/png" in request.headers.get("accept", ""):
+    if answer == "image/png":
         strip = imaging.encode_strip([job.canvases.image(i) for i in range(options.n)])
         return Response(strip, media_type="image/png", headers={"X-Pixels-Generated": str(usage["pixels_generated"]),
                                                                  "X-Seconds": str(usage["seconds"])})
     # A JSONResponse skips FastAPI's jsonable_encoder, which would walk the 784 pixels one by one.
     return JSONResponse({"id": job.id, "object": "image.completion", "created": int(time.time()), "model": engine.name,
                          "data": [job.entry(i) for i in range(options.n)], "usage": usage})
+
+
+def image_answer_type(accept: str | None, stream: bool) -> str:
+    """Events when streaming; else a PNG strip when Accept names image/png, JSON otherwise (406 if neither)."""
+    if stream:
+        return stream_type(accept)
+    if "image/png" in media_ranges(accept):
+        return "image/png"
+    return choose(accept, ["application/json", "image/png"])
 
 
 def generation_request(job: ImageJob, options: ImageOptions) -> GenerationRequest:

@@ -16,6 +16,7 @@ from fastapi.responses import Response, StreamingResponse
 from .deps import ServerState, get_server
 from .engine import Engine, GenerationStream
 from .responses import COMPLETION_RESPONSES
+from .negotiation import choose, stream_type
 from .streaming import (SSE_HEADERS, ClientGone, collect_all, engine_refusals, merged_events, score, sse, sse_stream,
                         submit)
 from .text_api import CompletionRequest, CompletionResponse, TextCompletion
@@ -27,6 +28,8 @@ router = APIRouter()
 @router.post("/v1/completions", response_model=CompletionResponse, responses=COMPLETION_RESPONSES)
 async def create_completion(body: CompletionRequest, request: Request,
                             server: ServerState = Depends(get_server)) -> Response | dict[str, Any]:
+    accept = request.headers.get("accept")
+    stream_type(accept) if body.stream else choose(accept, ["application/json"])  # a 406 before any work
     engine = server.engines.for_request(request, body.model, "text")
     completion = TextCompletion(body, engine.name, f"cmpl-{uuid.uuid4().hex}")
     streams = await start_generations(engine, body, completion)

@@ -158,3 +158,34 @@ def test_a_body_that_is_no_json_object_says_what_it_is(client, path, body, kind)
     assert error["message"] == f"the body must be a JSON object of the request's fields, got {kind}"
     assert error["param"] is None
     still_serving(client)
+
+
+DIGIT = {"model": "digits", "pixels": [[0] * 28] * 28, "keep_rows": 27, "seed": 1}
+WORDS = {"model": "words", "prompt": "a", "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path, body, accept, offered", [
+    ("/v1/images/completions", DIGIT, "image/jpeg", "application/json or image/png"),
+    ("/v1/images/completions", DIGIT | {"stream": True}, "image/png", "text/event-stream or application/json"),
+    ("/v1/completions", WORDS, "text/html", "application/json"),
+    ("/v1/completions", WORDS, "application/json;q=0, text/plain", "application/json"),
+    ("/v1/completions", WORDS | {"stream": True}, "text/html", "text/event-stream or application/json"),
+])
+def test_an_accept_header_that_allows_no_answer_is_a_406_listing_what_can_be_sent(client, path, body, accept, offered):
+    error = error_of(client.post(path, json=body, headers={"accept": accept}), 406)
+    assert offered in error["message"] and f"Accept: {accept}" in error["message"]
+    assert error["code"] == "not_acceptable" and error["type"] == "invalid_request_error"
+    still_serving(client)
+
+
+@pytest.mark.parametrize("path, body, accept, answered", [
+    ("/v1/images/completions", DIGIT, "image/*", "image/png"),
+    ("/v1/images/completions", DIGIT, "application/json, image/png;q=0.5", "image/png"),  # named: the strip
+    ("/v1/images/completions", DIGIT, "text/html, */*;q=0.8", "application/json"),  # a browser's
+    ("/v1/completions", WORDS | {"stream": True}, "application/json", "text/event-stream"),  # OpenAI's clients
+    ("/v1/completions", WORDS, "", "application/json"),
+])
+def test_accept_headers_that_allow_an_answer_get_it(client, path, body, accept, answered):
+    response = client.post(path, json=body, headers={"accept": accept})
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith(answered)

@@ -17,6 +17,7 @@ import errno
 import logging
 import socket
 import sys
+from typing import Callable
 
 from .settings import Settings, SettingsError, build_settings
 
@@ -143,22 +144,24 @@ def serve_standalone(settings: Settings) -> int:
 
 
 def _serve_on(sock: socket.socket, settings: Settings) -> int:
-    from model.compiled_decode import background_compiles_running
-
-    from .drain import exit_before_teardown
     from .startup_responder import StartupResponder
 
     responder = StartupResponder(sock).start()  # 503s, not a silent backlog, until the engines run
     try:
-        code = _load_and_serve(sock, settings, responder)
+        code = _load_and_serve(sock, settings, on_started=responder.stop)
     finally:
         responder.stop()  # whatever ended start-up early (a bad file, Ctrl-C): before the socket closes
+
+    from model.compiled_decode import background_compiles_running
+
+    from .drain import exit_before_teardown
+
     if background_compiles_running():  # engines on this process's threads (--no-engine-process)
         exit_before_teardown()
     return code
 
 
-def _load_and_serve(sock: socket.socket, settings: Settings, responder) -> int:
+def _load_and_serve(sock: socket.socket, settings: Settings, on_started: Callable[[], None]) -> int:
     import uvicorn
 
     from model.weights_io import WeightsError
@@ -178,7 +181,7 @@ def _load_and_serve(sock: socket.socket, settings: Settings, responder) -> int:
     host, port = sock.getsockname()[:2]
     print(f"rnnserve: serving {names} on {first.device} in {str(first.dtype).removeprefix('torch.')} "
           f"at http://{host}:{port}", file=sys.stderr, flush=True)
-    config = uvicorn.Config(build_app(settings, models, on_started=responder.stop), log_level=settings.log_level,
+    config = uvicorn.Config(build_app(settings, models, on_started=on_started), log_level=settings.log_level,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
     DrainingServer(config).run(sockets=[sock])
     return 0

@@ -53,7 +53,14 @@ def load_models(settings: Settings) -> list[LoadedModel]:
 
 def eval_metrics(info: dict[str, Any]) -> dict[str, Any]:
     evaluation = info.get("eval", info.get("metrics", {}))
-    return evaluation if isinstance(evaluation, dict) else {}
+    return data_by_file_name(evaluation) if isinstance(evaluation, dict) else {}
+
+
+def data_by_file_name(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The metrics with each evaluation data set named by its file name: the stored path is the one on the
+    machine that ran the evaluation (e.g. ../shared/data/mnist/t10k-images-idx3-ubyte.gz), not the server's."""
+    return {key: Path(value).name if key == "data" and isinstance(value, str)
+            else data_by_file_name(value) if isinstance(value, dict) else value for key, value in metrics.items()}
 
 
 class EngineRegistry:

@@ -103,7 +103,8 @@ def test_cuda_without_gpu_is_a_clear_error():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("misc_weights")
-    save_tiny_model(folder, "linear-text", "linear", "text", info={"eval": {"bits_per_byte": 3.5}, "steps": 10})
+    save_tiny_model(folder, "linear-text", "linear", "text",
+                    info={"eval": {"bits_per_byte": 3.5, "data": "../shared/data/text/valid.txt"}, "steps": 10})
     save_tiny_model(folder, "softmax-text", "softmax", "text")
     save_tiny_model(folder, "linear-mnist", "linear", "mnist")
     with running_server(make_settings(weights=folder, max_batch=4, max_waiting=4)) as (url, _app):
@@ -120,7 +121,8 @@ def test_models_list_shape(server):
     assert linear["object"] == "model" and linear["owned_by"] == "rnnserve" and linear["created"] > 0
     assert (linear["task"], linear["attention"], linear["max_len"]) == ("text", "linear", 64)
     assert by_id["linear-mnist"]["task"] == "mnist" and by_id["linear-mnist"]["max_len"] == 784
-    assert linear["parameters"] > 0 and linear["metrics"] == {"bits_per_byte": 3.5}
+    # the evaluation's data by file name: the stored path was the evaluating machine's
+    assert linear["parameters"] > 0 and linear["metrics"] == {"bits_per_byte": 3.5, "data": "valid.txt"}
     # a softmax cache grows to max_len; the linear state does not
     assert 0 < linear["state_bytes_per_sequence"] < softmax["state_bytes_per_sequence"]
     assert server.get("/v1/models/softmax-text").json() == softmax

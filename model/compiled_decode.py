@@ -217,8 +217,7 @@ class CompiledDecoder(EagerDecoder):
     def _compile_in_thread(self, batch: int | None, gate: CompileGate | None) -> None:
         adopt_process_threads()  # inductor sizes its loops' thread teams by the compiling thread's count
         lower_thread_priority(BACKGROUND_COMPILE_NICENESS)  # before the C++ compiler's processes inherit it
-        if self.log.kernels is None:  # before waiting for a turn: the kernels speed up the eager steps too
-            self.log.kernels = use_cpu_kernels(self.model)
+        self._use_kernels()  # before waiting for a turn: the kernels speed up the eager steps too
         # One compile thread and the compilers it starts, not inductor's pool of worker processes: those
         # would run at the priority of whichever thread made the pool, and each holds a copy of torch.
         with gate if gate is not None else nullcontext(), torch._inductor.config.patch(compile_threads=1):
@@ -226,8 +225,7 @@ class CompiledDecoder(EagerDecoder):
 
     def compile_now(self, batch: int | None = None) -> CompileLog:
         """Compile the shape classes here and now, one log line each; a failure leaves decoding eager."""
-        if self.log.kernels is None:  # first, so that the graphs call them
-            self.log.kernels = use_cpu_kernels(self.model)
+        self._use_kernels()  # first, so that the graphs call them
         for name, rows in WARMUP_ROWS.items():
             wanted = rows <= self.state.batch_size if batch is None else rows == min(batch, 2)
             if not wanted or rows in self.ready or self.log.error is not None:
@@ -245,6 +243,10 @@ class CompiledDecoder(EagerDecoder):
                      self.log.seconds[name])
         self._finished.set()
         return self.log
+
+    def _use_kernels(self) -> None:
+        if self.log.kernels is None:
+            self.log.kernels = use_cpu_kernels(self.model)
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         return self._finished.wait(timeout)

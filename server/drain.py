@@ -140,11 +140,15 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def exit_before_teardown() -> None:
-    """Exit 0 without the interpreter's teardown, whose C++ destructors abort ("terminate called without an
-    active exception", status 134) while a background compile is still inside inductor. Called once the
-    drain is over: nothing is left to flush but logs, and a kernel build to let finish."""
+def exit_if_compiling() -> None:
+    """Once the drain is over, exit 0 without the interpreter's teardown if a background compile still runs
+    in this process: its C++ destructors abort then ("terminate called without an active exception",
+    status 134). Nothing is left to flush but logs, and a kernel build to let finish."""
+    from model.compiled_decode import background_compiles_running
     from model.cpu_kernels import wait_for_build
+
+    if not background_compiles_running():
+        return
 
     if not wait_for_build(KERNEL_BUILD_WAIT_SECONDS):
         log.warning("exiting during a build of the CPU decode kernels; the next start may build them again")

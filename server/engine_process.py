@@ -28,7 +28,7 @@ import torch
 
 from model.transformer import Transformer
 
-from .drain import exit_before_teardown
+from .drain import exit_if_compiling
 from .engine import Engine, EngineLimits
 from .scheduler import QueueFull
 from .streams import EngineFailure, GenerationStream, is_terminal
@@ -223,8 +223,7 @@ def serve_engine(conn: Connection, spec: EngineSpec) -> None:
     finally:
         engine.stop()  # fails what is still running or waiting: its clients hear it
         conn.close()
-    if not engine.wait_compiled(0):
-        exit_before_teardown()
+    exit_if_compiling()
 
 
 def report_compiled(engine: Engine, pipe: Pipe) -> None:

@@ -16,9 +16,18 @@ def media_ranges(accept: str | None) -> list[str]:
     ranges = []
     for part in (accept or "*/*").split(","):
         kind, *params = [p.strip().lower() for p in part.split(";")]
-        if kind and not any(p.replace(" ", "") in ("q=0", "q=0.0", "q=0.00", "q=0.000") for p in params):
+        if kind and not any(refused(p) for p in params):
             ranges.append(kind)
     return ranges
+
+
+def refused(param: str) -> bool:
+    """Whether a media range's parameter is a quality of 0 ("q=0", "q=0.000"): the client refuses that type."""
+    name, _, value = param.replace(" ", "").partition("=")
+    try:
+        return name == "q" and float(value) == 0
+    except ValueError:
+        return False
 
 
 def allows(ranges: list[str], media_type: str) -> bool:

@@ -151,13 +151,9 @@ def _serve_on(sock: socket.socket, settings: Settings) -> int:
         code = _load_and_serve(sock, settings, on_started=responder.stop)
     finally:
         responder.stop()  # whatever ended start-up early (a bad file, Ctrl-C): before the socket closes
+    from .drain import exit_if_compiling
 
-    from model.compiled_decode import background_compiles_running
-
-    from .drain import exit_before_teardown
-
-    if background_compiles_running():  # engines on this process's threads (--no-engine-process)
-        exit_before_teardown()
+    exit_if_compiling()  # engines on this process's threads (--no-engine-process)
     return code
 
 

@@ -129,6 +129,11 @@ class Transformer(nn.Module):
         hidden = self._hidden(with_bos(tokens), tokens.new_zeros(tokens.shape[0]), None)
         return self.head.log_probs_at(hidden, tokens)
 
+    def next_token_log_probs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, T) -> (B, T, V): log p(v | tokens[:, :t]) for every class v, one parallel pass from BOS
+        (distillation compares whole distributions)."""
+        return self._run(with_bos(tokens), tokens.new_zeros(tokens.shape[0]), None).float().log_softmax(-1)
+
     def _run(self, tokens: torch.Tensor, start: torch.Tensor, state: ModelState | None) -> torch.Tensor:
         """(B, T) tokens from positions `start` -> (B, T, V) logits."""
         return self.head(self._hidden(tokens, start, state))

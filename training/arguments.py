@@ -61,6 +61,12 @@ def _add_optimisation_arguments(opt) -> None:
     opt.add_argument("--ema-decay", type=float, default=0.0,
                      help="keep a moving average of the weights (e.g. 0.999: about the last 1,000 steps) and save it "
                           "as the model; the checkpoint keeps it for --resume (0: off); may change with --resume --extend")
+    opt.add_argument("--teacher", action="append", metavar="FILE",
+                     help="distil: also learn each token's distribution from this trained model of the same task "
+                          "(repeat the flag for several: their average teaches); fixed for the run by its digest")
+    opt.add_argument("--distill-weight", type=float,
+                     help="with --teacher: the teachers' share of the loss, the data's is the rest "
+                          "(default 0.5; 1: the teachers alone)")
     opt.add_argument("--max-shift", type=int, default=0,
                      help="MNIST augmentation: shift each training digit by up to this many pixels along each axis, "
                           "filled with 0 (0: off); may change with --resume --extend")

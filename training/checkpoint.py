@@ -90,6 +90,13 @@ class RunSettings:
     data_items: int  # training images, or bytes of training text
     max_shift: int = 0  # MNIST augmentation (pixels); checkpoints written before it had none
     ema_decay: float = 0.0  # of the weight average (0: none); checkpoints written before it had none
+    teacher_digests: tuple[str, ...] = ()  # sha256 of each --teacher file (none: no distillation)
+    distill_weight: float = 0.0  # the teachers' share of the loss
+
+    @classmethod
+    def from_header(cls, saved: dict[str, Any]) -> RunSettings:
+        """From a checkpoint's JSON header, where tuples came back as lists."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
 
 
 @dataclass
@@ -274,7 +281,7 @@ def decode(path: Path, header: dict[str, Any], tensors: dict[str, torch.Tensor])
         param_names=names,
         progress=Progress(**header["progress"]),
         rng=RngStates(tensors["rng.data"], tensors["rng.torch"], cuda or None),
-        run=RunSettings(**header["run"]),
+        run=RunSettings.from_header(header["run"]),
         precision=header["precision"],
         average={k.removeprefix("average."): v for k, v in tensors.items() if k.startswith("average.")} or None,
     )

@@ -38,6 +38,7 @@ from .averaging import WeightAverage
 from .checkpoint import (CURVE_COLUMNS, CheckpointWriter, Progress, RunSettings, StopRequest, TrainingStopped,
                          check_config, read_checkpoint, restore, run_changes, stop_on_signals)
 from .data import MNIST_PIXELS, DataError, load_mnist, load_text, random_shift
+from .distillation import DEFAULT_DISTILL_WEIGHT, Distillation, load_distillation
 from .errors import TrainError
 from .evaluate import device_description, evaluate_file, print_table, resolve_device
 from .presets import PRESETS
@@ -195,6 +196,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise TrainError(f"--max-shift must be in 0..{MAX_SHIFT} pixels, got {args.max_shift}")
     if args.max_shift and args.task != "mnist":
         raise TrainError(f"--max-shift shifts MNIST digits; --task {args.task} has no images to shift")
+    if args.distill_weight is not None and not args.teacher:
+        raise TrainError("--distill-weight weighs the teachers' targets: add --teacher FILE")
+    if args.distill_weight is not None and not 0 < args.distill_weight <= 1:
+        raise TrainError(f"--distill-weight must be in (0, 1] (the teachers' share of the loss), got {args.distill_weight}")
 
 
 def make_optimizer(model: Transformer, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -205,15 +210,20 @@ def make_optimizer(model: Transformer, lr: float, weight_decay: float) -> torch.
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
 
-def optimizer_step(model: Transformer, opt: torch.optim.Optimizer, tokens: torch.Tensor, autocast) -> float:
-    """One AdamW step on a (B, T) batch, gradients clipped to norm 1; returns the loss (nats/token)."""
+def optimizer_step(model: Transformer, opt: torch.optim.Optimizer, tokens: torch.Tensor, autocast,
+                   distillation: Distillation | None = None) -> float:
+    """One AdamW step on a (B, T) batch, gradients clipped to norm 1; returns the data's loss (nats/token),
+    which a distilled run reports too, so that its curve compares with other runs'."""
     with autocast:
-        loss = sequence_loss(model, tokens)
+        if distillation is None:
+            loss = data_loss = sequence_loss(model, tokens)
+        else:
+            loss, data_loss = distillation.loss(model, tokens)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
-    return loss.item()
+    return data_loss.item()
 
 
 def cpu_has_native_bf16() -> bool:
@@ -238,7 +248,8 @@ def autocast_context(device: torch.device, choice: str):
 
 def train_steps(model: Transformer, opt: torch.optim.Optimizer, batches: Batches, prog: Progress,
                 args: argparse.Namespace, writer: CheckpointWriter, stop: StopRequest,
-                average: WeightAverage | None, stop_after: int | None = None) -> None:
+                average: WeightAverage | None, distillation: Distillation | None = None,
+                stop_after: int | None = None) -> None:
     """The loop: until the horizon, a stop request, or `stop_after` steps (to simulate an interruption)."""
     device = model.device
     autocast = autocast_context(device, args.autocast)
@@ -253,7 +264,7 @@ def train_steps(model: Transformer, opt: torch.optim.Optimizer, batches: Batches
         for group in opt.param_groups:
             group["lr"] = rate
         tokens = batches.next().to(device, non_blocking=True)  # (B, T)
-        value = optimizer_step(model, opt, tokens, autocast)
+        value = optimizer_step(model, opt, tokens, autocast, distillation)
         if not math.isfinite(value):
             raise TrainError(f"loss became {value} at step {prog.step}; try a lower --lr")
         if average is not None:
@@ -284,7 +295,7 @@ def eval_data_path(args: argparse.Namespace) -> str:
 
 
 def training_info(args: argparse.Namespace, data_path: str, prog: Progress, device: torch.device,
-                  batch_size: int, lr: float) -> dict[str, Any]:
+                  batch_size: int, lr: float, distillation: Distillation | None) -> dict[str, Any]:
     return {
         "task": args.task,
         "data": {"train": data_path, "eval": eval_data_path(args)},
@@ -300,6 +311,7 @@ def training_info(args: argparse.Namespace, data_path: str, prog: Progress, devi
         "max_shift": args.max_shift,
         "init_from": args.init_from,  # the weights this run started from (None: random)
         "ema_decay": args.ema_decay,  # > 0: the file holds the moving average of the weights, not the last step's
+        "distillation": distillation.describe() if distillation else None,  # teachers by file name and digest
         "final_train_loss_nats": round(prog.loss_ema, 5),  # moving average over ~50 steps
         "curve": {"columns": list(CURVE_COLUMNS), "points": prog.finished_curve()},  # `rnnserve curves` draws it
         "torch": torch.__version__,
@@ -324,8 +336,11 @@ def train(args: argparse.Namespace, stop_after: int | None = None) -> dict[str, 
     model = build_model(cfg).to(device)
     opt = make_optimizer(model, lr, args.weight_decay)
     batches = Batches(data, cfg.max_len, batch_size, torch.Generator().manual_seed(args.seed), args.max_shift)
+    distillation = load_distillation(args.teacher, args.distill_weight or DEFAULT_DISTILL_WEIGHT, cfg,
+                                     device) if args.teacher else None
     run = RunSettings(args.steps, args.minutes, batch_size, lr, args.warmup_steps, args.weight_decay, data.shape[0],
-                      args.max_shift, args.ema_decay)
+                      args.max_shift, args.ema_decay, distillation.digests if distillation else (),
+                      distillation.weight if distillation else 0.0)
     writer = CheckpointWriter(checkpoint_path(args), args.checkpoint_precision, run)
     prog, saved_average = resume(args, writer, model, opt, batches) if args.resume else (Progress(), None)
     if args.init_from and prog.step == 0:
@@ -334,12 +349,12 @@ def train(args: argparse.Namespace, stop_after: int | None = None) -> dict[str, 
     print(f"{cfg.attention} {cfg.task}: {model.num_parameters():,} parameters, batch {batch_size}, "
           f"lr {lr}, device {device_description(device)}", file=sys.stderr)
     with stop_on_signals() as stop:
-        train_steps(model, opt, batches, prog, args, writer, stop, average, stop_after)
+        train_steps(model, opt, batches, prog, args, writer, stop, average, distillation, stop_after)
         if args.checkpoint_every:
             writer.save(model, opt, prog, batches.generator, average_of(average))
     if stop.signum is not None:
         raise TrainingStopped(stop.signum, prog.step, writer.path if args.checkpoint_every else None)
-    info = training_info(args, data_path, prog, device, batch_size, lr)
+    info = training_info(args, data_path, prog, device, batch_size, lr, distillation)
     with average.swapped_in(model) if average is not None else nullcontext():
         save_and_evaluate(model, args, info, device)
     return info

@@ -1,0 +1,90 @@
+"""`rnnserve train --teacher FILE ...`: learn from trained models' predictions as well as the data.
+
+The teacher is the average of the given models' next-token distributions (a
+mixture: it scores better than any of its members when they err differently).
+At every position of a training sequence the student is pulled towards the
+teacher's whole 256-way distribution, not just the observed pixel:
+
+    loss = (1 - w) * CE(data, student) + w * CE(teacher, student)      (nats/token)
+
+With only 10,000 training digits a soft target carries more than the one
+observed grey level (how likely its neighbours were), which is what a model
+that has begun to fit its training digits lacks. The teachers run without
+gradients under the student's autocast; their files are fixed by digest, so a
+resume refuses a teacher that changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model import Transformer
+from model.config import ModelConfig
+from model.weights_io import WeightsError, load_model
+
+from .errors import TrainError
+
+DEFAULT_DISTILL_WEIGHT = 0.5
+
+
+@dataclass(frozen=True)
+class Distillation:
+    """Frozen teacher models whose averaged distribution the student learns from, and that target's weight."""
+
+    models: tuple[Transformer, ...]
+    files: tuple[str, ...]
+    digests: tuple[str, ...]  # sha256 of each file: what a resume checks
+    weight: float  # of the teacher's cross-entropy in the loss; the data's gets 1 - weight
+
+    @torch.no_grad()
+    def probs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, T) tokens -> (B, T, V) float32: the mixture's distribution of each token given those before it."""
+        log_probs = torch.stack([model.next_token_log_probs(tokens).float() for model in self.models])  # (M, B, T, V)
+        return (torch.logsumexp(log_probs, dim=0) - math.log(len(self.models))).exp()
+
+    def loss(self, model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss to minimise, data cross-entropy), both nats/token, for a (B, T) batch."""
+        target = self.probs(tokens)  # (B, T, V)
+        log_probs = model.next_token_log_probs(tokens)  # (B, T, V) float32
+        data = -log_probs.gather(-1, tokens[..., None]).mean()
+        soft = -(target * log_probs).sum(-1).mean()
+        return (1.0 - self.weight) * data + self.weight * soft, data
+
+    def describe(self) -> dict[str, Any]:
+        """What the training info stores: each teacher by file name and digest, and the weight."""
+        return {"weight": self.weight, "teachers": [{"file": Path(f).name, "sha256": d}
+                                                    for f, d in zip(self.files, self.digests)]}
+
+
+def file_digest(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def load_distillation(paths: list[str], weight: float, student: ModelConfig, device: torch.device) -> Distillation:
+    """Load and check every teacher: each must predict the student's tokens over the student's lengths."""
+    models = []
+    for path in paths:
+        if not Path(path).is_file():
+            raise TrainError(f"--teacher {path}: no such file; expected a .safetensors model written by rnnserve")
+        try:
+            model, _ = load_model(path, device=device)
+        except WeightsError as exc:
+            raise TrainError(f"--teacher: {exc}") from exc
+        check_teacher(path, model.config, student)
+        models.append(model.float().eval().requires_grad_(False))
+    return Distillation(tuple(models), tuple(paths), tuple(file_digest(p) for p in paths), weight)
+
+
+def check_teacher(path: str, teacher: ModelConfig, student: ModelConfig) -> None:
+    if teacher.task != student.task or teacher.vocab_out != student.vocab_out:
+        raise TrainError(f"--teacher {path}: a {teacher.task} model with {teacher.vocab_out} classes cannot teach "
+                         f"this {student.task} model with {student.vocab_out}; expected a model of the same task")
+    if teacher.max_len < student.max_len:
+        raise TrainError(f"--teacher {path}: it reads up to {teacher.max_len} tokens, this run trains on "
+                         f"{student.max_len}; expected a teacher at least as long")

@@ -99,7 +99,8 @@ def _add_run_arguments(run) -> None:
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("models", nargs="+", help="one or more .safetensors files")
+    parser.add_argument("models", nargs="+", help="one or more .safetensors files, or training checkpoints "
+                                                  "(.ckpt: the model its run would save now)")
     parser.add_argument("--data", required=True,
                         help="MNIST: folder with t10k-images-idx3-ubyte[.gz] (or the file); text: the UTF-8 file")
     parser.add_argument("--limit", type=int, help="only the first N test images / validation windows")

@@ -35,7 +35,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from model import ModelConfig, Transformer
+from model import ModelConfig, Transformer, build_model
 from model.config import ConfigError
 
 from .errors import TrainError
@@ -285,6 +285,21 @@ def decode(path: Path, header: dict[str, Any], tensors: dict[str, torch.Tensor])
         precision=header["precision"],
         average={k.removeprefix("average."): v for k, v in tensors.items() if k.startswith("average.")} or None,
     )
+
+
+def model_of(path: Path, device: torch.device) -> tuple[Transformer, dict[str, Any]]:
+    """The model a run's checkpoint would save now (its weight average if it keeps one), float32, and what it is."""
+    ckpt = read_checkpoint(path)
+    model = build_model(ckpt.config)
+    try:
+        model.load_state_dict(ckpt.model)
+        if ckpt.average is not None:
+            model.load_state_dict(ckpt.average, strict=False)  # parameters only: buffers stay the checkpoint's
+    except (RuntimeError, KeyError) as exc:
+        raise TrainError(f"{path}: checkpoint does not fit its own config: {exc}") from exc
+    weights = "moving average of the weights" if ckpt.average is not None else "last step's weights"
+    return model.to(device).eval(), {"step": ckpt.progress.step, "examples_seen": ckpt.progress.examples,
+                                     "weights": weights}
 
 
 def optimizer_entries(tensors: dict[str, torch.Tensor], name: str, keys: list[str],

@@ -32,11 +32,12 @@ from tqdm import tqdm
 from model import Transformer
 from model.generate import generate
 from model.sampling import BatchSampling, SamplingParams
-from model.weights_io import WeightsError, load_model, read_metadata, update_info
+from model.weights_io import WeightsError, read_metadata, update_info
 
 from . import arguments
 from .classifier import DigitClassifier, accuracy, load_classifier
 from .data import MNIST_PIXELS, MNIST_SIDE, DataError, load_labeled_mnist
+from .loading import load_evaluated
 from .particle_completions import complete_with_particles
 
 OCCLUSIONS = arguments.OCCLUSIONS
@@ -212,7 +213,7 @@ def evaluate_completions(path: str | Path, run: CompletionRun, device: torch.dev
 
 
 def load_completion_model(path: str | Path, device: torch.device) -> Transformer:
-    model, _ = load_model(path, device=device, dtype=torch.float32)
+    model, _ = load_evaluated(path, device)
     if model.config.task != "mnist":
         raise WeightsError(path, f"this is a {model.config.task} model; --completions needs an MNIST model "
                                  "(trained with --task mnist)")

@@ -6,6 +6,7 @@ over the validation split (last 10% of the file), cut into non-overlapping
 windows of the model's max_len, each starting from BOS. With --completions
 it evaluates completions of occluded test digits instead (training/completions.py).
 With --store a result is merged into the file's info["eval"], keeping the others.
+A training checkpoint (.ckpt) is scored as the model its run would save now (training/loading.py).
 The flags are defined in training/arguments.py.
 """
 
@@ -22,12 +23,13 @@ import torch
 from tqdm import tqdm
 
 from model import Transformer
-from model.weights_io import WeightsError, load_model, read_metadata, update_info
+from model.weights_io import WeightsError, read_metadata, update_info
 
 from .completions import DEFAULT_BATCH, CompletionRun, choose_occlusion, evaluate_completions
 from .completions import print_table as print_completions
 from .completions import store_result
 from .data import DataError, load_mnist, load_text
+from .loading import is_checkpoint, load_evaluated
 
 TASK_DATA = {"mnist": "a folder with t10k-images-idx3-ubyte[.gz] (or that file)", "text": "a UTF-8 text file"}
 
@@ -94,14 +96,16 @@ def evaluate_text(model: Transformer, valid: torch.Tensor, batch_size: int = 32,
 
 def evaluate_file(path: str | Path, data: str | Path, device: torch.device, limit: int | None = None,
                   batch_size: int = 32, show_progress: bool = False) -> dict[str, Any]:
-    """Load a weights file (float32 compute) and evaluate it on its task's held-out data."""
-    model, _ = load_model(path, device=device, dtype=torch.float32)
+    """Load a weights file or checkpoint (float32 compute) and evaluate it on its task's held-out data."""
+    model, checkpoint = load_evaluated(path, device)
     try:
         result = _evaluate_on_task(model, data, limit, batch_size, show_progress)
     except DataError as exc:  # say which kind of data this model needed
         raise DataError(f"{path} is a {model.config.task} model, so --data must be "
                         f"{TASK_DATA[model.config.task]}: {exc}") from exc
     result.update(attention=model.config.attention, task=model.config.task, parameters=model.num_parameters())
+    if checkpoint is not None:
+        result["checkpoint"] = checkpoint
     return result
 
 
@@ -119,9 +123,12 @@ def _evaluate_on_task(model: Transformer, data: str | Path, limit: int | None, b
 
 def format_metric(result: dict[str, Any]) -> str:
     if result["metric"] == "bits/dim":
-        return f"{result['bits_per_dim']:.4f} bits/dim over {result['images']} images"
-    return (f"{result['loss_nats_per_byte']:.4f} nats/byte ({result['bits_per_byte']:.4f} bits/byte) "
-            f"over {result['bytes']} bytes")
+        text = f"{result['bits_per_dim']:.4f} bits/dim over {result['images']} images"
+    else:
+        text = (f"{result['loss_nats_per_byte']:.4f} nats/byte ({result['bits_per_byte']:.4f} bits/byte) "
+                f"over {result['bytes']} bytes")
+    checkpoint = result.get("checkpoint")
+    return text + (f" (step {checkpoint['step']:,}, {checkpoint['weights']})" if checkpoint else "")
 
 
 def print_table(rows: list[tuple[str, dict[str, Any]]]) -> None:
@@ -172,6 +179,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise DataError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
     elif args.particles is not None and not 1 <= args.particles <= 256:
         raise DataError(f"--particles must be in 1..256, got {args.particles}")
+    checkpoints = [m for m in args.models if is_checkpoint(m)]
+    if args.store and checkpoints:
+        raise DataError(f"--store writes into a .safetensors file's metadata; {checkpoints[0]} is a training "
+                        "checkpoint (evaluate it without --store)")
 
 
 def store_eval(path: str | Path, result: dict[str, Any]) -> None:

@@ -1,0 +1,34 @@
+"""The model `rnnserve eval` scores: a shipped weights file, or a training checkpoint of a run in progress.
+
+A checkpoint gives the model its run would save if it stopped now: the moving
+average of the weights when the run keeps one (--ema-decay), else the last
+step's weights. So a long run can be scored without stopping it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model import Transformer
+from model.weights_io import load_model
+
+from .checkpoint import model_of
+from .data import DataError
+from .errors import TrainError
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    return Path(path).suffix == ".ckpt"
+
+
+def load_evaluated(path: str | Path, device: torch.device) -> tuple[Transformer, dict[str, Any] | None]:
+    """The model in float32, and what the checkpoint held (None for a weights file)."""
+    if not is_checkpoint(path):
+        return load_model(path, device=device, dtype=torch.float32)[0], None
+    try:
+        return model_of(Path(path), device)
+    except TrainError as exc:
+        raise DataError(str(exc)) from exc

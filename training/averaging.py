@@ -46,13 +46,18 @@ class WeightAverage:
         params = [p.detach() for _, p in model.named_parameters()]
         torch._foreach_lerp_(list(self.average.values()), params, 1.0 - self.decay)
 
+    @torch.no_grad()
+    def swap_into(self, model: Transformer) -> None:
+        """The model holds the average from now on (parameters only: buffers stay its own)."""
+        for name, p in model.named_parameters():
+            p.copy_(self.average[name])
+
     @contextmanager
     def swapped_in(self, model: Transformer) -> Iterator[None]:
         """Inside: the model holds the average; after: its own weights again, unchanged."""
         params = {name: p.detach() for name, p in model.named_parameters()}
         own = {name: p.clone() for name, p in params.items()}
-        for name, p in params.items():
-            p.copy_(self.average[name])
+        self.swap_into(model)
         try:
             yield
         finally:

@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 from model import ModelConfig, Transformer, build_model
 from model.config import ConfigError
 
+from .averaging import WeightAverage
 from .errors import TrainError
 
 FORMAT = 2  # 1: the torch.save dict
@@ -293,10 +294,10 @@ def model_of(path: Path, device: torch.device) -> tuple[Transformer, dict[str, A
     model = build_model(ckpt.config)
     try:
         model.load_state_dict(ckpt.model)
-        if ckpt.average is not None:
-            model.load_state_dict(ckpt.average, strict=False)  # parameters only: buffers stay the checkpoint's
     except (RuntimeError, KeyError) as exc:
         raise TrainError(f"{path}: checkpoint does not fit its own config: {exc}") from exc
+    if ckpt.average is not None:  # the resume's check: the average must cover every parameter
+        WeightAverage.start(model, 0.0, ckpt.average).swap_into(model)
     weights = "moving average of the weights" if ckpt.average is not None else "last step's weights"
     return model.to(device).eval(), {"step": ckpt.progress.step, "examples_seen": ckpt.progress.examples,
                                      "weights": weights}

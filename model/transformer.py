@@ -50,6 +50,13 @@ class Block(nn.Module):
         self.ff = FeedForward(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
+    def start_as_identity(self) -> None:
+        """Zero the last layer of both residual branches: the block passes x through unchanged,
+        so a model grown by a block computes what it did (gradients still reach both branches)."""
+        for last in (self.attn.proj, self.ff.down):
+            nn.init.zeros_(last.weight)
+            nn.init.zeros_(last.bias)
+
     def forward(self, x, start, state):
         a, state = self.attn(self.ln_attn(x), start, state)
         x = x + self.drop(a)

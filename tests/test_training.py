@@ -7,6 +7,7 @@ only the last tests read the real files in weights/ (skipped when none ship).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import math
@@ -33,6 +34,7 @@ from training import checkpoint, evaluate, train
 from training.averaging import WeightAverage
 from training.checkpoint import Checkpoint, read_checkpoint
 from training.data import DataError, find_images_file, load_mnist, load_text, read_idx_images, write_idx_images
+from training.warm_start import init_from
 
 REPO = Path(__file__).resolve().parent.parent
 WEIGHTS = REPO / "weights"
@@ -483,6 +485,29 @@ def test_init_from_names_the_fields_that_would_change_parameters(tmp_path: Path,
     junk = text_args(tmp_path, text_file, "--steps", "1", "--init-from", str(tmp_path / "junk.safetensors"))
     with pytest.raises(train.TrainError, match=r"--init-from: .*junk\.safetensors: "):
         train.train(junk)
+
+
+def test_init_from_grows_the_model_by_blocks_that_start_as_identities(tmp_path: Path, text_file: Path) -> None:
+    source = tmp_path / "src.safetensors"
+    float32 = ["--no-eval", "--save-dtype", "float32"]
+    train.train(text_args(tmp_path, text_file, *float32, "--steps", "20", "--out", str(source)))
+    small, _ = load_model(source)
+    grown = build_model(dataclasses.replace(small.config, n_layers=small.config.n_layers + 2))
+    init_from(str(source), grown)
+    tokens = torch.randint(0, 256, (3, 16))
+    with torch.no_grad():  # the grown model computes what the file's did
+        assert torch.allclose(grown.eval().next_token_log_probs(tokens), small.next_token_log_probs(tokens), atol=1e-5)
+    out = tmp_path / "grown.safetensors"
+    train.train(text_args(tmp_path, text_file, *float32, "--steps", "3", "--layers", str(small.config.n_layers + 1),
+                          "--init-from", str(source), "--out", str(out)))
+    trained, _ = load_model(out)
+    top = trained.blocks[-1]
+    assert trained.config.n_layers == small.config.n_layers + 1
+    assert top.attn.proj.weight.abs().sum() > 0 and top.ff.down.weight.abs().sum() > 0  # the new block learns
+    fewer = text_args(tmp_path, text_file, "--steps", "1", "--layers", "1", "--init-from", str(source))
+    with pytest.raises(train.TrainError, match=r"the file has n_layers=2; this run builds n_layers=1: a warm start may "
+                                               r"add layers .*, not drop them"):
+        train.train(fewer)
 
 
 def test_a_stopped_warm_start_resumes_from_its_checkpoint(tmp_path: Path, text_file: Path, capsys) -> None:

@@ -87,7 +87,8 @@ def _add_run_arguments(run) -> None:
     run.add_argument("--resume", action="store_true", help="continue from the checkpoint if it exists")
     run.add_argument("--init-from", metavar="FILE",
                      help="start a new run from a trained .safetensors file's weights (fresh schedule and optimiser); "
-                          "Reformer hashing and dropout may differ from the file's. With --resume, a checkpoint "
+                          "Reformer hashing and dropout may differ from the file's, and --layers may add blocks on top "
+                          "(each starts as an identity). With --resume, a checkpoint "
                           "that exists wins, so a stopped warm start resumes with the same command")
     run.add_argument("--extend", action="store_true",
                      help="with --resume: accept a --steps/--minutes/--max-shift other than the checkpoint's run "

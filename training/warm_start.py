@@ -7,6 +7,10 @@ can be retrained under another hashing (Reformer buckets, rounds, local
 window) or dropout; every other architecture field must match. A buffer that
 keeps its shape is copied (Reformer's rotations, when the hashing's shape is
 unchanged); one whose shape changes stays as this run drew it.
+
+A run may also build more layers than the file has (`--layers`): the file's
+blocks fill the bottom and each new block on top starts as an identity, so
+the grown model begins exactly where the file's model was.
 """
 
 from __future__ import annotations
@@ -28,12 +32,16 @@ PARAMETER_FREE_FIELDS = frozenset({"dropout", "reformer_buckets", "reformer_roun
 
 
 def check_warm_start_config(path: str, saved: ModelConfig, built: ModelConfig) -> None:
-    """Name every field that differs and would change the parameters."""
-    differences = config_differences(saved, built, PARAMETER_FREE_FIELDS)
+    """Name every field that differs and would change the parameters (bar added layers)."""
+    differences = config_differences(saved, built, PARAMETER_FREE_FIELDS | {"n_layers"})
     if differences:
         allowed = ", ".join(sorted(PARAMETER_FREE_FIELDS))
         raise TrainError(f"--init-from {path}: the file has {differences}; only {allowed} may differ from the "
-                         "file's (they own no parameters)")
+                         "file's (they own no parameters), and n_layers may grow")
+    if built.n_layers < saved.n_layers:
+        raise TrainError(f"--init-from {path}: the file has n_layers={saved.n_layers}; this run builds "
+                         f"n_layers={built.n_layers}: a warm start may add layers (they start as identities), "
+                         "not drop them")
 
 
 def init_from(path: str, model: Transformer) -> list[str]:
@@ -48,12 +56,20 @@ def init_from(path: str, model: Transformer) -> list[str]:
     kept = []
     with torch.no_grad():
         for name, target in model.state_dict().items():
+            if name not in state:
+                continue  # a grown block's own tensor
             if name not in parameters and state[name].shape != target.shape:
                 kept.append(name)
                 continue
             target.copy_(state[name].to(target.dtype))
+    added = model.blocks[source.config.n_layers:]
+    for block in added:
+        block.start_as_identity()
     changed = {name: (getattr(source.config, name), getattr(model.config, name)) for name in PARAMETER_FREE_FIELDS
                if getattr(source.config, name) != getattr(model.config, name)}
+    if added:
+        changed["n_layers"] = (source.config.n_layers, model.config.n_layers)
     listed = "; ".join(f"{name} {old} -> {new}" for name, (old, new) in sorted(changed.items())) or "no change"
+    listed += f"; {len(added)} blocks added as identities" if added else ""
     print(f"initialised from {Path(path)} ({listed}; {len(kept)} buffers drawn anew)", file=sys.stderr)
     return kept

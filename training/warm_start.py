@@ -68,8 +68,7 @@ def init_from(path: str, model: Transformer) -> list[str]:
     changed = {name: (getattr(source.config, name), getattr(model.config, name)) for name in PARAMETER_FREE_FIELDS
                if getattr(source.config, name) != getattr(model.config, name)}
     if added:
-        changed["n_layers"] = (source.config.n_layers, model.config.n_layers)
+        changed["n_layers"] = (source.config.n_layers, f"{model.config.n_layers} (new blocks start as identities)")
     listed = "; ".join(f"{name} {old} -> {new}" for name, (old, new) in sorted(changed.items())) or "no change"
-    listed += f"; {len(added)} blocks added as identities" if added else ""
     print(f"initialised from {Path(path)} ({listed}; {len(kept)} buffers drawn anew)", file=sys.stderr)
     return kept

@@ -13,12 +13,13 @@ import torch
 from safetensors.torch import load_file
 
 from model.config import ModelConfig
-from model.weights_io import load_model, read_metadata
+from model.weights_io import load_model, read_metadata, save_model, update_info
 from rnnserve_cli import parse_args
 from training import train
-from training.checkpoint import read_checkpoint
+from training.checkpoint import RunSettings, read_checkpoint
 from training.data import load_text
-from training.distillation import check_teacher, file_digest, load_distillation
+from training.distillation import (accept_file_digests, check_teacher, file_digest, load_distillation,
+                                   weights_digest)
 
 
 @pytest.fixture
@@ -102,7 +103,8 @@ def test_a_distilled_student_matches_its_teacher_better_than_one_trained_on_data
     assert taught < 0.5 * plain, (taught, plain)
     stored = read_metadata(tmp_path / "taught.safetensors")[1]["distillation"]
     assert stored == info["distillation"] == {
-        "weight": 1.0, "teachers": [{"file": teacher.name, "sha256": file_digest(teacher)}]}
+        "weight": 1.0, "teachers": [{"file": teacher.name, "sha256": file_digest(teacher),
+                                     "weights_sha256": weights_digest(teacher)}]}
     assert read_metadata(tmp_path / "plain.safetensors")[1]["distillation"] is None
 
 
@@ -113,7 +115,7 @@ def test_a_distilled_run_resumes_bit_for_bit(tmp_path: Path, corpus: Path, teach
     resumed = train_args(tmp_path, corpus, "b.safetensors", *common, "--checkpoint", str(tmp_path / "b.ckpt"),
                          "--resume")
     train.train(resumed, stop_after=3)
-    assert read_checkpoint(tmp_path / "b.ckpt").run.teacher_digests == tuple(file_digest(p) for p in teachers)
+    assert read_checkpoint(tmp_path / "b.ckpt").run.teacher_digests == tuple(weights_digest(p) for p in teachers)
     train.train(resumed)
     a, b = load_file(tmp_path / "a.safetensors"), load_file(tmp_path / "b.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -128,6 +130,45 @@ def test_a_resume_refuses_a_teacher_that_changed(tmp_path: Path, corpus: Path, t
         train.train(run)
     with pytest.raises(train.TrainError, match=r"teacher_digests \('[0-9a-f]{64}',\) -> \(\)"):
         train.train(train_args(tmp_path, corpus, "c.safetensors", *common))  # the teacher left out
+
+
+def test_a_teacher_is_named_by_its_weights_not_by_its_stored_info(tmp_path: Path, corpus: Path,
+                                                                   teachers: list[Path]) -> None:
+    # `rnnserve eval --store` rewrites a file's info: a resume must still take it as the same teacher.
+    common = ["--steps", "4", "--checkpoint-every", "2", "--checkpoint-precision", "float32",
+              "--teacher", str(teachers[0])]
+    train.train(train_args(tmp_path, corpus, "a.safetensors", *common, "--checkpoint", str(tmp_path / "a.ckpt")))
+    before = (file_digest(teachers[0]), weights_digest(teachers[0]))
+    resumed = train_args(tmp_path, corpus, "b.safetensors", *common, "--checkpoint", str(tmp_path / "b.ckpt"),
+                         "--resume")
+    train.train(resumed, stop_after=2)
+    update_info(teachers[0], {"completions": {"accuracy": 0.5}})
+    assert file_digest(teachers[0]) != before[0] and weights_digest(teachers[0]) == before[1]
+    train.train(resumed)
+    a, b = load_file(tmp_path / "a.safetensors"), load_file(tmp_path / "b.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_weights_digest_changes_with_any_number(tmp_path: Path, teachers: list[Path]) -> None:
+    model, info = load_model(teachers[0])
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0] += 1.0  # one number changed
+    save_model(model, tmp_path / "changed.safetensors", info=info)
+    assert weights_digest(tmp_path / "changed.safetensors") != weights_digest(teachers[0])
+    assert weights_digest(teachers[0]) != weights_digest(teachers[1])
+
+
+def test_an_older_checkpoint_naming_teachers_by_file_digest_is_read_as_naming_them_by_weights(
+        teachers: list[Path]) -> None:
+    files = [str(p) for p in teachers]
+    now = RunSettings(4, None, 8, 1e-3, 5, 0.0, 100, teacher_digests=tuple(map(weights_digest, files)),
+                      distill_weight=0.5)
+    by_file = RunSettings(4, None, 8, 1e-3, 5, 0.0, 100, teacher_digests=tuple(map(file_digest, files)),
+                          distill_weight=0.5)
+    assert accept_file_digests(by_file, now, files) == now
+    swapped = RunSettings(4, None, 8, 1e-3, 5, 0.0, 100, teacher_digests=tuple(map(file_digest, files[::-1])),
+                          distill_weight=0.5)
+    assert accept_file_digests(swapped, now, files) == swapped  # other files: still a difference to refuse
 
 
 @pytest.mark.parametrize("flags, message", [

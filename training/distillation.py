@@ -10,24 +10,30 @@ teacher's whole 256-way distribution, not just the observed pixel:
 With only 10,000 training digits a soft target carries more than the one
 observed grey level (how likely its neighbours were), which is what a model
 that has begun to fit its training digits lacks. The teachers run without
-gradients under the student's autocast; their files are fixed by digest, so a
-resume refuses a teacher that changed.
+gradients under the student's autocast; each is fixed by a digest of its
+config and tensors (not of its file, whose stored info `rnnserve eval --store`
+rewrites), so a resume refuses a teacher that changed and takes one that only
+gained results.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from model import Transformer
 from model.config import ModelConfig
-from model.weights_io import WeightsError, load_model
+from model.weights_io import WeightsError, load_model, read_metadata
 
+from .checkpoint import RunSettings
 from .errors import TrainError
 
 DEFAULT_DISTILL_WEIGHT = 0.5
@@ -39,7 +45,7 @@ class Distillation:
 
     models: tuple[Transformer, ...]
     files: tuple[str, ...]
-    digests: tuple[str, ...]  # sha256 of each file: what a resume checks
+    digests: tuple[str, ...]  # weights_digest of each teacher: what a resume checks
     weight: float  # of the teacher's cross-entropy in the loss; the data's gets 1 - weight
 
     @torch.no_grad()
@@ -57,13 +63,37 @@ class Distillation:
         return (1.0 - self.weight) * data + self.weight * soft, data
 
     def describe(self) -> dict[str, Any]:
-        """What the training info stores: each teacher by file name and digest, and the weight."""
-        return {"weight": self.weight, "teachers": [{"file": Path(f).name, "sha256": d}
-                                                    for f, d in zip(self.files, self.digests)]}
+        """What the training info stores: each teacher by file name, file digest and weights digest, and the weight."""
+        return {"weight": self.weight, "teachers": [{"file": Path(f).name, "sha256": file_digest(f),
+                                                     "weights_sha256": d} for f, d in zip(self.files, self.digests)]}
 
 
 def file_digest(path: str | Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def weights_digest(path: str | Path) -> str:
+    """sha256 of a model file's config and tensors (names, dtypes, shapes, bytes), blind to its stored info."""
+    config, _ = read_metadata(path)
+    digest = hashlib.sha256(config.to_json().encode())
+    with safe_open(str(path), framework="pt") as f:
+        for name in sorted(f.keys()):
+            tensor = f.get_tensor(name).contiguous()
+            digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def accept_file_digests(saved: RunSettings, now: RunSettings, teachers: list[str]) -> RunSettings:
+    """A checkpoint written before teachers were named by weights digest named them by file digest: when
+    those match this run's files, read it as naming them by weights digest (later checkpoints will)."""
+    if not saved.teacher_digests or saved.teacher_digests == now.teacher_digests:
+        return saved
+    if len(saved.teacher_digests) != len(teachers) or saved.teacher_digests != tuple(map(file_digest, teachers)):
+        return saved
+    print("the checkpoint names its teachers by file digest; they match these files: now named by weights digest",
+          file=sys.stderr)
+    return dataclasses.replace(saved, teacher_digests=now.teacher_digests)
 
 
 def load_distillation(paths: list[str], weight: float, student: ModelConfig, device: torch.device) -> Distillation:
@@ -78,7 +108,7 @@ def load_distillation(paths: list[str], weight: float, student: ModelConfig, dev
             raise TrainError(f"--teacher: {exc}") from exc
         check_teacher(path, model.config, student)
         models.append(model.float().eval().requires_grad_(False))
-    return Distillation(tuple(models), tuple(paths), tuple(file_digest(p) for p in paths), weight)
+    return Distillation(tuple(models), tuple(paths), tuple(weights_digest(p) for p in paths), weight)
 
 
 def check_teacher(path: str, teacher: ModelConfig, student: ModelConfig) -> None:

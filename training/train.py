@@ -38,7 +38,7 @@ from .averaging import WeightAverage
 from .checkpoint import (CURVE_COLUMNS, CheckpointWriter, Progress, RunSettings, StopRequest, TrainingStopped,
                          check_config, read_checkpoint, restore, run_changes, stop_on_signals)
 from .data import MNIST_PIXELS, DataError, load_mnist, load_text, random_shift
-from .distillation import DEFAULT_DISTILL_WEIGHT, Distillation, load_distillation
+from .distillation import DEFAULT_DISTILL_WEIGHT, Distillation, accept_file_digests, load_distillation
 from .errors import TrainError
 from .evaluate import device_description, evaluate_file, print_table, resolve_device
 from .presets import PRESETS
@@ -151,7 +151,8 @@ def resume(args: argparse.Namespace, writer: CheckpointWriter, model: Transforme
     ckpt = read_checkpoint(path)
     check_config(path, ckpt.config, model.config)  # the architecture first: the most basic mismatch
     if ckpt.run is not None:
-        check_same_run(path, ckpt.run, writer.run, args.extend, ckpt.progress)
+        saved = accept_file_digests(ckpt.run, writer.run, args.teacher or [])
+        check_same_run(path, saved, writer.run, args.extend, ckpt.progress)
     prog = restore(path, ckpt, model, opt, batches.generator)
     print(f"resumed from {path} at step {prog.step}", file=sys.stderr)
     return prog, ckpt.average

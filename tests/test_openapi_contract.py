@@ -75,7 +75,7 @@ def test_docs_and_redoc_load_their_assets_from_this_server(base):
 def test_the_schema_fuzzer_finds_no_failure(base):
     st = Path(sys.executable).parent / "schemathesis"
     run = subprocess.run([str(st), "run", f"{base}/openapi.json", "--max-examples", "20", "--workers", "1",
-                          "--max-time", "90"], cwd=REPO, capture_output=True, text=True, timeout=300)
+                          "--max-time", "60"], cwd=REPO, capture_output=True, text=True, timeout=300)
     summary = run.stdout[-3000:]
     assert run.returncode == 0, summary
     assert "failure" not in summary.splitlines()[-1], summary

@@ -63,7 +63,8 @@ def _add_optimisation_arguments(opt) -> None:
                           "as the model; the checkpoint keeps it for --resume (0: off); may change with --resume --extend")
     opt.add_argument("--teacher", action="append", metavar="FILE",
                      help="distil: also learn each token's distribution from this trained model of the same task "
-                          "(repeat the flag for several: their average teaches); fixed for the run by a digest of its config and tensors")
+                          "(repeat the flag for several: their average teaches); fixed for the run by a digest of "
+                          "its config and tensors")
     opt.add_argument("--distill-weight", type=float,
                      help="with --teacher: the teachers' share of the loss, the data's is the rest "
                           "(default 0.5; 1: the teachers alone)")

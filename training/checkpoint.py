@@ -91,7 +91,7 @@ class RunSettings:
     data_items: int  # training images, or bytes of training text
     max_shift: int = 0  # MNIST augmentation (pixels); checkpoints written before it had none
     ema_decay: float = 0.0  # of the weight average (0: none); checkpoints written before it had none
-    teacher_digests: tuple[str, ...] = ()  # of each --teacher's config and tensors (older: of its file); none: no distillation
+    teacher_digests: tuple[str, ...] = ()  # of each --teacher's config and tensors (older: its file); none: no teacher
     distill_weight: float = 0.0  # the teachers' share of the loss
 
     @classmethod

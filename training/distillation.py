@@ -46,6 +46,7 @@ class Distillation:
     models: tuple[Transformer, ...]
     files: tuple[str, ...]
     digests: tuple[str, ...]  # weights_digest of each teacher: what a resume checks
+    file_digests: tuple[str, ...]  # sha256 of each file as loaded: what the model file records beside them
     weight: float  # of the teacher's cross-entropy in the loss; the data's gets 1 - weight
 
     @torch.no_grad()
@@ -64,8 +65,8 @@ class Distillation:
 
     def describe(self) -> dict[str, Any]:
         """What the training info stores: each teacher by file name, file digest and weights digest, and the weight."""
-        return {"weight": self.weight, "teachers": [{"file": Path(f).name, "sha256": file_digest(f),
-                                                     "weights_sha256": d} for f, d in zip(self.files, self.digests)]}
+        return {"weight": self.weight, "teachers": [{"file": Path(f).name, "sha256": fd, "weights_sha256": d}
+                                                    for f, fd, d in zip(self.files, self.file_digests, self.digests)]}
 
 
 def file_digest(path: str | Path) -> str:
@@ -108,7 +109,8 @@ def load_distillation(paths: list[str], weight: float, student: ModelConfig, dev
             raise TrainError(f"--teacher: {exc}") from exc
         check_teacher(path, model.config, student)
         models.append(model.float().eval().requires_grad_(False))
-    return Distillation(tuple(models), tuple(paths), tuple(weights_digest(p) for p in paths), weight)
+    return Distillation(tuple(models), tuple(paths), tuple(map(weights_digest, paths)), tuple(map(file_digest, paths)),
+                        weight)
 
 
 def check_teacher(path: str, teacher: ModelConfig, student: ModelConfig) -> None:

@@ -63,6 +63,31 @@ def test_the_teacher_is_the_average_of_its_members_distributions(teachers: list[
     assert not torch.allclose(expected, members[0].next_token_log_probs(tokens).exp(), atol=1e-3)  # they differ
 
 
+def test_teacher_shares_weigh_the_mixture(teachers: list[Path], corpus: Path) -> None:
+    tokens = batch(corpus)
+    student = load_model(teachers[0])[0].config
+    members = [load_model(p)[0].eval() for p in teachers]
+    with torch.no_grad():
+        first, second = (m.next_token_log_probs(tokens).exp() for m in members)
+    leaning = load_distillation([str(p) for p in teachers], 0.5, student, torch.device("cpu"), shares=[3.0, 1.0])
+    assert leaning.shares == (0.75, 0.25)
+    assert torch.allclose(leaning.probs(tokens), 0.75 * first + 0.25 * second, atol=1e-6)
+    equal = load_distillation([str(p) for p in teachers], 0.5, student, torch.device("cpu"))
+    assert equal.shares == (0.5, 0.5) and not torch.allclose(equal.probs(tokens), leaning.probs(tokens), atol=1e-3)
+
+
+def test_a_resume_refuses_other_teacher_shares(tmp_path: Path, corpus: Path, teachers: list[Path]) -> None:
+    common = ["--steps", "4", "--checkpoint-every", "2", "--checkpoint", str(tmp_path / "s.ckpt"), "--resume",
+              "--teacher", str(teachers[0]), "--teacher", str(teachers[1])]
+    train.train(train_args(tmp_path, corpus, "s.safetensors", *common, "--teacher-shares", "1", "3"), stop_after=2)
+    assert read_checkpoint(tmp_path / "s.ckpt").run.teacher_shares == (0.25, 0.75)
+    with pytest.raises(train.TrainError, match=r"s\.ckpt: this run differs from the checkpoint's \(teacher_shares "
+                                               r"\(0\.25, 0\.75\) -> \(0\.75, 0\.25\)"):
+        train.train(train_args(tmp_path, corpus, "s.safetensors", *common, "--teacher-shares", "3", "1"))
+    info = train.train(train_args(tmp_path, corpus, "s.safetensors", *common, "--teacher-shares", "2", "6"))
+    assert [t["share"] for t in info["distillation"]["teachers"]] == [0.25, 0.75]  # the same shares, resumed
+
+
 def test_the_loss_weighs_the_data_and_the_teachers(teachers: list[Path], corpus: Path) -> None:
     tokens = batch(corpus)
     student_file = teachers[1]
@@ -104,7 +129,7 @@ def test_a_distilled_student_matches_its_teacher_better_than_one_trained_on_data
     stored = read_metadata(tmp_path / "taught.safetensors")[1]["distillation"]
     assert stored == info["distillation"] == {
         "weight": 1.0, "teachers": [{"file": teacher.name, "sha256": file_digest(teacher),
-                                     "weights_sha256": weights_digest(teacher)}]}
+                                     "weights_sha256": weights_digest(teacher), "share": 1.0}]}
     assert read_metadata(tmp_path / "plain.safetensors")[1]["distillation"] is None
 
 
@@ -174,6 +199,11 @@ def test_an_older_checkpoint_naming_teachers_by_file_digest_is_read_as_naming_th
 @pytest.mark.parametrize("flags, message", [
     (["--distill-weight", "0.5"], r"--distill-weight weighs the teachers' targets: add --teacher FILE"),
     (["--teacher", "TEACHER", "--distill-weight", "0"], r"--distill-weight must be in \(0, 1\]"),
+    (["--teacher-shares", "1"], r"--teacher-shares weighs the teachers in their mixture: add --teacher FILE"),
+    (["--teacher", "TEACHER", "--teacher-shares", "1", "2"],
+     r"--teacher-shares has 2 shares for 1 --teacher files; expected one share per teacher"),
+    (["--teacher", "TEACHER", "--teacher", "TEACHER", "--teacher-shares", "1", "0"],
+     r"--teacher-shares must be positive numbers, got 1\.0 0\.0"),
     (["--teacher", "MISSING"], r"--teacher .*none\.safetensors: no such file; expected a \.safetensors model"),
     (["--teacher", "JUNK"], r"--teacher: .*junk\.safetensors"),
     (["--teacher", "SHORT"], r"--teacher .*short\.safetensors: it reads up to 8 tokens, this run trains on 16; "

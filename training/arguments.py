@@ -65,6 +65,9 @@ def _add_optimisation_arguments(opt) -> None:
                      help="distil: also learn each token's distribution from this trained model of the same task "
                           "(repeat the flag for several: their average teaches); fixed for the run by a digest of "
                           "its config and tensors")
+    opt.add_argument("--teacher-shares", type=float, nargs="+", metavar="SHARE",
+                     help="with several --teacher: each one's share of the teachers' mixture, in the order of the "
+                          "--teacher flags (normalised to sum to 1; default: equal shares)")
     opt.add_argument("--distill-weight", type=float,
                      help="with --teacher: the teachers' share of the loss, the data's is the rest "
                           "(default 0.5; 1: the teachers alone)")

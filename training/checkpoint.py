@@ -93,6 +93,7 @@ class RunSettings:
     ema_decay: float = 0.0  # of the weight average (0: none); checkpoints written before it had none
     teacher_digests: tuple[str, ...] = ()  # of each --teacher's config and tensors (older: its file); none: no teacher
     distill_weight: float = 0.0  # the teachers' share of the loss
+    teacher_shares: tuple[float, ...] = ()  # each teacher's share of their mixture; none: equal shares
 
     @classmethod
     def from_header(cls, saved: dict[str, Any]) -> RunSettings:

@@ -1,7 +1,9 @@
 """`rnnserve train --teacher FILE ...`: learn from trained models' predictions as well as the data.
 
 The teacher is the average of the given models' next-token distributions (a
-mixture: it scores better than any of its members when they err differently).
+mixture: it scores better than any of its members when they err differently),
+in equal shares or in the shares `--teacher-shares` gives (a mixture leaning on
+its best member can score better than an equal one).
 At every position of a training sequence the student is pulled towards the
 teacher's whole 256-way distribution, not just the observed pixel:
 
@@ -48,12 +50,19 @@ class Distillation:
     digests: tuple[str, ...]  # weights_digest of each teacher: what a resume checks
     file_digests: tuple[str, ...]  # sha256 of each file as loaded: what the model file records beside them
     weight: float  # of the teacher's cross-entropy in the loss; the data's gets 1 - weight
+    given_shares: tuple[float, ...] = ()  # --teacher-shares, normalised to sum to 1; none: equal shares
+
+    @property
+    def shares(self) -> tuple[float, ...]:
+        """Each teacher's share of the mixture."""
+        return self.given_shares or (1.0 / len(self.models),) * len(self.models)
 
     @torch.no_grad()
     def probs(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, T) tokens -> (B, T, V) float32: the mixture's distribution of each token given those before it."""
-        log_probs = torch.stack([model.next_token_log_probs(tokens).float() for model in self.models])  # (M, B, T, V)
-        return (torch.logsumexp(log_probs, dim=0) - math.log(len(self.models))).exp()
+        log_probs = torch.stack([model.next_token_log_probs(tokens).float() + math.log(share)
+                                 for model, share in zip(self.models, self.shares)])  # (M, B, T, V)
+        return torch.logsumexp(log_probs, dim=0).exp()
 
     def loss(self, model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(loss to minimise, data cross-entropy), both nats/token, for a (B, T) batch."""
@@ -65,8 +74,9 @@ class Distillation:
 
     def describe(self) -> dict[str, Any]:
         """What the training info stores: each teacher by file name, file digest and weights digest, and the weight."""
-        return {"weight": self.weight, "teachers": [{"file": Path(f).name, "sha256": fd, "weights_sha256": d}
-                                                    for f, fd, d in zip(self.files, self.file_digests, self.digests)]}
+        return {"weight": self.weight, "teachers": [{"file": Path(f).name, "sha256": fd, "weights_sha256": d, "share": s}
+                                                    for f, fd, d, s in zip(self.files, self.file_digests, self.digests,
+                                                                           self.shares)]}
 
 
 def file_digest(path: str | Path) -> str:
@@ -97,8 +107,23 @@ def accept_file_digests(saved: RunSettings, now: RunSettings, teachers: list[str
     return dataclasses.replace(saved, teacher_digests=now.teacher_digests)
 
 
-def load_distillation(paths: list[str], weight: float, student: ModelConfig, device: torch.device) -> Distillation:
+def check_teacher_shares(shares: list[float] | None, teachers: list[str]) -> None:
+    """--teacher-shares: one positive share per --teacher."""
+    if shares is None:
+        return
+    if not teachers:
+        raise TrainError("--teacher-shares weighs the teachers in their mixture: add --teacher FILE")
+    if len(shares) != len(teachers):
+        raise TrainError(f"--teacher-shares has {len(shares)} shares for {len(teachers)} --teacher files; "
+                         f"expected one share per teacher, in the order of the --teacher flags")
+    if not all(math.isfinite(s) and s > 0 for s in shares):
+        raise TrainError(f"--teacher-shares must be positive numbers, got {' '.join(map(str, shares))}")
+
+
+def load_distillation(paths: list[str], weight: float, student: ModelConfig, device: torch.device,
+                      shares: list[float] | None = None) -> Distillation:
     """Load and check every teacher: each must predict the student's tokens over the student's lengths."""
+    check_teacher_shares(shares, paths)
     models = []
     for path in paths:
         if not Path(path).is_file():
@@ -109,8 +134,9 @@ def load_distillation(paths: list[str], weight: float, student: ModelConfig, dev
             raise TrainError(f"--teacher: {exc}") from exc
         check_teacher(path, model.config, student)
         models.append(model.float().eval().requires_grad_(False))
+    given = tuple(s / sum(shares) for s in shares) if shares else ()
     return Distillation(tuple(models), tuple(paths), tuple(map(weights_digest, paths)), tuple(map(file_digest, paths)),
-                        weight)
+                        weight, given)
 
 
 def check_teacher(path: str, teacher: ModelConfig, student: ModelConfig) -> None:

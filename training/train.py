@@ -38,7 +38,8 @@ from .averaging import WeightAverage
 from .checkpoint import (CURVE_COLUMNS, CheckpointWriter, Progress, RunSettings, StopRequest, TrainingStopped,
                          check_config, read_checkpoint, restore, run_changes, stop_on_signals)
 from .data import MNIST_PIXELS, DataError, load_mnist, load_text, random_shift
-from .distillation import DEFAULT_DISTILL_WEIGHT, Distillation, accept_file_digests, load_distillation
+from .distillation import (DEFAULT_DISTILL_WEIGHT, Distillation, accept_file_digests, check_teacher_shares,
+                           load_distillation)
 from .errors import TrainError
 from .evaluate import device_description, evaluate_file, print_table, resolve_device
 from .presets import PRESETS
@@ -201,6 +202,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise TrainError("--distill-weight weighs the teachers' targets: add --teacher FILE")
     if args.distill_weight is not None and not 0 < args.distill_weight <= 1:
         raise TrainError(f"--distill-weight must be in (0, 1] (the teachers' share of the loss), got {args.distill_weight}")
+    check_teacher_shares(args.teacher_shares, args.teacher or [])
 
 
 def make_optimizer(model: Transformer, lr: float, weight_decay: float) -> torch.optim.AdamW:
@@ -338,10 +340,11 @@ def train(args: argparse.Namespace, stop_after: int | None = None) -> dict[str, 
     opt = make_optimizer(model, lr, args.weight_decay)
     batches = Batches(data, cfg.max_len, batch_size, torch.Generator().manual_seed(args.seed), args.max_shift)
     distillation = load_distillation(args.teacher, args.distill_weight or DEFAULT_DISTILL_WEIGHT, cfg,
-                                     device) if args.teacher else None
+                                     device, args.teacher_shares) if args.teacher else None
     run = RunSettings(args.steps, args.minutes, batch_size, lr, args.warmup_steps, args.weight_decay, data.shape[0],
                       args.max_shift, args.ema_decay, distillation.digests if distillation else (),
-                      distillation.weight if distillation else 0.0)
+                      distillation.weight if distillation else 0.0,
+                      distillation.given_shares if distillation else ())
     writer = CheckpointWriter(checkpoint_path(args), args.checkpoint_precision, run)
     prog, saved_average = resume(args, writer, model, opt, batches) if args.resume else (Progress(), None)
     if args.init_from and prog.step == 0:

@@ -717,6 +717,39 @@ def test_the_training_curve_survives_a_resume_and_is_drawn(tmp_path: Path, text_
     assert Image.open(out).format == "PNG"
 
 
+def test_a_run_from_another_files_weights_keeps_its_runs_and_curves_draws_them_all(tmp_path: Path, text_file: Path,
+                                                                                     capsys) -> None:
+    from training import curves
+
+    def run(name: str, steps: int, *extra: str) -> dict:
+        return train.train(text_args(tmp_path, text_file, "--steps", str(steps), "--out", str(tmp_path / name),
+                                     *extra))
+
+    first = run("first.safetensors", 60)
+    second = run("second.safetensors", 50, "--init-from", str(tmp_path / "first.safetensors"), "--no-eval")
+    third = run("third.safetensors", 50, "--init-from", str(tmp_path / "second.safetensors"), "--no-eval")
+    assert second["lineage"] == [{"command": first["command"], "examples_seen": first["examples_seen"],
+                                  "wall_time_s": first["wall_time_s"],
+                                  "held_out": first["eval"]["loss_nats_per_byte"],
+                                  "points": first["curve"]["points"]}]
+    assert [r["examples_seen"] for r in third["lineage"]] == [first["examples_seen"], second["examples_seen"]]
+    assert third["lineage"][1]["held_out"] is None  # --no-eval: no result, the run still counts
+    assert read_metadata(tmp_path / "third.safetensors")[1]["lineage"] == third["lineage"]
+
+    capsys.readouterr()  # the runs' own output
+    argv = [str(tmp_path / "third.safetensors"), "--out", str(tmp_path / "c.png"), "--target", "9", "--target", "8"]
+    assert curves.run(parse("curves", argv)) == 0
+    printed = capsys.readouterr().out
+    total = first["examples_seen"] + second["examples_seen"] + third["examples_seen"]
+    hours = (first["wall_time_s"] + second["wall_time_s"] + third["wall_time_s"]) / 3600
+    assert printed.startswith(f"third.safetensors: {total:,} examples, {hours:.2f} h, ")
+    assert "(its own run, after 2 earlier)" in printed
+    assert f"held-out at the earlier runs' ends: {first['eval']['loss_nats_per_byte']:.3f}, -" in printed
+    curve = curves.read_curve(str(tmp_path / "third.safetensors"))
+    assert curve.examples == sorted(curve.examples) and curve.examples[-1] == total
+    assert curve.examples[curve.own_start] == first["examples_seen"] + second["examples_seen"] + 50 * 8
+
+
 def test_curves_names_a_file_without_a_curve_and_mixed_tasks(tmp_path: Path, capsys) -> None:
     from training import curves
 

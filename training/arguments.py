@@ -166,6 +166,6 @@ def add_curves_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("files", nargs="+", metavar="FILE",
                         help="model .safetensors files or training checkpoints (.ckpt) of one task, one line each")
     parser.add_argument("--out", required=True, help="output PNG path")
-    parser.add_argument("--target", type=float, help="draw this loss as a dashed line (bits/dim for MNIST, "
-                        "nats/byte for text)")
+    parser.add_argument("--target", type=float, action="append",
+                        help="draw this loss as a dashed line (bits/dim for MNIST, nats/byte for text); repeatable")
     parser.add_argument("--title", help="the figure's title (default: the task)")

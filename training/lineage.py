@@ -1,0 +1,42 @@
+"""A model file's earlier runs, so that its training curve covers its whole history.
+
+A run started from another file's weights (`rnnserve train --init-from FILE`) stores in
+its info["lineage"] the runs that made FILE, oldest first: FILE's own lineage, then
+FILE's run. Each entry keeps that run's curve points, wall time, examples seen and
+held-out result, so `rnnserve curves` can draw the runs end to end, with the hours
+and examples of all of them, from the one file a user has.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from model.weights_io import WeightsError, read_metadata
+
+
+def run_record(info: dict[str, Any]) -> dict[str, Any]:
+    """One finished run, as a later run's lineage keeps it."""
+    evaluation = info.get("eval") or {}
+    return {"command": info.get("command"), "examples_seen": info.get("examples_seen", 0),
+            "wall_time_s": info.get("wall_time_s", 0.0),
+            "held_out": evaluation.get("bits_per_dim", evaluation.get("loss_nats_per_byte")),
+            "points": (info.get("curve") or {}).get("points", [])}
+
+
+def inherited_lineage(init_from: str | None) -> list[dict[str, Any]]:
+    """The runs behind the --init-from file, oldest first, its own run last ([] without one).
+    A resumed run whose --init-from file has gone says so and records none."""
+    if not init_from:
+        return []
+    if not Path(init_from).is_file():
+        print(f"--init-from {init_from}: no such file any more; this run's file records no earlier runs",
+              file=sys.stderr)
+        return []
+    try:
+        _, info = read_metadata(init_from)
+    except WeightsError as exc:
+        print(f"--init-from: {exc}; this run's file records no earlier runs", file=sys.stderr)
+        return []
+    return list(info.get("lineage", [])) + [run_record(info)]

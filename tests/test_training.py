@@ -449,6 +449,28 @@ def test_max_shift_may_change_only_with_extend_and_is_recorded(tmp_path: Path, m
     assert read_metadata(out)[1]["max_shift"] == 1
 
 
+def test_a_shifted_mnist_run_with_a_weight_average_resumes_bit_for_bit(tmp_path: Path, mnist_dir: Path) -> None:
+    # The shifts draw from the batch sampler's generator and the average is carried in the checkpoint: both must
+    # continue as if the run had never stopped.
+    def args(name: str, *extra: str) -> argparse.Namespace:
+        return parse("train", ["--task", "mnist", "--attention", "linear", "--data", str(mnist_dir), "--preset", "tiny",
+                               "--threads", "1", "--device", "cpu", "--no-progress", "--no-eval", "--steps", "6",
+                               "--checkpoint-every", "3", "--checkpoint-precision", "float32", "--save-dtype", "float32",
+                               "--max-shift", "2", "--ema-decay", "0.9", "--dropout", "0.1",
+                               "--checkpoint", str(tmp_path / f"{name}.ckpt"), "--out", str(tmp_path / f"{name}.safetensors"),
+                               *extra])
+
+    train.train(args("a"))
+    train.train(args("b", "--resume"), stop_after=3)
+    assert read_checkpoint(tmp_path / "b.ckpt").progress.step == 3
+    train.train(args("b", "--resume"))
+    a, b = read_checkpoint(tmp_path / "a.ckpt"), read_checkpoint(tmp_path / "b.ckpt")
+    assert_same_training_state(a, b)
+    assert a.average is not None and all(torch.equal(a.average[k], b.average[k]) for k in a.average)
+    final_a, final_b = load_file(tmp_path / "a.safetensors"), load_file(tmp_path / "b.safetensors")
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+
+
 def test_init_from_starts_a_new_run_from_trained_weights_under_another_hashing(tmp_path: Path, text_file: Path,
                                                                                capsys) -> None:
     source = tmp_path / "src.safetensors"

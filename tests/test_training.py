@@ -772,6 +772,28 @@ def test_a_run_from_another_files_weights_keeps_its_runs_and_curves_draws_them_a
     assert curve.examples[curve.own_start] == first["examples_seen"] + second["examples_seen"] + 50 * 8
 
 
+def test_a_resumed_run_keeps_the_lineage_it_started_with(tmp_path: Path, text_file: Path) -> None:
+    # A continued run's command may name the file it ships to as --init-from: by its resume that file is newer.
+    def run(name: str, *extra: str, stop_after: int | None = None) -> dict:
+        return train.train(text_args(tmp_path, text_file, "--steps", "40", "--no-eval", "--out", str(tmp_path / name),
+                                     *extra), stop_after=stop_after)
+
+    parent = run("parent.safetensors")
+    child = ["--init-from", str(tmp_path / "parent.safetensors"), "--checkpoint", str(tmp_path / "child.ckpt"),
+             "--checkpoint-every", "30", "--resume", "--steps", "60"]
+    run("child.safetensors", *child, stop_after=30)
+    assert read_checkpoint(tmp_path / "child.ckpt").progress.lineage[0]["points"] == parent["curve"]["points"]
+    run("other.safetensors", "--seed", "9", "--steps", "30")
+    (tmp_path / "other.safetensors").replace(tmp_path / "parent.safetensors")  # the --init-from file, replaced
+    info = run("child.safetensors", *child)
+    assert [r["examples_seen"] for r in info["lineage"]] == [parent["examples_seen"]]
+    assert info["lineage"][0]["command"] == parent["command"]
+    from training import curves
+
+    curve = curves.read_curve(str(tmp_path / "child.ckpt"))  # a checkpoint's curve counts its lineage too
+    assert curve.run_ends == [(parent["examples_seen"], None)]
+
+
 def test_curves_names_a_file_without_a_curve_and_mixed_tasks(tmp_path: Path, capsys) -> None:
     from training import curves
 

@@ -60,6 +60,9 @@ class Progress:
     loss_ema: float = float("nan")
     # The training curve, kept across resumes: [step, examples, elapsed_s, loss_ema] every CURVE_EVERY steps.
     curve: list[list[float]] = field(default_factory=list)
+    # The runs behind the --init-from file (training/lineage.py), fixed when the run starts: a resume keeps them even
+    # if that file has since been replaced (continuing a run whose command names the file it ships to).
+    lineage: list[dict[str, Any]] = field(default_factory=list)
 
     def record_curve(self) -> None:
         if self.step % CURVE_EVERY == 0:

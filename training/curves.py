@@ -68,7 +68,8 @@ def read_curve(path: str) -> Curve:
         raise CurveError(f"{path}: not a safetensors file ({exc}); expected a model .safetensors or a .ckpt") from exc
     if header is not None:
         checkpoint = json.loads(header)
-        return _curve(path, checkpoint["config"]["task"], checkpoint["progress"].get("curve", []), None, [])
+        progress = checkpoint["progress"]
+        return _curve(path, checkpoint["config"]["task"], progress.get("curve", []), None, progress.get("lineage", []))
     try:
         config, info = read_metadata(path)
     except WeightsError as exc:

@@ -2,18 +2,18 @@
 
 A run started from another file's weights (`rnnserve train --init-from FILE`) stores in
 its info["lineage"] the runs that made FILE, oldest first: FILE's own lineage, then
-FILE's run. Each entry keeps that run's curve points, wall time, examples seen and
+FILE's run. They are read when the run starts and kept in its checkpoint, so a resume
+keeps them even after FILE has been replaced (a continued run's command often names
+the file it ships to). Each entry keeps that run's curve points, wall time, examples seen and
 held-out result, so `rnnserve curves` can draw the runs end to end, with the hours
 and examples of all of them, from the one file a user has.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
-from model.weights_io import WeightsError, read_metadata
+from model.weights_io import read_metadata
 
 
 def run_record(info: dict[str, Any]) -> dict[str, Any]:
@@ -27,16 +27,8 @@ def run_record(info: dict[str, Any]) -> dict[str, Any]:
 
 def inherited_lineage(init_from: str | None) -> list[dict[str, Any]]:
     """The runs behind the --init-from file, oldest first, its own run last ([] without one).
-    A resumed run whose --init-from file has gone says so and records none."""
+    Called when a run starts, after the file's weights have loaded (so it is a readable model file)."""
     if not init_from:
         return []
-    if not Path(init_from).is_file():
-        print(f"--init-from {init_from}: no such file any more; this run's file records no earlier runs",
-              file=sys.stderr)
-        return []
-    try:
-        _, info = read_metadata(init_from)
-    except WeightsError as exc:
-        print(f"--init-from: {exc}; this run's file records no earlier runs", file=sys.stderr)
-        return []
+    _, info = read_metadata(init_from)
     return list(info.get("lineage", [])) + [run_record(info)]

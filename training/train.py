@@ -299,8 +299,7 @@ def eval_data_path(args: argparse.Namespace) -> str:
 
 
 def training_info(args: argparse.Namespace, data_path: str, prog: Progress, device: torch.device,
-                  batch_size: int, lr: float, distillation: Distillation | None,
-                  lineage: list[dict[str, Any]]) -> dict[str, Any]:
+                  batch_size: int, lr: float, distillation: Distillation | None) -> dict[str, Any]:
     return {
         "task": args.task,
         "data": {"train": data_path, "eval": eval_data_path(args)},
@@ -319,7 +318,7 @@ def training_info(args: argparse.Namespace, data_path: str, prog: Progress, devi
         "distillation": distillation.describe() if distillation else None,  # teachers by file name and digest
         "final_train_loss_nats": round(prog.loss_ema, 5),  # moving average over ~50 steps
         "curve": {"columns": list(CURVE_COLUMNS), "points": prog.finished_curve()},  # `rnnserve curves` draws it
-        "lineage": lineage,  # the runs behind the --init-from file, oldest first (training/lineage.py)
+        "lineage": prog.lineage,  # the runs behind the --init-from file, oldest first (training/lineage.py)
         "torch": torch.__version__,
         "python": platform.python_version(),
         "command": args.command_line,
@@ -352,7 +351,8 @@ def train(args: argparse.Namespace, stop_after: int | None = None) -> dict[str, 
     prog, saved_average = resume(args, writer, model, opt, batches) if args.resume else (Progress(), None)
     if args.init_from and prog.step == 0:
         init_from(args.init_from, model)
-    lineage = inherited_lineage(args.init_from)  # read now: the file may be replaced by the time the run ends
+    if prog.step == 0:  # a resumed run keeps the lineage its checkpoint fixed at its start
+        prog.lineage = inherited_lineage(args.init_from)
     average = WeightAverage.start(model, args.ema_decay, saved_average) if args.ema_decay else None
     print(f"{cfg.attention} {cfg.task}: {model.num_parameters():,} parameters, batch {batch_size}, "
           f"lr {lr}, device {device_description(device)}", file=sys.stderr)
@@ -362,7 +362,7 @@ def train(args: argparse.Namespace, stop_after: int | None = None) -> dict[str, 
             writer.save(model, opt, prog, batches.generator, average_of(average))
     if stop.signum is not None:
         raise TrainingStopped(stop.signum, prog.step, writer.path if args.checkpoint_every else None)
-    info = training_info(args, data_path, prog, device, batch_size, lr, distillation, lineage)
+    info = training_info(args, data_path, prog, device, batch_size, lr, distillation)
     with average.swapped_in(model) if average is not None else nullcontext():
         save_and_evaluate(model, args, info, device)
     return info

@@ -85,14 +85,13 @@ def _curve(path: str, task: str, points: list[list[float]], held_out: float | No
         raise CurveError(f"{path}: no training curve stored; `rnnserve train` records one (a point every 50 steps "
                          "and the last step) since curves were introduced, so older files and checkpoints have none")
     scale = SCALE[task]
-    examples, loss, run_ends, seconds = [], [], [], 0.0
+    examples, loss, run_ends, done, seconds = [], [], [], 0, 0.0  # done: examples of the runs so far
     for run in lineage:  # oldest first; a run from before curves has none, but its examples and time still count
-        done = run_ends[-1][0] if run_ends else 0
         examples += [done + int(p[1]) for p in run["points"]]
         loss += [p[3] * scale for p in run["points"]]
-        run_ends.append((done + int(run["examples_seen"]), run.get("held_out")))
+        done += int(run["examples_seen"])
+        run_ends.append((done, run.get("held_out")))
         seconds += float(run["wall_time_s"])
-    done = run_ends[-1][0] if run_ends else 0
     own_start = len(examples)
     examples += [done + int(p[1]) for p in points]
     loss += [p[3] * scale for p in points]

@@ -74,9 +74,9 @@ class Distillation:
 
     def describe(self) -> dict[str, Any]:
         """What the training info stores: each teacher by file name, file digest and weights digest, and the weight."""
+        teachers = zip(self.files, self.file_digests, self.digests, self.shares)
         return {"weight": self.weight, "teachers": [{"file": Path(f).name, "sha256": fd, "weights_sha256": d, "share": s}
-                                                    for f, fd, d, s in zip(self.files, self.file_digests, self.digests,
-                                                                           self.shares)]}
+                                                    for f, fd, d, s in teachers]}
 
 
 def file_digest(path: str | Path) -> str:
@@ -122,8 +122,8 @@ def check_teacher_shares(shares: list[float] | None, teachers: list[str]) -> Non
 
 def load_distillation(paths: list[str], weight: float, student: ModelConfig, device: torch.device,
                       shares: list[float] | None = None) -> Distillation:
-    """Load and check every teacher: each must predict the student's tokens over the student's lengths."""
-    check_teacher_shares(shares, paths)
+    """Load and check every teacher: each must predict the student's tokens over the student's lengths.
+    `shares` (one per teacher, positive) have been checked with the other flags (check_teacher_shares)."""
     models = []
     for path in paths:
         if not Path(path).is_file():

@@ -349,9 +349,9 @@ def train(args: argparse.Namespace, stop_after: int | None = None) -> dict[str, 
                       distillation.given_shares if distillation else ())
     writer = CheckpointWriter(checkpoint_path(args), args.checkpoint_precision, run)
     prog, saved_average = resume(args, writer, model, opt, batches) if args.resume else (Progress(), None)
-    if args.init_from and prog.step == 0:
-        init_from(args.init_from, model)
-    if prog.step == 0:  # a resumed run keeps the lineage its checkpoint fixed at its start
+    if prog.step == 0:  # a new run; a resumed one keeps the weights and lineage of its checkpoint
+        if args.init_from:
+            init_from(args.init_from, model)
         prog.lineage = inherited_lineage(args.init_from)
     average = WeightAverage.start(model, args.ema_decay, saved_average) if args.ema_decay else None
     print(f"{cfg.attention} {cfg.task}: {model.num_parameters():,} parameters, batch {batch_size}, "

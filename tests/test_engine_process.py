@@ -41,8 +41,10 @@ def requests() -> list[GenerationRequest]:
 
 
 async def results_of(engine, batch: list[GenerationRequest]) -> list[list[tuple]]:
+    """Each request's finished samples by sample index: samples that finish in one step may arrive in either order
+    (the handlers place each by its index), so arrival order is not compared."""
     streams = [await engine.enqueue(r, each_event=False) for r in batch]
-    return [[(s.sample, s.tokens, s.logprobs) for s in [event async for event in stream]] for stream in streams]
+    return [sorted((s.sample, s.tokens, s.logprobs) for s in [event async for event in stream]) for stream in streams]
 
 
 async def streamed_tokens(engine, request: GenerationRequest) -> list[int]:

@@ -1,7 +1,8 @@
-"""Checkpoint file sizes of the cpu-preset models, with 16- and 32-bit optimiser moments.
+"""Checkpoint file sizes of the cpu-preset models in each --checkpoint-precision, with and without an average.
 
 Each model is built (not trained), given one AdamW step on random gradients so that both
-moments exist, and saved through the same CheckpointWriter `rnnserve train` uses.
+moments exist, and saved through the same CheckpointWriter `rnnserve train` uses; "with an average"
+adds a moving average of the weights as --ema-decay keeps one (here the weights themselves).
 Run: `.venv/bin/python -m benchmarks.checkpoint_sizes` (prints a Markdown table).
 """
 
@@ -16,6 +17,7 @@ import torch
 from model import build_model
 from model.registry import attention_kinds
 from training import train
+from training.arguments import add_train_arguments
 from training.checkpoint import CheckpointWriter, Progress, RunSettings
 
 TASKS = {"mnist": ["--task", "mnist"], "shakespeare": ["--task", "text", "--context", "256"]}
@@ -24,13 +26,18 @@ KINDS = attention_kinds()
 
 def train_args(task: str, kind: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    train.add_arguments(parser)
+    add_train_arguments(parser)
     return parser.parse_args([*TASKS[task], "--attention", kind, "--data", "-", "--out", f"{task}-{kind}.safetensors",
                               "--preset", "cpu"])
 
 
-def checkpoint_sizes(args: argparse.Namespace, folder: Path) -> tuple[int, dict[str, int]]:
-    """(parameters, precision -> file bytes)."""
+COLUMNS = {  # (precision, with an average) -> the table's heading
+    ("bfloat16", False): "bfloat16 (default)", ("float32", False): "float32",
+    ("bfloat16", True): "bfloat16, with an average", ("compact", True): "compact (with an average)"}
+
+
+def checkpoint_sizes(args: argparse.Namespace, folder: Path) -> tuple[int, dict[tuple[str, bool], int]]:
+    """(parameters, (precision, with an average) -> file bytes)."""
     torch.manual_seed(0)
     model = build_model(train.build_config(args))
     opt = train.make_optimizer(model, 1e-3, args.weight_decay)
@@ -38,24 +45,25 @@ def checkpoint_sizes(args: argparse.Namespace, folder: Path) -> tuple[int, dict[
         param.grad = torch.randn_like(param)
     opt.step()
     run = RunSettings(1000, None, 16, 1e-3, args.warmup_steps, args.weight_decay, 10_000)
+    average = {name: param.detach().clone() for name, param in model.named_parameters()}
     sizes = {}
-    for precision in ("bfloat16", "float32"):
+    for precision, averaged in COLUMNS:
         writer = CheckpointWriter(folder / f"{precision}.ckpt", precision, run)
-        writer.save(model, opt, Progress(step=1), torch.Generator())
-        sizes[precision] = writer.path.stat().st_size
+        writer.save(model, opt, Progress(step=1), torch.Generator(), average if averaged else None)
+        sizes[precision, averaged] = writer.path.stat().st_size
     return model.num_parameters(), sizes
 
 
 def main() -> None:
     torch.set_num_threads(1)
-    print("| model | parameters | bfloat16 moments (default) | float32 moments |")
-    print("|---|---:|---:|---:|")
+    print("| model | parameters | " + " | ".join(COLUMNS.values()) + " |")
+    print("|---|---:|" + "---:|" * len(COLUMNS))
     with tempfile.TemporaryDirectory() as folder:
         for task in TASKS:
             for kind in KINDS:
                 params, sizes = checkpoint_sizes(train_args(task, kind), Path(folder))
-                print(f"| {task}-{kind} | {params:,} | {sizes['bfloat16'] / 1e6:.2f} MB | "
-                      f"{sizes['float32'] / 1e6:.2f} MB |")
+                print(f"| {task}-{kind} | {params:,} | "
+                      + " | ".join(f"{sizes[column] / 1e6:.2f} MB" for column in COLUMNS) + " |")
 
 
 if __name__ == "__main__":

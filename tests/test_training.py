@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from model import ModelConfig, build_model
+from model import ModelConfig, Transformer, build_model
 from model.generate import generate
 from model.sampling import BatchSampling, SamplingParams
 from model.transformer import with_bos
@@ -207,6 +207,23 @@ def test_bfloat16_moments_resume_close_to_the_uninterrupted_run(tmp_path: Path, 
     assert abs(after_resume - uninterrupted) < 1e-3, (after_resume, uninterrupted)
 
 
+def test_compact_checkpoint_resume_close_to_the_uninterrupted_run(tmp_path: Path, text_file: Path) -> None:
+    common = ["--steps", "24", "--threads", "1", "--no-eval", "--save-dtype", "float32", "--ema-decay", "0.9"]
+    straight = text_args(tmp_path, text_file, *common, "--checkpoint-precision", "float32",
+                         "--out", str(tmp_path / "a.safetensors"))
+    resumed = text_args(tmp_path, text_file, *common, "--resume", "--checkpoint-precision", "compact",
+                        "--out", str(tmp_path / "b.safetensors"))
+    train.train(straight)
+    train.train(resumed, stop_after=12)
+    dtypes = read_safetensors_dtypes_by_name(tmp_path / "checkpoints" / "b.ckpt")
+    assert {dtypes[k] for k in dtypes if k.startswith("model.")} == {"I8"}
+    halfway = batch_loss(tmp_path / "b.safetensors", text_file)
+    train.train(resumed)
+    uninterrupted, after_resume = batch_loss(tmp_path / "a.safetensors", text_file), batch_loss(tmp_path / "b.safetensors", text_file)
+    assert halfway - uninterrupted > 0.1
+    assert abs(after_resume - uninterrupted) < 1e-3, (after_resume, uninterrupted)
+
+
 def batch_loss(path: Path, text_file: Path) -> float:
     model, _ = load_model(path)
     with torch.no_grad():
@@ -237,6 +254,49 @@ def test_checkpoint_stores_32_bit_weights_and_16_bit_moments(tmp_path: Path) -> 
     # 4 bytes of weight + 2 moments of 4 or 2 bytes, plus RNG states and the JSON header (<= 40 KB here)
     assert 12 * params < sizes["float32"] < 12 * params + 40_000
     assert 8 * params < sizes["bfloat16"] < 8 * params + 40_000
+
+
+def trained_model_with_average(seed: int) -> tuple[Transformer, torch.optim.Optimizer, dict[str, torch.Tensor]]:
+    """A Linformer after one optimiser step, and a moving average about 1% away from its weights (a long run's
+    average trails its weights by a small fraction of their size)."""
+    torch.manual_seed(seed)
+    model = build_model(ModelConfig(attention="linformer", task="mnist", d_model=32, n_layers=2, n_heads=2, d_ff=64,
+                                    max_len=784, linformer_k=16))
+    opt = train.make_optimizer(model, 1e-3, 0.01)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    average = {name: p.detach() * (1 + 0.01 * torch.randn_like(p)) for name, p in model.named_parameters()}
+    return model, opt, average
+
+
+def test_compact_checkpoint_is_7_bytes_a_parameter_and_restores_weights_closer_than_16_bits(tmp_path: Path) -> None:
+    model, opt, average = trained_model_with_average(0)
+    params = model.num_parameters()
+    run = checkpoint.RunSettings(10, None, 8, 1e-3, 5, 0.01, 100, ema_decay=0.999)
+    writer = checkpoint.CheckpointWriter(tmp_path / "compact.ckpt", "compact", run)
+    writer.save(model, opt, checkpoint.Progress(step=1), torch.Generator(), average)
+    # 1 byte of weight, 2 x 2 bytes of moments, 2 bytes of average, a float32 scale per row, RNG and header
+    assert 7 * params < writer.path.stat().st_size < 7.2 * params + 40_000
+    dtypes = read_safetensors_dtypes_by_name(writer.path)
+    assert {dtypes[k] for k in dtypes if k.startswith("model.")} == {"I8"}
+    restored = read_checkpoint(writer.path)
+    for name, weight in model.state_dict().items():
+        error = (restored.model[name] - weight).abs().max()
+        assert error <= (weight - restored.average[name].float()).abs().max() / 254 + 1e-7, name
+        assert error < (weight.to(torch.bfloat16).float() - weight).abs().max(), name
+        assert torch.equal(restored.average[name], average[name].to(torch.bfloat16)), name
+    fresh, fresh_opt, _ = trained_model_with_average(1)
+    checkpoint.restore(writer.path, restored, fresh, fresh_opt, torch.Generator())
+    assert all(torch.equal(fresh.state_dict()[k], restored.model[k]) for k in restored.model)
+
+
+def test_compact_checkpoint_without_an_average_is_refused(tmp_path: Path, text_file: Path) -> None:
+    args = text_args(tmp_path, text_file, "--steps", "2", "--no-eval", "--checkpoint-precision", "compact",
+                     "--out", str(tmp_path / "m.safetensors"))
+    with pytest.raises(train.TrainError, match="compact.*--ema-decay"):
+        train.train(args)
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def test_default_checkpoint_is_kept_under_weights_and_serve_does_not_load_it(tmp_path: Path, text_file: Path) -> None:

@@ -16,7 +16,7 @@ from .presets import PRESETS, REFORMER_LOCAL_WINDOW
 SAVE_DTYPE_NAMES = ("bfloat16", "float16", "float32")  # torch dtypes of these names
 OCCLUSIONS = ("bottom-half", "right-half", "centre-box")  # `eval --completions`: which pixels are unknown
 DEFAULT_CLASSIFIER = "weights/classifier/digit-classifier.safetensors"
-CHECKPOINT_PRECISIONS = ("bfloat16", "float32")  # of the AdamW moments (training/checkpoint.py PRECISIONS)
+CHECKPOINT_PRECISIONS = ("bfloat16", "float32", "compact")  # training/checkpoint.py PRECISIONS
 DEVICES = ("cpu", "cuda", "auto")
 
 
@@ -87,7 +87,9 @@ def _add_run_arguments(run) -> None:
     run.add_argument("--checkpoint-every", type=int, default=500,
                      help="steps between checkpoints, also written on SIGTERM/SIGINT (0: never)")
     run.add_argument("--checkpoint-precision", choices=CHECKPOINT_PRECISIONS, default="bfloat16",
-                     help="AdamW moments in the checkpoint (weights stay float32); float32: resumes bit for bit")
+                     help="AdamW moments and weight average in the checkpoint (weights stay float32); float32: resumes bit "
+                          "for bit; compact (with --ema-decay): bfloat16, and the weights as int8 steps from their "
+                          "average (about 7 bytes a parameter)")
     run.add_argument("--resume", action="store_true", help="continue from the checkpoint if it exists")
     run.add_argument("--init-from", metavar="FILE",
                      help="start a new run from a trained .safetensors file's weights (fresh schedule and optimiser); "

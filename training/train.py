@@ -195,6 +195,9 @@ def check_args(args: argparse.Namespace) -> None:
     if not 0 <= args.ema_decay < 1:
         raise TrainError(f"--ema-decay must be in [0, 1) (0: no average; 0.999 averages about the last 1,000 steps), "
                          f"got {args.ema_decay}")
+    if args.checkpoint_precision == "compact" and not args.ema_decay:
+        raise TrainError("--checkpoint-precision compact stores the weights as steps from their moving average: "
+                         "add --ema-decay (e.g. 0.999), or use bfloat16")
     if not 0 <= args.max_shift <= MAX_SHIFT:
         raise TrainError(f"--max-shift must be in 0..{MAX_SHIFT} pixels, got {args.max_shift}")
     if args.max_shift and args.task != "mnist":

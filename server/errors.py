@@ -207,10 +207,8 @@ def _not_json(request: Request, exc: RequestValidationError) -> bool:
 def label_named_model(request: Request, body: Any) -> None:
     """Label a refused request's metrics with the model it named, when that model is loaded."""
     server = getattr(request.app.state, "server", None)
-    name = body.get("model") if isinstance(body, dict) else None
-    engine = server.engines.engines.get(name) if server is not None and isinstance(name, str) else None
-    if engine is not None:
-        request.state.model, request.state.attention = engine.name, engine.attention
+    if server is not None and isinstance(body, dict):
+        server.engines.label(request, body.get("model"))
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -79,6 +79,13 @@ class EngineRegistry:
         request.state.model, request.state.attention = engine.name, engine.attention
         return engine
 
+    def label(self, request, name: object) -> None:
+        """Label a request's metrics with the model it names, if loaded, before its other fields are checked:
+        a refusal then counts under that model; an unknown name stays "none", so label values stay bounded."""
+        engine = self.engines.get(name) if isinstance(name, str) else None
+        if engine is not None:
+            request.state.model, request.state.attention = engine.name, engine.attention
+
     def get(self, name: str | None, task: str) -> Engine:
         """The named engine, or the task's only one when no name is given; 404/400 with the choices otherwise."""
         if not name:

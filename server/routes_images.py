@@ -9,6 +9,7 @@ one PNG strip with `Accept: image/png`, or rows as server-sent events with
 from __future__ import annotations
 
 import base64
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -126,6 +127,7 @@ class ImageJob:
 @router.post("/v1/images/completions", response_model=None, responses=IMAGE_RESPONSES,
              openapi_extra={"requestBody": IMAGE_REQUEST_BODY})
 async def complete_image(request: Request, server: ServerState = Depends(get_server)) -> Response:
+    server.engines.label(request, await named_model(request))
     try:
         given = await read_input(request)
         occluded = given.occluded()
@@ -175,6 +177,23 @@ def generation_request(job: ImageJob, options: ImageOptions) -> GenerationReques
     return GenerationRequest(request_id=job.id, prompt=prompt, max_new_tokens=PIXELS - len(prompt),
                              sampling=options.sampling(), n=options.n, forced=occluded.forced(),
                              particles=job.plan.count)
+
+
+async def named_model(request: Request) -> object:
+    """The `model` field as sent, read before the other fields are checked (None if the body cannot be read:
+    read_input then says why). Starlette keeps the body and the parsed form, so nothing is read twice; the body is
+    read first so that a form that fails to parse here fails the same way there, not with "stream consumed"."""
+    content_type = request.headers.get("content-type", "")
+    try:
+        await request.body()
+        if content_type.startswith("multipart/form-data"):
+            return (await request.form()).get("model")
+        if content_type.startswith("application/json"):
+            body = json.loads(await request.body())
+            return body.get("model") if isinstance(body, dict) else None
+    except Exception:  # a malformed body of any kind: read_input reports it with its own message
+        return None
+    return None
 
 
 async def read_input(request: Request) -> ImageInput:

@@ -28,6 +28,7 @@ router = APIRouter()
 @router.post("/v1/completions", response_model=CompletionResponse, responses=COMPLETION_RESPONSES)
 async def create_completion(body: CompletionRequest, request: Request,
                             server: ServerState = Depends(get_server)) -> Response | dict[str, Any]:
+    server.engines.label(request, body.model)
     accept = request.headers.get("accept")
     stream_type(accept) if body.stream else choose(accept, ["application/json"])  # a 406 before any work
     engine = server.engines.for_request(request, body.model, "text")

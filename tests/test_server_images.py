@@ -273,3 +273,27 @@ def test_unknown_model_and_content_type(server):
     assert response.status_code == 404 and "linear-mnist, linear-text, softmax-mnist" in response.json()["error"]["message"]
     response = server.post("/v1/images/completions", content=b"x", headers={"content-type": "text/plain"})
     assert response.status_code == 415 and "multipart/form-data" in response.json()["error"]["message"]
+
+
+def test_refused_image_requests_count_under_the_model_they_name(server):
+    def invalid(model: str) -> float:
+        return metric_value(server.get("/metrics").text, "rnnserve_requests_total", endpoint="/v1/images/completions",
+                            outcome="invalid", model=model)
+
+    before = invalid("linear-mnist")
+    grey = digit(2)
+    refusals = [
+        server.post("/v1/images/completions", json=pixels_body(grey, keep_rows=-1)),  # a bad field (JSON)
+        server.post("/v1/images/completions", json={**pixels_body(grey), "pixels": [[300] * 28] * 28}),  # bad pixels
+        server.post("/v1/images/completions", data={"model": "linear-mnist", "n": "abc"},  # a bad field (form)
+                    files={"image": ("d.png", png_bytes(grey), "image/png")}),
+        server.post("/v1/images/completions", data={"model": "linear-mnist"},  # a PNG of the wrong size
+                    files={"image": ("d.png", png_bytes(np.zeros((32, 32), np.uint8)), "image/png")}),
+        server.post("/v1/images/completions", json=pixels_body(grey), headers={"accept": "text/csv"}),  # a 406
+    ]
+    assert [r.status_code for r in refusals] == [400, 400, 400, 400, 406], [r.text for r in refusals]
+    assert invalid("linear-mnist") == before + 5
+    none_before = invalid("none")
+    assert server.post("/v1/images/completions", json={**pixels_body(grey, keep_rows=-1), "model": "nope"}).status_code == 400
+    assert invalid("none") == none_before + 1  # an unknown name is no label value
+    assert server.post("/v1/images/completions", json=pixels_body(grey, n=1)).status_code == 200  # still serving

@@ -176,6 +176,18 @@ def test_metrics_exports_every_name_and_moves(server):
     assert metric_value(after, "rnnserve_running_sequences", **labels) == 0
 
 
+def test_a_406_counts_under_the_model_it_names(server):
+    def not_acceptable() -> float:
+        return metric_value(server.get("/metrics").text, "rnnserve_requests_total", endpoint="/v1/completions",
+                            outcome="invalid", model="linear-text")
+
+    before = not_acceptable()
+    response = server.post("/v1/completions", json={"model": "linear-text", "prompt": "a", "max_tokens": 2},
+                           headers={"accept": "image/png"})
+    assert response.status_code == 406, response.text
+    assert not_acceptable() == before + 1
+
+
 def test_unknown_route_and_method_use_the_error_shape(server):
     response = server.get("/v2/nothing")
     assert response.status_code == 404

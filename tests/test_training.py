@@ -291,6 +291,13 @@ def test_compact_checkpoint_is_7_bytes_a_parameter_and_restores_weights_closer_t
     assert all(torch.equal(fresh.state_dict()[k], restored.model[k]) for k in restored.model)
 
 
+def test_out_must_be_a_safetensors_file(tmp_path: Path, text_file: Path) -> None:
+    args = text_args(tmp_path, text_file, "--steps", "2", "--no-eval", "--out", str(tmp_path / "model.txt"))
+    with pytest.raises(train.TrainError, match=r"model\.txt: name the model file NAME\.safetensors"):
+        train.train(args)
+    assert not (tmp_path / "model.txt").exists() and not (tmp_path / "checkpoints").exists()  # refused before training
+
+
 def test_compact_checkpoint_without_an_average_is_refused(tmp_path: Path, text_file: Path) -> None:
     args = text_args(tmp_path, text_file, "--steps", "2", "--no-eval", "--checkpoint-precision", "compact",
                      "--out", str(tmp_path / "m.safetensors"))

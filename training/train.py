@@ -186,6 +186,9 @@ def check_args(args: argparse.Namespace) -> None:
             raise TrainError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if not Path(args.out).parent.is_dir():
         raise TrainError(f"--out {args.out}: folder {Path(args.out).parent} does not exist")
+    if Path(args.out).suffix != ".safetensors":
+        raise TrainError(f"--out {args.out}: name the model file NAME.safetensors (rnnserve serve loads "
+                         "weights/*.safetensors; the checkpoint takes NAME.ckpt)")
     if args.checkpoint and not Path(args.checkpoint).parent.is_dir():
         raise TrainError(f"--checkpoint {args.checkpoint}: folder {Path(args.checkpoint).parent} does not exist")
     if args.init_from and not Path(args.init_from).is_file():

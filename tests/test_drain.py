@@ -199,3 +199,22 @@ def test_a_port_in_use_stops_start_up_before_the_models_load(tmp_path):
     assert code == 2
     assert lines == [f"rnnserve serve: error: cannot listen on 127.0.0.1:{port}: "
                      "the address is already in use (another server?); pass another --port"]
+
+
+def test_the_drain_stops_every_engine_at_once():
+    """Each engine process exits on its own; stopping them one after another added their exit times up (8 models
+    took 12 s to exit after SIGTERM). Here each stop waits until all have begun: one at a time never gets there."""
+    from server.drain import _stop_all
+
+    class Stoppable:
+        def __init__(self, everyone: threading.Barrier):
+            self.everyone, self.stopped = everyone, False
+
+        def stop(self) -> None:
+            self.everyone.wait(timeout=10)  # raises BrokenBarrierError unless every stop runs at the same time
+            self.stopped = True
+
+    everyone = threading.Barrier(4)
+    engines = [Stoppable(everyone) for _ in range(4)]
+    _stop_all(engines)
+    assert all(engine.stopped for engine in engines)

@@ -24,6 +24,7 @@ DEFAULT_PARTICLES = 16
 MAX_PARTICLES = 256
 PREFIX_ONLY = ("every known pixel comes before the first unknown one, so the prompt conditions exactly "
                "and one particle is used")
+NOTHING_KNOWN = "no pixel is known, so the completion is an unconditional sample and one particle is used"
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,9 @@ def plan_particles(asked: int | None, occluded: OccludedImage, n: int, max_batch
         return ParticlePlan(asked) if weighed else ParticlePlan(1, PREFIX_ONLY)
     if asked is None and weighed and temperature > 0:
         return ParticlePlan(max(1, min(DEFAULT_PARTICLES, max_batch // n)))
-    return ParticlePlan(1, None if weighed else PREFIX_ONLY)
+    if weighed:
+        return ParticlePlan(1)
+    return ParticlePlan(1, NOTHING_KNOWN if occluded.unknown.all() else PREFIX_ONLY)
 
 
 def _check_asked(asked: int, occluded: OccludedImage, temperature: float) -> None:

@@ -7,7 +7,7 @@ import httpx
 import numpy as np
 import pytest
 
-from server.image_particles import DEFAULT_PARTICLES, PREFIX_ONLY
+from server.image_particles import DEFAULT_PARTICLES, NOTHING_KNOWN, PREFIX_ONLY
 from server_support import make_settings, metric_value, running_server, save_tiny_model, sse_payloads
 
 MAX_BATCH = 32
@@ -81,6 +81,13 @@ def test_prefix_only_masks_run_one_particle_and_say_so(server):
     assert out.status_code == 200 and usage["per_sample"] == 1 and usage["note"] == PREFIX_ONLY
     # known pixels before the first unknown one are the prompt: their likelihood is exact, and reported
     assert usage["known_log_likelihood"] < 0 and usage["resamplings"] == 0
+
+
+def test_with_no_known_pixel_the_note_says_the_sample_is_unconditional(server):
+    out = server.post("/v1/images/completions", json={"pixels": digit().tolist(), "keep_rows": 0})
+    usage = out.json()["usage"]["particles"]
+    assert out.status_code == 200 and usage["per_sample"] == 1 and usage["note"] == NOTHING_KNOWN
+    assert usage["known_log_likelihood"] == 0.0  # log p(nothing) = 0
 
 
 def test_stream_sends_progress_then_the_fixed_rows(server):

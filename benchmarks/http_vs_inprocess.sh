@@ -14,11 +14,6 @@
 # SERVE_FLAGS adds flags to the server's command line (e.g. SERVE_FLAGS=--engine-process); OUT names the JSON
 # (default benchmarks/results/http-vs-inprocess.json).
 #
-# ENGINE_CPUS (default: the last CPU this shell may use, when it may use two or more) pins the model's engine
-# process there (`--engine-cpus`), and the in-process bench with it, so both sides decode on the same core; the
-# server's request handling and the load generator, which stands in for remote clients, get the other CPUs.
-# ENGINE_CPUS= (empty) pins nothing.
-#
 # CONCURRENCY is the number of HTTP clients, each sending its next request when its answer is in; the
 # server's batch stays 64. At 64 (the issue's measurement) a finished request's slot waits for its
 # client's next request; above 64 requests queue, and a slot is refilled from the queue at once.
@@ -36,23 +31,13 @@ repeats=$(( seconds / 4 > 1 ? seconds / 4 : 1 ))  # a batch-64 generation takes 
 port=${PORT:-18124}
 py=${PYTHON:-.venv/bin/python}
 work=$(mktemp -d)
-allowed=$("$py" -c "import os; print(','.join(map(str, sorted(os.sched_getaffinity(0)))))")
-engine_cpus=${ENGINE_CPUS-$([ "${allowed//[^,]/}" ] && echo "${allowed##*,}")}
-engine_side=() clients_side=() pin_flags=()
-if [ -n "$engine_cpus" ]; then
-    rest=$("$py" -c "from server.cpu_pinning import parse_cpu_list as p; \
-print(','.join(str(c) for c in p('$allowed') if c not in p('$engine_cpus')) or '$engine_cpus')")
-    engine_side=(taskset -c "$engine_cpus") clients_side=(taskset -c "$rest") pin_flags=(--engine-cpus "$engine_cpus")
-    echo "engine process and in-process bench on CPU $engine_cpus; request handling and load generator on CPU $rest" >&2
-fi
 trap 'kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; rm -rf "$work"' EXIT
 
 "$py" -c "import torch; from benchmarks.decode import preset_config; from model import build_model; \
 from model.weights_io import save_model; torch.manual_seed(0); \
 save_model(build_model(preset_config('cpu', 'linear')), '$work/mnist-linear-cpu.safetensors', {})"
 # shellcheck disable=SC2086  # SERVE_FLAGS is a list of flags
-OMP_NUM_THREADS=1 "$py" -m server serve --weights "$work" --port "$port" --max-batch 64 --log-level warning \
-    "${pin_flags[@]}" ${SERVE_FLAGS:-} &
+OMP_NUM_THREADS=1 "$py" -m server serve --weights "$work" --port "$port" --max-batch 64 --log-level warning ${SERVE_FLAGS:-} &
 server=$!
 for _ in $(seq 120); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
 # The server compiles its decode steps in the background (eager until then): measure the compiled server.
@@ -61,7 +46,7 @@ for _ in $(seq 900); do
 done
 
 inprocess() {  # images/s over back-to-back batch-64 in-process generations: all images / all time
-    "${engine_side[@]}" "$py" -m rnnserve_cli bench --preset cpu --kinds linear --batch-sizes 64 --repeats "$repeats" --threads 1 --no-eager-too \
+    "$py" -m rnnserve_cli bench --preset cpu --kinds linear --batch-sizes 64 --repeats "$repeats" --threads 1 --no-eager-too \
         --positions 100 --steps-per-position 2 --nocache-pixels 4 --nocache-samples 1 \
         --json-out "$work/inproc.json" >/dev/null 2>&1
     "$py" -c "import json, sys; r = json.load(open('$work/inproc.json'))['images'][0]; \
@@ -70,7 +55,7 @@ print(f\"in-process: {1e3 * sum(r['all_seconds']) / len(r['all_seconds']) / 784:
 }
 http() {  # images/s of one HTTP load run, and how the engine spent it (from /metrics before and after)
     curl -sf "http://127.0.0.1:$port/metrics" >"$work/metrics-before"
-    "${clients_side[@]}" "$py" -m rnnserve_cli bench --url "http://127.0.0.1:$port" --kind image --concurrency "$concurrency" --keep-rows 0 \
+    "$py" -m rnnserve_cli bench --url "http://127.0.0.1:$port" --kind image --concurrency "$concurrency" --keep-rows 0 \
         --duration "$seconds" --requests 100000 --timeout 120 --json-out "$work/http.json" >/dev/null
     curl -sf "http://127.0.0.1:$port/metrics" >"$work/metrics-after"
     "$py" -c "import json; d = json.load(open('$work/http.json')); \
@@ -99,6 +84,6 @@ for r, e in zip(rows, engine):
 median = statistics.median(r['ratio'] for r in rows)
 print(f'median HTTP / in-process: {100 * median:.0f}% over {len(rows)} rounds')
 json.dump({'rounds': rows, 'median_ratio': median, 'seconds_per_side': $seconds, 'inprocess_generations': $repeats,
-           'concurrency': $concurrency, 'batch': 64, 'serve_flags': '${SERVE_FLAGS:-}', 'engine_cpus': '$engine_cpus'},
+           'concurrency': $concurrency, 'batch': 64, 'serve_flags': '${SERVE_FLAGS:-}'},
           open('${OUT:-benchmarks/results/http-vs-inprocess.json}', 'w'), indent=1)
 "

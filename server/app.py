@@ -117,8 +117,7 @@ def make_engine(loaded: LoadedModel, limits: EngineLimits, metrics: Metrics, set
                 compile_gate: CompileGate | None = None) -> Engine | EngineClient:
     """The model's engine: on a worker thread of this process, or (--engine-process) in a process of its own."""
     if settings.engine_process:
-        return EngineClient(loaded.name, loaded.model, loaded.info, limits, metrics, settings.threads, compile_gate,
-                            settings.engine_cpus)
+        return EngineClient(loaded.name, loaded.model, loaded.info, limits, metrics, settings.threads, compile_gate)
     return Engine(loaded.name, loaded.model, loaded.info, limits, metrics, compile_gate)
 
 

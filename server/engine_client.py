@@ -48,7 +48,7 @@ class EngineClient(EngineFacts):
     """The API process's side of an engine process: what handlers use in place of an `Engine`."""
 
     def __init__(self, name: str, model: Transformer, info: dict, limits: EngineLimits, metrics: Metrics,
-                 threads: int | None = None, compile_gate: CompileGate | None = None, cpus: list[int] | None = None):
+                 threads: int | None = None, compile_gate: CompileGate | None = None):
         self.name, self.model, self.info, self.limits = name, model.eval(), info, limits
         self.state_bytes_per_sequence = model.state_bytes_per_sequence()  # at max_len
         self.state_bytes_allocated = 0  # known once started
@@ -57,7 +57,6 @@ class EngineClient(EngineFacts):
         self.metrics = metrics.for_model(name, model.config.attention, images=model.config.task == "mnist")
         self._threads = threads
         self._compile_gate = compile_gate  # server/compile_gate.py: the engines compile in turn
-        self._cpus = cpus or []  # --engine-cpus (server/cpu_pinning.py)
         self._process: torch.multiprocessing.Process | None = None
         self._conn: Connection | None = None
         self._reader: threading.Thread | None = None
@@ -88,7 +87,7 @@ class EngineClient(EngineFacts):
         context = torch.multiprocessing.get_context("spawn")  # fork would copy a process with threads running
         ours, theirs = context.Pipe()
         spec = EngineSpec(self.name, self.model, self.info, self.limits, self._threads,
-                          logging.getLogger("rnnserve").getEffectiveLevel(), self._compile_gate, tuple(self._cpus))
+                          logging.getLogger("rnnserve").getEffectiveLevel(), self._compile_gate)
         self._process = context.Process(target=serve_engine, args=(theirs, spec), name=f"engine-{self.name}")
         self._process.start()
         theirs.close()

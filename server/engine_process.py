@@ -28,7 +28,6 @@ import torch
 
 from model.transformer import Transformer
 
-from .cpu_pinning import pin_this_thread
 from .drain import exit_if_compiling
 from .engine import Engine, EngineLimits
 from .scheduler import QueueFull
@@ -53,7 +52,6 @@ class EngineSpec:
     threads: int | None
     log_level: int
     compile_gate: CompileGate | None = None  # server/compile_gate.py: the engines compile in turn
-    cpus: tuple[int, ...] = ()  # --engine-cpus: pin this process to them (server/cpu_pinning.py)
 
 
 @dataclass(frozen=True)
@@ -209,8 +207,6 @@ def serve_engine(conn: Connection, spec: EngineSpec) -> None:
     """The engine process's main: build and run `spec`'s engine until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the API process stops us
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if spec.cpus:  # before torch's and the engine's threads start: they inherit it
-        pin_this_thread(list(spec.cpus), f"model {spec.name}: engine process")
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
     pipe = Pipe(conn)

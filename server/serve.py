@@ -24,7 +24,7 @@ from .settings import Settings, SettingsError, build_settings
 GRACEFUL_SHUTDOWN_SECONDS = 5  # after the drain, uvicorn's own wait for connections to close
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 SERVER_FLAGS = ("weights", "models", "host", "port", "device", "dtype", "cuda_graphs", "compile_decode", "threads",
-                "max_batch", "max_waiting", "scheduler_steps", "engine_process", "engine_cpus",
+                "max_batch", "max_waiting", "scheduler_steps", "engine_process",
                 "max_body_bytes", "api_key", "log_level", "drain_seconds", "body_timeout")
 RAY_FLAGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "cpus_per_replica", "gpus_per_replica",
              "ray_metrics_port")
@@ -70,10 +70,6 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run each model's engine in a process of its own (as vLLM does), so that request "
                              "handling never holds the engine's GIL; the HTTP side talks to it over a pipe "
                              f"{default('engine_process')}")
-    parser.add_argument("--engine-cpus", type=_cpu_list, metavar="LIST",
-                        help="pin the engine processes to these CPUs (e.g. 1, or 2-3) and request handling to the "
-                             "others, so that the engines keep their cores' caches (env RNNSERVE_ENGINE_CPUS, a JSON "
-                             "list; default: no pinning)")
     parser.add_argument("--max-body-bytes", type=int, help=f"largest request body accepted {default('max_body_bytes')}")
     parser.add_argument("--body-timeout", type=float, metavar="SECONDS",
                         help=f"a request body not all arrived by then gets 408 and its connection closed {default('body_timeout')}")
@@ -98,15 +94,6 @@ def _add_ray_arguments(group: argparse._ArgumentGroup) -> None:
                        help=f"port of Ray's metrics export, every replica's series {default('ray_metrics_port')}")
 
 
-def _cpu_list(text: str) -> list[int]:
-    from .cpu_pinning import parse_cpu_list
-
-    try:
-        return parse_cpu_list(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def settings_from_args(args: argparse.Namespace) -> Settings:
     return build_settings(**{name: getattr(args, name, None) for name in SERVER_FLAGS + RAY_FLAGS})
 
@@ -128,8 +115,6 @@ def run(args: argparse.Namespace) -> int:
         return fail(exc)
     configure_logging(settings)
     if getattr(args, "ray", False):
-        if settings.engine_cpus:
-            return fail("--engine-cpus pins a plain server's engine processes; under --ray, Ray places the replicas")
         from .ray_launch import serve_on_ray
 
         return serve_on_ray(settings)
@@ -152,10 +137,6 @@ def serve_standalone(settings: Settings) -> int:
     try:
         settings.model_paths()  # a missing file or folder: said before torch is even imported
         sock = listen(settings.host, settings.port)  # likewise: fails in a blink
-        if settings.engine_cpus:
-            from .cpu_pinning import pin_this_thread, split_cpus
-
-            pin_this_thread(split_cpus(settings.engine_cpus)[1], "request handling")  # before any thread starts
     except SettingsError as exc:
         return fail(exc)
     with sock:

@@ -35,7 +35,6 @@ class Settings(BaseSettings):
     max_waiting: int = Field(256, ge=0)  # sequences queued per model before 429
     scheduler_steps: int = Field(8, ge=1, le=1024)  # decode steps per scheduling pass when no client watches each
     engine_process: bool = True  # run each model's engine in a process of its own, apart from request handling
-    engine_cpus: list[int] = Field(default_factory=list)  # pin engine processes to these CPUs, the API to the rest
     max_body_bytes: int = Field(4 * MIB, ge=1024)
     api_key: SecretStr | None = None
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
@@ -49,14 +48,6 @@ class Settings(BaseSettings):
     cpus_per_replica: float = Field(1.0, ge=0)
     gpus_per_replica: float = Field(0.0, ge=0)
     ray_metrics_port: int = Field(8080, ge=0, le=65535)  # `--ray`: where Ray exports every replica's metrics
-
-    @model_validator(mode="after")
-    def _check_engine_cpus(self) -> "Settings":
-        if self.engine_cpus and not self.engine_process:
-            raise ValueError("--engine-cpus pins the engine processes: it needs --engine-process (the default)")
-        if any(cpu < 0 for cpu in self.engine_cpus):
-            raise ValueError(f"--engine-cpus takes CPU numbers 0 and up, got {self.engine_cpus}")
-        return self
 
     @model_validator(mode="after")
     def _check_autoscaling(self) -> "Settings":

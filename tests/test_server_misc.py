@@ -69,20 +69,6 @@ def test_bad_settings_name_the_flag(clean_env):
         build_settings()
 
 
-def test_engine_cpus_from_flag_and_env_and_their_errors(clean_env):
-    from server.serve import add_arguments, settings_from_args
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    assert settings_from_args(parser.parse_args(["--engine-cpus", "0-2,5"])).engine_cpus == [0, 1, 2, 5]
-    clean_env.setenv("RNNSERVE_ENGINE_CPUS", "[1]")
-    assert settings_from_args(parser.parse_args([])).engine_cpus == [1]
-    with pytest.raises(SettingsError, match="--engine-cpus pins the engine processes: it needs --engine-process"):
-        build_settings(engine_cpus=[1], engine_process=False)
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--engine-cpus", "2-1"])  # argparse's one-line error: a range that runs backwards
-
-
 def test_model_paths_explain_what_is_missing(tmp_path):
     with pytest.raises(SettingsError, match="has no .safetensors files"):
         make_settings(weights=tmp_path).model_paths()

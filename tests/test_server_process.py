@@ -254,33 +254,3 @@ def test_a_client_trickling_its_request_cannot_hold_up_start_up():
     finally:
         client.close()
         listener.close()
-
-
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning apart needs two CPUs available to this process")
-def test_engine_cpus_pins_the_engine_process_and_request_handling_apart(tmp_path):
-    save_tiny_model(tmp_path, MODEL, "linear", "mnist")
-    first, *_, last = sorted(os.sched_getaffinity(0))
-    port, log = free_port(), tmp_path / "server.log"
-    proc = start(["--weights", str(tmp_path), "--port", str(port), "--device", "cpu", "--no-compile-decode",
-                  "--threads", "1", "--engine-cpus", str(last)], log)
-    try:
-        wait_healthy(proc, f"http://127.0.0.1:{port}", log)
-        engines = [int(pid) for pid in subprocess.check_output(["pgrep", "-P", str(proc.pid)], text=True).split()
-                   if os.sched_getaffinity(int(pid)) == {last}]
-        assert len(engines) == 1, log.read_text()  # the engine process (the other child is multiprocessing's tracker)
-        threads = Path(f"/proc/{engines[0]}/task").iterdir()  # torch's and the engine's threads, started after the pin
-        assert all(os.sched_getaffinity(int(t.name)) == {last} for t in threads)
-        api = {int(t.name) for t in Path(f"/proc/{proc.pid}/task").iterdir()}
-        assert all(last not in os.sched_getaffinity(t) and first in os.sched_getaffinity(t) for t in api)
-        answer = httpx.post(f"http://127.0.0.1:{port}/v1/images/completions", timeout=60,
-                            json={"model": MODEL, "pixels": [[0] * 28] * 28, "keep_rows": 27})
-        assert answer.status_code == 200, answer.text  # and it serves
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-
-
-def test_engine_cpus_naming_a_cpu_not_available_fails_at_start(tmp_path):
-    save_tiny_model(tmp_path, MODEL, "linear", "mnist")
-    code, out = run_to_exit(["--weights", str(tmp_path), "--port", str(free_port()), "--engine-cpus", "4096"], tmp_path)
-    assert code == 2 and "--engine-cpus 4096: CPU 4096 is not available to this process; available:" in out

@@ -219,7 +219,7 @@ def encode_weights(model: Transformer, stored_average: dict[str, torch.Tensor]) 
 
 
 def decode_weights(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The float32 weights of encode_weights' tensors: average + steps x scale."""
+    """The weights as saved: float32 as they are, compact ones (those with a step size) average + steps x scale."""
     weights = {}
     for key, value in tensors.items():
         if not key.startswith("model."):
@@ -328,8 +328,7 @@ def decode(path: Path, header: dict[str, Any], tensors: dict[str, torch.Tensor])
     cuda = [tensors[f"rng.cuda.{i}"] for i in range(sum(k.startswith("rng.cuda.") for k in tensors))]
     return Checkpoint(
         config=parse_config(path, json.dumps(header["config"])),
-        model=decode_weights(path, tensors) if header.get("weights") == WEIGHTS_AS_STEPS
-        else {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")},
+        model=decode_weights(path, tensors),
         optimizer={"state": {i: s for i, s in state.items() if s}, "param_groups": groups},
         param_names=names,
         progress=Progress(**header["progress"]),

@@ -51,7 +51,6 @@ from .errors import TrainError
 FORMAT = 2  # 1: the torch.save dict
 METADATA_KEY = "rnnserve.checkpoint"
 PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "compact": torch.bfloat16}  # moments, average
-WEIGHTS_AS_STEPS = "int8-from-average"  # the header's "weights" when compact wrote them
 INT8_STEPS = 127
 LEGACY_KEYS = ("config", "model", "optimizer", "progress", "data_rng", "torch_rng", "cuda_rng")
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
@@ -197,7 +196,7 @@ def encode(model: Transformer, opt: torch.optim.Optimizer, prog: Progress, rng: 
               for g in state["param_groups"]]
     header = {"format": FORMAT, "config": json.loads(model.config.to_json()), "progress": dataclasses.asdict(prog),
               "optimizer": {"steps": steps, "keys": sorted(keys), "param_groups": groups}, "run": dataclasses.asdict(run),
-              "precision": precision, "weights": WEIGHTS_AS_STEPS if as_steps else "float32"}
+              "precision": precision}
     return tensors | stored_average | rng.tensors(), {METADATA_KEY: json.dumps(header)}
 
 

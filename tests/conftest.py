@@ -6,6 +6,7 @@ file runs in seconds on a 2-core CPU.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -72,6 +73,14 @@ def make_tiny_model(kind: str, seed: int = 0, **overrides) -> Transformer:
     """A tiny eval-mode float32 model with unit-scale weights, deterministic in `seed`."""
     torch.manual_seed(seed)  # Linformer E/F and Reformer rotations are drawn at build time
     return sharpen_(build_model(make_tiny_config(kind, **overrides)), seed).eval()
+
+
+@functools.cache
+def shared_tiny_model(kind: str) -> Transformer:
+    """`make_tiny_model(kind)`, made once per session for the tests that only decode with it: its compiled
+    decoders then compile once, as a model's compiled graphs hold its weights and serve it alone. Never
+    change it in place (weights, dtype, device, mode): `copy.deepcopy` it first."""
+    return make_tiny_model(kind)
 
 
 def random_bytes(seed: int, batch: int, length: int) -> torch.Tensor:

@@ -1,15 +1,15 @@
 """The compiled CPU decode path (model/compiled_decode.py) against the eager one.
 
-Compiling takes seconds to a minute per graph here, so every test uses the
-same tiny configs (`make_tiny_model`): torch.compile keeps its graphs for the
-whole test session and reuses them across model instances of one shape, and
-tests/test_sampling.py's generate tests (which run compiled by default) find
-them already built.
+Compiling takes seconds per graph here, so the tests use tiny models
+(`make_tiny_model`), and share them where they only decode
+(`shared_tiny_model`): each model compiles graphs of its own, as its weights
+are compiled in.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import os
 import signal
@@ -29,9 +29,10 @@ from model.config import BOS_TOKEN
 from model.cuda_graphs import EagerDecoder, make_decoder
 from model.generate import generate
 from model.sampling import BatchSampling, SamplingParams, token_logprobs
+from model.step_functions import StepFunctions
 from model.weights_io import load_model
 
-from conftest import COMPILABLE_KINDS, assert_bfloat16_close, make_tiny_model, random_bytes
+from conftest import COMPILABLE_KINDS, assert_bfloat16_close, make_tiny_model, random_bytes, shared_tiny_model
 from server_support import free_port, save_tiny_model, stop_process, token_bytes, wait_healthy
 
 ROWS = 8
@@ -51,7 +52,7 @@ def compiled_decoder(model, rows: int = ROWS, require_captured: bool = True) -> 
 
 @pytest.mark.parametrize("kind", COMPILABLE_KINDS)
 def test_compiled_steps_give_eager_log_probabilities_as_rows_finish_and_join(kind):
-    model = make_tiny_model(kind)  # outside inference mode, as models are loaded: the graphs are shared
+    model = shared_tiny_model(kind)  # made outside inference mode, as models are loaded
     with torch.inference_mode():
         _compare_steps_as_rows_finish_and_join(model)
 
@@ -116,7 +117,7 @@ def test_compiled_bfloat16_steps_are_as_close_to_float32_as_eager_bfloat16(kind)
 
 @pytest.mark.parametrize("kind", COMPILABLE_KINDS)
 def test_compiled_generate_draws_the_eager_tokens(kind):
-    model = make_tiny_model(kind)
+    model = shared_tiny_model(kind)
     params = [SamplingParams(seed=3), SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=20, seed=4),
               SamplingParams(temperature=1.3, top_p=0.8, seed=5)]
     prompts = random_bytes(2, len(params), 6)
@@ -129,7 +130,7 @@ def test_compiled_generate_draws_the_eager_tokens(kind):
 @pytest.mark.parametrize("rows", [ROWS, 3, 1])
 def test_compiled_draws_are_the_eager_draws_and_skip_the_guards(rows):
     """An unfiltered batch (greedy rows too) draws through the captured graph directly; a filtered one eagerly."""
-    model = make_tiny_model("linear")
+    model = shared_tiny_model("linear")
     decoder, eager = compiled_decoder(model), EagerDecoder(model, model.new_state(ROWS))
     assert decoder._draws.captured(1) and decoder._draws.captured(2), "draws would keep their guard checks"
     decoder._draws._compiled = _guarded_call_not_expected
@@ -148,7 +149,7 @@ def test_compiled_draws_are_the_eager_draws_and_skip_the_guards(rows):
 def test_a_compiled_draw_takes_other_dtypes_and_strides_as_the_eager_draw_does():
     """The guard-free draw graph is captured for one layout: a caller's float64 temperatures, int32 seeds or a
     strided logits view are brought to it first, not run on a graph that assumes it."""
-    model = make_tiny_model("linear")
+    model = shared_tiny_model("linear")
     decoder, eager = compiled_decoder(model), EagerDecoder(model, model.new_state(ROWS))
     wide = torch.randn(ROWS, 2 * 256, generator=torch.Generator().manual_seed(2)) * 3
     logits = wide[:, ::2]  # (ROWS, 256), stride 2
@@ -160,6 +161,40 @@ def test_a_compiled_draw_takes_other_dtypes_and_strides_as_the_eager_draw_does()
             want = eager.sample(logits.contiguous(), plain, where.long())
             assert torch.equal(decoder.sample(logits, odd, where), want), f"position {position}"
     assert decoder.log.error is None, decoder.log
+
+
+def test_models_of_one_shape_each_decode_with_their_own_frozen_weights():
+    """The weights are compiled in as constants: a graph must never serve another model of the same shape."""
+    first, second = make_tiny_model("linear", seed=1), make_tiny_model("linear", seed=2)
+    tokens = random_bytes(3, ROWS, 1)[:, 0]
+    with torch.inference_mode():
+        eager = [EagerDecoder(m, m.new_state(ROWS))(tokens) for m in (first, second)]
+        compiled = [compiled_decoder(m)(tokens) for m in (first, second)]
+    assert (eager[0] - eager[1]).abs().max() > 0.1  # two models that a shared graph would confuse
+    for want, got in zip(eager, compiled):
+        assert (torch.log_softmax(got, -1) - torch.log_softmax(want, -1)).abs().max() < LOGPROB_TOLERANCE
+
+
+def test_a_model_keeps_one_step_function_for_its_decoders_and_drops_it_with_the_model():
+    functions, first, second = StepFunctions(), make_tiny_model("linear"), make_tiny_model("linear")
+    assert functions(first) is functions(first)  # a model's decoders share its compiled graphs
+    assert functions(first).__code__ is not functions(second).__code__  # and never another model's
+    del first
+    gc.collect()
+    assert len(functions._per_model) == 1  # a model made later cannot find the freed one's graphs
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN is not in this torch build")
+def test_compiled_linear_layers_run_on_weights_packed_for_onednn():
+    from torch._dynamo.utils import counters
+
+    model = make_tiny_model("linear", seed=4)
+    packed = counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
+    with torch.inference_mode():
+        compiled_decoder(model)
+    # every layer's q, k, v, output and two feed-forward products and the head, in both row classes' graphs
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] - packed >= 2 * linears
 
 
 def test_reformer_and_unasked_decoders_stay_eager():

@@ -8,6 +8,8 @@ last test reads the shipped classifier in weights/classifier/, when present.
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import io
 import json
 import math
@@ -62,8 +64,10 @@ def write_toy_mnist(folder: Path, train: int = 200, test: int = 60) -> Path:
     return folder
 
 
+@functools.cache
 def tiny_mnist_model(seed: int = 0):
-    """A random-weight MNIST model with weights large enough that its samples depend on its input."""
+    """A random-weight MNIST model with weights large enough that its samples depend on its input; one per
+    seed and session, as its compiled decoders hold its weights (never change it in place)."""
     torch.manual_seed(seed)
     cfg = ModelConfig(attention="linear", task="mnist", d_model=32, n_layers=2, n_heads=2, d_ff=64, max_len=784)
     model = build_model(cfg)
@@ -287,7 +291,7 @@ def test_eval_completions_reports_stores_and_serves_the_result(tmp_path: Path, t
     assert printed["digits"] == 8 and printed["unknown_pixels"] == 392 and printed["occlusion"] == "bottom-half"
     assert printed["read_as_true_original"] == pytest.approx(clf.accuracy(classifier, images, labels))
     assert printed["read_as_true_occluded"] == pytest.approx(clf.accuracy(classifier, hidden.view(8, 784), labels))
-    model_bits = unknown_bits_per_dim(tiny_mnist_model().to(torch.bfloat16).float(), images, occlusion_mask("bottom-half"))
+    model_bits = unknown_bits_per_dim(copy.deepcopy(tiny_mnist_model()).to(torch.bfloat16).float(), images, occlusion_mask("bottom-half"))
     assert printed["bits_per_dim_unknown"] == pytest.approx(model_bits, rel=1e-4)
     _, info = read_metadata(path)
     assert info["eval"]["completions"]["bottom-half"] == printed and info["eval"]["bits_per_dim"] == 7.5

@@ -19,7 +19,7 @@ from model.generate import generate
 from model.sampling import BatchSampling, SamplingParams
 from model.transformer import SequenceTooLong
 
-from conftest import GRAPHABLE_KINDS, KINDS, PADDABLE_KINDS, make_tiny_model, random_bytes
+from conftest import GRAPHABLE_KINDS, KINDS, PADDABLE_KINDS, make_tiny_model, random_bytes, shared_tiny_model
 
 NO_CUDA = not torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(NO_CUDA, reason="CUDA is not available on this machine (torch.cuda.is_available() is False)")
@@ -80,7 +80,7 @@ def test_generate_refuses_to_run_past_max_len():
 
 @torch.inference_mode()
 def test_a_reused_decoder_generates_what_a_fresh_state_generates():
-    model = make_tiny_model("linear")
+    model = shared_tiny_model("linear")
     sampling = BatchSampling.from_params([SamplingParams(temperature=1.0, seed=i) for i in range(3)], model.device)
     prompt = random_bytes(5, 3, 4)
     fresh = generate(model, prompt, 30, sampling)

@@ -16,7 +16,7 @@ from model.generate import generate
 from model.sampling import BatchSampling, SamplingParams, sample, uniform_noise
 from model.weights_io import load_model, save_model
 
-from conftest import TINY_MAX_LEN, assert_bfloat16_close, make_tiny_model, make_tokens, random_bytes
+from conftest import TINY_MAX_LEN, assert_bfloat16_close, make_tiny_model, make_tokens, random_bytes, shared_tiny_model
 
 NO_CUDA = not torch.cuda.is_available()
 cuda_only = pytest.mark.skipif(NO_CUDA, reason="CUDA is not available on this machine (torch.cuda.is_available() is False)")
@@ -88,7 +88,7 @@ def test_sampling_noise_and_draws_match_cpu(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_generate_draws_the_same_tokens_as_on_cpu(kind, device):
-    model = make_tiny_model(kind)
+    model = shared_tiny_model(kind)
     prompts = random_bytes(4, 3, 4)
     params = [SamplingParams(seed=1), SamplingParams(temperature=0.0), SamplingParams(top_k=30, seed=2)]
     on_cpu = generate(model, prompts, 24, BatchSampling.from_params(params, "cpu"))

@@ -16,7 +16,7 @@ from model.sampling import (BatchSampling, SamplingParams, force_tokens, sample,
                             top_k_mask, top_p_mask, uniform_noise)
 from model.transformer import with_bos
 
-from conftest import make_tiny_model, random_bytes
+from conftest import random_bytes, shared_tiny_model
 
 VOCAB = 256
 
@@ -213,7 +213,7 @@ PROMPT_LEN, TOTAL_LEN = 5, 30
 
 
 def test_generate_row_is_the_same_alone_or_in_a_batch(kind):
-    model = make_tiny_model(kind)
+    model = shared_tiny_model(kind)
     prompts = random_bytes(1, 4, PROMPT_LEN)
     params = [SamplingParams(seed=11), SamplingParams(temperature=0.8, top_k=40, seed=12),
               SamplingParams(temperature=1.2, top_p=0.9, seed=13), SamplingParams(seed=14)]
@@ -228,7 +228,7 @@ def test_generate_row_is_the_same_alone_or_in_a_batch(kind):
 
 
 def test_greedy_generate_picks_the_argmax_of_its_own_sequence(kind):
-    model = make_tiny_model(kind)
+    model = shared_tiny_model(kind)
     prompts = random_bytes(2, 2, PROMPT_LEN)
     tokens = generate(model, prompts, TOTAL_LEN, batch_of([SamplingParams(temperature=0.0)] * 2))
     with torch.no_grad():
@@ -239,7 +239,7 @@ def test_greedy_generate_picks_the_argmax_of_its_own_sequence(kind):
 def test_generate_draws_each_token_with_its_own_position(kind):
     # The noise for token t is keyed by (seed, t): redrawing from the parallel logits
     # of the finished sequence must give back every generated token.
-    model = make_tiny_model(kind)
+    model = shared_tiny_model(kind)
     prompts = random_bytes(5, 2, PROMPT_LEN)
     params = batch_of([SamplingParams(seed=21), SamplingParams(temperature=0.9, top_p=0.95, seed=22)])
     tokens = generate(model, prompts, TOTAL_LEN, params)
@@ -251,7 +251,7 @@ def test_generate_draws_each_token_with_its_own_position(kind):
 
 
 def test_generate_keeps_forced_tokens_and_conditions_on_them():
-    model = make_tiny_model("linear")
+    model = shared_tiny_model("linear")
     known = random_bytes(3, 1, TOTAL_LEN)
     forced = torch.full((1, TOTAL_LEN), -1)
     forced[0, :8] = known[0, :8]  # a known prefix, as in an occluded image

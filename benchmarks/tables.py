@@ -104,7 +104,8 @@ def roofline_table(report: DecodeReport) -> str:
         return ""
     m = report.machine
     measured_here = (f"this machine measured: {m['copy_bytes_per_s'] / 1e9:.1f} GB/s copy, "
-                     f"{m['matmul_flops'] / 1e9:.0f} GFLOP/s {m['matmul_dtype']} matmul, {m['threads']} threads") if m else \
+                     f"{m['matmul_flops'] / 1e9:.0f} GFLOP/s {m['matmul_dtype']} matmul ({m.get('matmul_route', 'torch.mm')}), "
+                     f"{m['threads']} threads") if m else \
         "no bound for this device: its rates were not measured"
     lines = [f"Per generated token at the mean position of a generation, batch "
              f"{next(iter(report.roofline.values()))['batch']} ({measured_here}):",

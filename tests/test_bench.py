@@ -152,7 +152,17 @@ def test_the_roofline_costs_weights_and_products_in_the_bench_dtype():
     assert token_cost(cfg, 100, 8, 2)["weight_bytes_per_token"] * 2 == token_cost(cfg, 100, 8)["weight_bytes_per_token"]
     machine = probe_machine(torch.bfloat16)
     assert machine["matmul_dtype"] == "bfloat16" and machine["bytes_per_weight"] == 2
+    assert machine["matmul_flops"] == max(machine["matmul_flops_by_route"].values())  # the faster route sets it
     assert roofline(cfg, 784, 8, machine)["weight_bytes_per_token"] == token_cost(cfg, 392, 8, 2)["weight_bytes_per_token"]
+
+
+def test_both_product_routes_compute_the_same_product():
+    from benchmarks.roofline import product_routes
+
+    a = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    products = {route: product() for route, product in product_routes(a).items()}
+    for route, got in products.items():
+        torch.testing.assert_close(got, a @ a.T, msg=route)
 
 
 def test_a_run_that_does_not_produce_every_token_is_refused():

@@ -10,12 +10,10 @@ top-k or top-p (the temperature, the noise hash, Gumbel-max and argmax over
 the vocabulary) becomes one loop as well. Filtered batches sample eagerly:
 their sort of the vocabulary costs far more than the loop saves.
 
-The weights are compiled in as constants (inductor's freezing): the linear
-layers become oneDNN products on weights packed once, which run AVX-512 code
-on CPUs that have it where MKL's products may not (on the AMD EPYC here,
-MKL runs its AVX2 code). A compiled decoder thus decodes with the weights its
-model had when it compiled; serving never changes them, and each model has
-graphs of its own (model/step_functions.py).
+Every linear layer runs a C++ kernel on weights packed once
+(model/packed_linear.py, model/kernels/packed_linear.cpp): the steps run the
+model's decode twin, its layers swapped for packed ones. For float32 models
+on the CPU, once the kernels are built; otherwise the model as it is.
 
 The batch dimension is compiled symbolically, so one graph serves every
 batch of 2 rows or more, and a second one the single row (torch.compile
@@ -57,13 +55,13 @@ from dataclasses import dataclass, field
 import torch
 import torch._inductor.config
 
-from .cpu_kernels import KernelBuild, use_cpu_kernels
+from .cpu_kernels import KernelBuild, load_kernels, use_cpu_kernels
 from .cuda_graphs import EagerDecoder
+from .packed_linear import decode_twin, packs
 from .guard_free import GuardFreeGraphs
 from .registry import kinds_where
 from .sampling import BatchSampling, draw_unfiltered, sample
 from .state import ModelState
-from .step_functions import step_function
 from .threads import adopt_process_threads
 from .transformer import Transformer
 
@@ -73,12 +71,6 @@ log = logging.getLogger("rnnserve.compiled_decode")
 # (the feature map elu + 1 was recomputed for every element of the state update otherwise), and
 # call the kernels from compiled C++ rather than Python (less host work per step, which counts most at batch 1).
 INDUCTOR_OPTIONS = {"realize_opcount_threshold": 2, "cpp_wrapper": True}
-# Inductor: compile the weights in as constants (the warm-up runs under inference mode, which freezing needs),
-# so that the linear layers become oneDNN products on weights packed once. On this AMD EPYC, MKL's float32
-# products run AVX2 code (111 GFLOP/s on a 1024^2 product, one thread) and oneDNN's AVX-512 (252): a 64-row
-# linear step 1.30 -> 0.82 ms. Passed as a compile option it does not reach inductor's freezing pass; as a
-# config patch around the compile it does.
-FROZEN_WEIGHTS = {"freezing": True}
 # Dynamo: softmax reads `int(lengths.max())` to size its prefix: traced as a symbolic integer, not
 # a graph break. Every model served adds two graphs to the same code: no fallback to eager at 8.
 DYNAMO_OPTIONS = {"capture_scalar_outputs": True, "recompile_limit": 64, "accumulated_recompile_limit": 4096}
@@ -117,6 +109,10 @@ def lower_thread_priority(by: int) -> None:
         log.debug("could not lower the compile thread's priority: %s", exc)
 
 
+def _decode_step(model: Transformer, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
+    return model.decode_step(tokens, state)
+
+
 class CompiledDecoder(EagerDecoder):
     """Decode steps (and draws) on rows [0, n) of a preallocated state through compiled graphs, once ready."""
 
@@ -127,10 +123,9 @@ class CompiledDecoder(EagerDecoder):
                              f"{', '.join(kinds_where(lambda c: c.compilable))}")
         if model.device.type != "cpu":
             raise ValueError(f"the compiled decode path is for the CPU, this model is on {model.device}")
-        step = step_function(model)
-        self._step = torch.compile(step, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS)
+        self._step = torch.compile(_decode_step, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS)
         # Once a row class is warmed up, its steps skip dynamo's per-call guard checks (model/guard_free.py).
-        self._graphs = GuardFreeGraphs(step, self._step)
+        self._graphs = GuardFreeGraphs(_decode_step, self._step)
         self._draws = GuardFreeGraphs(draw_unfiltered, torch.compile(draw_unfiltered, dynamic=True, fullgraph=True,
                                                                      options=INDUCTOR_OPTIONS))
         self.ready: set[int] = set()  # warm-up row counts (1, 2) whose graphs are compiled
@@ -158,7 +153,7 @@ class CompiledDecoder(EagerDecoder):
         n = tokens.shape[0]
         if self._use_compiled(n):
             try:  # no dynamo config patch per step (entering one is not free): it only matters when compiling, in _warm_up
-                return self._graphs(self._graph_key(n), self.model, self._tokens(tokens), self._rows(n))
+                return self._graphs(self._graph_key(n), self._stepped_model, self._tokens(tokens), self._rows(n))
             except Exception as exc:  # a recompile that failed: it stopped before running the step
                 self._fail("decode step", exc)
         return super().__call__(tokens)
@@ -174,7 +169,7 @@ class CompiledDecoder(EagerDecoder):
 
     def _step_inputs(self, n: int) -> tuple:
         """The arguments an n-row step passes its graph (the token buffer read as it is, not written)."""
-        return self.model, self._token_buffer[:n], self._rows(n)
+        return self._stepped_model, self._token_buffer[:n], self._rows(n)
 
     def _rows(self, n: int) -> ModelState:
         """The state's rows [0, n), made once per n: views of the same tensors every step."""
@@ -257,7 +252,17 @@ class CompiledDecoder(EagerDecoder):
 
     def _use_kernels(self) -> None:
         if self.log.kernels is None:
-            self.log.kernels = use_cpu_kernels(self.model)
+            # The attention kernels of the layers that have one, and the linear layers' kernel for the twin.
+            self.log.kernels = use_cpu_kernels(self.model) or (load_kernels() if packs(self.model) else None)
+
+    @property
+    def _stepped_model(self) -> Transformer:
+        """What the compiled steps run: the model's decode twin, its linear layers packed for the C++ kernel
+        (model/packed_linear.py), when the kernels are built and the model is a float32 one in eval mode."""
+        kernels = self.log.kernels
+        if kernels is not None and kernels.ok and packs(self.model) and not self.model.training:
+            return decode_twin(self.model)
+        return self.model
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         return self._finished.wait(timeout)
@@ -282,8 +287,8 @@ class CompiledDecoder(EagerDecoder):
         with torch.inference_mode(self._inference_tensors):
             scratch = self.model.new_state(rows)
             tokens = torch.zeros(rows, dtype=torch.long, device=self.model.device)
-        with torch._dynamo.config.patch(DYNAMO_OPTIONS), torch._inductor.config.patch(FROZEN_WEIGHTS):
-            self._step(self.model, tokens, scratch)
+        with torch._dynamo.config.patch(DYNAMO_OPTIONS):
+            self._step(self._stepped_model, tokens, scratch)
             self._draws(None, *self._draw_scratch(rows))
 
     def _draw_scratch(self, rows: int) -> tuple[torch.Tensor, ...]:

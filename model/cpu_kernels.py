@@ -1,18 +1,21 @@
 """C++ kernels for CPU decode steps, built on first use with the machine's C++ compiler.
 
-One kernel so far: softmax attention of one query per row over its KV cache
-(model/kernels/softmax_decode.cpp), which a decode step spends most of its
-time in at batch 64. It is registered as the operator
-`torch.ops.rnnserve.softmax_decode_attention`, so eager steps call it and
-torch.compile keeps it as one call inside its graphs.
+Two kernels, registered as operators so that eager steps call them and
+torch.compile keeps each as one call inside its graphs:
+  * `torch.ops.rnnserve.softmax_decode_attention`: softmax attention of one
+    query per row over its KV cache (model/kernels/softmax_decode.cpp), which
+    a softmax decode step spends most of its time in at batch 64;
+  * `torch.ops.rnnserve.packed_linear` (and `pack_linear_weight`): a linear
+    layer on weights packed once (model/kernels/packed_linear.cpp), which the
+    compiled decode steps use for every linear layer (model/packed_linear.py).
 
 The build takes about 20 s once per machine and uses the vector
 instructions inductor picks for this CPU. torch keeps the library under
 ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR), here in a folder of
-its own per source, flags, torch and Python environment: two checkouts on
+its own per sources, flags, torch and Python environment: two checkouts on
 one machine would otherwise rebuild over each other's library at every
-start. A build that fails (no compiler) is logged and decoding keeps the
-pure PyTorch attention.
+start. A build that fails (no compiler) is logged and decoding keeps
+PyTorch's operators.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 
 log = logging.getLogger("rnnserve.cpu_kernels")
 
-SOURCE = Path(__file__).with_name("kernels") / "softmax_decode.cpp"
+SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("softmax_decode.cpp", "packed_linear.cpp"))
 LIBRARY = "rnnserve_cpu_kernels"
 _BUILD_LOCK = threading.Lock()  # one build per process, whichever model's compile thread asks first
 
@@ -55,6 +58,12 @@ def vector_flags() -> list[str]:
     if not isa:
         return []
     return [f"-D{macro}" for macro in isa.build_macro()] + isa.build_arch_flags().split()
+
+
+def packed_linear_wins() -> bool:
+    """Whether the kernels build with AVX-512, where the packed linear kernel beats PyTorch's products (measured
+    in benchmarks/README.md); with AVX2 or none it is correct but slower than MKL, so it is not used."""
+    return "-DCPU_CAPABILITY_AVX512" in vector_flags()
 
 
 def load_kernels() -> KernelBuild:
@@ -82,9 +91,10 @@ def _load_once() -> KernelBuild:
         flags = ["-O3", "-fopenmp", *vector_flags()]
         directory = build_directory(flags)
         with exclusive_build(directory):
-            load(name=LIBRARY, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+            load(name=LIBRARY, sources=[str(source) for source in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                  build_directory=str(directory), is_python_module=False)
         torch.library.register_fake("rnnserve::softmax_decode_attention")(_fake_softmax_decode_attention)
+        torch.library.register_fake("rnnserve::packed_linear")(_fake_packed_linear)
     except Exception as exc:  # no compiler, no Python headers, a read-only cache
         error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         log.warning("building the CPU decode kernels failed (%s); decoding with PyTorch's operators", error)
@@ -99,7 +109,8 @@ def build_directory(flags: list[str]) -> Path:
     (the compile commands name the last two's headers), made if missing."""
     from torch.utils.cpp_extension import _get_build_directory  # where torch puts extensions (honours the env)
 
-    inputs = [str(SOURCE), SOURCE.read_text(), *flags, torch.__version__, sys.prefix]
+    inputs = [text for source in SOURCES for text in (str(source), source.read_text())]
+    inputs += [*flags, torch.__version__, sys.prefix]
     key = hashlib.sha256("\0".join(inputs).encode()).hexdigest()[:12]
     return Path(_get_build_directory(f"{LIBRARY}-{key}", verbose=False))
 
@@ -120,6 +131,10 @@ def exclusive_build(directory: Path) -> Iterator[None]:
 
 def _fake_softmax_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch.Tensor):
     return q.new_empty(q.shape)  # (B, H, 1, D), contiguous: what the kernel returns
+
+
+def _fake_packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int):
+    return x.new_empty((*x.shape[:-1], n))  # contiguous: what the kernel returns
 
 
 def _kernel_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

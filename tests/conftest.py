@@ -78,8 +78,9 @@ def make_tiny_model(kind: str, seed: int = 0, **overrides) -> Transformer:
 @functools.cache
 def shared_tiny_model(kind: str) -> Transformer:
     """`make_tiny_model(kind)`, made once per session for the tests that only decode with it: its compiled
-    decoders then compile once, as a model's compiled graphs hold its weights and serve it alone. Never
-    change it in place (weights, dtype, device, mode): `copy.deepcopy` it first."""
+    decoders then compile once (dynamo compiles again for each model's decode twin, model/packed_linear.py,
+    whose packed weights are a snapshot). Never change it in place (weights, dtype, device, mode):
+    `copy.deepcopy` it first."""
     return make_tiny_model(kind)
 
 

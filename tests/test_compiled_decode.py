@@ -2,8 +2,8 @@
 
 Compiling takes seconds per graph here, so the tests use tiny models
 (`make_tiny_model`), and share them where they only decode
-(`shared_tiny_model`): each model compiles graphs of its own, as its weights
-are compiled in.
+(`shared_tiny_model`): each model's steps run a decode twin of its own
+(model/packed_linear.py), which dynamo compiles again for.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from model.config import BOS_TOKEN
 from model.cuda_graphs import EagerDecoder, make_decoder
 from model.generate import generate
 from model.sampling import BatchSampling, SamplingParams, token_logprobs
-from model.step_functions import StepFunctions
+from model.cpu_kernels import packed_linear_wins
+from model.packed_linear import DecodeTwins, PackedLinear, decode_twin
 from model.weights_io import load_model
 
 from conftest import COMPILABLE_KINDS, assert_bfloat16_close, make_tiny_model, random_bytes, shared_tiny_model
@@ -163,8 +164,8 @@ def test_a_compiled_draw_takes_other_dtypes_and_strides_as_the_eager_draw_does()
     assert decoder.log.error is None, decoder.log
 
 
-def test_models_of_one_shape_each_decode_with_their_own_frozen_weights():
-    """The weights are compiled in as constants: a graph must never serve another model of the same shape."""
+def test_models_of_one_shape_each_decode_with_their_own_weights():
+    """Each model's compiled steps run its own decode twin (its weights packed): never another model's."""
     first, second = make_tiny_model("linear", seed=1), make_tiny_model("linear", seed=2)
     tokens = random_bytes(3, ROWS, 1)[:, 0]
     with torch.inference_mode():
@@ -175,26 +176,27 @@ def test_models_of_one_shape_each_decode_with_their_own_frozen_weights():
         assert (torch.log_softmax(got, -1) - torch.log_softmax(want, -1)).abs().max() < LOGPROB_TOLERANCE
 
 
-def test_a_model_keeps_one_step_function_for_its_decoders_and_drops_it_with_the_model():
-    functions, first, second = StepFunctions(), make_tiny_model("linear"), make_tiny_model("linear")
-    assert functions(first) is functions(first)  # a model's decoders share its compiled graphs
-    assert functions(first).__code__ is not functions(second).__code__  # and never another model's
-    del first
-    gc.collect()
-    assert len(functions._per_model) == 1  # a model made later cannot find the freed one's graphs
-
-
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN is not in this torch build")
-def test_compiled_linear_layers_run_on_weights_packed_for_onednn():
-    from torch._dynamo.utils import counters
-
+@pytest.mark.skipif(not packed_linear_wins(), reason="the packed linear kernel is used only with AVX-512")
+def test_compiled_steps_run_a_twin_whose_linear_layers_are_packed_and_which_shares_the_rest():
     model = make_tiny_model("linear", seed=4)
-    packed = counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
     with torch.inference_mode():
-        compiled_decoder(model)
-    # every layer's q, k, v, output and two feed-forward products and the head, in both row classes' graphs
-    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] - packed >= 2 * linears
+        twin = compiled_decoder(model)._stepped_model
+    assert twin is not model and twin is decode_twin(model)  # one twin per model, for all its decoders
+    linears = [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(isinstance(twin.get_submodule(name), PackedLinear) for name in linears)
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())  # the model itself is left as it was
+    shared = {id(t) for t in (*twin.parameters(), *twin.buffers())}
+    packed_away = {f"{name}.weight" for name in linears}  # the twin holds these packed instead
+    assert all(id(t) in shared for name, t in (*model.named_parameters(), *model.named_buffers())
+               if name not in packed_away)
+
+
+def test_a_twin_goes_with_its_model():
+    twins, model = DecodeTwins(), make_tiny_model("linear")
+    twins._per_model[model] = model.head  # any value that does not hold the model: the key's lifetime is tested
+    del model
+    gc.collect()
+    assert len(twins._per_model) == 0
 
 
 def test_reformer_and_unasked_decoders_stay_eager():

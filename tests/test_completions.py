@@ -67,7 +67,7 @@ def write_toy_mnist(folder: Path, train: int = 200, test: int = 60) -> Path:
 @functools.cache
 def tiny_mnist_model(seed: int = 0):
     """A random-weight MNIST model with weights large enough that its samples depend on its input; one per
-    seed and session, as its compiled decoders hold its weights (never change it in place)."""
+    seed and session, so that its decode steps compile once (never change it in place)."""
     torch.manual_seed(seed)
     cfg = ModelConfig(attention="linear", task="mnist", d_model=32, n_layers=2, n_heads=2, d_ff=64, max_len=784)
     model = build_model(cfg)

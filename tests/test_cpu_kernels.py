@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from model import cpu_kernels
@@ -97,12 +98,34 @@ def test_softmax_decoding_through_the_kernel_equals_the_parallel_pass():
     torch.testing.assert_close(torch.stack(steps, 1), parallel, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("rows, inputs, outputs", [(64, 128, 384), (1, 512, 128), (9, 5, 17), (70, 40, 3), (3, 128, 48)])
+def test_the_packed_linear_kernel_is_a_linear_layer(rows, inputs, outputs):
+    """Any row count (blocks of 8 and a remainder), any width (a last panel part full), with and without a bias."""
+    assert load_kernels().ok
+    gen = torch.Generator().manual_seed(rows + inputs + outputs)
+    x, weight, bias = (torch.randn(*shape, generator=gen) for shape in ((rows, 1, inputs), (outputs, inputs), (outputs,)))
+    packed = torch.ops.rnnserve.pack_linear_weight(weight)
+    for b in (bias, None):
+        got = torch.ops.rnnserve.packed_linear(x, packed, b, outputs)
+        assert got.shape == (rows, 1, outputs)
+        torch.testing.assert_close(got, F.linear(x, weight, b), atol=1e-5 * inputs ** 0.5, rtol=1e-5)
+
+
+def test_the_packed_linear_kernel_refuses_what_it_cannot_compute():
+    assert load_kernels().ok
+    with pytest.raises(RuntimeError, match="2-D float32 CPU weight"):
+        torch.ops.rnnserve.pack_linear_weight(torch.ones(4, 4, dtype=torch.float64))
+    packed = torch.ops.rnnserve.pack_linear_weight(torch.ones(4, 8))
+    with pytest.raises(RuntimeError, match="weights packed by pack_linear_weight"):
+        torch.ops.rnnserve.packed_linear(torch.ones(2, 6), packed, None, 4)  # 6 inputs for a weight of 8
+
+
 def test_models_without_a_kernel_are_left_alone():
     assert use_cpu_kernels(make_tiny_model("linear")) is None
 
 
 def test_a_failed_build_is_reported_and_decoding_keeps_pytorch_attention(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu_kernels, "SOURCE", tmp_path / "missing.cpp")
+    monkeypatch.setattr(cpu_kernels, "SOURCES", (tmp_path / "missing.cpp",))
     build = cpu_kernels._load_once.__wrapped__()  # the uncached build, as a first call in a process would run it
     assert not build.ok and "missing.cpp" in build.error
     monkeypatch.setattr(cpu_kernels, "load_kernels", lambda: build)
@@ -118,9 +141,10 @@ def test_checkouts_and_flags_build_in_folders_of_their_own(monkeypatch, tmp_path
     assert here == cpu_kernels.build_directory(list(flags)) and here.is_dir()
     assert here.parent == tmp_path / "extensions"
     assert cpu_kernels.build_directory(flags + ["-g"]) != here
-    copy = tmp_path / "softmax_decode.cpp"  # the same source in another checkout
-    copy.write_text(cpu_kernels.SOURCE.read_text())
-    monkeypatch.setattr(cpu_kernels, "SOURCE", copy)
+    copies = tuple(tmp_path / source.name for source in cpu_kernels.SOURCES)  # the same sources in another checkout
+    for source, copy in zip(cpu_kernels.SOURCES, copies):
+        copy.write_text(source.read_text())
+    monkeypatch.setattr(cpu_kernels, "SOURCES", copies)
     assert cpu_kernels.build_directory(flags) != here
 
 

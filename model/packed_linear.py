@@ -1,0 +1,73 @@
+"""Each model's decode twin: the same modules and weights, its linear layers on weights packed for the CPU kernel.
+
+The compiled CPU decode steps (model/compiled_decode.py) run the twin, not the
+model: every nn.Linear becomes a `PackedLinear`, which calls
+`torch.ops.rnnserve.packed_linear` (model/kernels/packed_linear.cpp) on a copy
+of its weight packed once, and shares its bias. Everything else (embeddings,
+norms, attention buffers) is the model's own tensors. The model's math files
+stay as they are, and eager steps, prefill and training keep PyTorch's linear
+layers. The packed copies are a snapshot: a model changed in place after its
+twin was made would decode with its old weights, which serving never does.
+
+One twin per model, made on first use and dropped with the model, so that all
+its decoders (a server's engine, each `generate` call) share it and the graphs
+compiled for it.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import torch
+from torch import nn
+
+from .cpu_kernels import packed_linear_wins
+from .transformer import Transformer
+
+
+class PackedLinear(nn.Module):
+    """`linear(x)` as the CPU kernel computes it: x W^T + b, W packed once (float32, CPU)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.out_features = linear.out_features
+        with torch.inference_mode(False), torch.no_grad():  # a plain tensor, whatever mode the twin is made in
+            self.register_buffer("packed", torch.ops.rnnserve.pack_linear_weight(linear.weight.detach()))
+        self.bias = linear.bias  # the model's own parameter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        return torch.ops.rnnserve.packed_linear(x, self.packed, self.bias, self.out_features)
+
+
+class DecodeTwins:
+    """One decode twin per live model."""
+
+    def __init__(self) -> None:
+        self._per_model: weakref.WeakKeyDictionary[Transformer, Transformer] = weakref.WeakKeyDictionary()
+
+    def __call__(self, model: Transformer) -> Transformer:
+        twin = self._per_model.get(model)
+        if twin is None:
+            twin = self._per_model[model] = make_twin(model)
+        return twin
+
+
+def packs(model: nn.Module) -> bool:
+    """Whether the kernel takes this model's linear layers: float32 on a CPU with AVX-512."""
+    weight = next(model.parameters())
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and packed_linear_wins()
+
+
+def make_twin(model: Transformer) -> Transformer:
+    """A structural copy of `model` that shares its parameters and buffers, with its nn.Linear layers packed."""
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}  # deepcopy's memo: keep these as they are
+    twin = copy.deepcopy(model, shared)
+    for parent in list(twin.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, PackedLinear(child))
+    return twin
+
+
+decode_twin = DecodeTwins()  # process-wide: a model's decoders must all find its one twin

@@ -31,7 +31,7 @@ from .decode import machine_load, preset_config
 
 # First match wins; names are torch.profiler's (aten operators, inductor kernels, dynamo regions).
 GROUPS = (
-    ("matrix products (linear layers, output head)", ("aten::addmm", "aten::mm", "mkl::", "mkldnn::")),
+    ("matrix products (linear layers, output head)", ("aten::addmm", "aten::mm", "mkl::", "mkldnn::", "rnnserve::packed_linear")),
     ("attention state: update and read-out", ("addcmul", "aten::bmm", "aten::cat")),
     ("torch.compile: guards, wrapper, graph entry", ("Dynamo", "CompiledFxGraph", "Compiled Region", "Pregraph",
                                                      "AOTDispatcher")),

@@ -134,6 +134,7 @@ class CompiledDecoder(EagerDecoder):
         with torch.inference_mode(self._inference_tensors):
             self._token_buffer = torch.zeros(state.batch_size, dtype=torch.long, device=model.device)
         self._row_views: dict[int, ModelState] = {}
+        self._twin: Transformer | None = None  # the model's decode twin, once the kernels are built (_use_kernels)
 
     @property
     def _inference_tensors(self) -> bool:
@@ -254,15 +255,15 @@ class CompiledDecoder(EagerDecoder):
         if self.log.kernels is None:
             # The attention kernels of the layers that have one, and the linear layers' kernel for the twin.
             self.log.kernels = use_cpu_kernels(self.model) or (load_kernels() if packs(self.model) else None)
+            if self.log.kernels is not None and self.log.kernels.ok and packs(self.model):
+                self._twin = decode_twin(self.model)
 
     @property
     def _stepped_model(self) -> Transformer:
         """What the compiled steps run: the model's decode twin, its linear layers packed for the C++ kernel
-        (model/packed_linear.py), when the kernels are built and the model is a float32 one in eval mode."""
-        kernels = self.log.kernels
-        if kernels is not None and kernels.ok and packs(self.model) and not self.model.training:
-            return decode_twin(self.model)
-        return self.model
+        (model/packed_linear.py), once the kernels are built for a float32 model; the model itself in
+        training mode (the twin is a snapshot) or without the kernels."""
+        return self._twin if self._twin is not None and not self.model.training else self.model
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         return self._finished.wait(timeout)

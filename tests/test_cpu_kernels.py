@@ -111,6 +111,16 @@ def test_the_packed_linear_kernel_is_a_linear_layer(rows, inputs, outputs):
         torch.testing.assert_close(got, F.linear(x, weight, b), atol=1e-5 * inputs ** 0.5, rtol=1e-5)
 
 
+def test_the_packed_linear_kernel_splits_columns_over_threads_to_the_same_result():
+    assert load_kernels().ok
+    gen = torch.Generator().manual_seed(5)
+    x, weight = torch.randn(64, 128, generator=gen), torch.randn(200, 128, generator=gen)
+    packed = torch.ops.rnnserve.pack_linear_weight(weight)
+    alone = torch.ops.rnnserve.packed_linear(x, packed, None, 200)
+    torch.set_num_threads(2)  # the autouse fixture sets one thread back for the next test
+    assert torch.equal(torch.ops.rnnserve.packed_linear(x, packed, None, 200), alone)
+
+
 def test_the_packed_linear_kernel_refuses_what_it_cannot_compute():
     assert load_kernels().ok
     with pytest.raises(RuntimeError, match="2-D float32 CPU weight"):
@@ -118,6 +128,8 @@ def test_the_packed_linear_kernel_refuses_what_it_cannot_compute():
     packed = torch.ops.rnnserve.pack_linear_weight(torch.ones(4, 8))
     with pytest.raises(RuntimeError, match="weights packed by pack_linear_weight"):
         torch.ops.rnnserve.packed_linear(torch.ones(2, 6), packed, None, 4)  # 6 inputs for a weight of 8
+    with pytest.raises(RuntimeError, match="a float32 bias of 4 numbers"):
+        torch.ops.rnnserve.packed_linear(torch.ones(2, 8), packed, torch.ones(3), 4)
 
 
 def test_models_without_a_kernel_are_left_alone():

@@ -6,6 +6,7 @@
 // P[N / L][K][L] (L = 16 floats with AVX-512, 8 with AVX2, 1 without; zeros past N), so a block of up to 8 rows by two
 // panels keeps 16 accumulators in registers and reads each panel once per 8 rows. Built by model/cpu_kernels.py.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstring>
@@ -129,6 +130,8 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   TORCH_CHECK(x.scalar_type() == torch::kFloat && packed.scalar_type() == torch::kFloat && packed.dim() == 3 &&
                   packed.size(2) == kLanes && packed.size(0) * kLanes >= n && x.size(-1) == packed.size(1),
               "packed_linear: float32 x (..., K) and weights packed by pack_linear_weight in this build");
+  TORCH_CHECK(x.device().is_cpu() && (!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->numel() == n)),
+              "packed_linear: a CPU x and a float32 bias of ", n, " numbers");
   const auto xc = x.contiguous();
   auto sizes = xc.sizes().vec();
   sizes.back() = n;
@@ -137,13 +140,16 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   const auto b = bias.has_value() ? bias->contiguous() : torch::Tensor();
   const Problem p{xc.data_ptr<float>(), packed.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
                   out.data_ptr<float>(), k, n};
-  for (int64_t col = 0; col < n; col += 2 * kLanes) {
-    for (int64_t row = 0; row < m; row += kRows) {
-      const int64_t rows = std::min(kRows, m - row);
-      if (col + kLanes < n) rows_block<2>(p, row, rows, col);
-      else rows_block<1>(p, row, rows, col);
+  // Column blocks split over torch's intra-op threads (one thread, as the server runs: a plain loop).
+  at::parallel_for(0, (n + 2 * kLanes - 1) / (2 * kLanes), 1, [&](int64_t first, int64_t last) {
+    for (int64_t col = first * 2 * kLanes; col < std::min(n, last * 2 * kLanes); col += 2 * kLanes) {
+      for (int64_t row = 0; row < m; row += kRows) {
+        const int64_t rows = std::min(kRows, m - row);
+        if (col + kLanes < n) rows_block<2>(p, row, rows, col);
+        else rows_block<1>(p, row, rows, col);
+      }
     }
-  }
+  });
   return out;
 }
 

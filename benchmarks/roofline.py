@@ -12,8 +12,9 @@ Weights (4 bytes per parameter in float32, 2 in bfloat16) are read once per batc
 step, so per token they cost weight_bytes / batch. On this machine the FLOP rate is
 a matrix product measured in the bench's own dtype: bfloat16 products run faster
 than float32 ones on CPUs with AVX512-BF16 or AMX, so they set a higher bound.
-Of the two routes a product takes here (torch's matmul, oneDNN on packed
-weights as in the compiled steps), the faster sets it.
+Of two library routes (torch's matmul, oneDNN on packed weights), the faster
+sets it: on CPUs where MKL runs AVX2 code only oneDNN shows the AVX-512 rate,
+which the compiled steps' packed linear kernel runs at.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def probe_machine(dtype: torch.dtype = torch.float32) -> dict:
 
 def product_routes(a: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
     """a @ a.T two ways: torch's matmul (MKL's BLAS on x86, which runs AVX2 code on AMD CPUs), and oneDNN on
-    weights packed once, the products the compiled decode steps run (AVX-512 wherever the CPU has it)."""
+    weights packed once (AVX-512 wherever the CPU has it)."""
     routes = {"torch.mm": lambda: a @ a.T}
     if torch.backends.mkldnn.is_available():
         packed = torch.ops.mkldnn._reorder_linear_weight(a, a.shape[0])

@@ -13,7 +13,7 @@ their sort of the vocabulary costs far more than the loop saves.
 Every linear layer runs a C++ kernel on weights packed once
 (model/packed_linear.py, model/kernels/packed_linear.cpp): the steps run the
 model's decode twin, its layers swapped for packed ones. For float32 models
-on the CPU, once the kernels are built; otherwise the model as it is.
+on CPUs with AVX-512, once the kernels are built; otherwise the model as it is.
 
 The batch dimension is compiled symbolically, so one graph serves every
 batch of 2 rows or more, and a second one the single row (torch.compile
@@ -254,15 +254,15 @@ class CompiledDecoder(EagerDecoder):
     def _use_kernels(self) -> None:
         if self.log.kernels is None:
             # The attention kernels of the layers that have one, and the linear layers' kernel for the twin.
-            self.log.kernels = use_cpu_kernels(self.model) or (load_kernels() if packs(self.model) else None)
-            if self.log.kernels is not None and self.log.kernels.ok and packs(self.model):
+            packed = packs(self.model)
+            self.log.kernels = use_cpu_kernels(self.model) or (load_kernels() if packed else None)
+            if packed and self.log.kernels.ok:
                 self._twin = decode_twin(self.model)
 
     @property
     def _stepped_model(self) -> Transformer:
-        """What the compiled steps run: the model's decode twin, its linear layers packed for the C++ kernel
-        (model/packed_linear.py), once the kernels are built for a float32 model; the model itself in
-        training mode (the twin is a snapshot) or without the kernels."""
+        """What the compiled steps run: the model's decode twin (model/packed_linear.py) once it is made; the
+        model itself before, without the kernels, or in training mode (the twin is a snapshot)."""
         return self._twin if self._twin is not None and not self.model.training else self.model
 
     def wait_compiled(self, timeout: float | None = None) -> bool:

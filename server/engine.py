@@ -15,7 +15,10 @@ particles that weigh known tokens (or several particles a sample: they
 conclude together), nobody sees a step's tokens before its request ends, so the
 engine runs up to `scheduler_steps` of them (never past a row's budget)
 and does the host work above once for all; a row that stops within them
-drops its later tokens, and its state is discarded with the row.
+drops its later tokens, and its state is discarded with the row. A request
+that arrives during such a run ends it early when its client watches each
+step, or when its idle slot would lose more than stopping costs the running
+rows (server/multistep.py).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from model.transformer import Transformer
 from . import particles
 from .engine_base import EngineFacts, EngineLimits
 from .metrics import Metrics
+from .multistep import PassCosts, ends_run_early
 from .runner import ModelRunner
 from .scheduler import Placement, QueueFull, Scheduler
 from .step_events import step_events
@@ -75,6 +79,7 @@ class Engine(EngineFacts):
         self._start_error: Exception | None = None
         self._scores: list[ScoreJob] = []  # scoring waits for the worker, bounded like the queue
         self._forward_seconds = 0.0  # a pass's closing forward runs after its record: timed with the next pass
+        self._costs = PassCosts()
 
     # -- public API (event-loop side) ---------------------------------------
     @property
@@ -234,13 +239,16 @@ class Engine(EngineFacts):
     def _step(self) -> None:
         n, needs = self.scheduler.running, self.scheduler.needs()
         planned, started, earlier = self.scheduler.steps_ahead(self.limits.scheduler_steps), time.monotonic(), []
-        while len(earlier) < planned - 1 and not self._can_admit():  # a request that can join ends the run early
+        while len(earlier) < planned - 1 and not self._ends_run_early(planned - 1 - len(earlier)):
             earlier.append(self._unwatched_step(n, needs))
+        if earlier:
+            self._costs.observe_steps(time.monotonic() - started, len(earlier))
         steps = len(earlier) + 1
         known = particles.known_rows(self.scheduler.rows) if needs.weigh else []
         weights = self.runner.known_logprobs(known, needs) if known else []  # before sampling counts the tokens
         drawn = self.runner.sample(n, needs)
         resamplings = self._resample(known, weights, drawn.tokens) if known else 0
+        boundary_started = time.monotonic()
         per_row = torch.stack([*earlier, drawn.tokens], dim=1) if earlier else drawn.tokens[:, None]  # (n, steps)
         tokens = per_row.tolist()
         outcome = self.scheduler.update_from_output(tokens, time.monotonic(), started)
@@ -253,13 +261,14 @@ class Engine(EngineFacts):
         self.metrics.record_step(stats)
         deliver(outbox)
         forward_started = time.monotonic()
+        self._costs.observe_boundary(forward_started - boundary_started)
         self.runner.decode(drawn.tokens[:live])
         self._forward_seconds = time.monotonic() - forward_started
 
-    def _can_admit(self) -> bool:
-        """A request is waiting and a slot is free (read without the lock: a stale answer only moves
-        the request's admission by one step)."""
-        return bool(self.scheduler.waiting) and self.scheduler.running < self.limits.max_batch
+    def _ends_run_early(self, steps_left: int) -> bool:
+        """Whether waiting requests should join now rather than at the run's end (read without the lock:
+        a stale answer only moves a request's admission by one step)."""
+        return ends_run_early(self.scheduler, steps_left, self._costs)
 
     def _unwatched_step(self, n: int, needs) -> torch.Tensor:
         """A step of a multi-step run (no client watches each one): draw and feed rows [0, n);

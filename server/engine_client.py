@@ -221,6 +221,9 @@ class EngineClient(EngineFacts):
         elif kind == "compiled":
             self.compiled_decode = message[1]
             self._compiled.set()
+        elif kind == "batch":
+            for each in message[1]:
+                self._dispatch(each)
         else:
             raise ValueError(f"unknown message {kind!r}")
 

@@ -8,7 +8,7 @@ engine process's main. They talk over one pipe:
     API -> engine:  ("submit", key, request, each_event)   ("cancel", key)   ("score", key, tokens, top)   ("stop",)
     engine -> API:  ("started", StartedFacts) | ("failed", message)   ("accepted", key)   ("refused", key, error)
                     ("events", [(key, items)])   ("scored", key, result, error)   ("metric", method, args)
-                    ("compiled", bool)
+                    ("compiled", bool)   ("batch", [message, ...]) (deferred step records, then what follows them)
 
 Metrics are kept by the API process, which serves /metrics: the engine sends what it would record, before
 the events of the same step, so a client that has its answer finds the step counted when it scrapes.
@@ -20,6 +20,7 @@ import gc
 import logging
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from model.compiled_decode import CompileGate
 
 log = logging.getLogger("rnnserve.engine_process")
+DEFER_SECONDS = 0.05  # how late a step's record may reach the API process's /metrics when no event goes out
 
 
 @dataclass(frozen=True)
@@ -75,16 +77,47 @@ def rebuild_error(described: tuple[str, str] | None) -> Exception | None:
 
 
 class Pipe:
-    """The engine process's end of the pipe, shared by its threads."""
+    """The engine process's end of the pipe, shared by its threads.
+
+    A step's record, or a queue gauge, can wait (`defer`): it goes with the next message sent, which keeps
+    records ahead of the events they count, or on its own once the oldest has waited `DEFER_SECONDS`.
+    One message every few steps instead of one per step saves the engine a pickling and a system call
+    per step, and the API process a wake-up."""
 
     def __init__(self, conn: Connection):
         self.conn = conn
         self.lock = threading.Lock()
+        self._deferred: list[tuple] = []
+        self._deferred_since = 0.0
 
     def send(self, message: tuple) -> None:
+        with self.lock:
+            if self._deferred:
+                message = ("batch", [*self._take_deferred(), message])
+            self._send(message)
+
+    def defer(self, message: tuple) -> None:
+        with self.lock:
+            now = time.monotonic()
+            if not self._deferred:
+                self._deferred_since = now
+            self._deferred.append(message)
+            if now - self._deferred_since >= DEFER_SECONDS:
+                self._send(("batch", self._take_deferred()))
+
+    def flush(self) -> None:
+        """Send what was deferred now (the engine is stopping)."""
+        with self.lock:
+            if self._deferred:
+                self._send(("batch", self._take_deferred()))
+
+    def _take_deferred(self) -> list[tuple]:
+        taken, self._deferred = self._deferred, []
+        return taken
+
+    def _send(self, message: tuple) -> None:
         try:
-            with self.lock:
-                self.conn.send(message)
+            self.conn.send(message)
         except (OSError, ValueError):  # the API process is gone: nobody to tell
             pass
 
@@ -124,13 +157,13 @@ class ForwardedModelMetrics:
         self.pipe = pipe
 
     def record_step(self, stats: StepStats) -> None:
-        self.pipe.send(("metric", "record_step", (stats,)))
+        self.pipe.defer(("metric", "record_step", (stats,)))
 
     def idle(self, waiting: int) -> None:
         self.pipe.send(("metric", "idle", (waiting,)))
 
-    def queue(self, running: int, waiting: int) -> None:
-        self.pipe.send(("metric", "queue", (running, waiting)))
+    def queue(self, running: int, waiting: int) -> None:  # a submit's: goes with its answer ("accepted")
+        self.pipe.defer(("metric", "queue", (running, waiting)))
 
     def state_allocated(self, nbytes: int) -> None:
         self.pipe.send(("metric", "state_allocated", (nbytes,)))
@@ -222,6 +255,7 @@ def serve_engine(conn: Connection, spec: EngineSpec) -> None:
         EngineServer(engine, pipe).serve(conn)
     finally:
         engine.stop()  # fails what is still running or waiting: its clients hear it
+        pipe.flush()
         conn.close()
     exit_if_compiling()
 

@@ -76,11 +76,6 @@ class Slots:
                 self.top_values, self.counts, self.bias, self.frequency, self.presence,
                 s.temperature, s.top_k, s.top_p, s.seed]
 
-    def copy_row(self, src: int, dst: int) -> None:
-        for t in self.row_tensors():
-            t[dst] = t[src]
-        self.state.copy_rows(src, dst)
-
     def copy_rows(self, src: list[int], dst: list[int]) -> None:
         """Many copies in one indexed write per tensor; no row may be both a source and a destination."""
         s = torch.tensor(src, device=self.position.device)
@@ -234,9 +229,11 @@ class ModelRunner:
         self.slots.sampling.seed[dst] = torch.tensor([c.seed for c in copies], device=tokens.device)
 
     def move_rows(self, moves: list[tuple[int, int]], tokens: torch.Tensor) -> None:
-        """Apply the scheduler's compaction: each (src, dst) row moves, with its drawn token."""
-        for src, dst in moves:
-            self.slots.copy_row(src, dst)
+        """Apply the scheduler's compaction, its (src, dst) rows with their drawn tokens in one indexed copy per
+        tensor (no row is both a source and a destination)."""
+        if moves:
+            src, dst = (list(rows) for rows in zip(*moves))
+            self.slots.copy_rows(src, dst)
             tokens[dst] = tokens[src]
 
     def decode(self, tokens: torch.Tensor) -> None:

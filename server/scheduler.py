@@ -233,15 +233,16 @@ class Scheduler:
             conclude(group, particles)
 
     def compact(self, finished: list[int]) -> list[tuple[int, int]]:
-        """Remove finished rows, moving the last live row into each hole: the (src, dst) moves, in order."""
-        moves = []
+        """Remove finished rows, moving the last live row into each hole. Returns (src, dst) pairs with every
+        source past the rows left and every destination among them, so the runner copies them all at once."""
+        origin: dict[int, int] = {}  # row -> the row its sequence was in before this compaction
         for i in sorted(finished, reverse=True):
             last = len(self.rows) - 1
             if i != last:
-                moves.append((last, i))
+                origin[i] = origin.pop(last, last)  # a row moved twice comes from where it first was
                 self.rows[i] = self.rows[last]
             self.rows.pop()
-        return moves
+        return sorted((src, dst) for dst, src in origin.items())
 
     def clear_rows(self) -> list[Submission]:
         """Drop every row (a failed step); the requests they belonged to."""
@@ -269,12 +270,7 @@ class Scheduler:
 
 def _advance(seq: Sequence, tokens: list[int], now: float, started: float, outcome: StepOutcome) -> str | None:
     """Push a row's tokens until one ends it; its finish reason, or None."""
-    reason, taken = None, 0
-    for token in tokens:
-        reason = seq.stopping.push(token)
-        taken += 1
-        if reason is not None:
-            break
+    reason, taken = seq.stopping.push_run(tokens)
     seq.position += taken
     outcome.tokens += taken
     _time_tokens(seq, taken, now, started, outcome)

@@ -36,3 +36,16 @@ class StoppingCriteria:
                 self.matched = max(hits, key=len)
                 return STOP
         return LENGTH if self.generated >= self.max_new_tokens else None
+
+    def push_run(self, tokens: list[int]) -> tuple[str | None, int]:
+        """Record a multi-step run's tokens until one ends the sample: (finish reason or None, tokens kept).
+        Without stop sequences only the budget can end it, so no token need be looked at."""
+        if self._longest:
+            for kept, token in enumerate(tokens, start=1):
+                reason = self.push(token)
+                if reason is not None:
+                    return reason, kept
+            return None, len(tokens)
+        kept = min(len(tokens), self.max_new_tokens - self.generated)
+        self.generated += kept
+        return (LENGTH if self.generated >= self.max_new_tokens else None), kept

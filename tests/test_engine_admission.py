@@ -15,8 +15,9 @@ import pytest
 
 from model.sampling import SamplingParams
 from server.engine import Engine, EngineFailure, EngineLimits
-from server.runner import ModelRunner, Slots
 from server.metrics import Metrics
+from server.multistep import PassCosts
+from server.runner import ModelRunner, Slots
 from server.types import GenerationRequest
 from conftest import make_tiny_model
 
@@ -120,8 +121,9 @@ def test_whole_samples_match_their_streamed_tokens_as_rows_move(monkeypatch):
     """Non-streamed samples are read from the slot buffers at the end; requests of different
     lengths finish at different steps, so live rows move into freed slots on the way."""
     moves = []
-    copy_row = Slots.copy_row
-    monkeypatch.setattr(Slots, "copy_row", lambda self, src, dst: moves.append((src, dst)) or copy_row(self, src, dst))
+    copy_rows = Slots.copy_rows
+    monkeypatch.setattr(Slots, "copy_rows",
+                        lambda self, src, dst: moves.extend(zip(src, dst)) or copy_rows(self, src, dst))
     lengths = [3, 12, 7, 20]
     requests = [GenerationRequest(f"r{i}", [1, 2, 3], max_new_tokens=m, sampling=SamplingParams(seed=i), n=2,
                                   logprobs=i % 2 == 0) for i, m in enumerate(lengths)]
@@ -236,18 +238,32 @@ def test_several_steps_per_scheduling_pass_give_the_answers_of_one(kind):
     assert [multi[3][0].tokens[p] for p in (3, 4, 10)] == [17, 18, 200]
 
 
-def test_a_request_that_can_join_ends_a_multi_step_run_early(monkeypatch):
-    """With 64 steps per pass, a request arriving during a pass must still join within a step or two:
-    the engine stops the run when a waiting request has a free slot."""
-    engine = make_engine("linear", scheduler_steps=64)
+class FixedCosts(PassCosts):
+    """Pass costs that stay as set: the engine's measurements do not move them."""
+
+    def observe_boundary(self, seconds: float) -> None:
+        pass
+
+    def observe_steps(self, seconds: float, steps: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("costs", ["measured", "boundary dearer than waiting"])
+def test_a_request_that_can_join_ends_a_multi_step_run_early_unless_waiting_is_cheaper(monkeypatch, costs):
+    """With 32 steps per pass, a request arriving during a pass joins within a step or two when its idle
+    slot would cost more than stopping the run costs the one running row (measured here: always so with
+    many steps left); when a pass boundary costs more, it joins when the run ends."""
+    engine = make_engine("linear", scheduler_steps=32)
+    if costs != "measured":
+        engine._costs = FixedCosts(boundary_seconds=1e3, step_seconds=1e-3)
     joined_at = []
     register = engine.scheduler.register
     monkeypatch.setattr(engine.scheduler, "register",
                         lambda places, *a: joined_at.append(int(engine.runner.slots.position[0])) or register(places, *a))
 
     async def scenario():
-        (long_one,) = queue_then_start(engine, [GenerationRequest("long", [1], 90, SamplingParams(seed=0))], False)
-        while int(engine.runner.slots.position[0]) < 10:  # into its first run of up to 64 steps
+        (long_one,) = queue_then_start(engine, [GenerationRequest("long", [1], 94, SamplingParams(seed=0))], False)
+        while int(engine.runner.slots.position[0]) < 38:  # into its second run of 32 steps: the costs are measured
             await asyncio.sleep(0.001)
         submitted_at = int(engine.runner.slots.position[0])
         late = engine.submit(GenerationRequest("late", [2], 5, SamplingParams(seed=1)), each_event=False)
@@ -258,8 +274,11 @@ def test_a_request_that_can_join_ends_a_multi_step_run_early(monkeypatch):
         submitted_at, results = asyncio.run(scenario())
     finally:
         engine.stop()
-    assert [len(r.tokens) for r in results] == [5, 90]
-    assert joined_at[1] - submitted_at <= 2, (submitted_at, joined_at)
+    assert [len(r.tokens) for r in results] == [5, 94]
+    if costs == "measured":
+        assert joined_at[1] - submitted_at <= 2, (submitted_at, joined_at)
+    else:
+        assert joined_at[1] - joined_at[0] == 64, (submitted_at, joined_at)  # the second run's end
 
 
 @pytest.mark.parametrize("steps_per_pass", [1, 8])

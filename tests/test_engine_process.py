@@ -8,6 +8,7 @@ both ways over HTTP.)"""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
 import time
@@ -18,6 +19,7 @@ import pytest
 from model.sampling import SamplingParams
 from server.engine import Engine, EngineLimits
 from server.engine_client import EngineClient
+from server.engine_process import DEFER_SECONDS, Pipe
 from server.metrics import Metrics
 from server.scheduler import QueueFull
 from server.settings import Settings
@@ -108,6 +110,26 @@ def test_its_steps_are_counted_here_before_its_answer_arrives():
     assert (before, after) == (0, 10)
     assert metric_value(text, "rnnserve_decode_state_allocated_bytes", model="tiny", attention="linear") == engine.state_bytes_allocated > 0
 
+
+def test_deferred_step_records_go_ahead_of_the_next_message_or_alone_once_they_are_old():
+    api_end, engine_end = multiprocessing.Pipe()
+    pipe = Pipe(engine_end)
+    pipe.defer(("metric", "record_step", (1,)))
+    pipe.defer(("metric", "record_step", (2,)))
+    assert not api_end.poll(0.1)  # records wait for company
+    pipe.send(("events", []))
+    assert api_end.recv() == ("batch", [("metric", "record_step", (1,)), ("metric", "record_step", (2,)),
+                                        ("events", [])])
+    pipe.send(("accepted", 7))
+    assert api_end.recv() == ("accepted", 7)  # nothing deferred: sent as it is
+    pipe.defer(("metric", "record_step", (3,)))
+    time.sleep(DEFER_SECONDS)
+    pipe.defer(("metric", "record_step", (4,)))  # the first has waited long enough: both go
+    assert api_end.poll(1.0) and api_end.recv() == ("batch", [("metric", "record_step", (3,)),
+                                                              ("metric", "record_step", (4,))])
+    pipe.defer(("metric", "record_step", (5,)))
+    pipe.flush()
+    assert api_end.recv() == ("batch", [("metric", "record_step", (5,))])
 
 def test_refusals_keep_their_kind_across_the_pipe():
     long_request = GenerationRequest("long", [1], max_new_tokens=90, sampling=SamplingParams(seed=1))

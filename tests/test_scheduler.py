@@ -7,11 +7,13 @@ length endings, compaction, and the step's stats.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import pytest
 
 from model.sampling import SamplingParams
+from server.multistep import PassCosts, ends_run_early, joinable_rows
 from server.scheduler import CANCELLED, QueueFull, Scheduler
 from server.stopping import StoppingCriteria
 from server.types import GenerationRequest
@@ -97,6 +99,26 @@ def test_rows_end_by_stop_or_length_and_a_request_completes_with_its_last_row():
     assert second.reasons == ["length", None] and second.completed == [a]
 
 
+def test_compaction_moves_run_at_once_and_leave_rows_as_one_by_one_moves_would():
+    """A row can move twice (into a hole that is itself the last row later): the runner gets each
+    sequence's first row as its source, so one indexed copy per tensor does the whole compaction."""
+    rng = random.Random(0)
+    for _ in range(300):
+        scheduler = Scheduler(max_batch=12, max_waiting=12)
+        for i in range(rng.randint(1, 12)):
+            scheduler.add(req(f"r{i}"))
+        admit(scheduler)
+        contents = list(scheduler.rows)  # what each slot holds before compaction
+        finished = rng.sample(range(len(contents)), rng.randint(0, len(contents)))
+        moves = scheduler.compact(finished)
+        left = len(scheduler.rows)
+        assert all(src >= left > dst for src, dst in moves)
+        slots = list(contents)
+        for src, dst in moves:
+            slots[dst] = contents[src]
+        assert slots[:left] == scheduler.rows
+        assert sorted(map(id, scheduler.rows)) == sorted(id(s) for i, s in enumerate(contents) if i not in finished)
+
 def test_cancelled_rows_leave_without_drawing_a_token():
     scheduler = Scheduler(max_batch=4, max_waiting=4)
     a, b = req("a", n=2), req("b")
@@ -181,3 +203,50 @@ def test_stopping_criteria_report_the_longest_stop_that_matched():
     assert stopping.push(ord("a")) is None
     assert stopping.push(ord("b")) == "stop" and stopping.matched == b"ab"
     assert StoppingCriteria((), max_new_tokens=1).push(0) == "length"
+
+
+@pytest.mark.parametrize("stops", [(), (b"\n", b"ab")])
+def test_a_run_of_tokens_stops_where_pushing_them_one_by_one_does(stops):
+    rng = random.Random(0)
+    for _ in range(200):
+        budget, run = rng.randint(1, 12), [rng.choice(b"ab\nz") for _ in range(rng.randint(1, 8))]
+        one_by_one, whole = StoppingCriteria(stops, budget), StoppingCriteria(stops, budget)
+        one_by_one.generated = whole.generated = rng.randint(0, budget - 1)  # partway through its budget
+        expected = (None, len(run))
+        for kept, token in enumerate(run, start=1):
+            if (reason := one_by_one.push(token)) is not None:
+                expected = (reason, kept)
+                break
+        assert whole.push_run(run) == expected
+        assert (whole.generated, whole.matched) == (one_by_one.generated, one_by_one.matched)
+
+
+def test_a_run_ends_early_when_waiting_would_cost_the_joining_rows_more_than_a_pass_boundary_costs():
+    scheduler = Scheduler(max_batch=8, max_waiting=8)
+    for i in range(6):
+        scheduler.add(req(f"r{i}"))
+    admit(scheduler)  # 6 running, 2 free slots
+    assert not ends_run_early(scheduler, 7, PassCosts(1.0, 1.0))  # nobody waits
+    scheduler.add(req("one"))
+    # 1 row idle for 7 steps (7 row-steps) against a boundary of 1 step for 6 rows (6 row-steps): end it.
+    assert ends_run_early(scheduler, 7, PassCosts(1.0, 1.0))
+    assert not ends_run_early(scheduler, 5, PassCosts(1.0, 1.0))
+    assert ends_run_early(scheduler, 5, PassCosts(0.0, 1.0))  # boundary not measured yet
+    assert ends_run_early(scheduler, 1, PassCosts(1.0, 0.0))  # steps not measured yet
+    scheduler.add(req("two"))
+    assert joinable_rows(scheduler) == 2 and ends_run_early(scheduler, 3, PassCosts(1.0, 1.0))
+    scheduler.add(req("three"))
+    assert joinable_rows(scheduler) == 2  # only two fit
+
+
+def test_a_waiting_streamed_request_ends_a_run_at_once_unless_it_cannot_fit():
+    scheduler = Scheduler(max_batch=2, max_waiting=4)
+    scheduler.add(req("running"))
+    admit(scheduler)
+    watched = req("watched")
+    watched.each_event = True
+    scheduler.add(watched)
+    assert ends_run_early(scheduler, 1, PassCosts(100.0, 1.0))
+    scheduler.waiting.clear()
+    scheduler.add(req("pair", n=2))  # two rows, one slot free: it cannot join this run's end either
+    assert not ends_run_early(scheduler, 100, PassCosts(0.0, 1.0))

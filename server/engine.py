@@ -266,9 +266,11 @@ class Engine(EngineFacts):
         self._forward_seconds = time.monotonic() - forward_started
 
     def _ends_run_early(self, steps_left: int) -> bool:
-        """Whether waiting requests should join now rather than at the run's end (read without the lock:
-        a stale answer only moves a request's admission by one step)."""
-        return ends_run_early(self.scheduler, steps_left, self._costs)
+        """Whether waiting requests should join now rather than at the run's end."""
+        if not self.scheduler.waiting:  # the usual step; read without the lock: a stale answer moves a join by a step
+            return False
+        with self._lock:  # submissions append to the queue (and drop cancelled requests from it) meanwhile
+            return ends_run_early(self.scheduler, steps_left, self._costs)
 
     def _unwatched_step(self, n: int, needs) -> torch.Tensor:
         """A step of a multi-step run (no client watches each one): draw and feed rows [0, n);

@@ -105,6 +105,9 @@ def empty_body(path: str) -> str:
     return "the request body is empty; send a JSON object" + (f" such as {example}" if example else "")
 
 
+WHOLE_BODY_TYPES = ("model_type", "model_attributes_type", "dict_type")  # pydantic's "not an object" errors
+
+
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """Pydantic errors -> ("field: what is wrong; ...", first field), folded per top-level field."""
     by_field: dict[str | None, list[str]] = {}
@@ -124,8 +127,8 @@ def _describe(err: dict[str, Any]) -> tuple[str | None, str]:
     if err.get("type") == "json_invalid":
         return None, _json_invalid(err)
     cause = (err.get("ctx") or {}).get("error")
-    loc = [p for p in err.get("loc", ()) if p not in ("body", "query", "path")]
-    if not loc and err.get("type") in ("model_type", "model_attributes_type", "dict_type"):
+    loc = _field_path(err)
+    if not loc and err.get("type") in WHOLE_BODY_TYPES:
         return None, f"the body must be a JSON object of the request's fields, got {_json_kind(err.get('input'))}"
     param = getattr(cause, "param", None) or (str(loc[0]) if loc else None)
     where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or param or "body"
@@ -137,6 +140,15 @@ def _describe(err: dict[str, Any]) -> tuple[str | None, str]:
     message = err.get("msg", "invalid").removeprefix("Value error, ")
     shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {_short(got)})"
     return param, f"{where}: {message}{shown}"
+
+
+def _not_an_object(err: dict[str, Any]) -> bool:
+    """Malformed JSON, or a body that is JSON but not an object (a request is one)."""
+    return err.get("type") == "json_invalid" or (err.get("type") in WHOLE_BODY_TYPES and not _field_path(err))
+
+
+def _field_path(err: dict[str, Any]) -> list:
+    return [p for p in err.get("loc", ()) if p not in ("body", "query", "path")]
 
 
 def _json_invalid(err: dict[str, Any]) -> str:
@@ -181,7 +193,7 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     if _is_empty_body(errors, getattr(exc, "body", None)):
         return error_response(400, empty_body(request.url.path), None, "invalid_json")
     message, param = validation_message(errors)
-    code = "invalid_json" if any(e.get("type") == "json_invalid" for e in errors) else "invalid_value"
+    code = "invalid_json" if any(_not_an_object(e) for e in errors) else "invalid_value"
     return error_response(400, message, param, code)
 
 

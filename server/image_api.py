@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from .errors import FieldError
 from .image_particles import DEFAULT_PARTICLES, MAX_PARTICLES
@@ -33,7 +33,19 @@ class ImageOptions(SamplingOptions):
 class ImageCompletionRequest(ImageOptions):
     image: str | None = Field(None, description="base64 PNG, 28x28; alpha 0 marks unknown pixels")
     pixels: Grid | None = Field(None, description="28 rows of 28 grey levels 0-255")
-    mask: str | Grid | None = Field(None, description="base64 PNG (white = unknown) or 28x28 of 0/1 (1 = unknown)")
+    mask: str | Grid | None = Field(None, description="base64 PNG (white = unknown) or 28x28 of 0/1 or "
+                                                      "false/true (1, true = unknown)")
+
+    @field_validator("mask", mode="before")
+    @classmethod
+    def _mask_as_levels(cls, mask: Any) -> Any:
+        """A grid of booleans reads as 0/1; a mask of another type gets one message, not one per branch of the union."""
+        if mask is None or isinstance(mask, str):
+            return mask
+        if not isinstance(mask, list) or not all(isinstance(row, list) for row in mask):
+            raise FieldError(f"mask must be a base64 PNG string or {SIDE} rows of {SIDE} values 0/1 or false/true, "
+                             f"got {mask!r:.60}", "mask")
+        return [[int(v) if isinstance(v, bool) else v for v in row] for row in mask]
 
     @model_validator(mode="after")
     def _one_image(self) -> "ImageCompletionRequest":

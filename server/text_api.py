@@ -65,6 +65,14 @@ class CompletionRequest(SamplingOptions):
                 raise FieldError(f"prompt[{i}] holds {bad!r}; byte tokens are integers 0-255", "prompt")
         return prompt
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop_type(cls, stop: Any) -> Any:
+        """One clear message for a stop of the wrong type, instead of one per branch of the union."""
+        if stop is None or isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+            return stop
+        raise FieldError(f"stop must be a string or a list of up to {MAX_STOPS} strings, got {stop!r:.60}", "stop")
+
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:

@@ -44,9 +44,10 @@ def check_fits(prompt: list[int], max_new_tokens: int, model_name: str, max_len:
     check_tokens(prompt)
     total = len(prompt) + max_new_tokens
     if total > max_len:
+        at_fault = "prompt" if len(prompt) >= max_len else "max_tokens"  # a prompt that leaves no room is the fault
         raise InvalidRequest(f"prompt ({len(prompt)} tokens) plus max_tokens ({max_new_tokens}) is "
                              f"{total}; model '{model_name}' handles at most {max_len} tokens",
-                             "max_tokens", "context_length_exceeded")
+                             at_fault, "context_length_exceeded")
 
 
 def check_scoring(tokens: list[int], model_name: str, max_len: int) -> None:

@@ -156,7 +156,7 @@ def test_an_empty_body_asks_for_a_json_object(client, path, example, body):
 def test_a_body_that_is_no_json_object_says_what_it_is(client, path, body, kind):
     error = error_of(client.post(path, content=body, headers=JSON), 400)
     assert error["message"] == f"the body must be a JSON object of the request's fields, got {kind}"
-    assert error["param"] is None
+    assert error["param"] is None and error["code"] == "invalid_json"
     still_serving(client)
 
 
@@ -189,3 +189,33 @@ def test_accept_headers_that_allow_an_answer_get_it(client, path, body, accept, 
     response = client.post(path, json=body, headers={"accept": accept})
     assert response.status_code == 200, response.text
     assert response.headers["content-type"].startswith(answered)
+
+
+@pytest.mark.parametrize("stop", [5, {"a": 1}, ["a", 3], True])
+def test_a_stop_of_the_wrong_type_gets_one_message_saying_what_it_takes(client, stop):
+    error = error_of(client.post("/v1/completions", json={"prompt": "a", "stop": stop}), 400)
+    assert error["message"].startswith("stop must be a string or a list of up to 4 strings, got ")
+    assert error["param"] == "stop" and error["code"] == "invalid_value"
+    still_serving(client)
+
+
+def test_a_mask_of_booleans_reads_as_0_1_and_a_mask_of_another_type_says_what_it_takes(client):
+    unknown_below = [[int(r >= 20)] * 28 for r in range(28)]
+    answers = [client.post("/v1/images/completions", json={**DIGIT, "keep_rows": None, "mask": mask})
+               for mask in (unknown_below, [[bool(v) for v in row] for row in unknown_below])]
+    assert [a.status_code for a in answers] == [200, 200], answers[1].text
+    assert answers[0].json()["data"][0]["pixels"] == answers[1].json()["data"][0]["pixels"]
+    for mask in (5, {"rows": 28}, [1, 0]):
+        error = error_of(client.post("/v1/images/completions", json={**DIGIT, "keep_rows": None, "mask": mask}), 400)
+        assert error["message"].startswith("mask must be a base64 PNG string or 28 rows of 28 values 0/1 or "
+                                           "false/true, got ")
+        assert error["param"] == "mask"
+    still_serving(client)
+
+
+def test_a_prompt_too_long_by_itself_is_blamed_and_otherwise_max_tokens_is(client):
+    long_prompt = error_of(client.post("/v1/completions", json={"prompt": "a" * 500, "max_tokens": 1}), 400)
+    assert long_prompt["param"] == "prompt" and long_prompt["code"] == "context_length_exceeded"
+    too_many = error_of(client.post("/v1/completions", json={"prompt": "a", "max_tokens": 500}), 400)
+    assert too_many["param"] == "max_tokens" and too_many["code"] == "context_length_exceeded"
+    still_serving(client)

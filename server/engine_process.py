@@ -103,13 +103,16 @@ class Pipe:
                 self._deferred_since = now
             self._deferred.append(message)
             if now - self._deferred_since >= DEFER_SECONDS:
-                self._send(("batch", self._take_deferred()))
+                self._send_deferred()
 
     def flush(self) -> None:
         """Send what was deferred now (the engine is stopping)."""
         with self.lock:
-            if self._deferred:
-                self._send(("batch", self._take_deferred()))
+            self._send_deferred()
+
+    def _send_deferred(self) -> None:  # with the lock held
+        if self._deferred:
+            self._send(("batch", self._take_deferred()))
 
     def _take_deferred(self) -> list[tuple]:
         taken, self._deferred = self._deferred, []

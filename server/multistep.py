@@ -35,13 +35,8 @@ class PassCosts:
 
 
 def joinable_rows(scheduler: Scheduler) -> int:
-    """Rows the queue would fill at the next admission: its requests in order, while they fit."""
-    rows, free = 0, scheduler.max_batch - scheduler.running
-    for submission in scheduler.waiting:
-        if submission.request.rows > free - rows:
-            break
-        rows += submission.request.rows
-    return rows
+    """Rows the queue would fill at the next admission."""
+    return sum(submission.request.rows for submission in scheduler.admissible())
 
 
 def ends_run_early(scheduler: Scheduler, steps_left: int, costs: PassCosts) -> bool:
@@ -49,9 +44,10 @@ def ends_run_early(scheduler: Scheduler, steps_left: int, costs: PassCosts) -> b
     the head of the queue fits, and its client watches each step, or the rows that would join lose more
     idle row-steps by the run's end than a boundary costs the running rows. Unmeasured costs (0.0)
     end it: a request joins at once."""
-    waiting = scheduler.waiting
-    if not waiting or waiting[0].request.rows > scheduler.max_batch - scheduler.running:
+    joining = scheduler.admissible()
+    if not joining:
         return False
-    if waiting[0].each_event or costs.step_seconds <= 0.0:
+    if joining[0].each_event or costs.step_seconds <= 0.0:
         return True
-    return joinable_rows(scheduler) * steps_left * costs.step_seconds >= costs.boundary_seconds * scheduler.running
+    rows = sum(submission.request.rows for submission in joining)
+    return rows * steps_left * costs.step_seconds >= costs.boundary_seconds * scheduler.running

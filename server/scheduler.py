@@ -153,12 +153,20 @@ class Scheduler:
         self.waiting.clear()
         return taken
 
+    def admissible(self) -> list[Submission]:
+        """The waiting requests the next admission takes: in order, while they fit."""
+        fitting, free = [], self.max_batch - len(self.rows)
+        for submission in self.waiting:
+            if (free := free - submission.request.rows) < 0:
+                break
+            fitting.append(submission)
+        return fitting
+
     def schedule(self) -> list[Submission]:
         """Take every waiting request that fits, in order; they count as admitting until `admitted`."""
-        taken, free = [], self.max_batch - len(self.rows)
-        while self.waiting and self.waiting[0].request.rows <= free:
-            taken.append(self.waiting.popleft())
-            free -= taken[-1].request.rows
+        taken = self.admissible()
+        for _ in taken:
+            self.waiting.popleft()
         self.admitting = sum(s.request.rows for s in taken)
         return taken
 

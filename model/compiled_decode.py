@@ -218,11 +218,13 @@ class CompiledDecoder(EagerDecoder):
         uses (a fixed-batch loop); None: both. gate: held by the background compile while it runs."""
         if not background:
             return self.compile_now(batch)
-        threading.Thread(target=self._compile_in_thread, args=(batch, gate), name=COMPILE_THREAD, daemon=True).start()
+        threads = torch.get_num_threads()  # the caller's: an engine's share of the server's CPUs
+        threading.Thread(target=self._compile_in_thread, args=(batch, gate, threads), name=COMPILE_THREAD,
+                         daemon=True).start()
         return None
 
-    def _compile_in_thread(self, batch: int | None, gate: CompileGate | None) -> None:
-        adopt_process_threads()  # inductor sizes its loops' thread teams by the compiling thread's count
+    def _compile_in_thread(self, batch: int | None, gate: CompileGate | None, threads: int) -> None:
+        adopt_process_threads(threads)  # inductor sizes its loops' thread teams by the compiling thread's count
         lower_thread_priority(BACKGROUND_COMPILE_NICENESS)  # before the C++ compiler's processes inherit it
         self._use_kernels()  # before waiting for a turn: the kernels speed up the eager steps too
         # One compile thread and the compilers it starts, not inductor's pool of worker processes: those

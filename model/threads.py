@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 
-def adopt_process_threads() -> int:
-    """Give the calling thread the process's intra-op thread count; returns it."""
-    threads = torch.get_num_threads()  # the process's count, as torch.set_num_threads last set it
+def adopt_process_threads(count: int | None = None) -> int:
+    """Give the calling thread `count` intra-op threads, by default the process's count; returns it."""
+    threads = count or torch.get_num_threads()  # the process's count, as torch.set_num_threads last set it
     torch.set_num_threads(threads)
     return threads

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from . import errors, openapi
 from .compile_gate import CompileTurns
+from .cpu_budget import CpuBudget, usable_cpus
 from .deps import ServerState
 from .drain import Drain, DrainMiddleware
 from .engine import Engine, EngineLimits
@@ -78,14 +79,16 @@ def _lifespan(settings: Settings, metrics: Metrics, models: list[LoadedModel] | 
                               cuda_graphs=settings.cuda_graphs, compile_decode=settings.compile_decode,
                               scheduler_steps=settings.scheduler_steps)
         turns = CompileTurns.new()  # the engines' background compiles take turns (server/compile_gate.py)
-        engines = [make_engine(m, limits, metrics, settings, turns) for m in loaded]
+        budget = usable_cpus()
+        threads = budget.engine_threads(len(loaded), settings.threads)
+        engines = [make_engine(m, limits, metrics, settings, turns, n) for m, n in zip(loaded, threads)]
+        log_thread_shares(budget, engines, settings.threads)
         started: list[Engine | EngineClient] = []
         freezing: asyncio.Task | None = None
         try:
             started = await start_engines(engines)
             created = {m.name: int(m.path.stat().st_mtime) for m in loaded}
             app.state.server = ServerState(settings, metrics, EngineRegistry(engines, created))
-            log.info("serving %s, %d intra-op CPU threads", ", ".join(e.name for e in engines), torch.get_num_threads())
             freezing = asyncio.create_task(freeze_heap_once_compiled(engines))
             if on_started is not None:
                 await asyncio.to_thread(on_started)
@@ -114,11 +117,18 @@ async def start_engines(engines: list[Engine | EngineClient]) -> list[Engine | E
 
 
 def make_engine(loaded: LoadedModel, limits: EngineLimits, metrics: Metrics, settings: Settings,
-                compile_gate: CompileGate | None = None) -> Engine | EngineClient:
-    """The model's engine: on a worker thread of this process, or (--engine-process) in a process of its own."""
+                compile_gate: CompileGate | None = None, threads: int | None = None) -> Engine | EngineClient:
+    """The model's engine, with `threads` intra-op CPU threads: on a worker thread of this process, or
+    (--engine-process) in a process of its own."""
     if settings.engine_process:
-        return EngineClient(loaded.name, loaded.model, loaded.info, limits, metrics, settings.threads, compile_gate)
-    return Engine(loaded.name, loaded.model, loaded.info, limits, metrics, compile_gate)
+        return EngineClient(loaded.name, loaded.model, loaded.info, limits, metrics, threads, compile_gate)
+    return Engine(loaded.name, loaded.model, loaded.info, limits, metrics, compile_gate, threads)
+
+
+def log_thread_shares(budget: CpuBudget, engines: list[Engine | EngineClient], override: int | None) -> None:
+    why = "--threads" if override is not None else f"an equal share of {budget.reason}"
+    shares = ", ".join(f"{e.name} {e.threads}" for e in engines)
+    log.info("intra-op CPU threads per engine (%s): %s", why, shares)
 
 
 async def freeze_heap_once_compiled(engines: list[Engine | EngineClient]) -> None:

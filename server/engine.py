@@ -42,7 +42,7 @@ from .multistep import PassCosts, ends_run_early
 from .runner import ModelRunner
 from .scheduler import Placement, QueueFull, Scheduler
 from .step_events import step_events
-from .streams import (EngineFailure, EventSink, GenerationStream, LoopSink, ScoreJob, ScoreReply, deliver, finish,
+from .streams import (ENGINE_ERROR, SHUTTING_DOWN, EngineFailure, EventSink, GenerationStream, LoopSink, ScoreJob, ScoreReply, deliver, finish,
                       reply_in_loop)
 from .types import GenerationRequest, PromptScores
 from .validation import check_generation, check_scoring
@@ -60,9 +60,11 @@ class Engine(EngineFacts):
     """Continuous batching for one model on a worker thread of its own (see the module's docstring)."""
 
     def __init__(self, name: str, model: Transformer, info: dict, limits: EngineLimits, metrics: Metrics,
-                 compile_gate: CompileGate | None = None):
-        """compile_gate: a lock the server's engines share, so their background compiles take turns."""
+                 compile_gate: CompileGate | None = None, threads: int | None = None):
+        """compile_gate: a lock the server's engines share, so their background compiles take turns.
+        threads: intra-op CPU threads for this engine's steps (server/cpu_budget.py); None: the process's count."""
         self.name = name
+        self.threads = threads or torch.get_num_threads()
         self.model = model.eval()
         self.info = info
         self.limits = limits
@@ -161,7 +163,7 @@ class Engine(EngineFacts):
 
     # -- worker thread --------------------------------------------------------
     def _run(self) -> None:
-        adopt_process_threads()
+        adopt_process_threads(self.threads)
         with torch.inference_mode():
             try:
                 self.runner.allocate()
@@ -183,7 +185,7 @@ class Engine(EngineFacts):
                 except Exception as exc:  # keep serving: fail what was running, not the engine
                     log.exception("engine %s failed a step", self.name)
                     self._fail_running(f"internal error while generating: {exc}")
-            self._fail_all("server is shutting down")
+            self._fail_all("the server is shutting down", SHUTTING_DOWN)
 
     def _idle(self) -> None:
         self.metrics.idle(self.waiting)
@@ -285,15 +287,15 @@ class Engine(EngineFacts):
         self.runner.copy_particles(resampling.copies, tokens)
         return resampling.samples
 
-    def _fail_running(self, message: str) -> None:
-        finish(self.scheduler.clear_rows(), message)
+    def _fail_running(self, message: str, code: str = ENGINE_ERROR) -> None:
+        finish(self.scheduler.clear_rows(), message, code)
         self.metrics.queue(0, self.waiting)
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, code: str) -> None:
         with self._lock:
             waiting = self.scheduler.take_waiting()
             scores, self._scores = self._scores, []
-        finish(waiting, message)
+        finish(waiting, message, code)
         for job in scores:
-            job.resolve(error=EngineFailure(message))
-        self._fail_running(message)
+            job.resolve(error=EngineFailure(message, code))
+        self._fail_running(message, code)

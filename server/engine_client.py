@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import signal
 import threading
-from multiprocessing.connection import Connection
+import time
+from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,7 +20,8 @@ from model.transformer import Transformer
 from .engine import EngineFacts, EngineLimits
 from .engine_process import EngineSpec, StartedFacts, rebuild_error, serve_engine
 from .metrics import Metrics
-from .streams import EngineFailure, GenerationStream, LoopSink, call_in_loop, hand_over, is_terminal, settle
+from .streams import (ENGINE_RESTARTING, SHUTTING_DOWN, EngineFailure, GenerationStream, LoopSink, call_in_loop,
+                      hand_over, is_terminal, settle)
 from .types import GenerationError, GenerationRequest, PromptScores
 from .validation import check_generation, check_scoring
 
@@ -55,7 +58,7 @@ class EngineClient(EngineFacts):
         self.cuda_graphs = False  # known once started
         self.compiled_decode = False  # true once the engine process has compiled its decode steps
         self.metrics = metrics.for_model(name, model.config.attention, images=model.config.task == "mnist")
-        self._threads = threads
+        self.threads = threads or torch.get_num_threads()  # the engine process's intra-op threads
         self._compile_gate = compile_gate  # server/compile_gate.py: the engines compile in turn
         self._process: torch.multiprocessing.Process | None = None
         self._conn: Connection | None = None
@@ -69,6 +72,11 @@ class EngineClient(EngineFacts):
         self._compiled = threading.Event()
         self._alive = False
         self._stopping = False
+        self._stopped = threading.Event()
+        self._lifecycle = threading.Lock()  # starting (or restarting) against stopping
+        self._started_at = 0.0
+        self._backoff = Backoff()
+        self.restarts = 0
 
     @property
     def ready(self) -> bool:
@@ -84,9 +92,14 @@ class EngineClient(EngineFacts):
     # -- lifecycle ------------------------------------------------------------
     def start(self) -> None:
         """Spawn the engine process and wait until its slots are allocated; EngineFailure if it cannot start."""
+        with self._lifecycle:
+            self._spawn()
+
+    def _spawn(self) -> None:
+        self.compiled_decode, self._compiled = False, threading.Event()  # a new process compiles anew
         context = torch.multiprocessing.get_context("spawn")  # fork would copy a process with threads running
         ours, theirs = context.Pipe()
-        spec = EngineSpec(self.name, self.model, self.info, self.limits, self._threads,
+        spec = EngineSpec(self.name, self.model, self.info, self.limits, self.threads,
                           logging.getLogger("rnnserve").getEffectiveLevel(), self._compile_gate)
         self._process = context.Process(target=serve_engine, args=(theirs, spec), name=f"engine-{self.name}")
         self._process.start()
@@ -94,8 +107,10 @@ class EngineClient(EngineFacts):
         self._conn = ours
         started = self._first_message()
         self.state_bytes_allocated, self.cuda_graphs = started.state_bytes_allocated, started.cuda_graphs
+        self._started_at = time.monotonic()
         self._alive = True
-        self._reader = threading.Thread(target=self._read, name=f"engine-{self.name}-reader", daemon=True)
+        self._reader = threading.Thread(target=self._read, args=(self._conn, self._process),
+                                        name=f"engine-{self.name}-reader", daemon=True)
         self._reader.start()
         log.info("model %s: engine process %d started", self.name, self._process.pid)
 
@@ -121,13 +136,16 @@ class EngineClient(EngineFacts):
         return ("failed", f"it did not start within {START_SECONDS:.0f} s")
 
     def stop(self) -> None:
-        if self._process is None:
-            return
         self._stopping = True
-        self._send(("stop",))
-        self._end_process()
-        if self._reader is not None:
-            self._reader.join()
+        self._stopped.set()  # a restart waiting out its back-off gives up
+        with self._lifecycle:
+            if self._process is None:
+                return
+            self._send(("stop",))
+            self._end_process()
+            reader = self._reader
+        if reader is not None:
+            reader.join()
 
     def _end_process(self) -> int | None:
         """Wait for the engine process to exit (killed past STOP_SECONDS); its exit code. One thread at a
@@ -140,6 +158,25 @@ class EngineClient(EngineFacts):
                 self._process.kill()
                 self._process.join()
         return self._process.exitcode
+
+    def _restart(self) -> None:
+        """(A thread of its own.) Start a new engine process after a back-off that doubles while the
+        engine keeps dying young, so a model that cannot run does not spin the CPU."""
+        delay = self._backoff.next_delay(time.monotonic() - self._started_at)
+        while not self._stopped.wait(delay):
+            with self._lifecycle:
+                if self._stopping:
+                    return
+                try:
+                    self._spawn()
+                except EngineFailure as exc:
+                    delay = self._backoff.next_delay(0.0)
+                    log.error("model %s: restarting the engine failed (%s); next try in %.1f s", self.name, exc, delay)
+                    continue
+            self.restarts += 1
+            self.metrics.engine_restarted()
+            log.info("model %s: engine restarted (restart %d); serving again", self.name, self.restarts)
+            return
 
     # -- requests (event loop) --------------------------------------------------
     async def enqueue(self, request: GenerationRequest, each_event: bool = True) -> GenerationStream:
@@ -173,7 +210,8 @@ class EngineClient(EngineFacts):
     def _check_alive(self) -> None:
         """(With the lock held.) Refuse work once the engine process is gone: nothing would answer it."""
         if not self._alive:
-            raise EngineFailure(f"model {self.name!r}: its engine process is not running")
+            code = SHUTTING_DOWN if self._stopping else ENGINE_RESTARTING
+            raise EngineFailure(f"model {self.name!r}: its engine process is not running", code)
 
     def cancel(self, key: int) -> None:
         with self._lock:
@@ -191,12 +229,16 @@ class EngineClient(EngineFacts):
                 log.warning("model %s: cannot reach the engine process: %s", self.name, exc)
 
     # -- reader thread ------------------------------------------------------------
-    def _read(self) -> None:
-        """Dispatch the engine process's messages until it exits; then fail whatever still waits on it."""
-        assert self._conn is not None and self._process is not None
+    def _read(self, conn: Connection, process: torch.multiprocessing.Process) -> None:
+        """Dispatch the engine process's messages until it exits; then fail whatever still waits on it,
+        and, unless the server is stopping, start it again. The process's sentinel is watched beside the
+        pipe: a child it left behind could hold the pipe open after it died."""
         while True:
+            ready = wait([conn, process.sentinel])
+            if conn not in ready:  # dead, and everything it sent has been read
+                break
             try:
-                message = self._conn.recv()
+                message = conn.recv()
             except (EOFError, OSError):
                 break
             try:
@@ -206,9 +248,17 @@ class EngineClient(EngineFacts):
         with self._lock:
             self._alive = False
         code = self._end_process()
-        reason = ("the server is shutting down" if self._stopping else
-                  f"its engine process exited unexpectedly (exit code {code})")
-        self._fail_everything(f"model {self.name!r}: {reason}")
+        if self._stopping:
+            self._fail_everything(f"model {self.name!r}: the server is shutting down", SHUTTING_DOWN)
+            return
+        log.error("model %s: its engine process %d died (%s) with %d request(s) in flight; they fail with 503 "
+                  "engine_restarting and the engine restarts", self.name, process.pid, describe_exit(code),
+                  len(self._streams) + len(self._pending))
+        self.metrics.engine_gone()  # before the clients hear of it: they find the gauges at zero
+        self.state_bytes_allocated = 0
+        self._fail_everything(f"model {self.name!r}: its engine process died ({describe_exit(code)}); it is "
+                              "restarting, retry shortly", ENGINE_RESTARTING)
+        threading.Thread(target=self._restart, name=f"engine-{self.name}-restart", daemon=True).start()
 
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]
@@ -258,11 +308,36 @@ class EngineClient(EngineFacts):
             result, error = None, (rest[0] if kind == "refused" else None)
         call_in_loop(loop, settle, future, result, rebuild_error(error))
 
-    def _fail_everything(self, message: str) -> None:
+    def _fail_everything(self, message: str, code: str) -> None:
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}
             pending, self._pending = list(self._pending.values()), {}
-        hand_over([(s, [GenerationError(s.request.request_id, message)]) for s in streams])
+        hand_over([(s, [GenerationError(s.request.request_id, message, code)]) for s in streams])
         for loop, future in pending:
-            call_in_loop(loop, settle, future, None, EngineFailure(message))
+            call_in_loop(loop, settle, future, None, EngineFailure(message, code))
         self._compiled.set()  # nothing left to wait for
+
+
+def describe_exit(code: int | None) -> str:
+    """An exit code as a person reads it: negative codes are the signal that ended the process."""
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class Backoff:
+    """Delays between restarts: FIRST, doubled while the engine dies within HEALTHY_SECONDS of starting,
+    at most LONGEST; back to FIRST after an engine that ran well."""
+
+    FIRST, LONGEST, HEALTHY_SECONDS = 0.5, 30.0, 60.0
+
+    def __init__(self) -> None:
+        self.delay = 0.0
+
+    def next_delay(self, lived_seconds: float) -> float:
+        young = lived_seconds < self.HEALTHY_SECONDS and self.delay > 0
+        self.delay = min(self.delay * 2, self.LONGEST) if young else self.FIRST
+        return self.delay

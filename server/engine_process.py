@@ -16,6 +16,7 @@ the events of the same step, so a client that has its answer finds the step coun
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import signal
@@ -32,7 +33,7 @@ from model.transformer import Transformer
 from .drain import exit_if_compiling
 from .engine import Engine, EngineLimits
 from .scheduler import QueueFull
-from .streams import EngineFailure, GenerationStream, is_terminal
+from .streams import ENGINE_ERROR, EngineFailure, GenerationStream, is_terminal
 from .types import GenerationRequest, PromptScores, StepStats
 from .validation import InvalidRequest
 
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     from model.compiled_decode import CompileGate
 
 log = logging.getLogger("rnnserve.engine_process")
+PROCESS_NAME_PREFIX = "rnnserve:"  # an engine process's name is this and its model's name
+PR_SET_NAME = 15  # prctl(2)
 DEFER_SECONDS = 0.05  # how late a step's record may reach the API process's /metrics when no event goes out
 
 
@@ -66,14 +69,16 @@ class StartedFacts:
 def describe_error(error: Exception | None) -> tuple[str, str] | None:
     if error is None:
         return None
-    return ("queue_full" if isinstance(error, QueueFull) else "failure", str(error))
+    if isinstance(error, QueueFull):
+        return ("queue_full", str(error))
+    return (getattr(error, "code", ENGINE_ERROR), str(error))
 
 
 def rebuild_error(described: tuple[str, str] | None) -> Exception | None:
     if described is None:
         return None
     kind, message = described
-    return QueueFull(message) if kind == "queue_full" else EngineFailure(message)
+    return QueueFull(message) if kind == "queue_full" else EngineFailure(message, kind)
 
 
 class Pipe:
@@ -242,11 +247,12 @@ class EngineServer:
 def serve_engine(conn: Connection, spec: EngineSpec) -> None:
     """The engine process's main: build and run `spec`'s engine until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the API process stops us
+    name_this_process(f"{PROCESS_NAME_PREFIX}{spec.name}")
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
     pipe = Pipe(conn)
-    engine = Engine(spec.name, spec.model, spec.info, spec.limits, ForwardedMetrics(pipe), spec.compile_gate)
+    engine = Engine(spec.name, spec.model, spec.info, spec.limits, ForwardedMetrics(pipe), spec.compile_gate, spec.threads)
     try:
         engine.start()
     except EngineFailure as exc:
@@ -261,6 +267,16 @@ def serve_engine(conn: Connection, spec: EngineSpec) -> None:
         pipe.flush()
         conn.close()
     exit_if_compiling()
+
+
+def name_this_process(name: str) -> None:
+    """Set the name `ps`, `top` and /proc/PID/comm show (Linux keeps 15 bytes), so an operator can tell which
+    model an engine process serves; elsewhere nothing happens."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def report_compiled(engine: Engine, pipe: Pipe) -> None:

@@ -146,6 +146,8 @@ class Metrics:
         self.state_allocated = s.gauge("rnnserve_decode_state_allocated_bytes",
                                        "Bytes of decode state preallocated for all slots (--max-batch sequences at max_len).",
                                        MODEL_LABELS)
+        self.engine_restarts = s.counter("rnnserve_engine_restarts", "Engine processes started again after one died.",
+                                         MODEL_LABELS)
         self._token_rates: dict[tuple[str, str], RateWindow] = {}
         self._image_rates: dict[tuple[str, str], RateWindow] = {}
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}
@@ -211,7 +213,7 @@ class Metrics:
     def register_model(self, model: str, attention: str, images: bool) -> None:
         """Create a model's series at zero so dashboards see them before traffic (image series for image models only)."""
         labels = (model, attention)
-        for metric in (self.generated_tokens, self.decode_steps) + ((self.completed_images, self.resamplings) if images else ()):
+        for metric in (self.generated_tokens, self.decode_steps, self.engine_restarts) + ((self.completed_images, self.resamplings) if images else ()):
             self._bound(metric, *labels).inc(0)
         gauges = (self.running, self.waiting, self.batch_size, self.tokens_per_second, self.state_in_use, self.state_allocated)
         for metric in gauges + ((self.images_per_second,) if images else ()):
@@ -261,6 +263,14 @@ class ModelMetrics:
 
     def state_allocated(self, nbytes: int) -> None:
         self.metrics._bound(self.metrics.state_allocated, *self.labels).set(nbytes)
+
+    def engine_gone(self) -> None:
+        """The engine died: nothing runs, waits or holds state until it is back."""
+        self.idle(0)
+        self.state_allocated(0)
+
+    def engine_restarted(self) -> None:
+        self.metrics._bound(self.metrics.engine_restarts, *self.labels).inc()
 
     def request_latency(self, seconds: float) -> None:
         self.metrics.observe_request_latency(*self.labels, seconds)

@@ -31,6 +31,8 @@ class ModelCard(BaseModel):
     cuda_graphs: bool
     compiled_decode: bool = Field(description="decode steps run through torch.compile graphs on the CPU "
                                               "(false until the background compile is done)")
+    threads: int = Field(description="intra-op CPU threads this model's steps run on: an equal share of the CPUs the "
+                                     "server may use (affinity and cgroup quota), or --threads")
     state_bytes_per_sequence: int = Field(description="decode state of one sequence at max_len")
     state_bytes_allocated: int = Field(description="decode state preallocated for all slots "
                                                    "(the gauge rnnserve_decode_state_allocated_bytes)")
@@ -68,6 +70,7 @@ def describe(engine: Engine, created: int) -> dict[str, Any]:
         "dtype": str(engine.model.dtype).removeprefix("torch."),
         "cuda_graphs": engine.cuda_graphs,
         "compiled_decode": engine.compiled_decode,
+        "threads": engine.threads,
         "state_bytes_per_sequence": engine.state_bytes_per_sequence,  # one sequence at max_len
         "state_bytes_allocated": engine.state_bytes_allocated,  # = rnnserve_decode_state_allocated_bytes
         "metrics": eval_metrics(engine.info),

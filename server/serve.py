@@ -58,8 +58,9 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "Linformer) with torch.compile, in the background after start-up (eager until ready) "
                              f"{default('compile_decode')}")
     parser.add_argument("--threads", type=int, metavar="N",
-                        help="intra-op CPU threads the models' steps use, shared by all models "
-                             "(env RNNSERVE_THREADS, default torch's: OMP_NUM_THREADS, else every core)")
+                        help="intra-op CPU threads each model's steps use (env RNNSERVE_THREADS; default: the CPUs "
+                             "this process may use, from its affinity, its cgroup's quota and OMP_NUM_THREADS, "
+                             "shared equally among the models, at least one each)")
     parser.add_argument("--max-batch", type=int, help=f"sequences decoded together per model {default('max_batch')}")
     parser.add_argument("--max-waiting", type=int, help=f"requests queued per model before 429 {default('max_waiting')}")
     parser.add_argument("--scheduler-steps", type=int, metavar="N",

@@ -30,7 +30,7 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     cuda_graphs: bool = True  # on CUDA, replay linear/Linformer decode steps as captured graphs
     compile_decode: bool = True  # on CPU, softmax/linear/Linformer decode steps through torch.compile
-    threads: int | None = Field(None, ge=1, le=1024)  # intra-op CPU threads; None: torch's default (OMP_NUM_THREADS or every core)
+    threads: int | None = Field(None, ge=1, le=1024)  # intra-op CPU threads per engine; None: a share of the budget (cpu_budget.py)
     max_batch: int = Field(64, ge=1, le=65536)  # sequences decoded together, per model
     max_waiting: int = Field(256, ge=0)  # sequences queued per model before 429
     scheduler_steps: int = Field(8, ge=1, le=1024)  # decode steps per scheduling pass when no client watches each

@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator, Iterator
 from fastapi import Request
 
 from .engine import Engine, EngineFailure, GenerationStream, QueueFull
+from .streams import ENGINE_ERROR, ENGINE_RESTARTING
 from .errors import APIError, error_body, invalid_request
 from .types import Generation, GenerationRequest, PromptScores, SampleResult
 from .validation import InvalidRequest
@@ -112,8 +113,10 @@ async def wait_for_disconnect(request: Request) -> None:
 
 
 def engine_error(exc: EngineFailure) -> APIError:
-    status = 503 if "shutting down" in str(exc) else 500
-    return APIError(status, f"generation failed: {exc}", None, "engine_error")
+    """503 for a server that is draining or an engine coming back (retry later, or elsewhere); 500 for a fault."""
+    status = 500 if exc.code == ENGINE_ERROR else 503
+    headers = {"Retry-After": "1"} if exc.code == ENGINE_RESTARTING else None
+    return APIError(status, f"generation failed: {exc}", None, exc.code, headers)
 
 
 def sse(payload: dict[str, Any]) -> str:

@@ -20,8 +20,16 @@ from typing import AsyncIterator, Callable, Protocol
 from .types import Generation, GenerationError, GenerationRequest, SampleResult
 
 
+ENGINE_ERROR, SHUTTING_DOWN, ENGINE_RESTARTING = "engine_error", "shutting_down", "engine_restarting"
+
+
 class EngineFailure(RuntimeError):
-    """The engine failed while running a request."""
+    """The engine failed while running a request. `code` says why, for the client: `engine_error` (a fault),
+    `shutting_down` (the server is draining), `engine_restarting` (the engine died and is coming back)."""
+
+    def __init__(self, message: str, code: str = ENGINE_ERROR):
+        super().__init__(message)
+        self.code = code
 
 
 class _EndOfStream:
@@ -95,7 +103,7 @@ class GenerationStream:
                 if item is DONE:
                     return
                 if isinstance(item, GenerationError):
-                    raise EngineFailure(item.message)
+                    raise EngineFailure(item.message, item.code)
                 yield item
 
 
@@ -116,9 +124,9 @@ def hand_over(pairs: list[tuple[GenerationStream, list]]) -> None:
         sink.put_events(batch)
 
 
-def finish(streams, message: str | None = None) -> None:
-    """End streams: cleanly (message None) or with an error."""
-    deliver({s: [DONE if message is None else GenerationError(s.request.request_id, message)] for s in streams})
+def finish(streams, message: str | None = None, code: str = ENGINE_ERROR) -> None:
+    """End streams: cleanly (message None) or with an error (`code`: see EngineFailure)."""
+    deliver({s: [DONE if message is None else GenerationError(s.request.request_id, message, code)] for s in streams})
 
 
 ScoreReply = Callable[[object, "Exception | None"], None]  # (result, error): called on the engine thread

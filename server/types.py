@@ -118,6 +118,7 @@ class GenerationError:
 
     request_id: str
     message: str
+    code: str = "engine_error"  # what the client is told (server/streaming.py: engine_error)
 
 
 @dataclass(slots=True)

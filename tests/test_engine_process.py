@@ -154,24 +154,38 @@ def test_refusals_keep_their_kind_across_the_pipe():
         engine.stop()
 
 
-def test_a_dead_engine_process_fails_what_waits_on_it_and_stops_being_ready():
-    async def scenario(engine):
+def test_a_dead_engine_process_fails_what_waits_on_it_stops_being_ready_and_comes_back():
+    async def killed_mid_stream(engine):
         stream = await engine.enqueue(GenerationRequest("r", [1], max_new_tokens=90, sampling=SamplingParams(seed=1)))
         first = await anext(aiter(stream))
         os.kill(engine.pid, signal.SIGKILL)
-        with pytest.raises(EngineFailure, match="engine process exited unexpectedly"):
+        with pytest.raises(EngineFailure, match="engine process died") as failed:
             async for _ in stream:
                 pass
+        assert failed.value.code == "engine_restarting"
         return first.position
+
+    async def answered(engine):
+        stream = await engine.enqueue(GenerationRequest("again", [1], max_new_tokens=5, sampling=SamplingParams(seed=1)),
+                                      each_event=False)
+        return [result async for result in stream]
 
     engine = make(EngineClient)
     engine.start()
     try:
+        first_pid = engine.pid
         assert engine.ready
-        assert asyncio.run(scenario(engine)) == 1
-        assert not engine.ready
+        assert asyncio.run(killed_mid_stream(engine)) == 1
+        assert not engine.ready and engine.state_bytes_allocated == 0
+        deadline = time.monotonic() + 120
+        while not engine.ready and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert engine.ready and engine.pid != first_pid and engine.restarts == 1
+        [result] = asyncio.run(answered(engine))
+        assert len(result.tokens) == 5
     finally:
         engine.stop()
+    assert not engine.ready
 
 
 def test_a_call_that_fails_in_the_engine_process_is_answered_and_the_process_serves_on():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -223,6 +224,9 @@ def label_named_model(request: Request, body: Any) -> None:
         server.engines.label(request, body.get("model"))
 
 
+HTTP_ERROR_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}
+
+
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     unparsed = _unparsed_body(exc.__cause__) if exc.status_code == 400 else None
     if unparsed is not None:
@@ -233,7 +237,8 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
         message = f"method {request.method} is not allowed on {request.url.path}"
     else:
         message = str(exc.detail)
-    return error_response(exc.status_code, message, None, None, getattr(exc, "headers", None))
+    code = HTTP_ERROR_CODES.get(exc.status_code, "http_error")
+    return error_response(exc.status_code, message, None, code, getattr(exc, "headers", None))
 
 
 def _unparsed_body(cause: BaseException | None) -> str | None:
@@ -242,6 +247,9 @@ def _unparsed_body(cause: BaseException | None) -> str | None:
         return not_utf8(cause.object)  # None for UTF-8 read as UTF-16 (a body starting with a NUL byte)
     if isinstance(cause, RecursionError):  # Python's json parser: as deep as the recursion limit, which others move
         return too_deep(None)
+    if isinstance(cause, ValueError) and "digits" in str(cause):  # Python's cap on an integer's length
+        return (f"the body is not valid JSON for this server: an integer has more than {sys.get_int_max_str_digits()} "
+                "digits; no field takes a number that long")
     return None
 
 

@@ -91,15 +91,22 @@ def _load(data: bytes, param: str) -> Image.Image:
     try:
         img = Image.open(io.BytesIO(data))
     except damaged as exc:
-        raise ImageError(f"{param} is a damaged PNG ({exc}); expected a valid 28x28 PNG image", param) from None
+        raise ImageError(f"{param} is a damaged PNG ({_reason(exc)}); expected a valid 28x28 PNG image", param) from None
     if img.size != (SIDE, SIDE):  # from the header, before decoding any pixel
         w, h = img.size
         raise ImageError(f"{param} is {w}x{h} pixels; expected {SIDE}x{SIDE}", param)
     try:
         img.load()
     except damaged as exc:
-        raise ImageError(f"{param} is a damaged PNG ({exc}); expected a valid 28x28 PNG image", param) from None
+        raise ImageError(f"{param} is a damaged PNG ({_reason(exc)}); expected a valid 28x28 PNG image", param) from None
     return img
+
+
+def _reason(exc: Exception) -> str:
+    """Pillow's reason, without the in-memory file object it names when it cannot identify an image."""
+    if isinstance(exc, UnidentifiedImageError):
+        return "its header cannot be read: the file is cut short or not an image"
+    return str(exc)
 
 
 def _grey(img: Image.Image) -> np.ndarray:

@@ -20,6 +20,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import TypeAdapter, ValidationError
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import imaging
 from .deps import ServerState, get_server
@@ -219,7 +220,15 @@ async def _from_json(request: Request) -> ImageInput:
 
 
 async def _from_form(request: Request) -> ImageInput:
-    form = await request.form()
+    try:
+        form = await request.form()
+    except StarletteHTTPException as exc:  # Starlette's multipart parser: a bad boundary, a part without a name
+        raise APIError(400, f"the multipart body cannot be read: {exc.detail}; send multipart/form-data with the "
+                       "boundary its Content-Type names and an `image` file part", None, "invalid_multipart") from None
+    repeated = [name for name in FILE_FIELDS if len(form.getlist(name)) > 1]
+    if repeated:
+        raise invalid_request(f"the form has {len(form.getlist(repeated[0]))} `{repeated[0]}` parts; "
+                              f"give at most one", repeated[0])
     scalars = {k: v for k, v in form.multi_items() if k not in FILE_FIELDS}
     try:
         options = ImageOptions.model_validate({k: v for k, v in scalars.items() if v != ""}, strict=False)

@@ -101,7 +101,7 @@ async def health(server: ServerState = Depends(get_server)) -> Response:
     return JSONResponse({"status": "ok", "models": {e.name: "ready" for e in server.engines}})
 
 
-@router.get("/metrics", response_class=Response, responses={**PROMETHEUS_TEXT, **errors(401)})
+@router.get("/metrics", response_class=Response, responses=PROMETHEUS_TEXT)  # open: scrapers send no key
 async def metrics(server: ServerState = Depends(get_server)) -> Response:
     body, content_type = server.metrics.render()
     return Response(body, media_type=content_type)

@@ -25,7 +25,7 @@ GRACEFUL_SHUTDOWN_SECONDS = 5  # after the drain, uvicorn's own wait for connect
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 SERVER_FLAGS = ("weights", "models", "host", "port", "device", "dtype", "cuda_graphs", "compile_decode", "threads",
                 "max_batch", "max_waiting", "scheduler_steps", "engine_process",
-                "max_body_bytes", "api_key", "log_level", "drain_seconds", "body_timeout")
+                "max_body_bytes", "api_key", "log_level", "drain_seconds", "body_timeout", "header_timeout")
 RAY_FLAGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "cpus_per_replica", "gpus_per_replica",
              "ray_metrics_port")
 
@@ -74,6 +74,9 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, help=f"largest request body accepted {default('max_body_bytes')}")
     parser.add_argument("--body-timeout", type=float, metavar="SECONDS",
                         help=f"a request body not all arrived by then gets 408 and its connection closed {default('body_timeout')}")
+    parser.add_argument("--header-timeout", type=float, metavar="SECONDS",
+                        help="a request line and headers not all arrived by then (from the connection's opening, or "
+                             f"a request's first byte) get 408 and the connection closed {default('header_timeout')}")
     parser.add_argument("--drain-seconds", type=float, metavar="SECONDS",
                         help=f"after SIGTERM, how long requests in flight get to finish {default('drain_seconds')}")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' except on /health and /metrics "
@@ -165,6 +168,7 @@ def _load_and_serve(sock: socket.socket, settings: Settings, on_started: Callabl
 
     from .app import build_app
     from .drain import DrainingServer
+    from .header_timeout import protocol_with_header_timeout
     from .registry import load_models
 
     try:
@@ -179,6 +183,7 @@ def _load_and_serve(sock: socket.socket, settings: Settings, on_started: Callabl
     print(f"rnnserve: serving {names} on {first.device} in {str(first.dtype).removeprefix('torch.')} "
           f"at http://{host}:{port}", file=sys.stderr, flush=True)
     config = uvicorn.Config(build_app(settings, models, on_started=on_started), log_level=settings.log_level,
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+                            http=protocol_with_header_timeout(settings.header_timeout))
     DrainingServer(config).run(sockets=[sock])
     return 0

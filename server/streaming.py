@@ -70,9 +70,16 @@ async def collect_all(request: Request, streams: list[GenerationStream]) -> list
         raise engine_error(exc) from None
     finally:
         watch.cancel()
-        consume.cancel()
+        cancel_quietly(consume)
         for stream in streams:
             stream.cancel()  # no-op once finished; frees slots otherwise
+
+
+def cancel_quietly(future: asyncio.Future) -> None:
+    """Cancel `future` and take its outcome when it ends: a cancelled gather ends with a CancelledError as its
+    exception, which asyncio would otherwise log as never retrieved (for every client that left)."""
+    future.cancel()
+    future.add_done_callback(lambda done: done.cancelled() or done.exception())
 
 
 async def _all_events(stream: GenerationStream) -> list[SampleResult]:

@@ -219,3 +219,46 @@ def test_a_prompt_too_long_by_itself_is_blamed_and_otherwise_max_tokens_is(clien
     too_many = error_of(client.post("/v1/completions", json={"prompt": "a", "max_tokens": 500}), 400)
     assert too_many["param"] == "max_tokens" and too_many["code"] == "context_length_exceeded"
     still_serving(client)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", '{"prompt": "a", "max_tokens": ' + "9" * 5000 + "}"),
+    ("/v1/images/completions", '{"keep_rows": ' + "9" * 5000 + ', "pixels": [[0]]}'),
+])
+def test_an_integer_of_thousands_of_digits_gets_a_400_with_a_code_saying_why(client, path, body):
+    error = error_of(client.post(path, content=body, headers={"content-type": "application/json"}), 400)
+    assert error["code"] == "invalid_json", error
+    assert "digits" in error["message"] or "number out of range" in error["message"], error
+    still_serving(client)
+
+
+def png_file() -> bytes:
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("L", (28, 28)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_a_multipart_body_with_a_bad_boundary_gets_a_400_with_a_code(client):
+    body = b"--wrong\r\nContent-Disposition: form-data; name=\"image\"; filename=\"d.png\"\r\n\r\n" + png_file()
+    answer = client.post("/v1/images/completions", content=body,
+                         headers={"content-type": "multipart/form-data; boundary=right"})
+    error = error_of(answer, 400)
+    assert error["code"] == "invalid_multipart" and "boundary" in error["message"], error
+    still_serving(client)
+
+
+def test_a_multipart_body_with_two_image_files_is_refused_not_read_silently(client):
+    answer = client.post("/v1/images/completions", data={"keep_rows": "14", "model": "digits"},
+                         files=[("image", ("a.png", png_file(), "image/png")), ("image", ("b.png", png_file(), "image/png"))])
+    error = error_of(answer, 400)
+    assert error["param"] == "image" and "2 `image` parts" in error["message"], error
+    still_serving(client)
+
+
+def test_an_unknown_route_and_a_wrong_method_get_codes(client):
+    assert error_of(client.get("/v1/nothing"), 404)["code"] == "not_found"
+    assert error_of(client.get("/v1/completions"), 405)["code"] == "method_not_allowed"

@@ -147,8 +147,10 @@ def test_past_the_deadline_requests_end_with_the_shutdown_error(server_factory):
     assert streamed.status == 200  # the status line went out when the stream was queued
     events = sse_payloads(streamed.body)  # ends with exactly one [DONE]
     assert SHUTTING_DOWN in events[-1]["error"]["message"] and events[-1]["error"]["type"] == "server_error"
+    assert events[-1]["error"]["code"] == "shutting_down"  # as a request refused by the drain is told
     assert whole.status == 503
     assert SHUTTING_DOWN in json.loads(whole.body)["error"]["message"]
+    assert json.loads(whole.body)["error"]["code"] == "shutting_down"
     assert "ending them" in server.log.read_text()
 
 
@@ -176,6 +178,47 @@ def test_a_body_that_does_not_arrive_gets_408_and_its_connection_closed(server_f
     assert httpx.get(f"{server.url}/health").status_code == 200  # still serving
     text = httpx.get(f"{server.url}/metrics").text
     assert metric_value(text, "rnnserve_requests_total", endpoint="/v1/completions", outcome="timeout") == 20
+
+
+@pytest.mark.parametrize("sent", [
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl",  # stops mid-header
+    b"GET /hea",  # stops mid request line
+    b"",  # opens the connection and sends nothing
+])
+def test_headers_that_do_not_arrive_get_408_and_the_connection_closed(server_factory, sent):
+    server = server_factory("--header-timeout", "1")
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(sent)
+        sock.settimeout(30)
+        reply = read_until_closed(sock)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 "), reply[:200]
+    assert b"connection: close" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["code"] == "header_timeout" and "--header-timeout" in error["message"]
+    # A kept-alive connection's next request is held to the limit too, and a prompt client is not cut.
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.settimeout(30)
+        first = read_one_answer(sock)
+        assert first.startswith(b"HTTP/1.1 200 "), first[:200]
+        sock.sendall(b"GET /heal")
+        second = read_until_closed(sock)
+        assert second.startswith(b"HTTP/1.1 408 "), second[:200]
+    assert httpx.get(f"{server.url}/health").status_code == 200  # still serving
+
+
+def read_one_answer(sock: socket.socket) -> bytes:
+    """One answer on a kept-alive connection: its head, then as many body bytes as its content-length says."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
 
 
 def read_until_closed(sock: socket.socket) -> bytes:

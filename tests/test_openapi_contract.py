@@ -47,6 +47,14 @@ def test_no_422_and_every_error_status_of_the_generation_routes(document):
     assert "text/plain" in document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
 
 
+def test_only_routes_that_take_the_api_key_document_a_401(document):
+    from server.middleware import is_open
+
+    for path, operations in document["paths"].items():
+        for method, operation in operations.items():
+            assert ("401" in operation["responses"]) != is_open(path), f"{method.upper()} {path}"
+
+
 def test_every_multipart_field_is_documented_and_limits_are_this_servers(document):
     body = document["paths"]["/v1/images/completions"]["post"]["requestBody"]
     form = body["content"]["multipart/form-data"]["schema"]

@@ -68,9 +68,11 @@ def test_not_a_png_says_what_it_is():
         imaging.decode_png(b"hello", "image")
 
 
-def test_truncated_png_is_called_damaged():
-    with pytest.raises(imaging.ImageError, match="image is a damaged PNG .*expected a valid 28x28 PNG"):
-        imaging.decode_png(png_bytes(digit())[:60], "image")
+@pytest.mark.parametrize("cut", [20, 40, 60])
+def test_truncated_png_is_called_damaged_without_naming_a_python_object(cut):
+    with pytest.raises(imaging.ImageError, match="image is a damaged PNG .*expected a valid 28x28 PNG") as refused:
+        imaging.decode_png(png_bytes(digit())[:cut], "image")
+    assert "object at 0x" not in str(refused.value) and "BytesIO" not in str(refused.value)
 
 
 def test_wrong_size_states_received_and_expected():

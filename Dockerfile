@@ -71,12 +71,17 @@ COPY --from=build-cuda /opt/venv /opt/venv
 
 # Last stage = default target.
 FROM runtime AS cpu
-# A C++ compiler: on the CPU the server compiles its decode steps (torch.compile's inductor) and builds its
-# decode-attention kernel (model/cpu_kernels.py) at start-up, for the machine it runs on. Without one both
-# are logged as failed and decoding stays on PyTorch's eager operators, several times slower.
+# A C++ compiler, used here at build time: `rnnserve build-kernels` builds the CPU decode kernels
+# (model/cpu_kernels.py) and compiles the shipped models' decode steps into inductor's cache, in a folder the
+# server reads, so that a container serving on a CPU of the same class runs no compiler. On another CPU class
+# the server logs that the kernels were not built for it and compiles its decode steps in the background.
 USER 0:0
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
     && rm -rf /var/lib/apt/lists/*
-USER 10001:10001
 COPY --from=build-cpu /opt/venv /opt/venv
+ENV TORCH_EXTENSIONS_DIR=/opt/rnnserve-cache/torch_extensions \
+    TORCHINDUCTOR_CACHE_DIR=/opt/rnnserve-cache/inductor
+RUN rnnserve build-kernels --weights /app/weights \
+    && chown -R 10001:10001 /opt/rnnserve-cache
+USER 10001:10001

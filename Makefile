@@ -4,6 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
+KERNELS_STAMP := $(VENV)/.kernels-built
 
 .PHONY: install serve test bench check-container clean
 
@@ -19,9 +20,17 @@ $(TEST_STAMP): $(STAMP)
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(TEST_STAMP)
 
-install: $(TEST_STAMP)
+# The CPU decode kernels and the shipped models' compiled decode steps, built ahead so that a server runs no
+# compiler beside its requests (server/prebuild.py). Without a C++ compiler the server decodes with PyTorch's
+# operators, so a failure here is reported, not fatal.
+$(KERNELS_STAMP): $(STAMP) $(wildcard model/kernels/*.cpp) $(wildcard weights/*.safetensors)
+	$(BIN)/rnnserve build-kernels --weights weights \
+		|| echo "make: building the CPU kernels ahead failed (see above); the server will decode without them"
+	touch $(KERNELS_STAMP)
 
-serve: $(STAMP)
+install: $(TEST_STAMP) $(KERNELS_STAMP)
+
+serve: $(STAMP) $(KERNELS_STAMP)
 	$(BIN)/rnnserve serve $(ARGS)
 
 test: $(TEST_STAMP)

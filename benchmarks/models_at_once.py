@@ -84,14 +84,14 @@ async def wait_ready(session: aiohttp.ClientSession, url: str, log: Path, compil
     deadline = time.monotonic() + START_SECONDS + (COMPILE_SECONDS if compiled else 0)
     while time.monotonic() < deadline:
         try:
-            async with session.get(f"{url}/v1/models") as answer:
-                cards = {c["id"]: c for c in (await answer.json())["data"]} if answer.status == 200 else {}
             async with session.get(f"{url}/health") as answer:
                 healthy = answer.status == 200
+            async with session.get(f"{url}/v1/models") as answer:
+                cards = {c["id"]: c for c in (await answer.json())["data"]} if answer.status == 200 else {}
         except aiohttp.ClientError:
             cards, healthy = {}, False
-        if healthy and (not compiled or all(c["compiled_decode"] or c["attention"] == "reformer"
-                                            for c in cards.values())):
+        if healthy and cards and (not compiled or all(c["compiled_decode"] or c["attention"] == "reformer"
+                                                      for c in cards.values())):
             return cards
         await asyncio.sleep(1.0)
     raise RuntimeError(f"the server was not ready in time; its log:\n{log.read_text()[-4000:]}")
@@ -129,6 +129,34 @@ async def run_config(weights: list[Path], flags: list[str], images: int, compile
             "seconds": seconds, "images_per_second": {m: images / s for m, s in seconds.items()}}
 
 
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def summary_table(summary: dict, reference: str = "threads1") -> str:
+    """A Markdown table: each configuration's median images/s per model over its rounds, each as a share of
+    `reference`'s in the same run, and linear's images/s over softmax's."""
+    rates = {name: {model: median([r["images_per_second"][model] for r in rounds]) for model in rounds[0]["seconds"]}
+             for name, rounds in summary["rounds"].items()}
+    models = list(next(iter(rates.values())))
+    lines = [f"| configuration (flags) | threads per engine | {' | '.join(models)} | linear / softmax |",
+             "|---|---|" + "---|" * len(models) + "---|"]
+    for name, per_model in rates.items():
+        threads = summary["rounds"][name][0]["threads"]
+        cells = []
+        for model in models:
+            share = (f" ({per_model[model] / rates[reference][model]:.0%})"
+                     if reference in rates and name != reference else "")
+            cells.append(f"{per_model[model]:.2f}{share}")
+        linear, softmax = per_model.get("mnist-linear"), per_model.get("mnist-softmax")
+        ratio = f"{linear / softmax:.2f}x" if linear and softmax else "-"
+        flags = " ".join(summary["configs"][name]) or "none"
+        lines.append(f"| {name} (`{flags}`) | {sorted(set(threads.values()))} | {' | '.join(cells)} | {ratio} |")
+    return "\n".join(lines)
+
+
 def parse_config(text: str) -> tuple[str, list[str]]:
     name, _, flags = text.partition("=")
     return name, [flag for flag in flags.split(",") if flag]
@@ -138,13 +166,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--weights", type=Path, default=Path("weights"))
     parser.add_argument("--models", default=",".join(MNIST_MODELS), help="comma-separated model names in --weights")
-    parser.add_argument("--config", action="append", required=True, metavar="NAME=FLAG,FLAG",
+    parser.add_argument("--config", action="append", default=[], metavar="NAME=FLAG,FLAG",
                         help="a server configuration: its name and its flags (comma-separated; none for defaults)")
     parser.add_argument("--images", type=int, default=16, help="completions per model, all sent at once")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds of every configuration")
     parser.add_argument("--busy", type=int, default=0, help="busy-loop processes beside the server")
     parser.add_argument("--json-out", type=Path)
+    parser.add_argument("--table", type=Path, metavar="JSON", help="print the table of a result file and exit")
     args = parser.parse_args(argv)
+    if args.table:
+        print(summary_table(json.loads(args.table.read_text())))
+        return 0
+    if not args.config:
+        parser.error("give at least one --config NAME=FLAGS (or --table JSON)")
     weights = [args.weights / f"{name}.safetensors" for name in args.models.split(",")]
     configs = [parse_config(text) for text in args.config]
     results: dict[str, list[dict]] = {name: [] for name, _ in configs}
@@ -161,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                "images_per_model": args.images, "configs": {n: f for n, f in configs}, "rounds": results}
     if args.json_out:
         args.json_out.write_text(json.dumps(summary, indent=1) + "\n")
+    print(summary_table(summary))
     return 0
 
 

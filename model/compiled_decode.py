@@ -226,7 +226,9 @@ class CompiledDecoder(EagerDecoder):
     def _compile_in_thread(self, batch: int | None, gate: CompileGate | None, threads: int) -> None:
         adopt_process_threads(threads)  # inductor sizes its loops' thread teams by the compiling thread's count
         lower_thread_priority(BACKGROUND_COMPILE_NICENESS)  # before the C++ compiler's processes inherit it
-        self._use_kernels()  # before waiting for a turn: the kernels speed up the eager steps too
+        # Before waiting for a turn: the kernels speed up the eager steps too. Only kernels built ahead
+        # (`rnnserve build-kernels`): a background compile serves requests meanwhile, so it builds none.
+        self._use_kernels(build=False)
         # One compile thread and the compilers it starts, not inductor's pool of worker processes: those
         # would run at the priority of whichever thread made the pool, and each holds a copy of torch.
         with gate if gate is not None else nullcontext(), torch._inductor.config.patch(compile_threads=1):
@@ -253,11 +255,11 @@ class CompiledDecoder(EagerDecoder):
         self._finished.set()
         return self.log
 
-    def _use_kernels(self) -> None:
+    def _use_kernels(self, build: bool = True) -> None:
         if self.log.kernels is None:
             # The attention kernels of the layers that have one, and the linear layers' kernel for the twin.
             packed = packs(self.model)
-            self.log.kernels = use_cpu_kernels(self.model) or (load_kernels() if packed else None)
+            self.log.kernels = use_cpu_kernels(self.model, build) or (load_kernels(build) if packed else None)
             if packed and self.log.kernels.ok:
                 self._twin = decode_twin(self.model)
 

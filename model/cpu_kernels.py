@@ -9,13 +9,12 @@ torch.compile keeps each as one call inside its graphs:
     layer on weights packed once (model/kernels/packed_linear.cpp), which the
     compiled decode steps use for every linear layer (model/packed_linear.py).
 
-The build takes about 20 s once per machine and uses the vector
-instructions inductor picks for this CPU. torch keeps the library under
-~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR), here in a folder of
-its own per sources, flags, torch and Python environment: two checkouts on
-one machine would otherwise rebuild over each other's library at every
-start. A build that fails (no compiler) is logged and decoding keeps
-PyTorch's operators.
+The build runs once per machine, ahead of serving (`rnnserve build-kernels`, which `make install` and the
+container build run), and uses the vector instructions inductor picks for this CPU. torch keeps the library
+under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR), here in a folder of its own per sources, flags,
+torch and Python environment: two checkouts on one machine would otherwise rebuild over each other's library.
+A server only loads a library built ahead (`load_kernels(build=False)`): no compiler runs beside requests.
+When none was built, or a build fails (no compiler), that is logged once and decoding keeps PyTorch's operators.
 """
 
 from __future__ import annotations
@@ -66,10 +65,11 @@ def packed_linear_wins() -> bool:
     return "-DCPU_CAPABILITY_AVX512" in vector_flags()
 
 
-def load_kernels() -> KernelBuild:
-    """Build (or find built) and register the kernels, once per process: later calls return the first result."""
+def load_kernels(build: bool = True) -> KernelBuild:
+    """Register the kernels, once per process (later calls return the first result): built here if need be, or
+    (build=False, what a server does) only if a library built ahead is there."""
     with _BUILD_LOCK:
-        return _load_once()
+        return _load_once(build)
 
 
 def wait_for_build(seconds: float) -> bool:
@@ -82,26 +82,38 @@ def wait_for_build(seconds: float) -> bool:
 
 
 @functools.cache
-def _load_once() -> KernelBuild:
+def _load_once(build: bool) -> KernelBuild:
     start = time.perf_counter()
     try:
-        from torch.utils.cpp_extension import load
-
         # OpenMP as torch's own: the kernel splits rows over torch's intra-op threads (its libgomp, already loaded).
         flags = ["-O3", "-fopenmp", *vector_flags()]
         directory = build_directory(flags)
-        with exclusive_build(directory):
-            load(name=LIBRARY, sources=[str(source) for source in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                 build_directory=str(directory), is_python_module=False)
+        if build:
+            _build(directory, flags)
+        elif (directory / f"{LIBRARY}.so").is_file():
+            torch.ops.load_library(str(directory / f"{LIBRARY}.so"))
+        else:
+            log.warning("the CPU decode kernels were not built ahead (run `rnnserve build-kernels`, as `make install` "
+                        "does); decoding with PyTorch's operators")
+            return KernelBuild(False, time.perf_counter() - start, "not built; run `rnnserve build-kernels`")
         torch.library.register_fake("rnnserve::softmax_decode_attention")(_fake_softmax_decode_attention)
         torch.library.register_fake("rnnserve::packed_linear")(_fake_packed_linear)
     except Exception as exc:  # no compiler, no Python headers, a read-only cache
         error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-        log.warning("building the CPU decode kernels failed (%s); decoding with PyTorch's operators", error)
+        log.warning("%s the CPU decode kernels failed (%s); decoding with PyTorch's operators",
+                    "building" if build else "loading", error)
         return KernelBuild(False, time.perf_counter() - start, error)
-    build = KernelBuild(True, time.perf_counter() - start)
-    log.info("CPU decode kernels ready in %.1f s", build.seconds)
-    return build
+    result = KernelBuild(True, time.perf_counter() - start)
+    log.info("CPU decode kernels ready in %.1f s", result.seconds)
+    return result
+
+
+def _build(directory: Path, flags: list[str]) -> None:
+    from torch.utils.cpp_extension import load
+
+    with exclusive_build(directory):
+        load(name=LIBRARY, sources=[str(source) for source in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+             build_directory=str(directory), is_python_module=False)
 
 
 def build_directory(flags: list[str]) -> Path:
@@ -141,12 +153,13 @@ def _kernel_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "cpu_decode_kernel")]
 
 
-def use_cpu_kernels(model: torch.nn.Module) -> KernelBuild | None:
-    """Turn on the kernels in every layer of a CPU model that has one; None when none applies."""
+def use_cpu_kernels(model: torch.nn.Module, build: bool = True) -> KernelBuild | None:
+    """Turn on the kernels in every layer of a CPU model that has one; None when none applies.
+    build=False: only a library built ahead (see load_kernels)."""
     layers = _kernel_layers(model)
     if not layers or next(model.parameters()).device.type != "cpu":
         return None
-    build = load_kernels()
+    build = load_kernels(build)
     for layer in layers:
         layer.cpu_decode_kernel = build.ok
     return build

@@ -11,12 +11,13 @@ import asyncio
 import gc
 import logging
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import torch
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CollectorRegistry
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from . import errors, openapi
 from .compile_gate import CompileTurns
@@ -34,6 +35,7 @@ from .routes_playground import mount_static
 from .routes_playground import router as playground_router
 from .routes_text import router as text_router
 from .settings import Settings
+from .startup_responder import MESSAGE as STARTING_MESSAGE
 
 if TYPE_CHECKING:
     from model.compiled_decode import CompileGate
@@ -42,13 +44,15 @@ log = logging.getLogger("rnnserve.app")
 
 
 def build_app(settings: Settings, models: list[LoadedModel] | None = None, metrics: Metrics | None = None,
-              on_started: Callable[[], None] | None = None) -> FastAPI:
+              on_started: Callable[[], None] | None = None, background_start: bool = False) -> FastAPI:
     """An app serving `models`, or the models `settings` names (loaded at start-up); its series go
     to `metrics` (default: a registry of its own, served at /metrics). `on_started` is called (on a
-    worker thread) once the engines run, just before the app serves."""
+    worker thread) once the engines run, just before the app serves. background_start: the app serves
+    at once, answering 503 `starting` until the models have started (a Ray Serve replica: Serve routes
+    nothing to a replica whose start-up has not returned, so a probe would hang instead)."""
     metrics = metrics or Metrics(CollectorRegistry())
     # FastAPIOffline serves /docs and /redoc with Swagger UI and ReDoc from a Python package, no CDN.
-    app = FastAPIOffline(title="rnnserve", version="0.1.0", lifespan=_lifespan(settings, metrics, models, on_started),
+    app = FastAPIOffline(title="rnnserve", version="0.1.0", lifespan=_lifespan(settings, metrics, models, on_started, background_start),
                          description="Image completion, streaming text and metrics for RNN-mode transformers.")
     errors.install(app)
     openapi.install(app, settings.max_batch)
@@ -60,6 +64,8 @@ def build_app(settings: Settings, models: list[LoadedModel] | None = None, metri
     # Added innermost first: metrics see every answer, a draining server refuses before anything
     # else, the key is checked before the body is read.
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes, timeout=settings.body_timeout)
+    if background_start:
+        app.add_middleware(StartingMiddleware, state=app.state)
     if settings.api_key_value():
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key_value())
     app.state.drain = Drain(settings.drain_seconds)
@@ -69,38 +75,89 @@ def build_app(settings: Settings, models: list[LoadedModel] | None = None, metri
 
 
 def _lifespan(settings: Settings, metrics: Metrics, models: list[LoadedModel] | None,
-              on_started: Callable[[], None] | None):
+              on_started: Callable[[], None] | None, background: bool):
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        life = Lifecycle(settings, metrics, models)
+        starting: asyncio.Task | None = None
+        try:
+            if background:
+                starting = asyncio.create_task(life.start_in_background(app))
+            else:
+                await life.start(app, on_started)
+            yield
+        finally:
+            if starting is not None:
+                await starting  # engines that start while the app stops are stopped below, not left running
+            life.stop()
+
+    return lifespan
+
+
+class Lifecycle:
+    """What the lifespan starts and stops: the models' engines, their compile turns, the heap freeze."""
+
+    def __init__(self, settings: Settings, metrics: Metrics, models: list[LoadedModel] | None):
+        self.settings, self.metrics, self.models = settings, metrics, models
+        self.turns = CompileTurns.new()  # the engines' background compiles take turns (server/compile_gate.py)
+        self.started: list[Engine | EngineClient] = []
+        self.freezing: asyncio.Task | None = None
+
+    async def start(self, app: FastAPI, on_started: Callable[[], None] | None = None) -> None:
+        """Load the models (unless given), start their engines and put the server state on the app."""
+        settings = self.settings
         if settings.threads is not None:
             torch.set_num_threads(settings.threads)  # before any engine thread adopts the process's count
-        loaded = models if models is not None else load_models(settings)
+        loaded = self.models if self.models is not None else await asyncio.to_thread(load_models, settings)
         limits = EngineLimits(max_batch=settings.max_batch, max_waiting=settings.max_waiting,
                               cuda_graphs=settings.cuda_graphs, compile_decode=settings.compile_decode,
                               scheduler_steps=settings.scheduler_steps)
-        turns = CompileTurns.new()  # the engines' background compiles take turns (server/compile_gate.py)
         budget = usable_cpus()
         threads = budget.engine_threads(len(loaded), settings.threads)
-        engines = [make_engine(m, limits, metrics, settings, turns, n) for m, n in zip(loaded, threads)]
+        engines = [make_engine(m, limits, self.metrics, settings, self.turns, n) for m, n in zip(loaded, threads)]
         log_thread_shares(budget, engines, settings.threads)
-        started: list[Engine | EngineClient] = []
-        freezing: asyncio.Task | None = None
-        try:
-            started = await start_engines(engines)
-            created = {m.name: int(m.path.stat().st_mtime) for m in loaded}
-            app.state.server = ServerState(settings, metrics, EngineRegistry(engines, created))
-            freezing = asyncio.create_task(freeze_heap_once_compiled(engines))
-            if on_started is not None:
-                await asyncio.to_thread(on_started)
-            yield
-        finally:
-            if freezing is not None:
-                freezing.cancel()
-            for engine in started:
-                engine.stop()
-            turns.remove()
+        self.started = await start_engines(engines)
+        created = {m.name: int(m.path.stat().st_mtime) for m in loaded}
+        app.state.server = ServerState(settings, self.metrics, EngineRegistry(engines, created))
+        self.freezing = asyncio.create_task(freeze_heap_once_compiled(engines))
+        if on_started is not None:
+            await asyncio.to_thread(on_started)
 
-    return lifespan
+    async def start_in_background(self, app: FastAPI) -> None:
+        """`start` while the app already answers (503 `starting`, see StartingMiddleware); a failure is kept on
+        the app's state for the answers and the health check to report."""
+        try:
+            await self.start(app)
+        except Exception as exc:
+            log.exception("the models could not start")
+            app.state.start_failure = f"{type(exc).__name__}: {exc}"
+
+    def stop(self) -> None:
+        if self.freezing is not None:
+            self.freezing.cancel()
+        for engine in self.started:
+            engine.stop()
+        self.turns.remove()
+
+
+class StartingMiddleware:
+    """While the models start in the background, answer 503 `starting` (with Retry-After), as the standalone
+    server's start-up responder does; once they failed to start, 503 `start_failed` saying why."""
+
+    def __init__(self, app: ASGIApp, state: Any):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or hasattr(self.state, "server"):
+            await self.app(scope, receive, send)
+            return
+        failure = getattr(self.state, "start_failure", None)
+        if failure is None:
+            answer = errors.error_response(503, STARTING_MESSAGE, None, "starting", {"Retry-After": "2"})
+        else:
+            answer = errors.error_response(503, f"the models failed to start ({failure}); see the server's log",
+                                           None, "start_failed")
+        await answer(scope, receive, send)
 
 
 async def start_engines(engines: list[Engine | EngineClient]) -> list[Engine | EngineClient]:

@@ -239,6 +239,7 @@ class ModelMetrics:
         self.metrics = metrics
         self.labels = (model, attention)
         self.images = images
+        self._allocated = 0  # bytes: set again while idle (see `idle`)
 
     def record_step(self, stats: StepStats) -> None:
         """Everything one decoding step changes, in one place."""
@@ -254,14 +255,18 @@ class ModelMetrics:
             m._bound(m.resamplings, *labels).inc(stats.resamplings)
 
     def idle(self, waiting: int) -> None:
-        """Nothing is running: the batch is empty and the rate windows slide on."""
+        """Nothing is running: the batch is empty and the rate windows slide on. The allocated state is set
+        again too: it changes only at start-up, and Ray's export drops a value recorded before its metrics
+        agent was up, so a gauge set once there could stay missing from it."""
         self.metrics.idle(*self.labels, self.images)
         self.metrics.queue(*self.labels, 0, waiting)
+        self.state_allocated(self._allocated)
 
     def queue(self, running: int, waiting: int) -> None:
         self.metrics.queue(*self.labels, running, waiting)
 
     def state_allocated(self, nbytes: int) -> None:
+        self._allocated = nbytes
         self.metrics._bound(self.metrics.state_allocated, *self.labels).set(nbytes)
 
     def engine_gone(self) -> None:

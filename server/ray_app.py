@@ -89,7 +89,9 @@ def deployment_options(settings: Settings) -> dict[str, Any]:
     if settings.autoscaling():
         options["autoscaling_config"] = {"min_replicas": 1 if settings.min_replicas is None else settings.min_replicas,
                                          "max_replicas": settings.max_replicas,
-                                         "target_ongoing_requests": settings.target_ongoing_requests}
+                                         "target_ongoing_requests": settings.target_ongoing_requests,
+                                         "downscale_delay_s": settings.downscale_delay,
+                                         "upscale_delay_s": settings.upscale_delay}
     else:
         options["num_replicas"] = settings.replicas
     return options
@@ -132,15 +134,22 @@ class RnnserveReplica:
 
         # A replica is a Ray worker process of its own already; its engines run on its threads.
         settings = self.settings.model_copy(update={"engine_process": False})
-        self.built = build_app(settings, metrics=Metrics(series=RaySeries()))
+        # The models start after the replica does, so that the proxy can route to it at once and a probe
+        # meanwhile gets 503 `starting` instead of waiting behind Serve's start-up of the replica.
+        self.built = build_app(settings, metrics=Metrics(series=RaySeries()), background_start=True)
         self.built.add_middleware(ReplicaMiddleware, replica=self.replica)
         self.watcher = asyncio.get_running_loop().create_task(self._drain_when_told())
         return self.built
 
     async def check_health(self) -> None:
-        """Serve restarts a replica whose engine thread died (not one that is draining)."""
-        server = getattr(self.built.state, "server", None) if self.built is not None else None
-        if server is not None and not self.built.state.drain.draining and server.engines.not_ready():
+        """Serve restarts a replica whose models failed to start or whose engine thread died (not one that is
+        draining, nor one whose models are still starting)."""
+        state = self.built.state if self.built is not None else None
+        failure = getattr(state, "start_failure", None)
+        if failure is not None:
+            raise RuntimeError(f"the models failed to start: {failure}")
+        server = getattr(state, "server", None)
+        if server is not None and not state.drain.draining and server.engines.not_ready():
             raise RuntimeError(f"engines not running: {', '.join(server.engines.not_ready())}")
 
     async def _drain_when_told(self) -> None:

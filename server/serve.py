@@ -26,8 +26,8 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 SERVER_FLAGS = ("weights", "models", "host", "port", "device", "dtype", "cuda_graphs", "compile_decode", "threads",
                 "max_batch", "max_waiting", "scheduler_steps", "engine_process",
                 "max_body_bytes", "api_key", "log_level", "drain_seconds", "body_timeout", "header_timeout")
-RAY_FLAGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "cpus_per_replica", "gpus_per_replica",
-             "ray_metrics_port")
+RAY_FLAGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "downscale_delay", "upscale_delay",
+             "cpus_per_replica", "gpus_per_replica", "ray_metrics_port")
 
 
 def _default(name: str) -> str:
@@ -92,6 +92,11 @@ def _add_ray_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--max-replicas", type=int, help="autoscale up to this many replicas (env RNNSERVE_MAX_REPLICAS)")
     group.add_argument("--target-ongoing-requests", type=float,
                        help=f"autoscaling aims at this many requests per replica {default('target_ongoing_requests')}")
+    group.add_argument("--downscale-delay", type=float, metavar="SECONDS",
+                       help=f"autoscaling: load below target this long before a replica is removed (Ray's default: "
+                            f"600) {default('downscale_delay')}")
+    group.add_argument("--upscale-delay", type=float, metavar="SECONDS",
+                       help=f"autoscaling: load above target this long before a replica is added {default('upscale_delay')}")
     group.add_argument("--cpus-per-replica", type=float, help=f"CPUs Ray reserves per replica {default('cpus_per_replica')}")
     group.add_argument("--gpus-per-replica", type=float, help=f"GPUs Ray reserves per replica {default('gpus_per_replica')}")
     group.add_argument("--ray-metrics-port", type=int,

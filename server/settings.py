@@ -46,6 +46,8 @@ class Settings(BaseSettings):
     min_replicas: int | None = Field(None, ge=0)  # autoscaling: set max_replicas (min defaults to 1)
     max_replicas: int | None = Field(None, ge=1)
     target_ongoing_requests: float = Field(32.0, gt=0)  # autoscaling aims at this many requests per replica
+    downscale_delay: float = Field(60.0, ge=0)  # autoscaling: seconds of low load before a replica is removed
+    upscale_delay: float = Field(5.0, ge=0)  # autoscaling: seconds of high load before a replica is added
     cpus_per_replica: float = Field(1.0, ge=0)
     gpus_per_replica: float = Field(0.0, ge=0)
     ray_metrics_port: int = Field(8080, ge=0, le=65535)  # `--ray`: where Ray exports every replica's metrics

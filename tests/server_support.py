@@ -102,11 +102,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(settings: Settings) -> Iterator[tuple[str, Any]]:
-    """uvicorn serving build_app(settings) in a background thread; yields (base URL, app)."""
+def running_server(settings: Settings, **build: Any) -> Iterator[tuple[str, Any]]:
+    """uvicorn serving build_app(settings, **build) in a background thread; yields (base URL, app)."""
     import uvicorn
 
-    app = build_app(settings)
+    app = build_app(settings, **build)
     sock = free_socket()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -5,6 +5,8 @@ Built once per machine by the first test that needs it (about 20 s here), then f
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -23,6 +25,9 @@ from model.softmax_attention import SoftmaxAttention, attend_one_query
 from conftest import TINY_MAX_LEN, make_tiny_model, make_tokens
 
 KERNEL_TOLERANCE = 1e-5
+# The kernels are C++ built on this machine: without a compiler there is nothing to test.
+pytestmark = pytest.mark.skipif(not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
+                                reason="no C++ compiler on PATH: the CPU kernels cannot be built here")
 
 
 @pytest.fixture(scope="module")
@@ -138,9 +143,9 @@ def test_models_without_a_kernel_are_left_alone():
 
 def test_a_failed_build_is_reported_and_decoding_keeps_pytorch_attention(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_kernels, "SOURCES", (tmp_path / "missing.cpp",))
-    build = cpu_kernels._load_once.__wrapped__()  # the uncached build, as a first call in a process would run it
+    build = cpu_kernels._load_once.__wrapped__(True)  # the uncached build, as a first call in a process would run it
     assert not build.ok and "missing.cpp" in build.error
-    monkeypatch.setattr(cpu_kernels, "load_kernels", lambda: build)
+    monkeypatch.setattr(cpu_kernels, "load_kernels", lambda build_here=True: build)
     model = make_tiny_model("softmax")
     assert use_cpu_kernels(model) is build
     assert not any(m.cpu_decode_kernel for m in model.modules() if isinstance(m, SoftmaxAttention))
@@ -195,3 +200,19 @@ def test_a_process_finds_the_kernels_despite_a_dead_build_s_lock():
                           cwd=Path(__file__).resolve().parents[1])
     assert done.stdout.split() == ["True", "None"], done.stderr[-2000:]
     assert "left by a build" in done.stderr
+
+
+def test_a_server_loads_kernels_built_ahead_and_builds_none_itself(tmp_path):
+    """What a server's engine calls (build=False): the library built ahead in this machine's cache loads; with an
+    empty cache nothing is compiled, one line says how to build them, and decoding goes on without them."""
+    load_kernels()  # built ahead (or found), as `rnnserve build-kernels` does
+    code = "from model.cpu_kernels import load_kernels; b = load_kernels(build=False); print(b.ok)"
+    repo = Path(__file__).resolve().parents[1]
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=repo)
+    assert found.stdout.split() == ["True"], found.stderr[-2000:]
+    empty = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    missing = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=repo,
+                             env=empty)
+    assert missing.stdout.split() == ["False"], missing.stderr[-2000:]
+    assert "rnnserve build-kernels" in missing.stderr
+    assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.o"))  # no compiler ran

@@ -109,7 +109,8 @@ def test_node_export_has_every_replicas_series_with_their_types(seen):
     replicas = {a["replica"] for a in seen["text"]}
     expected = {"ray_rnnserve_generated_tokens": "counter", "ray_rnnserve_requests": "counter",
                 "ray_rnnserve_time_to_first_token_seconds": "histogram",
-                "ray_rnnserve_inter_token_latency_seconds": "histogram", "ray_rnnserve_running_sequences": "gauge"}
+                "ray_rnnserve_inter_token_latency_seconds": "histogram", "ray_rnnserve_running_sequences": "gauge",
+                "ray_rnnserve_decode_state_allocated_bytes": "gauge", "ray_rnnserve_waiting_sequences": "gauge"}
     for name, kind in expected.items():
         assert name in exported and exported[name].type == kind, f"{name}: {exported.get(name)}"
         labelled = {s.labels.get("replica") for s in exported[name].samples}
@@ -117,6 +118,8 @@ def test_node_export_has_every_replicas_series_with_their_types(seen):
     tokens = sum(s.value for s in exported["ray_rnnserve_generated_tokens"].samples
                  if s.name.endswith("_total") and s.labels["model"] == "text-softmax")
     assert tokens == 6 * 17, "16 + 1 streamed text requests of 6 tokens, summed over both replicas"
+    allocated = [s.value for s in exported["ray_rnnserve_decode_state_allocated_bytes"].samples]
+    assert allocated and all(value > 0 for value in allocated), allocated
 
 
 def test_ray_dashboard_queries_only_what_the_node_exports(seen):

@@ -259,5 +259,11 @@ def test_builder_turns_settings_into_deployment_options():
     assert fixed["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0.0}
     assert fixed["max_ongoing_requests"] == 12  # the engine's own queue limit answers 429, not Serve's
     scaled = deployment_options(build_settings(max_replicas=4, target_ongoing_requests=16, drain_seconds=10))
-    assert scaled["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 16}
+    assert scaled["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 16,
+                                            "downscale_delay_s": 60.0, "upscale_delay_s": 5.0}
+    quick = deployment_options(build_settings(max_replicas=2, downscale_delay=3, upscale_delay=1))["autoscaling_config"]
+    from ray.serve.config import AutoscalingConfig
+
+    checked = AutoscalingConfig(**quick)  # Ray's own schema takes every key, with the values given
+    assert (checked.downscale_delay_s, checked.upscale_delay_s) == (3, 1)
     assert "num_replicas" not in scaled and scaled["graceful_shutdown_timeout_s"] > 10

@@ -1,0 +1,96 @@
+"""`rnnserve build-kernels`: everything the CPU decode path compiles, built ahead of serving.
+
+A server compiles nothing beside its requests: it loads the C++ kernels built here (model/cpu_kernels.py) and
+compiles its decode steps in the background, which finds what is compiled here in inductor's cache, so no C++
+compiler runs once it serves. `make install` and the container build run this; without it a server still
+serves, with PyTorch's operators in place of the kernels (logged once).
+
+With `--weights DIR` (default: weights/, when there) each compilable model's decode steps and sampling are
+compiled as a server with default settings compiles them: the same rows (--max-batch) and the same intra-op
+threads (an equal share of this machine's CPUs among the models, as the server gives), so a server started
+with other --max-batch or --threads compiles those graphs itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_WEIGHTS = Path("weights")
+DEFAULT_ROWS = 64  # the server's --max-batch default
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--weights", type=Path, metavar="DIR",
+                        help="also compile the decode steps of every .safetensors model in DIR (default: weights/ "
+                             "when it exists)")
+    parser.add_argument("--no-models", action="store_true", help="build the C++ kernels only")
+    parser.add_argument("--max-batch", type=int, default=DEFAULT_ROWS,
+                        help=f"rows the server will decode together, as its --max-batch (default {DEFAULT_ROWS})")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from model.cpu_kernels import load_kernels
+
+    kernels = load_kernels(build=True)
+    if not kernels.ok:
+        print(f"rnnserve build-kernels: the C++ kernels did not build ({kernels.error}); a server will decode with "
+              "PyTorch's operators. Install a C++ compiler (Debian: g++) and run this again.", file=sys.stderr)
+        return 1
+    paths = [] if args.no_models else model_files(args.weights)
+    if paths is None:
+        print(f"rnnserve build-kernels: --weights {args.weights} is not a directory", file=sys.stderr)
+        return 2
+    failed = [path for path in compile_models(paths, args.max_batch) if path is not None]
+    for path in failed:
+        print(f"rnnserve build-kernels: compiling {path}'s decode steps failed (see above); a server will compile "
+              "them in the background, or decode it eagerly", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def model_files(weights: Path | None) -> list[Path] | None:
+    if weights is None:
+        return sorted(DEFAULT_WEIGHTS.glob("*.safetensors")) if DEFAULT_WEIGHTS.is_dir() else []
+    return sorted(weights.glob("*.safetensors")) if weights.is_dir() else None
+
+
+def compile_models(paths: list[Path], rows: int) -> list[Path | None]:
+    """Compile each compilable model's decode steps with the thread count a server of these models gives it;
+    the paths whose compile failed (None for the others)."""
+    import torch
+
+    from model.weights_io import load_model
+
+    from .cpu_budget import usable_cpus  # the server's budget, so the graphs match the server's threads
+
+    [threads, *_] = usable_cpus().engine_threads(len(paths)) or [1]
+    torch.set_num_threads(threads)
+    outcomes = []
+    for path in paths:
+        model, _ = load_model(path)
+        outcomes.append(None if compile_decode_steps(model, rows, path.stem) else path)
+    return outcomes
+
+
+def compile_decode_steps(model, rows: int, name: str) -> bool:
+    """Compile as a server's engine does (model/compiled_decode.py), here and now; False if it failed."""
+    import torch
+    import torch._inductor.config
+
+    from model.cuda_graphs import make_decoder
+
+    if not model.capabilities.compilable:
+        return True
+    with torch.inference_mode():  # the engine allocates its slots under inference mode
+        state = model.eval().new_state(rows)
+    decoder = make_decoder(model, state, cuda_graphs=False, compiled=True)
+    started = time.perf_counter()
+    with torch._inductor.config.patch(compile_threads=1):  # as the server's background compile
+        compiled = decoder.compile()
+    print(f"rnnserve build-kernels: {name} ({model.config.attention}) decode steps compiled in "
+          f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    return compiled.error is None

@@ -3,6 +3,7 @@
 # the README's first image request takes once it says ready, while the models still compile in the background.
 #
 #   benchmarks/first_request.sh [ROUNDS (default 1)] [WEIGHTS (default weights)]
+#   BUSY=2 benchmarks/first_request.sh   # the same with two busy-loop processes beside the server
 #
 # Serves every model in WEIGHTS with default flags (as `make serve` does), polls /health every second (1 s
 # timeout: "000" is no answer), then sends the README's first request (4 completions of
@@ -16,7 +17,12 @@ port=${PORT:-18125}
 py=${PYTHON:-.venv/bin/python}
 log=$(mktemp)
 server=""
-trap 'kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; rm -f "$log"' EXIT
+busy=()
+trap 'kill "$server" "${busy[@]}" 2>/dev/null || true; wait "$server" 2>/dev/null || true; rm -f "$log"' EXIT
+for _ in $(seq 1 "${BUSY:-0}"); do
+    "$py" -c "while True: pass" &
+    busy+=($!)
+done
 
 now() { date +%s%N; }
 since() { local ms=$(( ($(now) - $1) / 1000000 )); printf '%d.%02d' $((ms / 1000)) $((ms % 1000 / 10)); }
@@ -47,6 +53,7 @@ for round in $(seq 1 "$rounds"); do
     kill -TERM "$server"
     status=0
     wait "$server" || status=$?
-    echo "round $round: exit status $status; compiles logged by then: $(grep -c 'compiled the' "$log" || true)"
+    echo "round $round: exit status $status; graphs compiled by then: $(grep -c 'compiled the' "$log" || true)," \
+        "adopted by the engines: $(grep -c 'adopted the compiled' "$log" || true)"
     grep -E "terminate called|Traceback" "$log" || true
 done

@@ -29,12 +29,15 @@ one-row linear step here; a 64-row draw 0.23 -> 0.13 ms with the temperature
 moved into its graph).
 
 Compiling takes seconds to a minute per graph on a small CPU. `compile()`
-does it in the caller (generate, the bench); `compile(background=True)`
-starts a thread and decodes eagerly until each graph is ready (the server:
-start-up is not held up). That thread runs at a lower CPU priority, so the
-eager steps serving requests meanwhile keep their cores, and it may hold a
-`gate` (a lock several decoders share: the server's models compile one at a
-time, and each is fast sooner). Each compile is logged with its time. A compile that fails
+does it in the caller (generate, the bench, `rnnserve build-kernels`);
+`compile(background=True)` (the server: start-up is not held up) decodes
+eagerly meanwhile and compiles in a child process (model/compile_child.py),
+at a lower CPU priority so that the eager steps serving requests keep their
+cores, holding a `gate` (a lock several decoders share: the server's models
+compile one at a time, and each is fast sooner). The thread that runs the
+steps then adopts the graphs between two steps (`adopt_compiled`), from
+inductor's cache: no compiler runs in the serving process, and no trace runs
+beside a step. Each compile is logged with its time. A compile that fails
 (e.g. no C++ compiler) is logged and that decoder stays eager.
 
 Which kinds are compiled is what they declare (`compilable` in
@@ -55,6 +58,7 @@ from dataclasses import dataclass, field
 import torch
 import torch._inductor.config
 
+from .compile_child import CompileJob, compile_in_child
 from .cpu_kernels import KernelBuild, load_kernels, use_cpu_kernels
 from .cuda_graphs import EagerDecoder
 from .packed_linear import decode_twin, packs
@@ -62,7 +66,6 @@ from .guard_free import GuardFreeGraphs
 from .registry import kinds_where
 from .sampling import BatchSampling, draw_unfiltered, sample
 from .state import ModelState
-from .threads import adopt_process_threads
 from .transformer import Transformer
 
 log = logging.getLogger("rnnserve.compiled_decode")
@@ -134,7 +137,9 @@ class CompiledDecoder(EagerDecoder):
         with torch.inference_mode(self._inference_tensors):
             self._token_buffer = torch.zeros(state.batch_size, dtype=torch.long, device=model.device)
         self._row_views: dict[int, ModelState] = {}
-        self._twin: Transformer | None = None  # the model's decode twin, once the kernels are built (_use_kernels)
+        self._twin: Transformer | None = None  # the model's decode twin, once the kernels are built (use_kernels)
+        self._compiled_elsewhere = threading.Event()  # a background compile's child is done: adopt its graphs
+        self._background_batch: int | None = None
 
     @property
     def _inference_tensors(self) -> bool:
@@ -213,30 +218,45 @@ class CompiledDecoder(EagerDecoder):
     # -- compiling ----------------------------------------------------------------
     def compile(self, background: bool = False, batch: int | None = None,
                 gate: CompileGate | None = None) -> CompileLog | None:
-        """Compile now (returns what was compiled), or on a daemon thread while steps run eagerly
-        until each graph is ready (returns None). batch: only the graph a batch of that many rows
-        uses (a fixed-batch loop); None: both. gate: held by the background compile while it runs."""
+        """Compile now (returns what was compiled), or in the background while steps run eagerly (returns
+        None): a child process compiles (model/compile_child.py), and the thread that runs the steps then
+        adopts its graphs between two steps (`adopt_compiled`). batch: only the graph a batch of that many rows
+        uses (a fixed-batch loop); None: both. gate: held while the child compiles."""
         if not background:
             return self.compile_now(batch)
-        threads = torch.get_num_threads()  # the caller's: an engine's share of the server's CPUs
-        threading.Thread(target=self._compile_in_thread, args=(batch, gate, threads), name=COMPILE_THREAD,
-                         daemon=True).start()
+        job = CompileJob(self.model, self.state.batch_size, self._inference_tensors,
+                         torch.get_num_threads(),  # the caller's: an engine's share of the server's CPUs
+                         batch, logging.getLogger("rnnserve").getEffectiveLevel())
+        self._background_batch = batch
+        threading.Thread(target=self._compile_in_child, args=(job, gate), name=COMPILE_THREAD, daemon=True).start()
         return None
 
-    def _compile_in_thread(self, batch: int | None, gate: CompileGate | None, threads: int) -> None:
-        adopt_process_threads(threads)  # inductor sizes its loops' thread teams by the compiling thread's count
-        lower_thread_priority(BACKGROUND_COMPILE_NICENESS)  # before the C++ compiler's processes inherit it
+    def _compile_in_child(self, job: CompileJob, gate: CompileGate | None) -> None:
+        lower_thread_priority(BACKGROUND_COMPILE_NICENESS)  # inherited by the child and its compilers
         # Before waiting for a turn: the kernels speed up the eager steps too. Only kernels built ahead
-        # (`rnnserve build-kernels`): a background compile serves requests meanwhile, so it builds none.
-        self._use_kernels(build=False)
-        # One compile thread and the compilers it starts, not inductor's pool of worker processes: those
-        # would run at the priority of whichever thread made the pool, and each holds a copy of torch.
-        with gate if gate is not None else nullcontext(), torch._inductor.config.patch(compile_threads=1):
-            self.compile_now(batch)
+        # (`rnnserve build-kernels`): requests are being served meanwhile, so nothing is built here.
+        self.use_kernels(build=False)
+        with gate if gate is not None else nullcontext():
+            error = compile_in_child(job)
+        if error is None:
+            self._compiled_elsewhere.set()
+            return
+        self.log.error = f"background compile: {error}"
+        log.warning("compiling the %s decode steps failed (%s); decoding eagerly", self.model.config.attention, error)
+        self._finished.set()
 
-    def compile_now(self, batch: int | None = None) -> CompileLog:
+    def adopt_compiled(self) -> None:
+        """(The thread that runs the steps, between two of them.) Once the child has compiled, trace the steps
+        here: every graph comes from inductor's cache, and no step runs meanwhile. A failure leaves them eager."""
+        if not self._compiled_elsewhere.is_set() or self._finished.is_set():
+            return
+        self._compiled_elsewhere.clear()
+        with torch._inductor.config.patch(compile_threads=1):  # should the cache miss: no pool of workers here
+            self.compile_now(self._background_batch, verb="adopted the compiled")
+
+    def compile_now(self, batch: int | None = None, verb: str = "compiled") -> CompileLog:
         """Compile the shape classes here and now, one log line each; a failure leaves decoding eager."""
-        self._use_kernels()  # first, so that the graphs call them
+        self.use_kernels()  # first, so that the graphs call them
         for name, rows in WARMUP_ROWS.items():
             wanted = rows <= self.state.batch_size if batch is None else rows == min(batch, 2)
             if not wanted or rows in self.ready or self.log.error is not None:
@@ -250,12 +270,12 @@ class CompiledDecoder(EagerDecoder):
                 break
             self.log.seconds[name] = time.perf_counter() - start
             self.ready.add(rows)
-            log.info("compiled the %s decode step and sampling for %s in %.1f s", self.model.config.attention, name,
+            log.info("%s the %s decode step and sampling for %s in %.1f s", verb, self.model.config.attention, name,
                      self.log.seconds[name])
         self._finished.set()
         return self.log
 
-    def _use_kernels(self, build: bool = True) -> None:
+    def use_kernels(self, build: bool = True) -> None:
         if self.log.kernels is None:
             # The attention kernels of the layers that have one, and the linear layers' kernel for the twin.
             packed = packs(self.model)

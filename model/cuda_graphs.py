@@ -68,6 +68,9 @@ class EagerDecoder:
         """Wait for a background compile to end; True once nothing is left to compile."""
         return True
 
+    def adopt_compiled(self) -> None:
+        """(The stepping thread, between steps.) Nothing compiled elsewhere to take in (see CompiledDecoder)."""
+
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """Tokens (n,) for rows [0, n) -> their next-token logits (n, V)."""
         return self.model.decode_step(tokens, self.state.slice(0, tokens.shape[0]))

@@ -119,6 +119,7 @@ class Lifecycle:
         self.started = await start_engines(engines)
         created = {m.name: int(m.path.stat().st_mtime) for m in loaded}
         app.state.server = ServerState(settings, self.metrics, EngineRegistry(engines, created))
+        log.info("serving %s", ", ".join(engine.name for engine in engines))
         self.freezing = asyncio.create_task(freeze_heap_once_compiled(engines))
         if on_started is not None:
             await asyncio.to_thread(on_started)

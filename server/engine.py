@@ -176,6 +176,7 @@ class Engine(EngineFacts):
             self._ready.set()
             while not self._stopping:
                 try:
+                    self.runner.decoder.adopt_compiled()  # a background compile's graphs, between two steps
                     self._score_waiting()
                     self._admit()
                     if self.scheduler.rows:

@@ -37,6 +37,7 @@ def _default(name: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_server_arguments(parser)
+    _add_time_limit_arguments(parser)
     _add_ray_arguments(parser.add_argument_group("Ray Serve (with --ray; pip install 'rnnserve[ray]')"))
 
 
@@ -72,6 +73,13 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "handling never holds the engine's GIL; the HTTP side talks to it over a pipe "
                              f"{default('engine_process')}")
     parser.add_argument("--max-body-bytes", type=int, help=f"largest request body accepted {default('max_body_bytes')}")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' except on /health and /metrics "
+                                          "(env RNNSERVE_API_KEY, default none)")
+    parser.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), help=_default("log_level"))
+
+
+def _add_time_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    default = _default
     parser.add_argument("--body-timeout", type=float, metavar="SECONDS",
                         help=f"a request body not all arrived by then gets 408 and its connection closed {default('body_timeout')}")
     parser.add_argument("--header-timeout", type=float, metavar="SECONDS",
@@ -79,9 +87,6 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              f"a request's first byte) get 408 and the connection closed {default('header_timeout')}")
     parser.add_argument("--drain-seconds", type=float, metavar="SECONDS",
                         help=f"after SIGTERM, how long requests in flight get to finish {default('drain_seconds')}")
-    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' except on /health and /metrics "
-                                          "(env RNNSERVE_API_KEY, default none)")
-    parser.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), help=_default("log_level"))
 
 
 def _add_ray_arguments(group: argparse._ArgumentGroup) -> None:

@@ -1,0 +1,85 @@
+"""A background compile's heavy part in a child process: code generation and the C++ compiler run there.
+
+The serving process only adopts the result (model/compiled_decode.py): it traces the same steps again, on the
+thread that runs them, between two steps, and finds every graph in inductor's on-disk cache. So a compile
+never runs beside a step in the serving process (a trace racing a step could break it), and the compilers
+are the child's: the child dies with its parent (Linux sends it SIGTERM when the thread that started it ends,
+however the process ends), and takes its compilers with it (it leads a process group of its own), so none is
+left running after the server and no build lock is left held.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+from dataclasses import dataclass
+
+import torch
+import torch._inductor.config
+
+log = logging.getLogger("rnnserve.compile_child")
+PR_SET_PDEATHSIG = 1  # prctl(2)
+CHILD_SECONDS = 3600.0  # a compile that takes longer is stopped, and its decoder stays eager
+
+
+@dataclass(frozen=True)
+class CompileJob:
+    """What the child needs to compile exactly what its parent will trace (pickled to it)."""
+
+    model: torch.nn.Module
+    rows: int  # the decoder's state rows
+    inference_tensors: bool  # whether the parent's state is made of inference tensors
+    threads: int  # the parent's intra-op threads: inductor sizes its loops by them
+    batch: int | None  # compile() 's batch: only one row class, or None for both
+    log_level: int
+
+
+def compile_in_child(job: CompileJob) -> str | None:
+    """Run `job` in a child process and wait for it; None when it compiled, else why not."""
+    context = torch.multiprocessing.get_context("spawn")
+    child = context.Process(target=_child_main, args=(job,), name="rnnserve-compile", daemon=True)
+    child.start()
+    child.join(CHILD_SECONDS)
+    if child.exitcode is None:
+        child.kill()
+        child.join()
+        return f"the compile did not finish within {CHILD_SECONDS:.0f} s"
+    if child.exitcode != 0:
+        return f"the compile process exited with code {child.exitcode} (its log above says why)"
+    return None
+
+
+def _child_main(job: CompileJob) -> None:
+    """The child: its own process group, dies with its parent, compiles as the parent's decoder would."""
+    from .compiled_decode import CompiledDecoder
+
+    os.setpgrp()  # the C++ compilers it starts are in this group: stopped with it
+    signal.signal(signal.SIGTERM, _stop_group)
+    _die_with_parent()
+    logging.basicConfig(level=job.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(job.threads)
+    log.info("compiling the %s decode steps in process %d with %d intra-op threads", job.model.config.attention,
+             os.getpid(), torch.get_num_threads())
+    model = job.model.eval()
+    with torch.inference_mode(job.inference_tensors):
+        state = model.new_state(job.rows)
+    decoder = CompiledDecoder(model, state)
+    decoder.use_kernels(build=False)  # as the parent: only kernels built ahead, so the same graphs
+    with torch._inductor.config.patch(compile_threads=1):  # no pool of worker processes, each a copy of torch
+        compiled = decoder.compile_now(job.batch)
+    raise SystemExit(0 if compiled.error is None else 1)
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the child ends when its compile does
+        pass
+    if os.getppid() == 1:  # the parent died before the call above
+        _stop_group(signal.SIGTERM, None)
+
+
+def _stop_group(signum: int, frame) -> None:
+    os.killpg(os.getpgrp(), signal.SIGKILL)

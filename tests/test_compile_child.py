@@ -1,0 +1,111 @@
+"""The background compile's child process: it compiles what the parent then adopts from the cache, between
+steps, and it dies with its parent, compilers and all (no orphan, whatever ends the parent)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.compiled_decode import CompiledDecoder
+from model.cuda_graphs import EagerDecoder
+from conftest import make_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+PARENT = """
+import sys, time, torch
+sys.path.insert(0, "tests")
+from conftest import make_tiny_model
+from model.compiled_decode import CompiledDecoder
+model = make_tiny_model("softmax", seed=3)
+decoder = CompiledDecoder(model, model.new_state(3))
+decoder.compile(background=True)
+print("started", flush=True)
+time.sleep(600)
+"""
+
+
+def children(pid: int) -> list[int]:
+    """Processes whose parent is `pid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            pass
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def compile_child_of(pid: int, seconds: float = 120) -> int:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for child in children(pid):
+            try:
+                if "spawn_main" in (Path("/proc") / str(child) / "cmdline").read_text():
+                    return child
+            except OSError:
+                pass
+        time.sleep(0.1)
+    pytest.fail("no compile child appeared")
+
+
+def test_a_killed_parent_takes_its_compile_child_and_the_child_s_compilers_with_it():
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline().strip() == "started"
+        child = compile_child_of(parent.pid)
+        time.sleep(3.0)  # into its compile: importing torch, tracing, maybe a compiler already
+        group = os.getpgid(child)
+        assert group == child, "the child leads a process group of its own, its compilers in it"
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(alive(pid) for pid in group_members(group)):
+            time.sleep(0.1)
+        assert not [pid for pid in group_members(group) if alive(pid)], "left running after the parent died"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
+def group_members(group: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and os.getpgid(int(entry.name)) == group:
+                members.append(int(entry.name))
+        except OSError:
+            pass
+    return members
+
+
+def test_the_adopted_graphs_decode_as_the_eager_steps():
+    model = make_tiny_model("linear", seed=5)
+    decoder, eager = CompiledDecoder(model, model.new_state(3)), EagerDecoder(model, model.new_state(3))
+    decoder.compile(background=True)
+    deadline = time.monotonic() + 600
+    while not decoder.wait_compiled(0.2) and time.monotonic() < deadline:
+        decoder.adopt_compiled()
+    assert decoder.compiled, decoder.log
+    tokens = torch.tensor([5, 6, 7])
+    with torch.inference_mode():
+        for _ in range(3):
+            got, want = decoder(tokens), eager(tokens)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+            tokens = want.argmax(-1)

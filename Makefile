@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 KERNELS_STAMP := $(VENV)/.kernels-built
 
-.PHONY: install serve test bench check-container clean
+.PHONY: install serve test lint bench check-container clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ serve: $(STAMP) $(KERNELS_STAMP)
 
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# pyflakes and pycodestyle's errors (configured in pyproject.toml); CI runs it before the tests.
+lint: $(TEST_STAMP)
+	$(BIN)/ruff check .
 
 bench: $(STAMP)
 	$(BIN)/rnnserve bench $(ARGS)

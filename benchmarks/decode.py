@@ -38,9 +38,10 @@ import torch
 
 from model.config import BOS_TOKEN, ModelConfig
 from model.cpu_kernels import turn_off_cpu_kernels
-from model.cuda_graphs import EagerDecoder, make_decoder
+from model.cuda_graphs import EagerDecoder
+from model.decoders import make_decoder
 from model.generate import generate
-from model.registry import attention_kinds
+from model.kinds import attention_kinds
 from model.sampling import BatchSampling, SamplingParams, sample
 from model.transformer import Transformer, build_model, with_bos
 from model.weights_io import load_model, read_metadata

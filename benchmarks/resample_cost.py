@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.decode import preset_config
 from model import build_model
-from model.registry import attention_kinds
+from model.kinds import attention_kinds
 from model.sampling import SamplingParams
 from server.particles import RowCopy
 from server.runner import ModelRunner

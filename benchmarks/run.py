@@ -8,7 +8,7 @@ import sys
 from dataclasses import fields, replace
 from pathlib import Path
 
-from model.registry import attention_kinds
+from model.kinds import attention_kinds
 from training.presets import PRESETS
 
 from .errors import BenchError

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from model import build_model
-from model.registry import attention_kinds
+from model.kinds import attention_kinds
 from model.transformer import Transformer
 from model.weights_io import load_model
 from training import train

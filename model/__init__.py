@@ -9,10 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from .config import BOS_TOKEN, BYTE_VOCAB, ModelConfig
-    from .state import ModelState
-    from .transformer import SequenceTooLong, Transformer, build_model
+if TYPE_CHECKING:  # for type checkers only: at run time __getattr__ imports them on first access
+    from .config import BOS_TOKEN, BYTE_VOCAB, ModelConfig  # noqa: F401
+    from .state import ModelState  # noqa: F401
+    from .transformer import SequenceTooLong, Transformer, build_model  # noqa: F401
 
 # exported name -> submodule that defines it
 _EXPORTS = {"BOS_TOKEN": "config", "BYTE_VOCAB": "config", "ModelConfig": "config", "ModelState": "state",

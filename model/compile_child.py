@@ -15,9 +15,9 @@ import logging
 import os
 import signal
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
-import torch._inductor.config
 
 log = logging.getLogger("rnnserve.compile_child")
 PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -36,10 +36,11 @@ class CompileJob:
     log_level: int
 
 
-def compile_in_child(job: CompileJob) -> str | None:
-    """Run `job` in a child process and wait for it; None when it compiled, else why not."""
+def compile_in_child(job: CompileJob, target: Callable[[CompileJob], None]) -> str | None:
+    """Run `target(job)` in a child process (it calls `become_compile_child` first) and wait for it; None when
+    it compiled (exit status 0), else why not."""
     context = torch.multiprocessing.get_context("spawn")
-    child = context.Process(target=_child_main, args=(job,), name="rnnserve-compile", daemon=True)
+    child = context.Process(target=target, args=(job,), name="rnnserve-compile", daemon=True)
     child.start()
     child.join(CHILD_SECONDS)
     if child.exitcode is None:
@@ -51,25 +52,16 @@ def compile_in_child(job: CompileJob) -> str | None:
     return None
 
 
-def _child_main(job: CompileJob) -> None:
-    """The child: its own process group, dies with its parent, compiles as the parent's decoder would."""
-    from .compiled_decode import CompiledDecoder
-
-    os.setpgrp()  # the C++ compilers it starts are in this group: stopped with it
+def become_compile_child(job: CompileJob) -> None:
+    """(In the child.) Lead a process group (the C++ compilers it starts join it), die with the parent, and
+    compile with the parent's log level and thread count."""
+    os.setpgrp()
     signal.signal(signal.SIGTERM, _stop_group)
     _die_with_parent()
     logging.basicConfig(level=job.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(job.threads)
     log.info("compiling the %s decode steps in process %d with %d intra-op threads", job.model.config.attention,
              os.getpid(), torch.get_num_threads())
-    model = job.model.eval()
-    with torch.inference_mode(job.inference_tensors):
-        state = model.new_state(job.rows)
-    decoder = CompiledDecoder(model, state)
-    decoder.use_kernels(build=False)  # as the parent: only kernels built ahead, so the same graphs
-    with torch._inductor.config.patch(compile_threads=1):  # no pool of worker processes, each a copy of torch
-        compiled = decoder.compile_now(job.batch)
-    raise SystemExit(0 if compiled.error is None else 1)
 
 
 def _die_with_parent() -> None:

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 import torch
 import torch._inductor.config
 
-from .compile_child import CompileJob, compile_in_child
+from .compile_child import CompileJob, become_compile_child, compile_in_child
 from .cpu_kernels import KernelBuild, load_kernels, use_cpu_kernels
 from .cuda_graphs import EagerDecoder
 from .packed_linear import decode_twin, packs
@@ -237,7 +237,7 @@ class CompiledDecoder(EagerDecoder):
         # (`rnnserve build-kernels`): requests are being served meanwhile, so nothing is built here.
         self.use_kernels(build=False)
         with gate if gate is not None else nullcontext():
-            error = compile_in_child(job)
+            error = compile_in_child(job, compile_job)
         if error is None:
             self._compiled_elsewhere.set()
             return
@@ -322,3 +322,17 @@ class CompiledDecoder(EagerDecoder):
         return self._draw_inputs(torch.zeros(rows, self.model.config.vocab_out, device=device),
                                  torch.ones(rows, device=device), torch.zeros(rows, dtype=torch.long, device=device),
                                  torch.zeros(rows, dtype=torch.long, device=device))
+
+
+def compile_job(job: CompileJob) -> None:
+    """A background compile's child process (model/compile_child.py): compile what the parent's decoder will
+    adopt, with only the kernels built ahead, as the parent; exit status 0 once compiled."""
+    become_compile_child(job)
+    model = job.model.eval()
+    with torch.inference_mode(job.inference_tensors):
+        state = model.new_state(job.rows)
+    decoder = CompiledDecoder(model, state)
+    decoder.use_kernels(build=False)
+    with torch._inductor.config.patch(compile_threads=1):  # no pool of worker processes, each a copy of torch
+        compiled = decoder.compile_now(job.batch)
+    raise SystemExit(0 if compiled.error is None else 1)

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from .registry import attention_kinds
+from .kinds import attention_kinds
 
 TASKS = ("mnist", "text")
 POS_ENCODINGS = ("learned", "sinusoidal")

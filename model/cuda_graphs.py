@@ -148,22 +148,3 @@ class CudaGraphDecoder(PaddedDecoder):
 
     def _run(self, size: int) -> None:
         self.graphs[size].replay()
-
-
-def make_decoder(model: Transformer, state: ModelState, cuda_graphs: bool,
-                 sizes: list[int] | None = None, compiled: bool = False) -> EagerDecoder:
-    """CUDA graphs when asked for and possible (a CUDA model of a graphable kind); on the CPU,
-    compiled steps when asked for and the kind is compilable (see model/compiled_decode.py: the
-    caller starts the compile, `decoder.compile()`); else eager.
-    A capture that fails (e.g. out of memory) is logged and decoding stays eager."""
-    if compiled and model.device.type == "cpu" and model.capabilities.compilable:
-        from .compiled_decode import CompiledDecoder  # it builds on EagerDecoder, here
-
-        return CompiledDecoder(model, state)
-    if cuda_graphs and model.device.type == "cuda" and model.capabilities.graphable:
-        try:
-            return CudaGraphDecoder(model, state, sizes or padded_sizes(state.batch_size))
-        except RuntimeError as exc:
-            log.warning("CUDA graph capture failed for a %s model (%s); decoding eagerly", model.config.attention, exc)
-            state.reset_rows(range(state.batch_size))
-    return EagerDecoder(model, state)

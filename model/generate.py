@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .cuda_graphs import EagerDecoder, make_decoder
+from .cuda_graphs import EagerDecoder
+from .decoders import make_decoder
 from .sampling import BatchSampling, force_tokens
 from .transformer import SequenceTooLong, Transformer, with_bos
 

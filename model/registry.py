@@ -1,40 +1,21 @@
-"""The explicit list of attention kinds: name -> where its class lives.
+"""The attention kinds' classes, imported when first asked for (the names are in model/kinds.py).
 
-Names are known without importing torch (config validation, CLI choices,
-a fast `rnnserve train --help`); a class is imported when first asked for.
-
-Adding a kind: write a module with a subclass of `model.attention.Attention`
-(its capabilities and per-token cost included) and add one line to
-ATTENTION_CLASSES. Tests add a kind for their duration with
-`monkeypatch.setitem(ATTENTION_CLASSES, name, "module:Class")`.
+Names are known without importing torch (config validation, CLI choices, a fast `rnnserve train --help`).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-if TYPE_CHECKING:
-    from .attention import Attention, Capabilities
+from .attention import Attention, Capabilities
+from .kinds import ATTENTION_CLASSES, attention_kinds
 
-# kind -> "module:Class"
-ATTENTION_CLASSES: dict[str, str] = {
-    "softmax": "model.softmax_attention:SoftmaxAttention",
-    "linear": "model.linear_attention:LinearAttention",
-    "linformer": "model.linformer_attention:LinformerAttention",
-    "reformer": "model.reformer_attention:ReformerAttention",
-}
-
-
-def attention_kinds() -> tuple[str, ...]:
-    """Every registered kind, in registry order."""
-    return tuple(ATTENTION_CLASSES)
+__all__ = ["ATTENTION_CLASSES", "attention_class", "attention_kinds", "attention_registry", "capabilities", "kinds_where"]
 
 
 def attention_class(kind: str) -> type[Attention]:
     """The class of `kind`, imported on first use."""
-    from .attention import Attention
-
     if kind not in ATTENTION_CLASSES:
         raise KeyError(f"unknown attention kind {kind!r}; expected one of {', '.join(ATTENTION_CLASSES)}")
     module_name, _, class_name = ATTENTION_CLASSES[kind].partition(":")

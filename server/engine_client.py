@@ -95,7 +95,7 @@ class EngineClient(EngineFacts):
         with self._lifecycle:
             self._spawn()
 
-    def _spawn(self) -> None:
+    def _spawn(self, restart: bool = False) -> None:
         self.compiled_decode, self._compiled = False, threading.Event()  # a new process compiles anew
         context = torch.multiprocessing.get_context("spawn")  # fork would copy a process with threads running
         ours, theirs = context.Pipe()
@@ -108,6 +108,9 @@ class EngineClient(EngineFacts):
         started = self._first_message()
         self.state_bytes_allocated, self.cuda_graphs = started.state_bytes_allocated, started.cuda_graphs
         self._started_at = time.monotonic()
+        if restart:  # counted before it is ready: whoever sees it ready sees it counted
+            self.restarts += 1
+            self.metrics.engine_restarted()
         self._alive = True
         self._reader = threading.Thread(target=self._read, args=(self._conn, self._process),
                                         name=f"engine-{self.name}-reader", daemon=True)
@@ -168,13 +171,11 @@ class EngineClient(EngineFacts):
                 if self._stopping:
                     return
                 try:
-                    self._spawn()
+                    self._spawn(restart=True)
                 except EngineFailure as exc:
                     delay = self._backoff.next_delay(0.0)
                     log.error("model %s: restarting the engine failed (%s); next try in %.1f s", self.name, exc, delay)
                     continue
-            self.restarts += 1
-            self.metrics.engine_restarted()
             log.info("model %s: engine restarted (restart %d); serving again", self.name, self.restarts)
             return
 

@@ -23,12 +23,9 @@ import math
 import random
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from .types import ParticleSummary
-
-if TYPE_CHECKING:
-    from .scheduler import Sequence
 
 RESAMPLE_BELOW = 0.5  # resample when the effective sample size falls below this share of the particles
 _SEED_BITS = 62
@@ -119,7 +116,22 @@ def uniform(*key: int) -> float:
     return random.Random(mixed_seed(*key)).random()
 
 
-def known_rows(rows: list["Sequence"]) -> list[int]:
+class Particle(Protocol):
+    """What the particle rules read and write of a row's sequence (server/scheduler.py's Sequence)."""
+
+    particle: int  # which of its sample's particles
+    log_weight: float
+    group: "ParticleGroup | None"
+    position: int
+
+    @property
+    def owner(self) -> Any: ...  # its submission: `.request` (forced tokens, max_new_tokens)
+
+    @property
+    def start(self) -> int: ...
+
+
+def known_rows(rows: list[Particle]) -> list[int]:
     """Rows of weighed requests whose next token is a known one."""
     return [i for i, seq in enumerate(rows) if seq.group is not None and seq.position in seq.owner.request.forced]
 
@@ -132,7 +144,7 @@ class Resampling:
     samples: int
 
 
-def weigh(rows: list["Sequence"], known: list[int], logprobs: list[float]) -> Resampling:
+def weigh(rows: list[Particle], known: list[int], logprobs: list[float]) -> Resampling:
     """Add each known token's log-probability to its row's weight; resample the samples whose
     effective sample size fell too low. The row copies to make, with the copies' new seeds."""
     groups: dict[ParticleGroup, list[int]] = {}
@@ -151,7 +163,7 @@ def weigh(rows: list["Sequence"], known: list[int], logprobs: list[float]) -> Re
     return done
 
 
-def _resample(group: ParticleGroup, particles: list["Sequence"], members: list[int]) -> list[RowCopy]:
+def _resample(group: ParticleGroup, particles: list[Particle], members: list[int]) -> list[RowCopy]:
     weights = [p.log_weight for p in particles]
     group.log_z += log_mean_exp(weights)
     group.resamplings += 1
@@ -162,7 +174,7 @@ def _resample(group: ParticleGroup, particles: list["Sequence"], members: list[i
             for src, dst in copies_for(ancestors)]
 
 
-def conclude(group: ParticleGroup, particles: list["Sequence"]) -> None:
+def conclude(group: ParticleGroup, particles: list[Particle]) -> None:
     """A sample's particles have finished: draw the one it answers with, and sum up the run."""
     particles = sorted(particles, key=lambda p: p.particle)
     weights = [p.log_weight for p in particles]

@@ -81,7 +81,7 @@ def compile_decode_steps(model, rows: int, name: str) -> bool:
     import torch
     import torch._inductor.config
 
-    from model.cuda_graphs import make_decoder
+    from model.decoders import make_decoder
 
     if not model.capabilities.compilable:
         return True

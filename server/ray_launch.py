@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from .serve import fail, listen
+from .start_checks import fail, listen
 from .settings import Settings, SettingsError
 
 RAY_MISSING = "--ray needs Ray Serve, which is not installed: pip install 'rnnserve[ray]'"

@@ -13,13 +13,13 @@ and the process exits 0. The model, the app and uvicorn are imported only by
 from __future__ import annotations
 
 import argparse
-import errno
 import logging
 import socket
 import sys
 from typing import Callable
 
 from .settings import Settings, SettingsError, build_settings
+from .start_checks import fail, listen
 
 GRACEFUL_SHUTDOWN_SECONDS = 5  # after the drain, uvicorn's own wait for connections to close
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -112,12 +112,6 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return build_settings(**{name: getattr(args, name, None) for name in SERVER_FLAGS + RAY_FLAGS})
 
 
-def fail(message: object) -> int:
-    """One line on stderr and exit status 2: what every start-up error gets."""
-    print(f"rnnserve serve: error: {message}", file=sys.stderr)
-    return 2
-
-
 def configure_logging(settings: Settings) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format=LOG_FORMAT)
 
@@ -133,18 +127,6 @@ def run(args: argparse.Namespace) -> int:
 
         return serve_on_ray(settings)
     return serve_standalone(settings)
-
-
-def listen(host: str, port: int, flag: str = "--port") -> socket.socket:
-    """The listening socket, taken before the models load; SettingsError (naming `flag`) if it is not usable."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        return socket.create_server((host, port), family=family, backlog=2048)
-    except OSError as exc:
-        reason = {errno.EADDRINUSE: f"the address is already in use (another server?); pass another {flag}",
-                  errno.EACCES: f"permission denied; ports below 1024 need root, pass another {flag}",
-                  errno.EADDRNOTAVAIL: "this machine has no such address; pass another --host"}
-        raise SettingsError(f"cannot listen on {host}:{port}: {reason.get(exc.errno, exc.strerror)}") from None
 
 
 def serve_standalone(settings: Settings) -> int:

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from model import ModelConfig, build_model
-from model.registry import attention_kinds
+from model.kinds import attention_kinds
 from model.weights_io import save_model
 from server.app import build_app
 from server.settings import Settings

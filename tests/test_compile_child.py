@@ -4,7 +4,6 @@ steps, and it dies with its parent, compilers and all (no orphan, whatever ends 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time

@@ -26,7 +26,8 @@ import torch._inductor.config
 
 from model.compiled_decode import BACKGROUND_COMPILE_NICENESS, CompiledDecoder
 from model.config import BOS_TOKEN
-from model.cuda_graphs import EagerDecoder, make_decoder
+from model.cuda_graphs import EagerDecoder
+from model.decoders import make_decoder
 from model.generate import generate
 from model.sampling import BatchSampling, SamplingParams, token_logprobs
 from model.cpu_kernels import packed_linear_wins

@@ -7,7 +7,6 @@ back without a server restart.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading

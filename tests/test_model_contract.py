@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from model import SequenceTooLong
 from model.heads import split_heads
 from model.linformer_attention import BLOCK as LINFORMER_BLOCK
-from model.registry import attention_kinds
+from model.kinds import attention_kinds
 from model.weights_io import load_model, save_model
 
 from conftest import KINDS, TINY_MAX_LEN, make_tiny_config, make_tiny_model, make_tokens

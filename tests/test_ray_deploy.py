@@ -15,7 +15,6 @@ import copy
 import importlib.util
 import json
 import re
-import runpy
 import socket
 import subprocess
 import sys

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from model.registry import attention_kinds
+from model.kinds import attention_kinds
 
 from .presets import PRESETS, REFORMER_LOCAL_WINDOW
 

@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 KERNELS_STAMP := $(VENV)/.kernels-built
 
-.PHONY: install serve test lint bench check-container clean
+.PHONY: install serve test test-fast lint bench check-container clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ serve: $(STAMP) $(KERNELS_STAMP)
 
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The quick tier while working: everything but the tests marked slow (servers, browsers, Ray, compiles,
+# trainings; tests/conftest.py lists them). CI runs `make test`.
+test-fast: $(TEST_STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # pyflakes and pycodestyle's errors (configured in pyproject.toml); CI runs it before the tests.
 lint: $(TEST_STAMP)

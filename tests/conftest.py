@@ -141,3 +141,21 @@ def assert_bfloat16_close(kind: str, got: torch.Tensor, reference: torch.Tensor)
     else:
         assert error.mean() < BF16_MEAN_ERROR
         assert error.max() < BF16_MAX_ERROR
+
+
+# Modules whose tests start servers, browsers, Ray clusters, compiles or trainings: `make test-fast` leaves them
+# out (`pytest -m "not slow"`); `make test`, what CI runs, runs everything.
+SLOW_MODULES = frozenset({
+    "test_api_errors", "test_background_start", "test_bench", "test_compile_child", "test_compiled_decode",
+    "test_completions", "test_cpu_kernels", "test_deploy", "test_distillation", "test_drain", "test_engine_admission",
+    "test_engine_process", "test_engine_restart", "test_eval_checkpoints", "test_openai_client",
+    "test_openapi_contract", "test_playground", "test_playground_browser", "test_prebuild", "test_ray",
+    "test_ray_deploy", "test_readme", "test_server_images", "test_server_particles", "test_server_process",
+    "test_server_misc", "test_server_text", "test_threads", "test_training",
+})
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.module is not None and item.module.__name__ in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

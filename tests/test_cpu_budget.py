@@ -70,6 +70,7 @@ def test_the_affinity_a_process_is_started_with_is_its_budget():
     assert narrowed.stdout.strip() == "1"
 
 
+@pytest.mark.slow
 def test_the_server_gives_each_engine_its_share_and_says_so(tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cpus = usable_cpus().cpus

@@ -166,12 +166,7 @@ def test_a_body_that_does_not_arrive_gets_408_and_its_connection_closed(server_f
     try:
         for sock in slow:
             sock.settimeout(30)
-            reply = read_until_closed(sock)
-            head, _, body = reply.partition(b"\r\n\r\n")
-            assert head.startswith(b"HTTP/1.1 408 "), reply[:200]
-            assert b"connection: close" in head.lower()
-            error = json.loads(body)["error"]
-            assert error["code"] == "body_timeout" and "--body-timeout" in error["message"]
+            assert_408_and_closed(read_until_closed(sock), "body_timeout", "--body-timeout")
     finally:
         for sock in slow:
             sock.close()
@@ -192,11 +187,7 @@ def test_headers_that_do_not_arrive_get_408_and_the_connection_closed(server_fac
         sock.sendall(sent)
         sock.settimeout(30)
         reply = read_until_closed(sock)
-    head, _, body = reply.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 408 "), reply[:200]
-    assert b"connection: close" in head.lower()
-    error = json.loads(body)["error"]
-    assert error["code"] == "header_timeout" and "--header-timeout" in error["message"]
+    assert_408_and_closed(reply, "header_timeout", "--header-timeout")
     # A kept-alive connection's next request is held to the limit too, and a prompt client is not cut.
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -207,6 +198,15 @@ def test_headers_that_do_not_arrive_get_408_and_the_connection_closed(server_fac
         second = read_until_closed(sock)
         assert second.startswith(b"HTTP/1.1 408 "), second[:200]
     assert httpx.get(f"{server.url}/health").status_code == 200  # still serving
+
+
+def assert_408_and_closed(reply: bytes, code: str, flag: str) -> None:
+    """A 408 that closes the connection, with a JSON error of `code` naming the `flag` that sets the limit."""
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 "), reply[:200]
+    assert b"connection: close" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["code"] == code and flag in error["message"], error
 
 
 def read_one_answer(sock: socket.socket) -> bytes:

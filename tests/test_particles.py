@@ -125,6 +125,7 @@ def toy(request) -> tuple[Transformer, dict, float]:
     return (model, *exact_conditional(model))
 
 
+@pytest.mark.slow  # its fixture trains a toy model for each kind
 def test_particle_samples_match_the_exact_conditional(toy):
     model, exact, _ = toy
     assert max(exact.values()) < 0.9  # a distribution to match, not one point

@@ -73,7 +73,9 @@ log = logging.getLogger("rnnserve.compiled_decode")
 # Inductor: store any intermediate read by more than one loop instead of recomputing it in each
 # (the feature map elu + 1 was recomputed for every element of the state update otherwise), and
 # call the kernels from compiled C++ rather than Python (less host work per step, which counts most at batch 1).
-INDUCTOR_OPTIONS = {"realize_opcount_threshold": 2, "cpp_wrapper": True}
+# No precompiled headers: to find a cached graph's library, inductor would otherwise run the C++ preprocessor
+# over its headers once in every process, so a server would start compilers even with everything built ahead.
+INDUCTOR_OPTIONS = {"realize_opcount_threshold": 2, "cpp_wrapper": True, "cpp_cache_precompile_headers": False}
 # Dynamo: softmax reads `int(lengths.max())` to size its prefix: traced as a symbolic integer, not
 # a graph break. Every model served adds two graphs to the same code: no fallback to eager at 8.
 DYNAMO_OPTIONS = {"capture_scalar_outputs": True, "recompile_limit": 64, "accumulated_recompile_limit": 4096}

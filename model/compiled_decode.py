@@ -253,7 +253,9 @@ class CompiledDecoder(EagerDecoder):
         if not self._compiled_elsewhere.is_set() or self._finished.is_set():
             return
         self._compiled_elsewhere.clear()
-        with torch._inductor.config.patch(compile_threads=1):  # should the cache miss: no pool of workers here
+        # Traced as the child traced them (outside inference mode, which the engine's loop runs in), so that
+        # the graphs are the same and come from the cache; should it miss anyway, no pool of workers here.
+        with torch.inference_mode(False), torch._inductor.config.patch(compile_threads=1):
             self.compile_now(self._background_batch, verb="adopted the compiled")
 
     def compile_now(self, batch: int | None = None, verb: str = "compiled") -> CompileLog:

@@ -71,6 +71,10 @@ def compile_models(paths: list[Path], rows: int) -> list[Path | None]:
     torch.set_num_threads(threads)
     outcomes = []
     for path in paths:
+        # Each model as a fresh process compiles it, as a server's engine process does: dynamo would otherwise
+        # trace the second model's steps as a recompile of the first's (more of their sizes symbolic), and
+        # cache graphs that no server asks for.
+        torch._dynamo.reset()
         model, _ = load_model(path)
         outcomes.append(None if compile_decode_steps(model, rows, path.stem) else path)
     return outcomes

@@ -54,6 +54,6 @@ for round in $(seq 1 "$rounds"); do
     status=0
     wait "$server" || status=$?
     echo "round $round: exit status $status; graphs compiled by then: $(grep -c 'compiled the' "$log" || true)," \
-        "adopted by the engines: $(grep -c 'adopted the compiled' "$log" || true)"
+        "adopted by the engines: $(grep -c 'adopted the' "$log" || true)"
     grep -E "terminate called|Traceback" "$log" || true
 done

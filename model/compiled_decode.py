@@ -256,7 +256,7 @@ class CompiledDecoder(EagerDecoder):
         # Traced as the child traced them (outside inference mode, which the engine's loop runs in), so that
         # the graphs are the same and come from the cache; should it miss anyway, no pool of workers here.
         with torch.inference_mode(False), torch._inductor.config.patch(compile_threads=1):
-            self.compile_now(self._background_batch, verb="adopted the compiled")
+            self.compile_now(self._background_batch, verb="adopted")
 
     def compile_now(self, batch: int | None = None, verb: str = "compiled") -> CompileLog:
         """Compile the shape classes here and now, one log line each; a failure leaves decoding eager."""
@@ -328,15 +328,20 @@ class CompiledDecoder(EagerDecoder):
                                  torch.zeros(rows, dtype=torch.long, device=device))
 
 
-def compile_job(job: CompileJob) -> None:
-    """A background compile's child process (model/compile_child.py): compile what the parent's decoder will
-    adopt, with only the kernels built ahead, as the parent; exit status 0 once compiled."""
-    become_compile_child(job)
-    model = job.model.eval()
-    with torch.inference_mode(job.inference_tensors):
-        state = model.new_state(job.rows)
+def compile_fresh(model: Transformer, rows: int, inference_tensors: bool = True, batch: int | None = None) -> CompileLog:
+    """Compile `model`'s steps for a state of `rows` rows here and now, as a server's background compile does
+    (only kernels built ahead, no pool of worker processes): what its child and `rnnserve build-kernels` run."""
+    model = model.eval()
+    with torch.inference_mode(inference_tensors):
+        state = model.new_state(rows)
     decoder = CompiledDecoder(model, state)
     decoder.use_kernels(build=False)
-    with torch._inductor.config.patch(compile_threads=1):  # no pool of worker processes, each a copy of torch
-        compiled = decoder.compile_now(job.batch)
+    with torch._inductor.config.patch(compile_threads=1):
+        return decoder.compile_now(batch)
+
+
+def compile_job(job: CompileJob) -> None:
+    """A background compile's child process (model/compile_child.py); exit status 0 once compiled."""
+    become_compile_child(job)
+    compiled = compile_fresh(job.model, job.rows, job.inference_tensors, job.batch)
     raise SystemExit(0 if compiled.error is None else 1)

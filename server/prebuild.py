@@ -82,19 +82,12 @@ def compile_models(paths: list[Path], rows: int) -> list[Path | None]:
 
 def compile_decode_steps(model, rows: int, name: str) -> bool:
     """Compile as a server's engine does (model/compiled_decode.py), here and now; False if it failed."""
-    import torch
-    import torch._inductor.config
-
-    from model.decoders import make_decoder
+    from model.compiled_decode import compile_fresh
 
     if not model.capabilities.compilable:
         return True
-    with torch.inference_mode():  # the engine allocates its slots under inference mode
-        state = model.eval().new_state(rows)
-    decoder = make_decoder(model, state, cuda_graphs=False, compiled=True)
     started = time.perf_counter()
-    with torch._inductor.config.patch(compile_threads=1):  # as the server's background compile
-        compiled = decoder.compile()
+    compiled = compile_fresh(model, rows)  # kernels were built above, so build=False finds them
     print(f"rnnserve build-kernels: {name} ({model.config.attention}) decode steps compiled in "
           f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     return compiled.error is None

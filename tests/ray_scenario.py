@@ -62,6 +62,46 @@ def wait_ready(server: subprocess.Popen, log: Path) -> float:
     return time.monotonic() - started
 
 
+class HealthWatch:
+    """/health through the proxy from the server's start until it says ready: every answer, or why none came.
+
+    Consecutive equal answers are kept once with a count. A 10 s timeout per probe tells a hang (the
+    proxy holding /health while a replica starts) from an answer."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + START_SECONDS
+        while not self.done.is_set() and time.monotonic() < deadline:
+            self._record(self._probe())
+            if self.seen[-1].get("status") == 200:
+                return
+            time.sleep(0.05)
+
+    @staticmethod
+    def _probe() -> dict:
+        try:
+            response = httpx.get(f"{URL}/health", timeout=10)
+        except httpx.TimeoutException:
+            return {"error": "timeout"}
+        except httpx.TransportError as exc:
+            return {"error": type(exc).__name__}
+        try:
+            code = response.json().get("error", {}).get("code")
+        except ValueError:
+            code = None
+        return {"status": response.status_code, "code": code, "retry_after": response.headers.get("retry-after")}
+
+    def _record(self, probe: dict) -> None:
+        if self.seen and {k: v for k, v in self.seen[-1].items() if k != "count"} == probe:
+            self.seen[-1]["count"] += 1
+        else:
+            self.seen.append({**probe, "count": 1})
+
+
 def answer(response: httpx.Response) -> dict:
     return {"status": response.status_code, "body": response.text, "replica": response.headers.get("x-rnnserve-replica")}
 
@@ -210,12 +250,17 @@ def main(mode: str, weights: Path, out: Path) -> None:
     log = ray_tmp / "server.log"
     seen: dict = {}
     server = start_server(mode, weights, ray_tmp, log)
+    health = HealthWatch()
+    health.thread.start()
     try:
         seen["ready_seconds"] = wait_ready(server, log)
+        health.thread.join(START_SECONDS)
+        seen["health_while_starting"] = health.seen
         seen.update(observe(mode, server, ray_tmp))
     except Exception as exc:  # recorded: test_ray.py reports it with the server's log
         seen["error"] = f"{type(exc).__name__}: {exc}"
     finally:
+        health.done.set()
         if server.poll() is None:
             server.kill()
         seen["server_log"] = log.read_text(errors="replace")[-20000:]

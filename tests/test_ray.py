@@ -50,6 +50,8 @@ def run_scenario(mode: str, folder: Path) -> dict:
     weights.mkdir()
     save_tiny_model(weights, "digits-linear", "linear", "mnist")
     save_tiny_model(weights, "text-softmax", "softmax", "text")
+    if mode == "ray-stop":  # GPT-2 small's width and depth: a load that takes the replica a while
+        save_tiny_model(weights, "text-large", "softmax", "text", d_model=768, n_layers=12, n_heads=12, d_ff=3072)
     out = folder / "seen.json"
     command = namespace_command() + [sys.executable, str(ROOT / "tests" / "ray_scenario.py"), mode, str(weights), str(out)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=SCENARIO_SECONDS)
@@ -62,6 +64,11 @@ def run_scenario(mode: str, folder: Path) -> dict:
 @pytest.fixture(scope="module")
 def seen(tmp_path_factory) -> dict:
     return run_scenario("serve", tmp_path_factory.mktemp("ray"))
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory) -> dict:
+    return run_scenario("ray-stop", tmp_path_factory.mktemp("ray-stop"))
 
 
 def families(text: str) -> dict:
@@ -89,6 +96,20 @@ def test_streamed_text_and_image_through_the_proxy(seen):
     rows = [(e["index"], e["row"]) for e in events if e["object"] == "image.completion.row"]
     assert sorted(rows) == [(i, r) for i in range(2) for r in range(14, 28)]  # rows 0-13 were given
     assert events[-1]["object"] == "image.completion.usage"
+
+
+def test_health_through_the_proxy_answers_starting_until_ready(stopped):
+    """While the replica loads its models (one of GPT-2 small's size) the proxy routes /health to it, and it
+    answers at once: 503 `starting` with Retry-After, never a hang, until the first 200."""
+    watched = stopped["health_while_starting"]
+    assert watched and watched[-1]["status"] == 200, watched
+    assert not any(w.get("error") == "timeout" for w in watched), f"/health hung while starting: {watched}"
+    answered = [w for w in watched[:-1] if "status" in w]
+    starting = [w for w in answered if w["status"] == 503 and w["code"] == "starting" and w["retry_after"]]
+    assert starting, f"no 503 `starting` seen before ready: {watched}"
+    before = answered[:answered.index(starting[0])]
+    assert all(w["status"] == 404 for w in before), f"before the app is deployed only Serve's 404: {watched}"
+    assert all(w["status"] == 503 and w["code"] == "starting" for w in answered[len(before):]), watched
 
 
 def test_requests_reach_both_replicas(seen):
@@ -157,10 +178,10 @@ def test_sigterm_drains_the_replicas_and_exits_0(seen):
     assert drain["exit_code"] == 0, seen["server_log"]
 
 
-def test_a_replica_that_ray_stops_drains_like_the_server(tmp_path):
+def test_a_replica_that_ray_stops_drains_like_the_server(stopped):
     """Ray's own stop (here `serve.delete`; also scale-down, redeploy): streams that finish within
     --drain-seconds 1 are whole, the rest end with the shutdown error and [DONE]; none is cut."""
-    record = run_scenario("ray-stop", tmp_path)
+    record = stopped
     streams = record["streams"]
     assert all(s is not None and s["status"] == 200 for s in streams), streams
     ended = [sse_payloads(s["body"])[-1] for s in streams]  # each ends with exactly one [DONE]

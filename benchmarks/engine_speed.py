@@ -25,9 +25,9 @@ import torch
 from model.generate import generate
 from model.sampling import BatchSampling, SamplingParams
 from model.transformer import build_model
-from server.engine import Engine, EngineLimits
+from server.engine.core import Engine, EngineLimits
 from server.metrics import Metrics
-from server.types import GenerationRequest
+from server.engine.types import GenerationRequest
 
 from .decode import preset_config
 

@@ -30,7 +30,7 @@ import torch
 from model.compiled_decode import CompiledDecoder
 from model.threads import adopt_process_threads
 from model.transformer import Transformer, build_model
-from server.engine import Engine, EngineLimits
+from server.engine.core import Engine, EngineLimits
 from server.metrics import Metrics
 
 from .decode import preset_config

@@ -2,7 +2,7 @@
 
     python -m benchmarks.resample_cost --threads 1 --repeats 20
 
-Resampling (server/particles.py) copies rows of the engine's slots: the
+Resampling (server/engine/particles.py) copies rows of the engine's slots: the
 decode state (a fixed-size S, Z per layer for linear attention; a key/value
 cache for softmax; Linformer's projected sums; Reformer's bucketed cache)
 and the row's slot tensors (logits, history, sampling parameters). For each
@@ -28,9 +28,9 @@ from benchmarks.decode import preset_config
 from model import build_model
 from model.kinds import attention_kinds
 from model.sampling import SamplingParams
-from server.particles import RowCopy
-from server.runner import ModelRunner
-from server.types import GenerationRequest
+from server.engine.particles import RowCopy
+from server.engine.runner import ModelRunner
+from server.engine.types import GenerationRequest
 
 PROMPT = 392  # half an image: the rows hold this much history when a right-half mask starts weighing
 COPIES = 8  # half of a 16-particle sample replaced

@@ -84,7 +84,7 @@ WARMUP_ROWS = {"2 or more rows": 2, "1 row": 1}  # one compile per shape class, 
 # it shares with them (Linux weighs nice 0 against nice 10 as 1024 to 110); idle, the compile runs at full speed.
 BACKGROUND_COMPILE_NICENESS = 10
 COMPILE_THREAD = "compile-decode"
-# What a background compile holds while it runs, so that a server's models compile in turn (server/compile_gate.py).
+# What a background compile holds while it runs, so that a server's models compile in turn (server/engine/compile_gate.py).
 CompileGate = AbstractContextManager
 
 

@@ -19,23 +19,25 @@ from fastapi_offline import FastAPIOffline
 from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from . import errors, openapi
-from .compile_gate import CompileTurns
-from .cpu_budget import CpuBudget, usable_cpus
-from .deps import ServerState
-from .drain import Drain, DrainMiddleware
-from .engine import Engine, EngineLimits
-from .engine_client import EngineClient
-from .metrics import Metrics
-from .middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestMetricsMiddleware
-from .registry import EngineRegistry, LoadedModel, load_models
-from .routes_images import router as images_router
-from .routes_models import router as models_router
-from .routes_playground import mount_static
-from .routes_playground import router as playground_router
-from .routes_text import router as text_router
-from .settings import Settings
-from .startup_responder import MESSAGE as STARTING_MESSAGE
+from server.api import errors
+
+from server.api import openapi
+from server.engine.compile_gate import CompileTurns
+from server.engine.cpu_budget import CpuBudget, usable_cpus
+from server.api.deps import ServerState
+from server.drain import Drain, DrainMiddleware
+from server.engine.core import Engine, EngineLimits
+from server.engine.client import EngineClient
+from server.metrics import Metrics
+from server.api.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestMetricsMiddleware
+from server.engine.registry import EngineRegistry, LoadedModel, load_models
+from server.api.routes_images import router as images_router
+from server.api.routes_models import router as models_router
+from server.api.routes_playground import mount_static
+from server.api.routes_playground import router as playground_router
+from server.api.routes_text import router as text_router
+from server.settings import Settings
+from server.startup_responder import MESSAGE as STARTING_MESSAGE
 
 if TYPE_CHECKING:
     from model.compiled_decode import CompileGate
@@ -99,7 +101,7 @@ class Lifecycle:
 
     def __init__(self, settings: Settings, metrics: Metrics, models: list[LoadedModel] | None):
         self.settings, self.metrics, self.models = settings, metrics, models
-        self.turns = CompileTurns.new()  # the engines' background compiles take turns (server/compile_gate.py)
+        self.turns = CompileTurns.new()  # the engines' background compiles take turns (server/engine/compile_gate.py)
         self.started: list[Engine | EngineClient] = []
         self.freezing: asyncio.Task | None = None
 

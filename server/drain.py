@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Iterable
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .errors import error_response
+from server.api.errors import error_response
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from server.engine.core import Engine
 
 log = logging.getLogger("rnnserve.drain")
 POLL_SECONDS = 0.05

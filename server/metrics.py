@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from .types import StepStats
+from server.engine.types import StepStats
 
 MODEL_LABELS = ("model", "attention")
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.25, 0.5, 1.0)

@@ -65,7 +65,7 @@ def compile_models(paths: list[Path], rows: int) -> list[Path | None]:
 
     from model.weights_io import load_model
 
-    from .cpu_budget import usable_cpus  # the server's budget, so the graphs match the server's threads
+    from server.engine.cpu_budget import usable_cpus  # the server's budget, so the graphs match the server's threads
 
     [threads, *_] = usable_cpus().engine_threads(len(paths)) or [1]
     torch.set_num_threads(threads)

@@ -18,8 +18,8 @@ import socket
 import sys
 from typing import Callable
 
-from .settings import Settings, SettingsError, build_settings
-from .start_checks import fail, listen
+from server.settings import Settings, SettingsError, build_settings
+from server.start_checks import fail, listen
 
 GRACEFUL_SHUTDOWN_SECONDS = 5  # after the drain, uvicorn's own wait for connections to close
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         return fail(exc)
     configure_logging(settings)
     if getattr(args, "ray", False):
-        from .ray_launch import serve_on_ray
+        from server.rayserve.launch import serve_on_ray
 
         return serve_on_ray(settings)
     return serve_standalone(settings)
@@ -140,14 +140,14 @@ def serve_standalone(settings: Settings) -> int:
 
 
 def _serve_on(sock: socket.socket, settings: Settings) -> int:
-    from .startup_responder import StartupResponder
+    from server.startup_responder import StartupResponder
 
     responder = StartupResponder(sock).start()  # 503s, not a silent backlog, until the engines run
     try:
         code = _load_and_serve(sock, settings, on_started=responder.stop)
     finally:
         responder.stop()  # whatever ended start-up early (a bad file, Ctrl-C): before the socket closes
-    from .drain import exit_if_compiling
+    from server.drain import exit_if_compiling
 
     exit_if_compiling()  # engines on this process's threads (--no-engine-process)
     return code
@@ -158,10 +158,10 @@ def _load_and_serve(sock: socket.socket, settings: Settings, on_started: Callabl
 
     from model.weights_io import WeightsError
 
-    from .app import build_app
-    from .drain import DrainingServer
-    from .header_timeout import protocol_with_header_timeout
-    from .registry import load_models
+    from server.app import build_app
+    from server.drain import DrainingServer
+    from server.api.header_timeout import protocol_with_header_timeout
+    from server.engine.registry import load_models
 
     try:
         models = load_models(settings)

@@ -41,7 +41,7 @@ class Settings(BaseSettings):
     drain_seconds: float = Field(30.0, ge=0)  # after SIGTERM, in-flight requests get this long to finish
     body_timeout: float = Field(30.0, gt=0)  # a request body must arrive within this many seconds (408)
     header_timeout: float = Field(10.0, gt=0)  # a request's line and headers must arrive within this many seconds (408)
-    # Ray Serve (`--ray`, or the import path `server.ray_app:build`); ignored by a plain server.
+    # Ray Serve (`--ray`, or the import path `server.rayserve.app:build`); ignored by a plain server.
     replicas: int = Field(1, ge=1)  # fixed replica count, when not autoscaling
     min_replicas: int | None = Field(None, ge=0)  # autoscaling: set max_replicas (min defaults to 1)
     max_replicas: int | None = Field(None, ge=1)

@@ -7,7 +7,7 @@ import errno
 import socket
 import sys
 
-from .settings import SettingsError
+from server.settings import SettingsError
 
 
 def fail(message: object) -> int:

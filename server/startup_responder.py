@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 
-from .errors import error_body
+from server.api.errors import error_body
 
 log = logging.getLogger("rnnserve.startup")
 POLL_SECONDS = 0.05  # how soon `stop` is noticed

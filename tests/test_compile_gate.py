@@ -1,4 +1,4 @@
-"""server/compile_gate.py: a server's background compiles take turns, and a dead holder frees its turn."""
+"""server/engine/compile_gate.py: a server's background compiles take turns, and a dead holder frees its turn."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 
 from model.cpu_kernels import _BUILD_LOCK, wait_for_build
-from server.compile_gate import CompileTurns
+from server.engine.compile_gate import CompileTurns
 
 REPO = Path(__file__).resolve().parents[1]
 

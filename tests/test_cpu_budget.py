@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.cpu_budget import CpuBudget, cgroup_cpu_quota, usable_cpus
+from server.engine.cpu_budget import CpuBudget, cgroup_cpu_quota, usable_cpus
 from server_support import make_settings, running_server, save_tiny_model
 
 
@@ -64,7 +64,7 @@ def test_omp_num_threads_caps_the_budget(tmp_path):
 def test_the_affinity_a_process_is_started_with_is_its_budget():
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one CPU: nothing narrower to start a process with")
-    code = "from server.cpu_budget import usable_cpus; print(usable_cpus(environ={}).cpus)"
+    code = "from server.engine.cpu_budget import usable_cpus; print(usable_cpus(environ={}).cpus)"
     narrowed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                               preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}))
     assert narrowed.stdout.strip() == "1"

@@ -14,11 +14,11 @@ import time
 import pytest
 
 from model.sampling import SamplingParams
-from server.engine import Engine, EngineFailure, EngineLimits
+from server.engine.core import Engine, EngineFailure, EngineLimits
 from server.metrics import Metrics
-from server.multistep import PassCosts
-from server.runner import ModelRunner, Slots
-from server.types import GenerationRequest
+from server.engine.multistep import PassCosts
+from server.engine.runner import ModelRunner, Slots
+from server.engine.types import GenerationRequest
 from conftest import make_tiny_model
 
 PROMPTS = [([1, 2, 3], 1, 10), ([4, 5, 6], 2, 20), ([7, 8, 9, 10, 11], 1, 30), ([12, 13, 14], 1, 40)]

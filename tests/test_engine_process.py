@@ -1,4 +1,4 @@
-"""The engine in a process of its own (`--engine-process`, server/engine_process.py): a real spawned
+"""The engine in a process of its own (`--engine-process`, server/engine/process.py): a real spawned
 process on a tiny model, driven from asyncio as the handlers drive it. It answers what an engine on a
 thread of this process answers, token for token; its metrics reach this process's registry before its
 answers do; its refusals keep their kinds across the pipe; and when it dies, what waits on it fails
@@ -17,15 +17,15 @@ import httpx
 import pytest
 
 from model.sampling import SamplingParams
-from server.engine import Engine, EngineLimits
-from server.engine_client import EngineClient
-from server.engine_process import DEFER_SECONDS, Pipe
+from server.engine.core import Engine, EngineLimits
+from server.engine.client import EngineClient
+from server.engine.process import DEFER_SECONDS, Pipe
 from server.metrics import Metrics
-from server.scheduler import QueueFull
+from server.engine.scheduler import QueueFull
 from server.settings import Settings
-from server.streams import EngineFailure
-from server.types import GenerationRequest
-from server.validation import InvalidRequest
+from server.engine.streams import EngineFailure
+from server.engine.types import GenerationRequest
+from server.engine.validation import InvalidRequest
 from conftest import make_tiny_model
 from server_support import metric_value, running_server, save_tiny_model
 

@@ -19,7 +19,7 @@ import torch
 
 from model import build_model
 from model.weights_io import save_model
-from server.engine_process import PROCESS_NAME_PREFIX
+from server.engine.process import PROCESS_NAME_PREFIX
 from server_support import metric_value, serving_process, sse_payloads, tiny_config
 
 MODEL = "victim"  # its engine process is named "rnnserve:victim" (Linux keeps 15 bytes of a name)
@@ -27,7 +27,7 @@ LONG = 1500  # tokens: a stream still running when its engine is killed
 
 
 def engine_pids(model: str) -> list[int]:
-    """Processes named as the engine process of `model` (server/engine_process.py: name_this_process)."""
+    """Processes named as the engine process of `model` (server/engine/process.py: name_this_process)."""
     pids = []
     for entry in Path("/proc").iterdir():
         try:

@@ -48,7 +48,7 @@ def test_no_422_and_every_error_status_of_the_generation_routes(document):
 
 
 def test_only_routes_that_take_the_api_key_document_a_401(document):
-    from server.middleware import is_open
+    from server.api.middleware import is_open
 
     for path, operations in document["paths"].items():
         for method, operation in operations.items():

@@ -1,4 +1,4 @@
-"""Sequential Monte Carlo over decoding rows (server/particles.py), against exact enumeration.
+"""Sequential Monte Carlo over decoding rows (server/engine/particles.py), against exact enumeration.
 
 A tiny model is trained for a few seconds on a toy language of four tokens
 where each unknown token is echoed by the known one after it (x1 = x0,
@@ -22,11 +22,11 @@ import torch
 from model.config import BOS_TOKEN
 from model.sampling import SamplingParams
 from model.transformer import Transformer
-from server import particles as smc
-from server.engine import Engine, EngineLimits
+from server.engine import particles as smc
+from server.engine.core import Engine, EngineLimits
 from server.metrics import Metrics
-from server.types import GenerationRequest
-from server.validation import InvalidRequest
+from server.engine.types import GenerationRequest
+from server.engine.validation import InvalidRequest
 from conftest import make_tiny_model
 
 LENGTH = 4

@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.image_particles import MAX_PARTICLES
-from server.routes_playground import STATIC_DIR
+from server.api.image_particles import MAX_PARTICLES
+from server.api.routes_playground import STATIC_DIR
 from server_support import make_settings, running_server, save_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,7 +78,7 @@ def test_a_non_editable_wheel_ships_the_page(tmp_path):
     """`pip install .` (the Dockerfile's install) must carry the static folder, not only the .py files."""
     source = tmp_path / "src"  # a copy: building in the work tree would leave build/ behind
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    for name in setuptools["packages"]:
+    for name in {name.split(".")[0] for name in setuptools["packages"]}:  # server.api lives in server/
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ["pyproject.toml", "README.md", *(f"{m}.py" for m in setuptools.get("py-modules", []))]:
         shutil.copy(ROOT / name, source / name)

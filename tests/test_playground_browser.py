@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from server.image_particles import PREFIX_ONLY
+from server.api.image_particles import PREFIX_ONLY
 from server_support import (free_port, make_settings, metric_value, running_server, save_tiny_model, stop_process,
                             wait_healthy)
 

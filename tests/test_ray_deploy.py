@@ -2,7 +2,7 @@
 
 The Serve configs (the file and each RayService's serveConfigV2) are checked
 with Ray's own schema plus the unknown-keys and settings checks of
-`server.ray_config`, which must also catch a misspelt copy. The manifests are
+`server.rayserve.config`, which must also catch a misspelt copy. The manifests are
 cross-checked against the pinned Ray version, the images and the PodMonitor;
 kubernetes-validate checks their pod templates in .ci/checks.sh. Bad
 `rnnserve serve --ray` configurations must stop with one line. Tests that
@@ -58,7 +58,7 @@ def pod_templates(doc: dict) -> list[dict]:
 @needs_ray
 @pytest.mark.parametrize("path", [SERVE_CONFIG, *MANIFESTS], ids=lambda p: p.name)
 def test_serve_config_passes_rays_schema_and_the_unknown_key_check(path):
-    from server.ray_config import problems, serve_configs
+    from server.rayserve.config import problems, serve_configs
 
     configs = serve_configs(path)
     assert len(configs) == 1
@@ -77,7 +77,7 @@ def test_the_checker_catches_what_rays_schema_lets_through(tmp_path):
     ServeDeploySchema.model_validate(bad)  # Ray's schema accepts all of it
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(bad))
-    result = subprocess.run([sys.executable, "-m", "server.ray_config", str(path)], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "server.rayserve.config", str(path)], capture_output=True, text=True,
                             cwd=ROOT, timeout=120)
     assert result.returncode == 1
     lines = result.stdout.splitlines()
@@ -116,7 +116,8 @@ def test_the_ray_image_copies_every_module_pyproject_installs():
     import tomllib
 
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    installed = set(setuptools["packages"]) | {f"{m}.py" for m in setuptools.get("py-modules", [])}
+    top_level = {name.split(".")[0] for name in setuptools["packages"]}  # server.api lives in server/
+    installed = top_level | {f"{m}.py" for m in setuptools.get("py-modules", [])}
     copies = [line.split()[1:-1] for line in (RAY_DIR / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")]
     copied = {Path(source).name for sources in copies for source in sources if not source.startswith("--")}
     assert installed <= copied, f"`pip install` in the Ray image would miss {sorted(installed - copied)}"
@@ -220,7 +221,7 @@ def test_replicas_and_autoscaling_together_is_one_line(tmp_path):
 
 @needs_ray
 def test_builder_refuses_unknown_args_in_one_line():
-    from server.ray_app import settings_for_serve
+    from server.rayserve.app import settings_for_serve
 
     with pytest.raises(SettingsError) as caught:
         settings_for_serve({"weights": "weights", "replicaz": 2})
@@ -231,9 +232,9 @@ def test_builder_refuses_unknown_args_in_one_line():
 
 @needs_ray
 def test_serve_run_with_a_bad_arg_says_one_line_and_exits_2(tmp_path):
-    """`serve run server.ray_app:build replicaz=2` fails before Ray starts: our line, not Ray's CLI traceback."""
+    """`serve run server.rayserve.app:build replicaz=2` fails before Ray starts: our line, not Ray's CLI traceback."""
     serve_cli = Path(sys.executable).with_name("serve")
-    result = subprocess.run([str(serve_cli), "run", "server.ray_app:build", "replicaz=2", "--app-dir", str(ROOT)],
+    result = subprocess.run([str(serve_cli), "run", "server.rayserve.app:build", "replicaz=2", "--app-dir", str(ROOT)],
                             capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert result.returncode == 2
     assert "Traceback" not in result.stdout + result.stderr
@@ -242,16 +243,16 @@ def test_serve_run_with_a_bad_arg_says_one_line_and_exits_2(tmp_path):
 
 def test_config_check_without_the_extra_is_one_line(tmp_path):
     code = ("import runpy, sys; sys.modules['ray'] = None; sys.argv = ['ray_config', 'x.yaml']; "
-            "runpy.run_module('server.ray_config', run_name='__main__')")
+            "runpy.run_module('server.rayserve.config', run_name='__main__')")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert result.returncode == 2
     assert (result.stdout + result.stderr).strip().splitlines() == [
-        "server.ray_config needs Ray Serve, which is not installed: pip install 'rnnserve[ray]'"]
+        "server.rayserve.config needs Ray Serve, which is not installed: pip install 'rnnserve[ray]'"]
 
 
 @needs_ray
 def test_builder_turns_settings_into_deployment_options():
-    from server.ray_app import deployment_options
+    from server.rayserve.app import deployment_options
 
     fixed = deployment_options(build_settings(replicas=3, cpus_per_replica=0.5, max_batch=8, max_waiting=4))
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import pytest
 
 from model.sampling import SamplingParams
-from server.multistep import PassCosts, ends_run_early, joinable_rows
-from server.scheduler import CANCELLED, QueueFull, Scheduler
-from server.stopping import StoppingCriteria
-from server.types import GenerationRequest
+from server.engine.multistep import PassCosts, ends_run_early, joinable_rows
+from server.engine.scheduler import CANCELLED, QueueFull, Scheduler
+from server.engine.stopping import StoppingCriteria
+from server.engine.types import GenerationRequest
 
 
 @dataclass(eq=False)

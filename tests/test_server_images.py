@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from server import imaging
+from server.api import imaging
 from server_support import make_settings, metric_value, running_server, save_tiny_model, sse_payloads
 
 UNKNOWN_ROWS = 2  # the last rows: few pixels to generate keeps each request short

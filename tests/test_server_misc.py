@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from model.weights_io import WeightsError
-from server.registry import check_model_files
+from server.engine.registry import check_model_files
 from server.serve import add_arguments, settings_from_args
 from server.settings import SettingsError, build_settings
 from server_support import make_settings, metric_value, running_server, save_tiny_model

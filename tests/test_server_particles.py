@@ -7,7 +7,7 @@ import httpx
 import numpy as np
 import pytest
 
-from server.image_particles import DEFAULT_PARTICLES, NOTHING_KNOWN, PREFIX_ONLY
+from server.api.image_particles import DEFAULT_PARTICLES, NOTHING_KNOWN, PREFIX_ONLY
 from server_support import make_settings, metric_value, running_server, save_tiny_model, sse_payloads
 
 MAX_BATCH = 32

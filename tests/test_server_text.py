@@ -10,8 +10,8 @@ import httpx
 import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
-from server.stopping import StoppingCriteria
-from server.textcodec import SampleText, char_offsets, incomplete_utf8_suffix, longest_stop_prefix, token_text
+from server.engine.stopping import StoppingCriteria
+from server.api.textcodec import SampleText, char_offsets, incomplete_utf8_suffix, longest_stop_prefix, token_text
 from server_support import (KINDS, TEXT_MAX_LEN, make_settings, running_server, save_script_model, save_tiny_model,
                             sse_payloads, token_bytes)
 

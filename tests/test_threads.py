@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from model.compiled_decode import CompiledDecoder
-from server.engine import Engine, EngineLimits
+from server.engine.core import Engine, EngineLimits
 from server.metrics import Metrics
-from server.types import GenerationRequest
+from server.engine.types import GenerationRequest
 from model.sampling import SamplingParams
 from conftest import make_tiny_model
 

@@ -62,7 +62,7 @@ def occlusion_mask(name: str) -> torch.Tensor:
 
 def mask_from_file(path: str | Path) -> torch.Tensor:
     """A 28x28 mask PNG (white or transparent = unknown, as the server reads it) -> (784,) bool."""
-    from server.imaging import ImageError, decode_png, mask_from_png  # the server's own reading of a mask
+    from server.api.imaging import ImageError, decode_png, mask_from_png  # the server's own reading of a mask
 
     path = Path(path)
     if not path.is_file():

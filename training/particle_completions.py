@@ -1,6 +1,6 @@
 """`rnnserve eval --completions --particles K`: completions by the server's own particle sampler.
 
-Sequential Monte Carlo lives in the engine (server/particles.py): each digit
+Sequential Monte Carlo lives in the engine (server/engine/particles.py): each digit
 is one request with K particles, queued on an in-process engine whose slots
 hold `rows` particles at once, so the evaluation runs exactly the code a
 request to /v1/images/completions runs. Digit i draws with seed
@@ -17,9 +17,9 @@ import torch
 
 from model import Transformer
 from model.sampling import SamplingParams
-from server.engine import Engine, EngineLimits
+from server.engine.core import Engine, EngineLimits
 from server.metrics import Metrics
-from server.types import GenerationRequest, ParticleSummary
+from server.engine.types import GenerationRequest, ParticleSummary
 
 from .data import MNIST_PIXELS
 

@@ -1,0 +1,1 @@
+"""The HTTP API: routes, request and response shapes, errors, middleware."""

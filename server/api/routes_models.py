@@ -1,0 +1,107 @@
+"""GET /v1/models, /v1/models/{id}, /health, /metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
+
+from server.api.deps import ServerState, get_server
+from server.engine.core import Engine
+from server.api.errors import APIError, error_response
+from server.engine.registry import eval_metrics
+from server.api.responses import errors
+
+router = APIRouter()
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str
+    task: str
+    attention: str
+    parameters: int
+    max_len: int
+    device: str
+    dtype: str
+    cuda_graphs: bool
+    compiled_decode: bool = Field(description="decode steps run through torch.compile graphs on the CPU "
+                                              "(false until the background compile is done)")
+    threads: int = Field(description="intra-op CPU threads this model's steps run on: an equal share of the CPUs the "
+                                     "server may use (affinity and cgroup quota), or --threads")
+    state_bytes_per_sequence: int = Field(description="decode state of one sequence at max_len")
+    state_bytes_allocated: int = Field(description="decode state preallocated for all slots "
+                                                   "(the gauge rnnserve_decode_state_allocated_bytes)")
+    metrics: dict[str, Any] = Field(description="evaluation results stored in the weights file")
+    config: dict[str, Any]
+    ready: bool
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: str
+    models: dict[str, str]
+
+
+PROMETHEUS_TEXT = {200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}
+
+
+def describe(engine: Engine, created: int) -> dict[str, Any]:
+    """One OpenAI model entry plus what a client needs to pick a model."""
+    cfg = engine.config
+    return {
+        "id": engine.name,
+        "object": "model",
+        "created": created,
+        "owned_by": "rnnserve",
+        "task": cfg.task,
+        "attention": cfg.attention,
+        "parameters": engine.model.num_parameters(),
+        "max_len": cfg.max_len,
+        "device": str(engine.model.device),
+        "dtype": str(engine.model.dtype).removeprefix("torch."),
+        "cuda_graphs": engine.cuda_graphs,
+        "compiled_decode": engine.compiled_decode,
+        "threads": engine.threads,
+        "state_bytes_per_sequence": engine.state_bytes_per_sequence,  # one sequence at max_len
+        "state_bytes_allocated": engine.state_bytes_allocated,  # = rnnserve_decode_state_allocated_bytes
+        "metrics": eval_metrics(engine.info),
+        "config": {"d_model": cfg.d_model, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "pos_encoding": cfg.pos_encoding},
+        "ready": engine.ready,
+    }
+
+
+@router.get("/v1/models", response_model=ModelList, responses=errors(401))
+async def list_models(server: ServerState = Depends(get_server)) -> dict[str, Any]:
+    return {"object": "list", "data": [describe(e, server.engines.created.get(e.name, 0)) for e in server.engines]}
+
+
+@router.get("/v1/models/{model_id}", response_model=ModelCard, responses=errors(401, 404))
+async def get_model(model_id: str, server: ServerState = Depends(get_server)) -> dict[str, Any]:
+    engine = server.engines.engines.get(model_id)
+    if engine is None:
+        raise APIError(404, f"model '{model_id}' is not loaded; loaded models: {', '.join(server.engines.engines)}",
+                       "model", "model_not_found")
+    return describe(engine, server.engines.created.get(model_id, 0))
+
+
+@router.get("/health", response_model=Health, responses=errors(503))
+async def health(server: ServerState = Depends(get_server)) -> Response:
+    not_ready = server.engines.not_ready()
+    if not_ready:
+        return error_response(503, f"models not ready: {', '.join(not_ready)}", None, "not_ready")
+    return JSONResponse({"status": "ok", "models": {e.name: "ready" for e in server.engines}})
+
+
+@router.get("/metrics", response_class=Response, responses=PROMETHEUS_TEXT)  # open: scrapers send no key
+async def metrics(server: ServerState = Depends(get_server)) -> Response:
+    body, content_type = server.metrics.render()
+    return Response(body, media_type=content_type)

@@ -1,0 +1,120 @@
+"""POST /v1/completions: OpenAI-compatible text completion over byte tokens.
+
+Each prompt of a request is one engine request of `best_of` (else `n`)
+samples; their events are merged in arrival order when streaming.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response, StreamingResponse
+
+from server.api.deps import ServerState, get_server
+from server.engine.core import Engine, GenerationStream
+from server.api.responses import COMPLETION_RESPONSES
+from server.api.negotiation import choose, stream_type
+from server.api.generation import (SSE_HEADERS, ClientGone, collect_all, engine_refusals, merged_events, score, sse, sse_stream,
+                        submit)
+from server.api.text_api import CompletionRequest, CompletionResponse, TextCompletion
+from server.engine.types import GenerationRequest, PromptScores
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, responses=COMPLETION_RESPONSES)
+async def create_completion(body: CompletionRequest, request: Request,
+                            server: ServerState = Depends(get_server)) -> Response | dict[str, Any]:
+    server.engines.label(request, body.model)
+    accept = request.headers.get("accept")
+    stream_type(accept) if body.stream else choose(accept, ["application/json"])  # a 406 before any work
+    engine = server.engines.for_request(request, body.model, "text")
+    completion = TextCompletion(body, engine.name, f"cmpl-{uuid.uuid4().hex}")
+    streams = await start_generations(engine, body, completion)
+    try:
+        for prompt in body.prompts():
+            completion.add_prompt(prompt, await prompt_scores(engine, body, prompt))
+    except BaseException:
+        for stream in streams:
+            stream.cancel()
+        raise
+    if body.stream:
+        return StreamingResponse(sse_stream(request, stream_events(completion, streams, engine), streams),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    try:
+        results = await collect_all(request, streams)
+    except ClientGone:
+        request.state.outcome = "cancelled"
+        return Response(status_code=499)
+    for part, samples in enumerate(results):
+        for result in samples:
+            completion.add_result(part, result)
+    finish_without_generating(completion)
+    engine.metrics.request_latency(time.monotonic() - completion.started)
+    return {**completion.envelope(completion.final_choices()), "usage": completion.usage()}
+
+
+async def start_generations(engine: Engine, body: CompletionRequest, completion: TextCompletion) -> list[GenerationStream]:
+    """Queue one generation per prompt (the engine validates each); none when max_tokens is 0,
+    but each prompt must still fit. A refusal cancels those already queued."""
+    streams: list[GenerationStream] = []
+    try:
+        for i, prompt in enumerate(body.prompts()):
+            if body.max_tokens == 0:
+                with engine_refusals(engine):
+                    engine.check_prompt(list(prompt), body.samples)
+            else:
+                streams.append(await submit(engine, generation_request(body, prompt, f"{completion.id}-{i}"), body.stream))
+    except BaseException:
+        for stream in streams:
+            stream.cancel()
+        raise
+    return streams
+
+
+def generation_request(body: CompletionRequest, prompt: bytes, request_id: str) -> GenerationRequest:
+    sampling = body.sampling(frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+                             logit_bias=body.bias())
+    ranks = body.samples > body.n  # best_of ranks samples by their log-probabilities
+    return GenerationRequest(request_id=request_id, prompt=list(prompt), max_new_tokens=body.max_tokens,
+                             sampling=sampling, n=body.samples, stop=body.stop_bytes(),
+                             logprobs=body.logprobs is not None or ranks, top_logprobs=body.logprobs or 0)
+
+
+async def prompt_scores(engine: Engine, body: CompletionRequest, prompt: bytes) -> PromptScores | None:
+    """The prompt's log-probabilities (and top alternatives) when echoed with logprobs, else none."""
+    if body.echo and body.logprobs is not None and prompt:
+        return await score(engine, list(prompt), body.logprobs)
+    return None
+
+
+def finish_without_generating(completion: TextCompletion) -> None:
+    """max_tokens 0: every sample ends at once, by length."""
+    if completion.body.max_tokens == 0:
+        for part in completion.parts:
+            part.finish = ["length"] * len(part.finish)
+
+
+async def stream_events(completion: TextCompletion, streams: list[GenerationStream], engine: Engine) -> AsyncIterator[str]:
+    """SSE chunks as text becomes safe to show, then usage (if asked)."""
+    if completion.body.echo:
+        for p, part in enumerate(completion.parts):
+            for i, text in enumerate(part.texts):
+                yield sse(completion.envelope([completion.choice(completion.index(p, i), p, i, text.take())]))
+    if streams:
+        async for part, event in merged_events(streams):
+            completion.add(part, event)
+            chunk = completion.parts[part].texts[event.sample].take(final=event.finish_reason is not None)
+            if chunk.text or chunk.tokens or event.finish_reason:
+                index = completion.index(part, event.sample)
+                yield sse(completion.envelope([completion.choice(index, part, event.sample, chunk)]))
+    else:
+        finish_without_generating(completion)
+        for choice in completion.final_choices():
+            yield sse(completion.envelope([choice]))
+    engine.metrics.request_latency(time.monotonic() - completion.started)
+    if completion.body.stream_options and completion.body.stream_options.include_usage:
+        yield sse({**completion.envelope([]), "usage": completion.usage()})

@@ -1,0 +1,74 @@
+"""Request fields both generation endpoints share: sampling options, one definition."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from model.sampling import SamplingParams
+
+from server.api.errors import FieldError
+
+MAX_N = 64  # samples per request; the server's --max-batch may allow fewer
+
+
+def integral(value: Any) -> Any:
+    """JSON's 1.0 is an integer (JSON Schema says so); strict validation would refuse it."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def Int(**constraints: Any) -> Any:
+    """An integer field of a strict model, with its bounds (inside, so the JSON schema shows them)."""
+    return Annotated[int, Field(**constraints), BeforeValidator(integral)]
+
+
+def Float(**constraints: Any) -> Any:
+    """A float field with its bounds; NaN and Infinity are refused by the models' `allow_inf_nan=False`."""
+    return Annotated[float, Field(**constraints)]
+
+
+def OrDefault(kind: Any, default: Any, **field: Any) -> Any:
+    """`kind`, where JSON null means `default`: OpenAI documents its optional fields as nullable, and clients
+    send null for "not set". The schema shows null as allowed; the validated value is never None."""
+    return Annotated[kind | None, Field(default, **field), AfterValidator(lambda v: default if v is None else v)]
+
+
+class SamplingOptions(BaseModel):
+    # Strict: JSON `false` is no number and "5" no integer. Multipart forms, whose values are all
+    # text, are validated with strict=False (routes_images._from_form). NaN and Infinity, which both
+    # JSON parsers here accept, are refused as not finite rather than as out of range.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    n: OrDefault(Int(ge=1, le=MAX_N), 1, description="samples to draw (at most --max-batch)")
+    temperature: OrDefault(Float(ge=0.0, le=10.0), 1.0, description="0 = greedy")
+    top_p: OrDefault(Float(gt=0.0, le=1.0), 1.0)
+    top_k: OrDefault(Int(ge=0, le=256), 0, description="0 = off")
+    seed: Int(ge=0, lt=2**62) | None = Field(None, description="sample i uses seed + i; default random")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        """JSON may carry lone UTF-16 surrogates (\\ud800); no text can be encoded from them."""
+        if isinstance(data, dict):
+            for name, value in data.items():
+                bad = _lone_surrogate(value)
+                if bad is not None:
+                    raise FieldError(f"{name} contains a lone UTF-16 surrogate (U+{ord(bad):04X}); "
+                                     "send valid Unicode text", str(name))
+        return data
+
+    def sampling(self, **extra: Any) -> SamplingParams:
+        """The options as engine parameters, plus endpoint-specific ones (penalties, bias)."""
+        seed = self.seed if self.seed is not None else secrets.randbits(31)
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed, **extra)
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The first lone surrogate in a string, or in the strings of a list (nested), if any."""
+    if isinstance(value, str):
+        return next((ch for ch in value if "\ud800" <= ch <= "\udfff"), None)
+    if isinstance(value, list):
+        return next((bad for item in value if (bad := _lone_surrogate(item)) is not None), None)
+    return None

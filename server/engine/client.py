@@ -1,0 +1,344 @@
+"""The API process's side of an engine process (`--engine-process`; server/engine/process.py has the
+other side and the protocol): `EngineClient` stands in for an `Engine`, so handlers use either alike."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import signal
+import threading
+import time
+from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING
+
+import torch
+import torch.multiprocessing
+
+from model.transformer import Transformer
+
+from server.engine.core import EngineFacts, EngineLimits
+from server.engine.process import EngineSpec, StartedFacts, rebuild_error, serve_engine
+from server.metrics import Metrics
+from server.engine.streams import (ENGINE_RESTARTING, SHUTTING_DOWN, EngineFailure, GenerationStream, LoopSink, call_in_loop,
+                      hand_over, is_terminal, settle)
+from server.engine.types import GenerationError, GenerationRequest, PromptScores
+from server.engine.validation import check_generation, check_scoring
+
+if TYPE_CHECKING:
+    from model.compiled_decode import CompileGate
+
+log = logging.getLogger("rnnserve.engine_client")
+STOP_SECONDS = 30.0  # an engine process told to stop gets this long before it is killed
+START_SECONDS = 300.0  # spawning, importing torch and allocating the slots
+FORWARDED_METRICS = frozenset({"record_step", "idle", "queue", "state_allocated"})  # what the engine records
+
+
+class RemoteStream(GenerationStream):
+    """A stream whose engine is in another process: cancelling it tells that process."""
+
+    def __init__(self, request: GenerationRequest, sink: LoopSink, client: "EngineClient", key: int):
+        super().__init__(request, sink, each_event=True)  # the engine process holds events back, not this side
+        self.client, self.key = client, key
+
+    def cancel(self) -> None:
+        if not self.cancelled:
+            self.cancelled = True
+            self.client.cancel(self.key)
+
+
+class EngineClient(EngineFacts):
+    """The API process's side of an engine process: what handlers use in place of an `Engine`."""
+
+    def __init__(self, name: str, model: Transformer, info: dict, limits: EngineLimits, metrics: Metrics,
+                 threads: int | None = None, compile_gate: CompileGate | None = None):
+        self.name, self.model, self.info, self.limits = name, model.eval(), info, limits
+        self.state_bytes_per_sequence = model.state_bytes_per_sequence()  # at max_len
+        self.state_bytes_allocated = 0  # known once started
+        self.cuda_graphs = False  # known once started
+        self.compiled_decode = False  # true once the engine process has compiled its decode steps
+        self.metrics = metrics.for_model(name, model.config.attention, images=model.config.task == "mnist")
+        self.threads = threads or torch.get_num_threads()  # the engine process's intra-op threads
+        self._compile_gate = compile_gate  # server/engine/compile_gate.py: the engines compile in turn
+        self._process: torch.multiprocessing.Process | None = None
+        self._conn: Connection | None = None
+        self._reader: threading.Thread | None = None
+        self._send_lock = threading.Lock()
+        self._reaping = threading.Lock()
+        self._lock = threading.Lock()  # the two tables below: the event loop adds, the reader thread removes
+        self._streams: dict[int, RemoteStream] = {}
+        self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}  # answers awaited
+        self._keys = itertools.count()
+        self._compiled = threading.Event()
+        self._alive = False
+        self._stopping = False
+        self._stopped = threading.Event()
+        self._lifecycle = threading.Lock()  # starting (or restarting) against stopping
+        self._started_at = 0.0
+        self._backoff = Backoff()
+        self.restarts = 0
+
+    @property
+    def ready(self) -> bool:
+        return self._alive and not self._stopping
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        return self._compiled.wait(timeout)
+
+    # -- lifecycle ------------------------------------------------------------
+    def start(self) -> None:
+        """Spawn the engine process and wait until its slots are allocated; EngineFailure if it cannot start."""
+        with self._lifecycle:
+            self._spawn()
+
+    def _spawn(self, restart: bool = False) -> None:
+        self.compiled_decode, self._compiled = False, threading.Event()  # a new process compiles anew
+        context = torch.multiprocessing.get_context("spawn")  # fork would copy a process with threads running
+        ours, theirs = context.Pipe()
+        spec = EngineSpec(self.name, self.model, self.info, self.limits, self.threads,
+                          logging.getLogger("rnnserve").getEffectiveLevel(), self._compile_gate)
+        self._process = context.Process(target=serve_engine, args=(theirs, spec), name=f"engine-{self.name}")
+        self._process.start()
+        theirs.close()
+        self._conn = ours
+        started = self._first_message()
+        self.state_bytes_allocated, self.cuda_graphs = started.state_bytes_allocated, started.cuda_graphs
+        self._started_at = time.monotonic()
+        if restart:  # counted before it is ready: whoever sees it ready sees it counted
+            self.restarts += 1
+            self.metrics.engine_restarted()
+        self._alive = True
+        self._reader = threading.Thread(target=self._read, args=(self._conn, self._process),
+                                        name=f"engine-{self.name}-reader", daemon=True)
+        self._reader.start()
+        log.info("model %s: engine process %d started", self.name, self._process.pid)
+
+    def _first_message(self) -> StartedFacts:
+        assert self._conn is not None and self._process is not None
+        while True:
+            message = self._next_start_message()
+            if message[0] != "metric":  # the engine records its allocated state before it says it started
+                break
+            self._record(*message[1:])
+        if message[0] == "started":
+            return message[1]
+        self._end_process()
+        raise EngineFailure(f"model {self.name!r}: the engine process failed to start: {message[1]}")
+
+    def _next_start_message(self) -> tuple:
+        assert self._conn is not None and self._process is not None
+        try:
+            if self._conn.poll(START_SECONDS):
+                return self._conn.recv()
+        except (EOFError, OSError):
+            return ("failed", f"it exited with code {self._end_process()} (its log above says why)")
+        return ("failed", f"it did not start within {START_SECONDS:.0f} s")
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._stopped.set()  # a restart waiting out its back-off gives up
+        with self._lifecycle:
+            if self._process is None:
+                return
+            self._send(("stop",))
+            self._end_process()
+            reader = self._reader
+        if reader is not None:
+            reader.join()
+
+    def _end_process(self) -> int | None:
+        """Wait for the engine process to exit (killed past STOP_SECONDS); its exit code. One thread at a
+        time: two threads reaping one child race, and the loser would see it alive after it has exited."""
+        assert self._process is not None
+        with self._reaping:
+            self._process.join(STOP_SECONDS)
+            if self._process.exitcode is None:
+                log.warning("model %s: engine process did not exit in %.0f s; killing it", self.name, STOP_SECONDS)
+                self._process.kill()
+                self._process.join()
+        return self._process.exitcode
+
+    def _restart(self) -> None:
+        """(A thread of its own.) Start a new engine process after a back-off that doubles while the
+        engine keeps dying young, so a model that cannot run does not spin the CPU."""
+        delay = self._backoff.next_delay(time.monotonic() - self._started_at)
+        while not self._stopped.wait(delay):
+            with self._lifecycle:
+                if self._stopping:
+                    return
+                try:
+                    self._spawn(restart=True)
+                except EngineFailure as exc:
+                    delay = self._backoff.next_delay(0.0)
+                    log.error("model %s: restarting the engine failed (%s); next try in %.1f s", self.name, exc, delay)
+                    continue
+            log.info("model %s: engine restarted (restart %d); serving again", self.name, self.restarts)
+            return
+
+    # -- requests (event loop) --------------------------------------------------
+    async def enqueue(self, request: GenerationRequest, each_event: bool = True) -> GenerationStream:
+        """Queue a request in the engine process; raises QueueFull / InvalidRequest like `Engine.submit`."""
+        check_generation(request, self.name, self.config.max_len, self.limits.max_batch)
+        loop = asyncio.get_running_loop()
+        key, future = next(self._keys), loop.create_future()
+        stream = RemoteStream(request, LoopSink(loop), self, key)
+        with self._lock:  # before sending: its events may come before its acceptance
+            self._check_alive()
+            self._streams[key] = stream
+            self._pending[key] = (loop, future)
+        self._send(("submit", key, request, each_event))
+        try:
+            await future
+        except BaseException:  # refused, or the client went away meanwhile
+            stream.cancel()
+            raise
+        return stream
+
+    async def score(self, tokens: list[int], top: int = 0) -> PromptScores:
+        check_scoring(tokens, self.name, self.config.max_len)
+        loop = asyncio.get_running_loop()
+        key, future = next(self._keys), loop.create_future()
+        with self._lock:
+            self._check_alive()
+            self._pending[key] = (loop, future)
+        self._send(("score", key, tokens, top))
+        return await future
+
+    def _check_alive(self) -> None:
+        """(With the lock held.) Refuse work once the engine process is gone: nothing would answer it."""
+        if not self._alive:
+            code = SHUTTING_DOWN if self._stopping else ENGINE_RESTARTING
+            raise EngineFailure(f"model {self.name!r}: its engine process is not running", code)
+
+    def cancel(self, key: int) -> None:
+        with self._lock:
+            running = self._streams.pop(key, None) is not None
+        if running:
+            self._send(("cancel", key))
+
+    def _send(self, message: tuple) -> None:
+        """Send to the engine process; if it is gone, what waits on it fails (the reader sees it exit)."""
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except (OSError, ValueError) as exc:  # broken pipe, or closed
+            if not self._stopping:
+                log.warning("model %s: cannot reach the engine process: %s", self.name, exc)
+
+    # -- reader thread ------------------------------------------------------------
+    def _read(self, conn: Connection, process: torch.multiprocessing.Process) -> None:
+        """Dispatch the engine process's messages until it exits; then fail whatever still waits on it,
+        and, unless the server is stopping, start it again. The process's sentinel is watched beside the
+        pipe: a child it left behind could hold the pipe open after it died."""
+        while True:
+            ready = wait([conn, process.sentinel])
+            if conn not in ready:  # dead, and everything it sent has been read
+                break
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                break
+            try:
+                self._dispatch(message)
+            except Exception:
+                log.exception("model %s: bad message from the engine process: %.200r", self.name, message)
+        with self._lock:
+            self._alive = False
+        code = self._end_process()
+        if self._stopping:
+            self._fail_everything(f"model {self.name!r}: the server is shutting down", SHUTTING_DOWN)
+            return
+        log.error("model %s: its engine process %d died (%s) with %d request(s) in flight; they fail with 503 "
+                  "engine_restarting and the engine restarts", self.name, process.pid, describe_exit(code),
+                  len(self._streams) + len(self._pending))
+        self.metrics.engine_gone()  # before the clients hear of it: they find the gauges at zero
+        self.state_bytes_allocated = 0
+        self._fail_everything(f"model {self.name!r}: its engine process died ({describe_exit(code)}); it is "
+                              "restarting, retry shortly", ENGINE_RESTARTING)
+        threading.Thread(target=self._restart, name=f"engine-{self.name}-restart", daemon=True).start()
+
+    def _dispatch(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "events":
+            self._hand_over(message[1])
+        elif kind == "metric":
+            self._record(message[1], message[2])
+        elif kind in ("accepted", "refused", "scored"):
+            self._answer(kind, *message[1:])
+        elif kind == "compiled":
+            self.compiled_decode = message[1]
+            self._compiled.set()
+        elif kind == "batch":
+            for each in message[1]:
+                self._dispatch(each)
+        else:
+            raise ValueError(f"unknown message {kind!r}")
+
+    def _hand_over(self, batch: list[tuple[int, list]]) -> None:
+        pairs = []
+        with self._lock:
+            for key, items in batch:
+                stream = self._streams.get(key)
+                if stream is None:  # cancelled on this side: nobody reads it
+                    continue
+                if is_terminal(items[-1]):
+                    del self._streams[key]
+                pairs.append((stream, items))
+        hand_over(pairs)
+
+    def _record(self, method: str, args: tuple) -> None:
+        if method not in FORWARDED_METRICS:
+            raise ValueError(f"unknown metric call {method!r}")
+        getattr(self.metrics, method)(*args)
+
+    def _answer(self, kind: str, key: int, *rest) -> None:
+        with self._lock:
+            waiting = self._pending.pop(key, None)
+            if kind == "refused":
+                self._streams.pop(key, None)
+        if waiting is None:  # failed already: the engine process was going away
+            return
+        loop, future = waiting
+        if kind == "scored":
+            result, error = rest
+        else:  # accepted: no error; refused: why
+            result, error = None, (rest[0] if kind == "refused" else None)
+        call_in_loop(loop, settle, future, result, rebuild_error(error))
+
+    def _fail_everything(self, message: str, code: str) -> None:
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+            pending, self._pending = list(self._pending.values()), {}
+        hand_over([(s, [GenerationError(s.request.request_id, message, code)]) for s in streams])
+        for loop, future in pending:
+            call_in_loop(loop, settle, future, None, EngineFailure(message, code))
+        self._compiled.set()  # nothing left to wait for
+
+
+def describe_exit(code: int | None) -> str:
+    """An exit code as a person reads it: negative codes are the signal that ended the process."""
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class Backoff:
+    """Delays between restarts: FIRST, doubled while the engine dies within HEALTHY_SECONDS of starting,
+    at most LONGEST; back to FIRST after an engine that ran well."""
+
+    FIRST, LONGEST, HEALTHY_SECONDS = 0.5, 30.0, 60.0
+
+    def __init__(self) -> None:
+        self.delay = 0.0
+
+    def next_delay(self, lived_seconds: float) -> float:
+        young = lived_seconds < self.HEALTHY_SECONDS and self.delay > 0
+        self.delay = min(self.delay * 2, self.LONGEST) if young else self.FIRST
+        return self.delay

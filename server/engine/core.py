@@ -1,0 +1,302 @@
+"""Continuous batching over preallocated state slots: one engine per model.
+
+The engine ties three parts together on one worker thread that owns the
+model: the `Scheduler` (queue, admission, row map; plain data), the
+`ModelRunner` (slot tensors, prefill, sampling, decode, scoring) and the
+stream layer (`streams.deliver`, the hop to asyncio). Every step: waiting
+requests join (prompts of one length prefill in one forward; the n samples
+of a prompt copy its row), one token is drawn for every live row, finished
+rows leave (the last live row moves into each hole), and one batched
+decode step feeds the new tokens. Each step's figures reach the metrics as
+one `StepStats`.
+
+Multi-step (vLLM's name): while no running request is streamed or runs
+particles that weigh known tokens (or several particles a sample: they
+conclude together), nobody sees a step's tokens before its request ends, so the
+engine runs up to `scheduler_steps` of them (never past a row's budget)
+and does the host work above once for all; a row that stops within them
+drops its later tokens, and its state is discarded with the row. A request
+that arrives during such a run ends it early when its client watches each
+step, or when its idle slot would lose more than stopping costs the running
+rows (server/engine/multistep.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+import torch
+
+from model.threads import adopt_process_threads
+from model.transformer import Transformer
+
+from server.engine import particles
+from server.engine.base import EngineFacts, EngineLimits
+from server.metrics import Metrics
+from server.engine.multistep import PassCosts, ends_run_early
+from server.engine.runner import ModelRunner
+from server.engine.scheduler import Placement, QueueFull, Scheduler
+from server.engine.step_events import step_events
+from server.engine.streams import (ENGINE_ERROR, SHUTTING_DOWN, EngineFailure, EventSink, GenerationStream, LoopSink, ScoreJob, ScoreReply, deliver, finish,
+                      reply_in_loop)
+from server.engine.types import GenerationRequest, PromptScores
+from server.engine.validation import check_generation, check_scoring
+
+if TYPE_CHECKING:
+    from model.compiled_decode import CompileGate
+
+__all__ = ["Engine", "EngineFacts", "EngineFailure", "EngineLimits", "GenerationStream", "QueueFull"]
+
+log = logging.getLogger("rnnserve.engine")
+IDLE_WAKEUP_SECONDS = 1.0  # refresh rate gauges while idle
+
+
+class Engine(EngineFacts):
+    """Continuous batching for one model on a worker thread of its own (see the module's docstring)."""
+
+    def __init__(self, name: str, model: Transformer, info: dict, limits: EngineLimits, metrics: Metrics,
+                 compile_gate: CompileGate | None = None, threads: int | None = None):
+        """compile_gate: a lock the server's engines share, so their background compiles take turns.
+        threads: intra-op CPU threads for this engine's steps (server/engine/cpu_budget.py); None: the process's count."""
+        self.name = name
+        self.threads = threads or torch.get_num_threads()
+        self.model = model.eval()
+        self.info = info
+        self.limits = limits
+        self.state_bytes_per_sequence = model.state_bytes_per_sequence()  # at max_len
+        self.state_bytes_allocated = 0  # all slots' state, known once started
+        self.metrics = metrics.for_model(name, model.config.attention, images=model.config.task == "mnist")
+        self.scheduler = Scheduler(limits.max_batch, limits.max_waiting)
+        self.runner = ModelRunner(model, limits.max_batch, limits.cuda_graphs, limits.compile_decode, compile_gate)
+        self._lock = threading.Lock()  # the scheduler's queue: submissions come from the event loop
+        self._wakeup = threading.Event()
+        self._ready = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._start_error: Exception | None = None
+        self._scores: list[ScoreJob] = []  # scoring waits for the worker, bounded like the queue
+        self._forward_seconds = 0.0  # a pass's closing forward runs after its record: timed with the next pass
+        self._costs = PassCosts()
+
+    # -- public API (event-loop side) ---------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and not self._stopping
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether decode steps replay captured CUDA graphs (known once started)."""
+        return self.runner.decoder is not None and self.runner.decoder.graphed
+
+    @property
+    def compiled_decode(self) -> bool:
+        """Whether decode steps run through compiled graphs (false until the background compile is done)."""
+        return self.runner.decoder is not None and self.runner.decoder.compiled
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for the background compile of the decode steps; True once nothing is left to compile."""
+        return self.runner.decoder is None or self.runner.decoder.wait_compiled(timeout)
+
+    @property
+    def running(self) -> int:
+        return self.scheduler.running
+
+    @property
+    def waiting(self) -> int:
+        return self.scheduler.waiting_sequences
+
+    def start(self) -> None:
+        """Start the worker; raises EngineFailure if it cannot allocate its state slots."""
+        self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._start_error is not None:
+            self._thread.join()
+            raise EngineFailure(f"model {self.name!r}: cannot allocate {self.limits.max_batch} decode slots "
+                                f"({self._start_error}); lower --max-batch")
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def submit(self, request: GenerationRequest, each_event: bool = True, sink: EventSink | None = None) -> GenerationStream:
+        """Queue a request (thread-safe); each_event=False hands its events over only once it has finished.
+        Its events go to `sink`, by default the calling event loop."""
+        check_generation(request, self.name, self.config.max_len, self.limits.max_batch)
+        stream = GenerationStream(request, sink or LoopSink(asyncio.get_running_loop()), each_event)
+        with self._lock:
+            try:
+                self.scheduler.add(stream)
+            except QueueFull as exc:
+                raise QueueFull(f"model {self.name!r}: {exc}") from None
+        self.metrics.queue(self.running, self.waiting)
+        self._wakeup.set()
+        return stream
+
+    async def enqueue(self, request: GenerationRequest, each_event: bool = True) -> GenerationStream:
+        """`submit` from the event loop: what handlers call, alike for an engine in another process."""
+        return self.submit(request, each_event)
+
+    async def score(self, tokens: list[int], top: int = 0) -> PromptScores:
+        """Log-probability of each token given those before it (the first given BOS), and the `top`
+        most likely tokens at each position; computed on the worker thread."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.queue_score(tokens, top, reply_in_loop(loop, future))
+        return await future
+
+    def queue_score(self, tokens: list[int], top: int, reply: ScoreReply) -> None:
+        """Queue a prompt to score (thread-safe); `reply(result, error)` runs on the worker thread."""
+        check_scoring(tokens, self.name, self.config.max_len)
+        with self._lock:
+            if len(self._scores) >= max(1, self.limits.max_waiting):
+                raise QueueFull(f"model {self.name!r} is scoring {len(self._scores)} prompts, the limit; retry later")
+            self._scores.append(ScoreJob(tokens, top, reply))
+        self._wakeup.set()
+
+    # -- worker thread --------------------------------------------------------
+    def _run(self) -> None:
+        adopt_process_threads(self.threads)
+        with torch.inference_mode():
+            try:
+                self.runner.allocate()
+            except (RuntimeError, MemoryError) as exc:  # out of memory: report, do not hang start()
+                self._start_error = exc
+                self._ready.set()
+                return
+            self.state_bytes_allocated = self.runner.slots.state.nbytes()
+            self.metrics.state_allocated(self.state_bytes_allocated)
+            self._ready.set()
+            while not self._stopping:
+                try:
+                    self.runner.decoder.adopt_compiled()  # a background compile's graphs, between two steps
+                    self._score_waiting()
+                    self._admit()
+                    if self.scheduler.rows:
+                        self._step()
+                    else:
+                        self._idle()
+                except Exception as exc:  # keep serving: fail what was running, not the engine
+                    log.exception("engine %s failed a step", self.name)
+                    self._fail_running(f"internal error while generating: {exc}")
+            self._fail_all("the server is shutting down", SHUTTING_DOWN)
+
+    def _idle(self) -> None:
+        self.metrics.idle(self.waiting)
+        self._wakeup.wait(IDLE_WAKEUP_SECONDS)
+        self._wakeup.clear()
+
+    def _score_waiting(self) -> None:
+        if not self._scores:
+            return
+        with self._lock:
+            jobs, self._scores = self._scores, []
+        for job in jobs:
+            try:
+                job.resolve(self.runner.score(job.tokens, job.top))
+            except Exception as exc:
+                job.resolve(error=EngineFailure(f"scoring failed: {exc}"))
+
+    def _admit(self) -> None:
+        """Move every waiting request that fits into the batch; prompts of one length prefill together."""
+        with self._lock:
+            gone = self.scheduler.drop_cancelled()
+            taken = self.scheduler.schedule()
+        if gone:
+            finish(gone)
+        if not taken:  # the usual step: nothing to admit
+            return
+        try:
+            self._prefill_groups(taken)
+        finally:
+            self.scheduler.admitted()
+
+    def _prefill_groups(self, taken: list[GenerationStream]) -> None:
+        """Prefill the taken requests, one forward per prompt length; a failed group fails only itself."""
+        finish([s for s in taken if s.cancelled])
+        groups: dict[int, list[GenerationStream]] = defaultdict(list)
+        for stream in taken:
+            if not stream.cancelled:
+                groups[len(stream.request.prompt)].append(stream)
+        for group in groups.values():
+            try:
+                self._prefill(group)
+            except Exception as exc:
+                log.exception("prefill failed")
+                finish(group, f"prefill failed: {exc}")
+
+    def _prefill(self, group: list[GenerationStream]) -> None:
+        """Write the group's rows, then register them: a failure leaves none of the group decoding."""
+        places: list[Placement] = self.scheduler.placements(group)
+        likelihoods = self.runner.prefill([s.request for s in group], places[0].row)
+        self.runner.place_copies(places)
+        self.scheduler.register(places, dict(zip(group, likelihoods)))
+
+    def _step(self) -> None:
+        n, needs = self.scheduler.running, self.scheduler.needs()
+        planned, started, earlier = self.scheduler.steps_ahead(self.limits.scheduler_steps), time.monotonic(), []
+        while len(earlier) < planned - 1 and not self._ends_run_early(planned - 1 - len(earlier)):
+            earlier.append(self._unwatched_step(n, needs))
+        if earlier:
+            self._costs.observe_steps(time.monotonic() - started, len(earlier))
+        steps = len(earlier) + 1
+        known = particles.known_rows(self.scheduler.rows) if needs.weigh else []
+        weights = self.runner.known_logprobs(known, needs) if known else []  # before sampling counts the tokens
+        drawn = self.runner.sample(n, needs)
+        resamplings = self._resample(known, weights, drawn.tokens) if known else 0
+        boundary_started = time.monotonic()
+        per_row = torch.stack([*earlier, drawn.tokens], dim=1) if earlier else drawn.tokens[:, None]  # (n, steps)
+        tokens = per_row.tolist()
+        outcome = self.scheduler.update_from_output(tokens, time.monotonic(), started)
+        outbox = step_events(self.scheduler.rows, outcome, tokens, drawn, self.runner)  # before rows move
+        self.runner.move_rows(self.scheduler.compact(outcome.finished), drawn.tokens)
+        live = self.scheduler.running
+        # Metrics first: a client that has its answer must find the step counted when it scrapes.
+        seconds, self._forward_seconds = time.monotonic() - started + self._forward_seconds, 0.0
+        stats = self.scheduler.make_stats(outcome, self.runner.state_bytes(live), resamplings, steps, seconds)
+        self.metrics.record_step(stats)
+        deliver(outbox)
+        forward_started = time.monotonic()
+        self._costs.observe_boundary(forward_started - boundary_started)
+        self.runner.decode(drawn.tokens[:live])
+        self._forward_seconds = time.monotonic() - forward_started
+
+    def _ends_run_early(self, steps_left: int) -> bool:
+        """Whether waiting requests should join now rather than at the run's end."""
+        if not self.scheduler.waiting:  # the usual step; read without the lock: a stale answer moves a join by a step
+            return False
+        with self._lock:  # submissions append to the queue (and drop cancelled requests from it) meanwhile
+            return ends_run_early(self.scheduler, steps_left, self._costs)
+
+    def _unwatched_step(self, n: int, needs) -> torch.Tensor:
+        """A step of a multi-step run (no client watches each one): draw and feed rows [0, n);
+        the scheduler sees its tokens with the run's last step."""
+        tokens = self.runner.sample(n, needs).tokens
+        self.runner.decode(tokens)
+        return tokens
+
+    def _resample(self, known: list[int], weights: list[float], tokens: torch.Tensor) -> int:
+        """Weigh the particles at known tokens; copy rows (within each sample's own) where they resample."""
+        resampling = particles.weigh(self.scheduler.rows, known, weights)
+        self.runner.copy_particles(resampling.copies, tokens)
+        return resampling.samples
+
+    def _fail_running(self, message: str, code: str = ENGINE_ERROR) -> None:
+        finish(self.scheduler.clear_rows(), message, code)
+        self.metrics.queue(0, self.waiting)
+
+    def _fail_all(self, message: str, code: str) -> None:
+        with self._lock:
+            waiting = self.scheduler.take_waiting()
+            scores, self._scores = self._scores, []
+        finish(waiting, message, code)
+        for job in scores:
+            job.resolve(error=EngineFailure(message, code))
+        self._fail_running(message, code)

@@ -1,0 +1,116 @@
+"""Loading the served models and finding the engine a request names."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from model.transformer import Transformer
+from model.weights_io import load_model, read_metadata
+
+from server.engine.core import Engine
+from server.api.errors import APIError
+from server.settings import Settings, SettingsError
+
+log = logging.getLogger("rnnserve.registry")
+
+
+
+@dataclass
+class LoadedModel:
+    name: str  # file stem: what requests pass as `model`
+    path: Path
+    model: Transformer
+    info: dict[str, Any]
+
+
+def check_model_files(settings: Settings) -> list[Path]:
+    """Resolve the files to serve and read their headers, so a bad file fails fast."""
+    paths = settings.model_paths()
+    names: dict[str, Path] = {}
+    for path in paths:
+        read_metadata(path)  # raises WeightsError naming the file and the problem
+        if path.stem in names:
+            raise SettingsError(f"two model files are both named '{path.stem}': {names[path.stem]} and {path}; "
+                                "model names come from file names, so rename one")
+        names[path.stem] = path
+    return paths
+
+
+def load_models(settings: Settings) -> list[LoadedModel]:
+    device = settings.torch_device()
+    dtype = settings.torch_dtype(device)
+    loaded = []
+    for path in check_model_files(settings):
+        model, info = load_model(path, device=device, dtype=dtype)
+        log.info("loaded %s (%s %s, %d parameters) on %s in %s", path, model.config.attention, model.config.task,
+                 model.num_parameters(), device, dtype)
+        loaded.append(LoadedModel(path.stem, path, model, info))
+    return loaded
+
+
+def eval_metrics(info: dict[str, Any]) -> dict[str, Any]:
+    evaluation = info.get("eval", info.get("metrics", {}))
+    return data_by_file_name(evaluation) if isinstance(evaluation, dict) else {}
+
+
+def data_by_file_name(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The metrics with each evaluation data set named by its file name: the stored path is the one on the
+    machine that ran the evaluation (e.g. ../shared/data/mnist/t10k-images-idx3-ubyte.gz), not the server's."""
+    return {key: Path(value).name if key == "data" and isinstance(value, str)
+            else data_by_file_name(value) if isinstance(value, dict) else value for key, value in metrics.items()}
+
+
+class EngineRegistry:
+    """The engines by model name, in load order."""
+
+    def __init__(self, engines: list[Engine], created: dict[str, int] | None = None):
+        self.engines = {e.name: e for e in engines}
+        self.created = created or {}  # unix time of each weights file
+
+    def __iter__(self):
+        return iter(self.engines.values())
+
+    def for_request(self, request, name: str | None, task: str) -> Engine:
+        """`get`, and label the request's metrics with the model it chose."""
+        engine = self.get(name, task)
+        request.state.model, request.state.attention = engine.name, engine.attention
+        return engine
+
+    def label(self, request, name: object) -> None:
+        """Label a request's metrics with the model it names, if loaded, before its other fields are checked:
+        a refusal then counts under that model; an unknown name stays "none", so label values stay bounded."""
+        engine = self.engines.get(name) if isinstance(name, str) else None
+        if engine is not None:
+            request.state.model, request.state.attention = engine.name, engine.attention
+
+    def get(self, name: str | None, task: str) -> Engine:
+        """The named engine, or the task's only one when no name is given; 404/400 with the choices otherwise."""
+        if not name:
+            return self.only(task)
+        engine = self.engines.get(name)
+        if engine is None:
+            raise APIError(404, f"model '{name}' is not loaded; loaded models: {self._names()}", "model", "model_not_found")
+        if engine.config.task != task:
+            raise APIError(400, f"model '{name}' is a {engine.config.task} model and cannot serve {task} requests; "
+                           f"{task} models loaded: {self._names(task)}", "model", "wrong_model_task")
+        return engine
+
+    def only(self, task: str) -> Engine:
+        """A request without `model`: the one loaded model of the task, else a 400 listing the choices."""
+        candidates = [e for e in self.engines.values() if e.config.task == task]
+        if len(candidates) == 1:
+            return candidates[0]
+        if not candidates:
+            raise APIError(404, f"no {task} model is loaded; loaded models: {self._names()}", "model", "model_not_found")
+        raise APIError(400, f"`model` is required: {len(candidates)} {task} models are loaded: {self._names(task)}",
+                       "model", "model_required")
+
+    def _names(self, task: str | None = None) -> str:
+        names = [n for n, e in self.engines.items() if task is None or e.config.task == task]
+        return ", ".join(names) or "none"
+
+    def not_ready(self) -> list[str]:
+        return [name for name, engine in self.engines.items() if not engine.ready]

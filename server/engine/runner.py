@@ -1,0 +1,279 @@
+"""The device half of continuous batching: slot tensors and the model, on the engine's thread.
+
+The runner owns a state of `max_batch` rows, allocated once, and per-row
+slot tensors beside it (next-token logits, position, known tokens, drawn
+tokens and their log-probabilities, sampling parameters). It prefills
+rows, samples and decodes the live rows [0, n), copies and moves rows, and
+scores prompts. Only the engine's worker thread calls it.
+
+A non-streamed request's tokens are written into the (rows, max_len)
+`generated` buffer by position as they are drawn, so a step builds no
+per-token objects for it; `read_sample` takes a finished row out in one go.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from model.config import BOS_TOKEN
+from model.cuda_graphs import EagerDecoder
+from model.decoders import make_decoder
+from model.sampling import BatchSampling, force_tokens, penalize, sampling_logprobs, token_logprobs, top_logprobs
+from model.state import ModelState
+from model.transformer import Transformer, with_bos
+
+from server.engine.particles import RowCopy
+from server.engine.scheduler import Placement, StepNeeds
+from server.engine.types import GenerationRequest, PromptScores, TopLogprobs
+
+if TYPE_CHECKING:
+    from model.compiled_decode import CompileGate
+
+
+MAX_TOP_LOGPROBS = 5  # alternatives kept per position (OpenAI allows up to 5)
+
+
+@dataclass
+class Slots:
+    """Preallocated per-row tensors, (max_batch, ...) each, beside the model state."""
+
+    logits: torch.Tensor  # (N, V) next-token logits per row
+    position: torch.Tensor  # (N,) position being drawn
+    forced: torch.Tensor  # (N, max_len) known token per position, -1 if free
+    generated: torch.Tensor  # (N, max_len) token drawn at each position
+    logprobs: torch.Tensor  # (N, max_len) its log-probability, written while a row asks for them
+    top_ids: torch.Tensor  # (N, max_len, MAX_TOP_LOGPROBS) most likely tokens, while a row asks
+    top_values: torch.Tensor  # (N, max_len, MAX_TOP_LOGPROBS) their log-probabilities
+    counts: torch.Tensor  # (N, V) tokens generated so far, counted while a row has penalties
+    bias: torch.Tensor  # (N, V) logit bias
+    frequency: torch.Tensor  # (N,) frequency penalty
+    presence: torch.Tensor  # (N,) presence penalty
+    sampling: BatchSampling  # (N,) each
+    state: ModelState
+
+    @classmethod
+    def allocate(cls, model: Transformer, rows: int) -> "Slots":
+        cfg, device = model.config, model.device
+
+        def zeros(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        top = (rows, cfg.max_len, MAX_TOP_LOGPROBS)
+        sampling = BatchSampling(zeros(rows) + 1, zeros(rows, dtype=torch.long), zeros(rows) + 1,
+                                 zeros(rows, dtype=torch.long))
+        return cls(logits=zeros(rows, cfg.vocab_out), position=zeros(rows, dtype=torch.long),
+                   forced=zeros(rows, cfg.max_len, dtype=torch.long) - 1,
+                   generated=zeros(rows, cfg.max_len, dtype=torch.long), logprobs=zeros(rows, cfg.max_len),
+                   top_ids=zeros(*top, dtype=torch.long), top_values=zeros(*top),
+                   counts=zeros(rows, cfg.vocab_out), bias=zeros(rows, cfg.vocab_out),
+                   frequency=zeros(rows), presence=zeros(rows), sampling=sampling, state=model.new_state(rows))
+
+    def row_tensors(self) -> list[torch.Tensor]:
+        s = self.sampling
+        return [self.logits, self.position, self.forced, self.generated, self.logprobs, self.top_ids,
+                self.top_values, self.counts, self.bias, self.frequency, self.presence,
+                s.temperature, s.top_k, s.top_p, s.seed]
+
+    def copy_rows(self, src: list[int], dst: list[int]) -> None:
+        """Many copies in one indexed write per tensor; no row may be both a source and a destination."""
+        s = torch.tensor(src, device=self.position.device)
+        d = torch.tensor(dst, device=self.position.device)
+        for t in self.row_tensors():
+            t[d] = t[s]
+        self.state.copy_rows(s, d)
+
+    def batch_sampling(self, rows: int | list[int], filters: bool | None = None) -> BatchSampling:
+        """Rows [0, n), or the rows listed; filters: whether any of them uses top-k or top-p, if known."""
+        s, pick = self.sampling, (slice(0, rows) if isinstance(rows, int) else rows)
+        return BatchSampling(s.temperature[pick], s.top_k[pick], s.top_p[pick], s.seed[pick], filters)
+
+    def penalized(self, n: int) -> torch.Tensor:
+        """Rows [0, n)'s logits after penalties and bias: what they draw from."""
+        return penalize(self.logits[:n], self.counts[:n], self.frequency[:n], self.presence[:n], self.bias[:n])
+
+
+@dataclass
+class Drawn:
+    """One step's tokens for rows [0, n), with what the rows asked to know about them."""
+
+    tokens: torch.Tensor  # (n,)
+    logprobs: torch.Tensor | None = None  # (n,) log-probability of each token
+    top_ids: torch.Tensor | None = None  # (n, MAX_TOP_LOGPROBS)
+    top_values: torch.Tensor | None = None  # (n, MAX_TOP_LOGPROBS)
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, rows: int, cuda_graphs: bool, compile_decode: bool = False,
+                 compile_gate: CompileGate | None = None):
+        self.model = model.eval()
+        self.rows = rows
+        self.cuda_graphs = cuda_graphs
+        self.compile_decode = compile_decode
+        self.compile_gate = compile_gate  # shared by a server's engines: their background compiles take turns
+        self.slots: Slots | None = None
+        self.decoder: EagerDecoder | None = None
+        self._after_bos: tuple[ModelState, torch.Tensor] | None = None  # see _prefill_bos
+
+    def allocate(self) -> None:
+        """Slots, the state after BOS, and the decoder (may capture CUDA graphs, or start compiling
+        in the background): once, at start."""
+        self.slots = Slots.allocate(self.model, self.rows)
+        self._after_bos = self._prefill_bos()
+        self.decoder = make_decoder(self.model, self.slots.state, self.cuda_graphs, compiled=self.compile_decode)
+        self.decoder.compile(background=True, gate=self.compile_gate)
+
+    # -- new sequences --------------------------------------------------------
+    def prefill(self, requests: list[GenerationRequest], first: int) -> list[float]:
+        """One forward over prompts of equal length, into rows [first, first + len(requests)).
+        Returns each prompt's log-likelihood under its sampling distribution (0.0 where not weighed)."""
+        rows = slice(first, first + len(requests))
+        logits = self._run_prompts(requests, self.slots.state.slice(rows.start, rows.stop))  # (count, P + 1, V)
+        self.slots.logits[rows] = logits[:, -1].float()
+        for row, request in enumerate(requests, start=first):
+            self._fill_row(row, request)
+        return [prompt_log_likelihood(logits[i, :-1], r) if r.particles is not None and r.prompt else 0.0
+                for i, r in enumerate(requests)]
+
+    def place_copies(self, places: list[Placement]) -> None:
+        """Further samples and particles of a prompt copy its prefilled row, with their own seeds."""
+        copies = [place for place in places if place.copy_of is not None]
+        if copies:
+            self.slots.copy_rows([p.copy_of for p in copies], [p.row for p in copies])
+            self.slots.sampling.seed[[p.row for p in copies]] = torch.tensor([p.seed for p in copies],
+                                                                             device=self.slots.position.device)
+
+    def _run_prompts(self, requests: list[GenerationRequest], row_state: ModelState) -> torch.Tensor:
+        """Prefill one row per request with BOS + its prompt -> (count, P + 1, V) logits.
+        Empty prompts (e.g. images with no known first pixel) copy the state after BOS alone,
+        computed once at start-up, instead of running the model."""
+        if not requests[0].prompt:
+            after_bos, logits = self._after_bos
+            row_state.write_rows(range(len(requests)), after_bos)
+            return logits[:, None].expand(len(requests), 1, -1)
+        row_state.reset_rows(range(len(requests)))
+        tokens = torch.tensor([[BOS_TOKEN, *r.prompt] for r in requests], device=self.model.device)
+        logits, _ = self.model(tokens, row_state)
+        return logits
+
+    def _prefill_bos(self) -> tuple[ModelState, torch.Tensor]:
+        """The state after BOS alone and its next-token logits (1, V): where every empty prompt starts."""
+        state = self.model.new_state(1)
+        logits, _ = self.model(torch.tensor([[BOS_TOKEN]], device=self.model.device), state)
+        return state, logits[:, -1].float()
+
+    def _fill_row(self, row: int, req: GenerationRequest) -> None:
+        """A new sequence's per-row slots: position, known tokens, sampling parameters."""
+        slots, s = self.slots, self.slots.sampling
+        slots.position[row] = len(req.prompt)
+        slots.forced[row] = -1
+        if req.forced:  # one indexed write, not one per known pixel
+            positions, values = zip(*req.forced.items())
+            slots.forced[row, list(positions)] = torch.tensor(values, device=slots.forced.device)
+        p = req.sampling
+        s.temperature[row], s.top_k[row], s.top_p[row], s.seed[row] = p.temperature, p.top_k, p.top_p, p.seed
+        slots.frequency[row], slots.presence[row] = p.frequency_penalty, p.presence_penalty
+        slots.counts[row] = 0
+        slots.bias[row] = 0
+        if p.logit_bias:
+            ids, values = zip(*p.logit_bias.items())
+            slots.bias[row, list(ids)] = torch.tensor(values, device=slots.bias.device)
+
+    # -- a step -----------------------------------------------------------------
+    def sample(self, n: int, needs: StepNeeds) -> Drawn:
+        """Draw a token for rows [0, n) (known tokens kept), written by position with what the rows need."""
+        slots = self.slots
+        position = slots.position[:n]
+        source = slots.penalized(n) if needs.adjust else slots.logits[:n]
+        tokens = self.decoder.sample(source, slots.batch_sampling(n, needs.filters), position)  # compiled draw, once ready
+        if needs.forced:
+            tokens = force_tokens(tokens, slots.forced[:n].gather(1, position[:, None])[:, 0])
+        slots.generated[:n].scatter_(1, position[:, None], tokens[:, None])
+        if needs.adjust:
+            slots.counts[:n].scatter_add_(1, tokens[:, None], torch.ones_like(slots.counts[:n, :1]))
+        drawn = self._record_logprobs(Drawn(tokens), needs, position)
+        position += 1
+        return drawn
+
+    def _record_logprobs(self, drawn: Drawn, needs: StepNeeds, position: torch.Tensor) -> Drawn:
+        """Log-probabilities under the model's own distribution (before penalties), kept by position."""
+        slots, n = self.slots, len(drawn.tokens)
+        logits = slots.logits[:n]
+        if needs.logprobs:
+            drawn.logprobs = token_logprobs(logits, drawn.tokens)
+            slots.logprobs[:n].scatter_(1, position[:, None], drawn.logprobs[:, None])
+        if needs.top:
+            drawn.top_ids, drawn.top_values = top_logprobs(logits, MAX_TOP_LOGPROBS)
+            rows = torch.arange(n, device=position.device)
+            slots.top_ids[rows, position], slots.top_values[rows, position] = drawn.top_ids, drawn.top_values
+        return drawn
+
+    def known_logprobs(self, rows: list[int], needs: StepNeeds) -> list[float]:
+        """Log-probability of the known token each of `rows` is about to take, under the distribution it
+        would otherwise draw from: the particles' weights. Called before `sample` counts the token."""
+        slots = self.slots
+        logits = slots.logits[rows]  # (R, V)
+        if needs.adjust:
+            logits = penalize(logits, slots.counts[rows], slots.frequency[rows], slots.presence[rows], slots.bias[rows])
+        known = slots.forced[rows].gather(1, slots.position[rows][:, None])[:, 0]  # (R,)
+        return sampling_logprobs(logits, slots.batch_sampling(rows, needs.filters), known).tolist()
+
+    def copy_particles(self, copies: list[RowCopy], tokens: torch.Tensor) -> None:
+        """Resampling: each copy's row takes its source's state, history and token, and a seed of its own."""
+        if not copies:
+            return
+        src, dst = [c.src for c in copies], [c.dst for c in copies]
+        self.slots.copy_rows(src, dst)
+        tokens[dst] = tokens[src]
+        self.slots.sampling.seed[dst] = torch.tensor([c.seed for c in copies], device=tokens.device)
+
+    def move_rows(self, moves: list[tuple[int, int]], tokens: torch.Tensor) -> None:
+        """Apply the scheduler's compaction, its (src, dst) rows with their drawn tokens in one indexed copy per
+        tensor (no row is both a source and a destination)."""
+        if moves:
+            src, dst = (list(rows) for rows in zip(*moves))
+            self.slots.copy_rows(src, dst)
+            tokens[dst] = tokens[src]
+
+    def decode(self, tokens: torch.Tensor) -> None:
+        """Feed rows [0, len(tokens)) their drawn tokens: their next logits go to the slots."""
+        if len(tokens):
+            self.slots.logits[:len(tokens)] = self.decoder(tokens)
+
+    def read_sample(self, row: int, start: int, end: int, request: GenerationRequest) -> tuple[list[int], list[float] | None, list[TopLogprobs] | None]:
+        """A row's tokens at positions [start, end), with the log-probabilities it asked for, in one read."""
+        logprobs = self.slots.logprobs[row, start:end].tolist() if request.wants_logprobs else None
+        top = None
+        if request.top_logprobs:
+            k = request.top_logprobs
+            top = pair_up(self.slots.top_ids[row, start:end, :k], self.slots.top_values[row, start:end, :k])
+        return self.slots.generated[row, start:end].tolist(), logprobs, top
+
+    def state_bytes(self, rows: int) -> int:
+        return self.slots.state.nbytes_in_use(rows)
+
+    def score(self, tokens: list[int], top: int = 0) -> PromptScores:
+        """Log-probability of each token given those before it (the first given BOS), one parallel pass,
+        and the `top` most likely tokens at each position."""
+        x = torch.tensor([tokens], device=self.model.device)
+        logits, _ = self.model(with_bos(x))
+        scores = PromptScores(token_logprobs(logits[0], x[0]).tolist())
+        if top:
+            scores.top_logprobs = pair_up(*top_logprobs(logits[0], top))
+        return scores
+
+
+def prompt_log_likelihood(logits: torch.Tensor, request: GenerationRequest) -> float:
+    """log p(prompt) under the request's sampling distribution: (P, V) logits, each predicting the next token."""
+    p = request.sampling
+    count = len(request.prompt)
+    params = BatchSampling.from_params([p] * count, logits.device)
+    tokens = torch.tensor(request.prompt, device=logits.device)
+    return float(sampling_logprobs(logits, params, tokens).double().sum())
+
+
+def pair_up(ids: torch.Tensor, values: torch.Tensor) -> list[TopLogprobs]:
+    """(T, k) ids and log-probabilities -> per position, [(token, logprob), ...] most likely first."""
+    return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]

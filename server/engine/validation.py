@@ -1,0 +1,62 @@
+"""One typed check of what the engine is asked to do, against the model and the server's limits.
+
+Request schemas (pydantic) check each field's own range; what depends on the
+model or the server (the context length, `--max-batch`, the token range) is
+checked here, once, by the engine when a request is submitted. Messages name
+the API's parameters.
+"""
+
+from __future__ import annotations
+
+from model.config import BOS_TOKEN
+
+from server.engine.types import GenerationRequest
+
+
+class InvalidRequest(ValueError):
+    """A request the engine cannot run: the message says what to change, `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+def check_generation(request: GenerationRequest, model_name: str, max_len: int, max_batch: int) -> None:
+    if request.max_new_tokens < 1:
+        raise InvalidRequest(f"max_tokens must be at least 1 to generate, got {request.max_new_tokens}", "max_tokens")
+    check_fits(request.prompt, request.max_new_tokens, model_name, max_len)
+    check_samples(request.n, max_batch)
+    if request.particles is not None and not 1 <= request.rows <= max_batch:
+        raise InvalidRequest(f"n ({request.n}) x particles ({request.particles}) = {request.rows} decode slots; "
+                             f"this server has {max_batch} per model (--max-batch); lower n or particles", "particles")
+
+
+def check_samples(n: int, max_batch: int) -> None:
+    """n samples of one prompt fit this server's decode slots (also for a request that generates nothing)."""
+    if not 1 <= n <= max_batch:
+        raise InvalidRequest(f"n is {n}; this server decodes at most {max_batch} sequences per model "
+                             "at once (--max-batch)", "n")
+
+
+def check_fits(prompt: list[int], max_new_tokens: int, model_name: str, max_len: int) -> None:
+    """The prompt's tokens are valid and, with `max_new_tokens` more, fit the model's context."""
+    check_tokens(prompt)
+    total = len(prompt) + max_new_tokens
+    if total > max_len:
+        at_fault = "prompt" if len(prompt) >= max_len else "max_tokens"  # a prompt that leaves no room is the fault
+        raise InvalidRequest(f"prompt ({len(prompt)} tokens) plus max_tokens ({max_new_tokens}) is "
+                             f"{total}; model '{model_name}' handles at most {max_len} tokens",
+                             at_fault, "context_length_exceeded")
+
+
+def check_scoring(tokens: list[int], model_name: str, max_len: int) -> None:
+    check_tokens(tokens)
+    if not 1 <= len(tokens) <= max_len:
+        raise InvalidRequest(f"can score 1 to {max_len} tokens with model '{model_name}', got {len(tokens)}", "prompt",
+                             "context_length_exceeded" if tokens else "invalid_value")
+
+
+def check_tokens(tokens: list[int]) -> None:
+    if any(not 0 <= t < BOS_TOKEN for t in tokens):
+        raise InvalidRequest(f"prompt tokens must be in 0..{BOS_TOKEN - 1}", "prompt")

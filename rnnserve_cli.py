@@ -30,7 +30,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "train": Subcommand("train a model and save it as .safetensors",
                         "training.arguments:add_train_arguments", "training.train:run"),
     "eval": Subcommand("evaluate a model: MNIST bits/dim or text loss",
-                       "training.arguments:add_eval_arguments", "training.evaluate:run"),
+                       "training.arguments:add_eval_arguments", "rnnserve_cli:run_eval"),
     "bench": Subcommand("benchmark decoding in-process, or a running server with --url",
                         "benchmarks.run:add_arguments", "benchmarks.run:run"),
     "pictures": Subcommand("draw occluded digits and each model's completions to a PNG",
@@ -45,6 +45,17 @@ SUBCOMMANDS: dict[str, Subcommand] = {
 def _load(reference: str) -> Callable:
     module_name, _, name = reference.partition(":")
     return getattr(importlib.import_module(module_name), name)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """`rnnserve eval`, handed what it borrows from the server (training/completions.py's EvalParts): the
+    engine's particle sampler and the API's reading of a mask PNG. Here, so that training/ imports no server/."""
+    from server.api.imaging import read_mask_png
+    from server.engine.offline import complete_with_particles
+    from training.completions import EvalParts
+    from training.evaluate import run
+
+    return run(args, EvalParts(complete_with_particles, read_mask_png))
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:

@@ -28,7 +28,7 @@ from benchmarks.decode import preset_config
 from model import build_model
 from model.kinds import attention_kinds
 from model.sampling import SamplingParams
-from server.engine.particles import RowCopy
+from model.particles import RowCopy
 from server.engine.runner import ModelRunner
 from server.engine.types import GenerationRequest
 

@@ -1,5 +1,5 @@
 """`rnnserve serve`: load the models and serve them over HTTP with uvicorn,
-or with `--ray` on a local Ray Serve cluster (`ray_launch.py`).
+or with `--ray` on a local Ray Serve cluster (`server/rayserve/launch.py`).
 
 Flags override RNNSERVE_* environment variables, which override defaults.
 The port is taken first and the models are loaded before the app serves, so a

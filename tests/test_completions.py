@@ -27,11 +27,13 @@ from model.transformer import with_bos
 from model.weights_io import WeightsError, read_metadata, save_model
 from server_support import make_settings, running_server
 from training import classifier as clf
-from training import arguments, evaluate
+from training import arguments
 from training.completions import (
     SEED_STRIDE, Occlusion, choose_occlusion, complete_digits, mask_from_file, occlusion_mask, unknown_bits_per_dim,
 )
-from training.particle_completions import complete_with_particles
+from rnnserve_cli import run_eval
+from server.api.imaging import read_mask_png
+from server.engine.offline import complete_with_particles
 from training.data import DataError, load_labeled_mnist, write_idx_images, write_idx_labels
 
 WEIGHTS = Path(__file__).resolve().parent.parent / "weights"
@@ -187,27 +189,27 @@ def test_mask_png_marks_white_and_transparent_pixels(tmp_path: Path) -> None:
     grey[10, 10] = 127  # below the threshold: known
     path = tmp_path / "mask.png"
     path.write_bytes(png_bytes(grey))
-    unknown = grid(mask_from_file(path))
+    unknown = grid(mask_from_file(path, read_mask_png))
     assert unknown.sum() == 2 and unknown[3, 5] and unknown[20, 1]
     rgba = np.zeros((28, 28, 4), dtype=np.uint8)
     rgba[..., 3] = 255
     rgba[27, 27, 3] = 0  # transparent: unknown, as the server reads a mask
     Image.fromarray(rgba, "RGBA").save(path)
-    assert grid(mask_from_file(path)).sum() == 1 and grid(mask_from_file(path))[27, 27]
-    assert choose_occlusion(None, str(path)).name == "mask mask.png"
+    assert grid(mask_from_file(path, read_mask_png)).sum() == 1 and grid(mask_from_file(path, read_mask_png))[27, 27]
+    assert choose_occlusion(None, str(path), read_mask_png).name == "mask mask.png"
 
 
 def test_bad_mask_pngs_get_clear_errors(tmp_path: Path) -> None:
     wrong = tmp_path / "wrong.png"
     wrong.write_bytes(png_bytes(np.full((27, 28), 255)))
     with pytest.raises(DataError, match=r"wrong.png: mask is 28x27 pixels; expected 28x28"):
-        mask_from_file(wrong)
+        mask_from_file(wrong, read_mask_png)
     black = tmp_path / "black.png"
     black.write_bytes(png_bytes(np.zeros((28, 28))))
     with pytest.raises(DataError, match="nothing is unknown"):
-        mask_from_file(black)
+        mask_from_file(black, read_mask_png)
     with pytest.raises(DataError, match="no such file"):
-        mask_from_file(tmp_path / "absent.png")
+        mask_from_file(tmp_path / "absent.png", read_mask_png)
     with pytest.raises(DataError, match="unknown occlusion 'top-half'"):
         occlusion_mask("top-half")
 
@@ -281,7 +283,7 @@ def test_eval_completions_reports_stores_and_serves_the_result(tmp_path: Path, t
     before = load_file(path)
     argv = [str(path), "--completions", "--data", str(toy_data), "--classifier", str(toy_classifier), "--limit", "8",
             "--batch-size", "3", "--device", "cpu", "--json", "--store"]
-    assert evaluate.run(parse_eval(argv)) == 0
+    assert run_eval(parse_eval(argv)) == 0
     printed = json.loads(capsys.readouterr().out)[str(path)]
     test = load_labeled_mnist(toy_data, "test")
     classifier, _ = clf.load_classifier(toy_classifier)
@@ -307,7 +309,7 @@ def test_a_bits_per_dim_store_keeps_stored_completions(tmp_path: Path, toy_data:
     from model.weights_io import update_info
 
     update_info(path, {"eval": {"bits_per_dim": 7.5, "completions": {"right-half": {"digits": 4}}}})
-    assert evaluate.run(parse_eval([str(path), "--data", str(toy_data), "--limit", "2", "--store", "--json",
+    assert run_eval(parse_eval([str(path), "--data", str(toy_data), "--limit", "2", "--store", "--json",
                                     "--device", "cpu"])) == 0
     stored = read_metadata(path)[1]["eval"]
     assert stored["completions"] == {"right-half": {"digits": 4}} and stored["bits_per_dim"] != 7.5
@@ -348,6 +350,6 @@ def test_eval_completions_errors_are_clear(problem: str, expected: str, tmp_path
     else:
         flags += ["--mask", str(mask), "--occlusion", "right-half"]
     argv = [str(path), "--data", args["data"], "--classifier", args["classifier"], *flags]
-    assert evaluate.run(parse_eval(argv)) == 2
+    assert run_eval(parse_eval(argv)) == 2
     err = capsys.readouterr().err
     assert err.startswith("rnnserve eval: error: ") and expected in err, err

@@ -78,3 +78,12 @@ def test_the_walk_finds_a_cycle_when_there_is_one():
 
 def test_no_import_cycles():
     assert cycles(import_graph()) == []
+
+
+def test_training_imports_nothing_from_the_server():
+    """training/ borrows the server's parts only as handed in by rnnserve_cli.py (training/completions.py's
+    EvalParts): an import of server/ from it would tie training to the HTTP product."""
+    graph = import_graph()
+    reaching = {m: sorted(t for t in targets if t.split(".")[0] == "server")
+                for m, targets in graph.items() if m.split(".")[0] == "training"}
+    assert not {m: t for m, t in reaching.items() if t}, reaching

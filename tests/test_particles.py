@@ -22,7 +22,7 @@ import torch
 from model.config import BOS_TOKEN
 from model.sampling import SamplingParams
 from model.transformer import Transformer
-from server.engine import particles as smc
+from model import particles as smc
 from server.engine.core import Engine, EngineLimits
 from server.metrics import Metrics
 from server.engine.types import GenerationRequest

@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from tqdm import tqdm
@@ -38,12 +38,24 @@ from . import arguments
 from .classifier import DigitClassifier, accuracy, load_classifier
 from .data import MNIST_PIXELS, MNIST_SIDE, DataError, load_labeled_mnist
 from .loading import load_evaluated
-from .particle_completions import complete_with_particles
 
 OCCLUSIONS = arguments.OCCLUSIONS
 CENTRE_BOX = slice(7, 21)  # the central 14 x 14 pixels
 SEED_STRIDE = 1_000_000  # row seed = seed * stride + digit index: runs with different seeds never share noise
 DEFAULT_BATCH = 200
+# (model, forced (N, 784), first unknown, seeds, temperature, particles, rows) -> .images (N, 784), .mean_resamplings
+ParticleSampler = Callable[..., Any]
+MaskReader = Callable[[bytes], Any]  # PNG bytes -> (28, 28) bool, True where unknown; ValueError if it is not one
+
+
+@dataclass(frozen=True)
+class EvalParts:
+    """What `eval --completions` borrows from the server: its particle sampler (an in-process engine), and its
+    reading of a mask PNG, so that an evaluation runs what a request runs. rnnserve_cli.py hands them in:
+    training/ imports nothing from server/."""
+
+    complete_with_particles: ParticleSampler | None = None
+    read_mask: MaskReader | None = None
 
 
 def occlusion_mask(name: str) -> torch.Tensor:
@@ -60,16 +72,16 @@ def occlusion_mask(name: str) -> torch.Tensor:
     return unknown.view(-1)
 
 
-def mask_from_file(path: str | Path) -> torch.Tensor:
-    """A 28x28 mask PNG (white or transparent = unknown, as the server reads it) -> (784,) bool."""
-    from server.api.imaging import ImageError, decode_png, mask_from_png  # the server's own reading of a mask
-
+def mask_from_file(path: str | Path, read_mask: MaskReader | None) -> torch.Tensor:
+    """A 28x28 mask PNG (white or transparent = unknown, read by `read_mask`: the server's reading) -> (784,) bool."""
+    if read_mask is None:
+        raise DataError("--mask needs the server's reading of a mask PNG: run it as `rnnserve eval`")
     path = Path(path)
     if not path.is_file():
         raise DataError(f"--mask {path}: no such file; expected a 28x28 PNG, white where pixels are unknown")
     try:
-        unknown = mask_from_png(decode_png(path.read_bytes(), "mask"))
-    except ImageError as exc:
+        unknown = read_mask(path.read_bytes())
+    except ValueError as exc:
         raise DataError(f"--mask {path}: {exc}") from None
     if not unknown.any():
         raise DataError(f"--mask {path}: no pixel is white (>= 128) or transparent, so nothing is unknown; "
@@ -95,9 +107,9 @@ class Occlusion:
         return images.long().masked_fill(self.unknown, -1)
 
 
-def choose_occlusion(name: str | None, mask_path: str | None) -> Occlusion:
+def choose_occlusion(name: str | None, mask_path: str | None, read_mask: MaskReader | None = None) -> Occlusion:
     if mask_path is not None:
-        return Occlusion(f"mask {Path(mask_path).name}", mask_from_file(mask_path))
+        return Occlusion(f"mask {Path(mask_path).name}", mask_from_file(mask_path, read_mask))
     name = name or "bottom-half"
     return Occlusion(name, occlusion_mask(name))
 
@@ -150,6 +162,7 @@ class CompletionRun:
     batch_size: int = DEFAULT_BATCH
     show_progress: bool = False
     particles: int | None = None  # None: the plain sampler; K: the server's particle sampler, K per digit
+    complete_with_particles: ParticleSampler | None = None  # that sampler (EvalParts)
 
 
 @dataclass(frozen=True)
@@ -195,8 +208,10 @@ def evaluate_completions(path: str | Path, run: CompletionRun, device: torch.dev
         completed = complete_digits(model, images, run.occlusion, run.seed, run.temperature, run.batch_size,
                                     run.show_progress)
     else:
+        if run.complete_with_particles is None:
+            raise DataError("--particles needs the server's particle sampler: run it as `rnnserve eval`")
         seeds = [run.seed * SEED_STRIDE + i for i in range(len(images))]
-        done = complete_with_particles(model, run.occlusion.forced(images), run.occlusion.first_unknown, seeds,
+        done = run.complete_with_particles(model, run.occlusion.forced(images), run.occlusion.first_unknown, seeds,
                                        run.temperature, run.particles, run.batch_size)
         completed, resamplings = done.images, round(done.mean_resamplings, 2)
     sampling_s = time.perf_counter() - sampling_start

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from model import Transformer
 from model.weights_io import WeightsError, read_metadata, update_info
 
-from .completions import DEFAULT_BATCH, CompletionRun, choose_occlusion, evaluate_completions
+from .completions import DEFAULT_BATCH, CompletionRun, EvalParts, choose_occlusion, evaluate_completions
 from .completions import print_table as print_completions
 from .completions import store_result
 from .data import DataError, load_mnist, load_text
@@ -138,12 +138,12 @@ def print_table(rows: list[tuple[str, dict[str, Any]]]) -> None:
         print(f"{str(name):<{width}}  {result['attention']:<9}  {result['parameters']:>9,}  {format_metric(result)}")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, parts: EvalParts = EvalParts()) -> int:
     try:
         check_args(args)
         device = resolve_device(args.device)
         if args.completions:
-            return run_completions(args, device)
+            return run_completions(args, device, parts)
         rows = [(m, evaluate_file(m, args.data, device, args.limit, args.batch_size or 32,
                                   show_progress=not args.no_progress and not args.json)) for m in args.models]
         if args.store:
@@ -191,11 +191,12 @@ def store_eval(path: str | Path, result: dict[str, Any]) -> None:
     update_info(path, {"eval": {**(info.get("eval") or {}), **result}})
 
 
-def run_completions(args: argparse.Namespace, device: torch.device) -> int:
+def run_completions(args: argparse.Namespace, device: torch.device, parts: EvalParts) -> int:
     """`eval --completions`: every model on the same digits, occlusion and seed."""
-    run = CompletionRun(args.data, args.classifier, choose_occlusion(args.occlusion, args.mask), args.limit,
-                        args.seed, args.temperature, args.batch_size or DEFAULT_BATCH,
-                        show_progress=not args.no_progress and not args.json, particles=args.particles)
+    run = CompletionRun(args.data, args.classifier, choose_occlusion(args.occlusion, args.mask, parts.read_mask),
+                        args.limit, args.seed, args.temperature, args.batch_size or DEFAULT_BATCH,
+                        show_progress=not args.no_progress and not args.json, particles=args.particles,
+                        complete_with_particles=parts.complete_with_particles)
     rows = [(m, evaluate_completions(m, run, device)) for m in args.models]
     if args.store:
         for path, result in rows:

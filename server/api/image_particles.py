@@ -17,7 +17,7 @@ from typing import Any
 
 from server.api.errors import invalid_request
 from server.api.imaging import OccludedImage
-from server.engine.particles import log_mean_exp
+from model.particles import log_mean_exp
 from server.engine.types import ParticleSummary
 
 DEFAULT_PARTICLES = 16

@@ -194,3 +194,8 @@ def encode_png(pixels: np.ndarray) -> bytes:
 def encode_strip(images: list[np.ndarray]) -> bytes:
     """n (28, 28) images side by side -> one (28, 28n) PNG."""
     return encode_png(np.concatenate(images, axis=1))
+
+
+def read_mask_png(data: bytes) -> np.ndarray:
+    """A mask PNG's bytes -> (28, 28) bool, True where unknown (white or transparent); ImageError if it is not one."""
+    return mask_from_png(decode_png(data, "mask"))

@@ -35,7 +35,7 @@ import torch
 from model.threads import adopt_process_threads
 from model.transformer import Transformer
 
-from server.engine import particles
+from model import particles
 from server.engine.base import EngineFacts, EngineLimits
 from server.metrics import Metrics
 from server.engine.multistep import PassCosts, ends_run_early

@@ -25,7 +25,7 @@ from model.sampling import BatchSampling, force_tokens, penalize, sampling_logpr
 from model.state import ModelState
 from model.transformer import Transformer, with_bos
 
-from server.engine.particles import RowCopy
+from model.particles import RowCopy
 from server.engine.scheduler import Placement, StepNeeds
 from server.engine.types import GenerationRequest, PromptScores, TopLogprobs
 

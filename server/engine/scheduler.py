@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from server.engine.particles import ParticleGroup, conclude, particle_seed
+from model.particles import ParticleGroup, conclude, particle_seed
 from server.engine.stopping import StoppingCriteria
 from server.engine.types import GenerationRequest, StepStats
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from model.particles import ParticleSummary
 from model.sampling import SamplingParams
 
 
@@ -50,16 +51,6 @@ class GenerationRequest:
         particles to conclude together. One particle with nothing to weigh (an image whose known pixels
         all come first) is a plain sample and may run several steps at once."""
         return self.weighs_known or (self.particles or 1) > 1
-
-
-@dataclass(frozen=True, slots=True)
-class ParticleSummary:
-    """How one sample's particles went: reported in the answer's usage."""
-
-    particles: int
-    resamplings: int
-    effective_sample_size: float  # of the final weights, 1..particles
-    known_log_likelihood: float  # estimate of log p(known tokens) in nats, prompt included
 
 
 TopLogprobs = list[tuple[int, float]]  # (token, log-probability), most likely first

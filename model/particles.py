@@ -25,7 +25,15 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from server.engine.types import ParticleSummary
+@dataclass(frozen=True, slots=True)
+class ParticleSummary:
+    """How one sample's particles went: reported in the answer's usage."""
+
+    particles: int
+    resamplings: int
+    effective_sample_size: float  # of the final weights, 1..particles
+    known_log_likelihood: float  # estimate of log p(known tokens) in nats, prompt included
+
 
 RESAMPLE_BELOW = 0.5  # resample when the effective sample size falls below this share of the particles
 _SEED_BITS = 62
@@ -117,7 +125,7 @@ def uniform(*key: int) -> float:
 
 
 class Particle(Protocol):
-    """What the particle rules read and write of a row's sequence (server/engine/scheduler.py's Sequence)."""
+    """What the particle rules read and write of a row's sequence (the engine's Sequence, server/engine/scheduler.py)."""
 
     particle: int  # which of its sample's particles
     log_weight: float

@@ -17,11 +17,10 @@ import torch
 
 from model import Transformer
 from model.sampling import SamplingParams
+from model.particles import ParticleSummary
 from server.engine.core import Engine, EngineLimits
+from server.engine.types import GenerationRequest
 from server.metrics import Metrics
-from server.engine.types import GenerationRequest, ParticleSummary
-
-from .data import MNIST_PIXELS
 
 
 @dataclass(frozen=True)
@@ -62,6 +61,6 @@ async def _complete(engine: Engine, forced: torch.Tensor, first_unknown: int, se
 def _request(i: int, row: list[int], first_unknown: int, seed: int, temperature: float,
              particles: int) -> GenerationRequest:
     known_after = {p: v for p, v in enumerate(row) if p > first_unknown and v >= 0}
-    return GenerationRequest(f"digit-{i}", row[:first_unknown], MNIST_PIXELS - first_unknown,
+    return GenerationRequest(f"digit-{i}", row[:first_unknown], len(row) - first_unknown,
                              SamplingParams(temperature=temperature, seed=seed), forced=known_after,
                              particles=particles)

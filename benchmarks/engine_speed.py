@@ -26,6 +26,7 @@ from model.generate import generate
 from model.sampling import BatchSampling, SamplingParams
 from model.transformer import build_model
 from server.engine.core import Engine, EngineLimits
+from server.engine.output import LocalOutput
 from server.metrics import Metrics
 from server.engine.types import GenerationRequest
 
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     model = build_model(preset_config("cpu", args.kind)).eval()
     limits = EngineLimits(max_batch=args.batch, max_waiting=args.batch, compile_decode=True)  # as the server
-    engine = Engine("bench", model, {}, limits, Metrics())
+    engine = Engine("bench", model, {}, limits, LocalOutput.recording(Metrics(), "bench", model))
     engine.start()
     engine.runner.decoder.wait_compiled()  # the server compiles in the background; time the compiled steps
     engine_seconds(engine, args.batch, min(args.tokens, 32))  # warm-up, not timed: first calls of every path

@@ -31,7 +31,7 @@ from model.compiled_decode import CompiledDecoder
 from model.threads import adopt_process_threads
 from model.transformer import Transformer, build_model
 from server.engine.core import Engine, EngineLimits
-from server.metrics import Metrics
+from server.engine.output import LocalOutput
 
 from .decode import preset_config
 from .engine_speed import engine_seconds
@@ -103,7 +103,7 @@ def _decoder_timer(model: Transformer, batch: int, steps: int) -> Callable[[], f
 
 
 def _engine_timer(model: Transformer, batch: int, steps: int) -> tuple[Engine, Callable[[], float]]:
-    engine = Engine("bench", model, {}, EngineLimits(max_batch=batch, max_waiting=batch, compile_decode=True), Metrics())
+    engine = Engine("bench", model, {}, EngineLimits(max_batch=batch, max_waiting=batch, compile_decode=True), LocalOutput())
     engine.start()
     engine.wait_compiled()
     engine_seconds(engine, batch, 16)  # warm-up: first calls of every path

@@ -26,7 +26,9 @@ from server.engine.compile_gate import CompileTurns
 from server.engine.cpu_budget import CpuBudget, usable_cpus
 from server.api.deps import ServerState
 from server.drain import Drain, DrainMiddleware
+from server.engine.base import EngineHandle
 from server.engine.core import Engine, EngineLimits
+from server.engine.output import LocalOutput
 from server.engine.client import EngineClient
 from server.metrics import Metrics
 from server.api.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestMetricsMiddleware
@@ -102,7 +104,7 @@ class Lifecycle:
     def __init__(self, settings: Settings, metrics: Metrics, models: list[LoadedModel] | None):
         self.settings, self.metrics, self.models = settings, metrics, models
         self.turns = CompileTurns.new()  # the engines' background compiles take turns (server/engine/compile_gate.py)
-        self.started: list[Engine | EngineClient] = []
+        self.started: list[EngineHandle] = []
         self.freezing: asyncio.Task | None = None
 
     async def start(self, app: FastAPI, on_started: Callable[[], None] | None = None) -> None:
@@ -163,7 +165,7 @@ class StartingMiddleware:
         await answer(scope, receive, send)
 
 
-async def start_engines(engines: list[Engine | EngineClient]) -> list[Engine | EngineClient]:
+async def start_engines(engines: list[EngineHandle]) -> list[EngineHandle]:
     """Start every engine at once (an engine process takes seconds to spawn and import torch); if one
     cannot start, stop those that did and raise its error."""
     outcomes = await asyncio.gather(*(asyncio.to_thread(engine.start) for engine in engines), return_exceptions=True)
@@ -177,21 +179,22 @@ async def start_engines(engines: list[Engine | EngineClient]) -> list[Engine | E
 
 
 def make_engine(loaded: LoadedModel, limits: EngineLimits, metrics: Metrics, settings: Settings,
-                compile_gate: CompileGate | None = None, threads: int | None = None) -> Engine | EngineClient:
+                compile_gate: CompileGate | None = None, threads: int | None = None) -> EngineHandle:
     """The model's engine, with `threads` intra-op CPU threads: on a worker thread of this process, or
     (--engine-process) in a process of its own."""
     if settings.engine_process:
         return EngineClient(loaded.name, loaded.model, loaded.info, limits, metrics, threads, compile_gate)
-    return Engine(loaded.name, loaded.model, loaded.info, limits, metrics, compile_gate, threads)
+    output = LocalOutput.recording(metrics, loaded.name, loaded.model)
+    return Engine(loaded.name, loaded.model, loaded.info, limits, output, compile_gate, threads)
 
 
-def log_thread_shares(budget: CpuBudget, engines: list[Engine | EngineClient], override: int | None) -> None:
+def log_thread_shares(budget: CpuBudget, engines: list[EngineHandle], override: int | None) -> None:
     why = "--threads" if override is not None else f"an equal share of {budget.reason}"
     shares = ", ".join(f"{e.name} {e.threads}" for e in engines)
     log.info("intra-op CPU threads per engine (%s): %s", why, shares)
 
 
-async def freeze_heap_once_compiled(engines: list[Engine | EngineClient]) -> None:
+async def freeze_heap_once_compiled(engines: list[EngineHandle]) -> None:
     """Put what start-up built (models, compiled graphs) out of the cyclic garbage collector's reach.
 
     A collection of the oldest generation walks every tracked object while holding the GIL, which

@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from server.api.errors import error_response
 
 if TYPE_CHECKING:
-    from server.engine.core import Engine
+    from server.engine.base import EngineHandle
 
 log = logging.getLogger("rnnserve.drain")
 POLL_SECONDS = 0.05
@@ -52,7 +52,7 @@ class Drain:
             self.started = time.monotonic()
             log.info("draining: %d request(s) in flight get up to %g s to finish", self.in_flight, self.seconds)
 
-    async def run(self, engines: Iterable["Engine"]) -> bool:
+    async def run(self, engines: Iterable["EngineHandle"]) -> bool:
         """Drain to the end: True if every request in flight finished before the deadline."""
         self.begin()
         finished = await self._wait_idle(self.started + self.seconds)
@@ -70,7 +70,7 @@ class Drain:
         return self.in_flight == 0
 
 
-def _stop_all(engines: list["Engine"]) -> None:
+def _stop_all(engines: list["EngineHandle"]) -> None:
     """Stop every engine at once: each engine process exits on its own, so waiting for them one by one
     would add their exit times up."""
     if not engines:

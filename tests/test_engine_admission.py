@@ -15,6 +15,7 @@ import pytest
 
 from model.sampling import SamplingParams
 from server.engine.core import Engine, EngineFailure, EngineLimits
+from server.engine.output import LocalOutput
 from server.metrics import Metrics
 from server.engine.multistep import PassCosts
 from server.engine.runner import ModelRunner, Slots
@@ -26,7 +27,8 @@ PROMPTS = [([1, 2, 3], 1, 10), ([4, 5, 6], 2, 20), ([7, 8, 9, 10, 11], 1, 30), (
 
 def make_engine(kind: str, scheduler_steps: int = EngineLimits.scheduler_steps) -> Engine:
     limits = EngineLimits(max_batch=8, max_waiting=8, scheduler_steps=scheduler_steps)
-    return Engine("tiny", make_tiny_model(kind, seed=2), {}, limits, Metrics())
+    model = make_tiny_model(kind, seed=2)
+    return Engine("tiny", model, {}, limits, LocalOutput.recording(Metrics(), "tiny", model))
 
 
 def request(i: int, prompt: list[int], n: int, seed: int) -> GenerationRequest:

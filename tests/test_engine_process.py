@@ -18,13 +18,16 @@ import pytest
 
 from model.sampling import SamplingParams
 from server.engine.core import Engine, EngineLimits
+from server.engine.base import EngineHandle
 from server.engine.client import EngineClient
-from server.engine.process import DEFER_SECONDS, Pipe
+from server.engine.output import LocalOutput
+from server.engine import messages as msg
+from server.engine.process import Pipe, PipeSink
 from server.metrics import Metrics
 from server.engine.scheduler import QueueFull
 from server.settings import Settings
-from server.engine.streams import EngineFailure
-from server.engine.types import GenerationRequest
+from server.engine.streams import DONE, EngineFailure, GenerationStream
+from server.engine.types import Generation, GenerationRequest, StepStats
 from server.engine.validation import InvalidRequest
 from conftest import make_tiny_model
 from server_support import metric_value, running_server, save_tiny_model
@@ -33,7 +36,10 @@ LIMITS = EngineLimits(max_batch=4, max_waiting=2)
 
 
 def make(kind: type, limits: EngineLimits = LIMITS, metrics: Metrics | None = None):
-    return kind("tiny", make_tiny_model("linear", seed=3), {}, limits, metrics or Metrics())
+    model, metrics = make_tiny_model("linear", seed=3), metrics or Metrics()
+    if kind is Engine:
+        return Engine("tiny", model, {}, limits, LocalOutput.recording(metrics, "tiny", model))
+    return kind("tiny", model, {}, limits, metrics)
 
 
 def requests() -> list[GenerationRequest]:
@@ -111,25 +117,32 @@ def test_its_steps_are_counted_here_before_its_answer_arrives():
     assert metric_value(text, "rnnserve_decode_state_allocated_bytes", model="tiny", attention="linear") == engine.state_bytes_allocated > 0
 
 
-def test_deferred_step_records_go_ahead_of_the_next_message_or_alone_once_they_are_old():
+def test_a_pass_s_figures_and_events_cross_the_pipe_in_one_message_and_held_events_stay_behind():
     api_end, engine_end = multiprocessing.Pipe()
-    pipe = Pipe(engine_end)
-    pipe.defer(("metric", "record_step", (1,)))
-    pipe.defer(("metric", "record_step", (2,)))
-    assert not api_end.poll(0.1)  # records wait for company
-    pipe.send(("events", []))
-    assert api_end.recv() == ("batch", [("metric", "record_step", (1,)), ("metric", "record_step", (2,)),
-                                        ("events", [])])
-    pipe.send(("accepted", 7))
-    assert api_end.recv() == ("accepted", 7)  # nothing deferred: sent as it is
-    pipe.defer(("metric", "record_step", (3,)))
-    time.sleep(DEFER_SECONDS)
-    pipe.defer(("metric", "record_step", (4,)))  # the first has waited long enough: both go
-    assert api_end.poll(1.0) and api_end.recv() == ("batch", [("metric", "record_step", (3,)),
-                                                              ("metric", "record_step", (4,))])
-    pipe.defer(("metric", "record_step", (5,)))
-    pipe.flush()
-    assert api_end.recv() == ("batch", [("metric", "record_step", (5,))])
+    sink = PipeSink(Pipe(engine_end))
+    streamed = GenerationStream(GenerationRequest("s", [1], 2), sink, each_event=True)
+    whole = GenerationStream(GenerationRequest("w", [1], 2), sink, each_event=False)
+    sink.keys.update({streamed: 7, whole: 8})
+    sink.streams.update({7: streamed, 8: whole})
+    token = Generation("s", 0, 1, 42, None, None, None, None)
+    stats = StepStats(batch=2, steps=1, tokens=2, running=2, waiting=0, state_bytes=64)
+    sink.step(stats, {streamed: [token], whole: ["held until its end"]})
+    first = api_end.recv()
+    assert first == msg.Step(stats, [(7, [token])])  # the non-streamed request's event waits for its end
+    sink.step(stats, {whole: [DONE]})
+    assert api_end.recv() == msg.Step(stats, [(8, ["held until its end", DONE])])
+    assert sink.streams == {7: streamed}  # an ended stream is unbound
+    assert not api_end.poll(0.1)  # nothing else was sent: no separate record, no deferral
+
+
+def test_the_thread_engine_and_the_process_client_are_one_engine_interface():
+    """Handlers, the registry and the drain see an EngineHandle: both kinds of engine have all of it."""
+    members = {n for n in vars(EngineHandle) if not n.startswith("_")} | set(EngineHandle.__annotations__)
+    for engine in (make(Engine), make(EngineClient)):
+        missing = {n for n in members if not hasattr(engine, n)}
+        assert not missing, f"{type(engine).__name__} lacks {sorted(missing)}"
+    assert {"enqueue", "score", "ready", "metrics", "check_prompt"} <= members
+
 
 def test_refusals_keep_their_kind_across_the_pipe():
     long_request = GenerationRequest("long", [1], max_new_tokens=90, sampling=SamplingParams(seed=1))
@@ -195,7 +208,7 @@ def test_a_call_that_fails_in_the_engine_process_is_answered_and_the_process_ser
         key, future = -1, asyncio.get_running_loop().create_future()
         with engine._lock:
             engine._pending[key] = (asyncio.get_running_loop(), future)
-        engine._send(("submit", key, "not a request", False))
+        engine._send(msg.Submit(key, "not a request", False))
         with pytest.raises(EngineFailure, match="internal error"):
             await future
         return await results_of(engine, requests()[:1])

@@ -24,7 +24,7 @@ from model.sampling import SamplingParams
 from model.transformer import Transformer
 from model import particles as smc
 from server.engine.core import Engine, EngineLimits
-from server.metrics import Metrics
+from server.engine.output import LocalOutput
 from server.engine.types import GenerationRequest
 from server.engine.validation import InvalidRequest
 from conftest import make_tiny_model
@@ -87,7 +87,7 @@ def cell(pair: tuple[int, int]) -> tuple[int, int] | None:
 def draw(model: Transformer, particles: int, samples: int = SAMPLES, first_seed: int = 0) -> list:
     """`samples` completions by a real engine: their (x0, x1) and particle summaries."""
     engine = Engine("toy", model, {}, EngineLimits(max_batch=PER_REQUEST * particles, max_waiting=512,
-                                                   cuda_graphs=False), Metrics())
+                                                   cuda_graphs=False), LocalOutput())
     engine.start()
 
     async def run() -> list:
@@ -170,7 +170,7 @@ def test_neighbours_of_resampling_rows_get_their_solo_tokens(toy):
     weighed = toy_request("smc", PARTICLES, seed=11)
 
     def run(requests: list[GenerationRequest]) -> dict[str, list]:
-        engine = Engine("toy", model, {}, EngineLimits(max_batch=160, max_waiting=8, cuda_graphs=False), Metrics())
+        engine = Engine("toy", model, {}, EngineLimits(max_batch=160, max_waiting=8, cuda_graphs=False), LocalOutput())
         return asyncio.run(_results(engine, requests))
 
     together, alone = run([weighed, plain]), run([plain])
@@ -193,7 +193,7 @@ async def _results(engine: Engine, requests: list[GenerationRequest]) -> dict[st
 
 def test_particles_count_against_the_slots():
     model = make_tiny_model("linear", seed=0, max_len=8)
-    engine = Engine("toy", model, {}, EngineLimits(max_batch=32, max_waiting=8, cuda_graphs=False), Metrics())
+    engine = Engine("toy", model, {}, EngineLimits(max_batch=32, max_waiting=8, cuda_graphs=False), LocalOutput())
     too_many = GenerationRequest("big", [], LENGTH, n=4, forced=dict(KNOWN), particles=16)
     with pytest.raises(InvalidRequest, match=r"n \(4\) x particles \(16\) = 64 decode slots; this server has 32"):
         asyncio.run(_submit(engine, too_many))

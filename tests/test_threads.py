@@ -19,7 +19,7 @@ import torch
 
 from model.compiled_decode import CompiledDecoder
 from server.engine.core import Engine, EngineLimits
-from server.metrics import Metrics
+from server.engine.output import LocalOutput
 from server.engine.types import GenerationRequest
 from model.sampling import SamplingParams
 from conftest import make_tiny_model
@@ -47,7 +47,7 @@ def one_process_thread():
 
 def test_engine_thread_decodes_with_the_process_thread_count():
     probe = openmp_threads_probe()
-    engine = Engine("tiny", make_tiny_model("linear", seed=1), {}, EngineLimits(max_batch=2, max_waiting=2), Metrics())
+    engine = Engine("tiny", make_tiny_model("linear", seed=1), {}, EngineLimits(max_batch=2, max_waiting=2), LocalOutput())
     seen = []
     allocate = engine.runner.allocate
     engine.runner.allocate = lambda: seen.append(probe()) or allocate()  # runs first on the worker thread

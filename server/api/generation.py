@@ -9,7 +9,9 @@ from typing import Any, AsyncIterator, Iterator
 
 from fastapi import Request
 
-from server.engine.core import Engine, EngineFailure, GenerationStream, QueueFull
+from server.engine.base import EngineHandle
+from server.engine.scheduler import QueueFull
+from server.engine.streams import EngineFailure, GenerationStream
 from server.engine.streams import ENGINE_ERROR, ENGINE_RESTARTING
 from server.api.errors import APIError, error_body, invalid_request
 from server.engine.types import Generation, GenerationRequest, PromptScores, SampleResult
@@ -24,7 +26,7 @@ class ClientGone(Exception):
 
 
 @contextmanager
-def engine_refusals(engine: Engine) -> Iterator[None]:
+def engine_refusals(engine: EngineHandle) -> Iterator[None]:
     """Turn an engine's refusals into 503 (not ready) / 429 (queue full) / 400 (bad request) answers."""
     if not engine.ready:  # a stopped engine would never answer
         raise APIError(503, f"model '{engine.name}' is not ready; see GET /health", "model", "not_ready")
@@ -39,13 +41,13 @@ def engine_refusals(engine: Engine) -> Iterator[None]:
         raise engine_error(exc) from None
 
 
-async def submit(engine: Engine, request: GenerationRequest, each_event: bool = True) -> GenerationStream:
+async def submit(engine: EngineHandle, request: GenerationRequest, each_event: bool = True) -> GenerationStream:
     """Queue a request; each_event=False (a non-streamed answer) gets its events only at the end."""
     with engine_refusals(engine):
         return await engine.enqueue(request, each_event)
 
 
-async def score(engine: Engine, tokens: list[int], top: int = 0) -> PromptScores:
+async def score(engine: EngineHandle, tokens: list[int], top: int = 0) -> PromptScores:
     """Log-probabilities of a prompt in one parallel pass, bounded like generation requests."""
     with engine_refusals(engine):
         return await engine.score(tokens, top)

@@ -24,7 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.api import imaging
 from server.api.deps import ServerState, get_server
-from server.engine.core import Engine, GenerationStream
+from server.engine.base import EngineHandle
+from server.engine.streams import GenerationStream
 from server.api.errors import APIError, invalid_request, raise_validation
 from server.api.imaging import PIXELS, SIDE, ImageError, OccludedImage
 from server.api.image_api import IMAGE_REQUEST_BODY, IMAGE_RESPONSES, ImageCompletionRequest, ImageOptions
@@ -100,7 +101,7 @@ class Canvases:
 @dataclass
 class ImageJob:
     id: str
-    engine: Engine
+    engine: EngineHandle
     canvases: Canvases
     plan: ParticlePlan
     started: float = field(default_factory=time.monotonic)

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
 from server.api.deps import ServerState, get_server
-from server.engine.core import Engine
+from server.engine.base import EngineHandle
 from server.api.errors import APIError, error_response
 from server.engine.registry import eval_metrics
 from server.api.responses import errors
@@ -54,7 +54,7 @@ class Health(BaseModel):
 PROMETHEUS_TEXT = {200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}
 
 
-def describe(engine: Engine, created: int) -> dict[str, Any]:
+def describe(engine: EngineHandle, created: int) -> dict[str, Any]:
     """One OpenAI model entry plus what a client needs to pick a model."""
     cfg = engine.config
     return {

@@ -14,7 +14,8 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
 from server.api.deps import ServerState, get_server
-from server.engine.core import Engine, GenerationStream
+from server.engine.base import EngineHandle
+from server.engine.streams import GenerationStream
 from server.api.responses import COMPLETION_RESPONSES
 from server.api.negotiation import choose, stream_type
 from server.api.generation import (SSE_HEADERS, ClientGone, collect_all, engine_refusals, merged_events, score, sse, sse_stream,
@@ -57,7 +58,7 @@ async def create_completion(body: CompletionRequest, request: Request,
     return {**completion.envelope(completion.final_choices()), "usage": completion.usage()}
 
 
-async def start_generations(engine: Engine, body: CompletionRequest, completion: TextCompletion) -> list[GenerationStream]:
+async def start_generations(engine: EngineHandle, body: CompletionRequest, completion: TextCompletion) -> list[GenerationStream]:
     """Queue one generation per prompt (the engine validates each); none when max_tokens is 0,
     but each prompt must still fit. A refusal cancels those already queued."""
     streams: list[GenerationStream] = []
@@ -84,7 +85,7 @@ def generation_request(body: CompletionRequest, prompt: bytes, request_id: str) 
                              logprobs=body.logprobs is not None or ranks, top_logprobs=body.logprobs or 0)
 
 
-async def prompt_scores(engine: Engine, body: CompletionRequest, prompt: bytes) -> PromptScores | None:
+async def prompt_scores(engine: EngineHandle, body: CompletionRequest, prompt: bytes) -> PromptScores | None:
     """The prompt's log-probabilities (and top alternatives) when echoed with logprobs, else none."""
     if body.echo and body.logprobs is not None and prompt:
         return await score(engine, list(prompt), body.logprobs)
@@ -98,7 +99,7 @@ def finish_without_generating(completion: TextCompletion) -> None:
             part.finish = ["length"] * len(part.finish)
 
 
-async def stream_events(completion: TextCompletion, streams: list[GenerationStream], engine: Engine) -> AsyncIterator[str]:
+async def stream_events(completion: TextCompletion, streams: list[GenerationStream], engine: EngineHandle) -> AsyncIterator[str]:
     """SSE chunks as text becomes safe to show, then usage (if asked)."""
     if completion.body.echo:
         for p, part in enumerate(completion.parts):

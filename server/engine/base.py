@@ -1,14 +1,20 @@
-"""What every engine shares, on a thread or in a process of its own: its limits, and what it answers
-without asking its worker (the model's config, the checks of a request)."""
+"""What every engine shares, on a thread or in a process of its own: the interface handlers use (`EngineHandle`),
+its limits, and what it answers without asking its worker (the model's config, the checks of a request)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from model.config import ModelConfig
 from model.transformer import Transformer
 
 from server.engine.validation import check_fits, check_samples
+
+if TYPE_CHECKING:
+    from server.engine.streams import GenerationStream
+    from server.engine.types import GenerationRequest, PromptScores
+    from server.metrics import ModelMetrics
 
 
 @dataclass(frozen=True)
@@ -40,3 +46,44 @@ class EngineFacts:
         would fit --max-batch (a request that generates nothing is held to the limits of one that does)."""
         check_fits(tokens, 0, self.name, self.config.max_len)
         check_samples(samples, self.limits.max_batch)
+
+
+class EngineHandle(Protocol):
+    """One model's engine as the API process uses it: `Engine` (on a worker thread here) and `EngineClient` (the
+    stand-in for an engine process) both are one. Handlers, the registry, the drain and the app see only this."""
+
+    name: str
+    model: Transformer
+    info: dict
+    limits: EngineLimits
+    threads: int
+    metrics: ModelMetrics | None  # the model's series the handlers record into
+    state_bytes_per_sequence: int
+    state_bytes_allocated: int
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+    @property
+    def attention(self) -> str: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def cuda_graphs(self) -> bool: ...
+
+    @property
+    def compiled_decode(self) -> bool: ...
+
+    def check_prompt(self, tokens: list[int], samples: int) -> None: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def wait_compiled(self, timeout: float | None = None) -> bool: ...
+
+    async def enqueue(self, request: GenerationRequest, each_event: bool = True) -> GenerationStream: ...
+
+    async def score(self, tokens: list[int], top: int = 0) -> PromptScores: ...

@@ -1,5 +1,6 @@
 """The API process's side of an engine process (`--engine-process`; server/engine/process.py has the
-other side and the protocol): `EngineClient` stands in for an `Engine`, so handlers use either alike."""
+other side, server/engine/messages.py the protocol): `EngineClient` stands in for an `Engine`, so handlers
+use either alike. It records each pass's figures on arrival, then hands the pass's events on."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ import torch.multiprocessing
 from model.transformer import Transformer
 
 from server.engine.core import EngineFacts, EngineLimits
-from server.engine.process import EngineSpec, StartedFacts, rebuild_error, serve_engine
+from server.engine import messages as msg
+from server.engine.output import record_gauges
+from server.engine.process import EngineSpec, rebuild_error, serve_engine
 from server.metrics import Metrics
 from server.engine.streams import (ENGINE_RESTARTING, SHUTTING_DOWN, EngineFailure, GenerationStream, LoopSink, call_in_loop,
                       hand_over, is_terminal, settle)
@@ -31,7 +34,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("rnnserve.engine_client")
 STOP_SECONDS = 30.0  # an engine process told to stop gets this long before it is killed
 START_SECONDS = 300.0  # spawning, importing torch and allocating the slots
-FORWARDED_METRICS = frozenset({"record_step", "idle", "queue", "state_allocated"})  # what the engine records
 
 
 class RemoteStream(GenerationStream):
@@ -117,26 +119,26 @@ class EngineClient(EngineFacts):
         self._reader.start()
         log.info("model %s: engine process %d started", self.name, self._process.pid)
 
-    def _first_message(self) -> StartedFacts:
+    def _first_message(self) -> msg.Started:
         assert self._conn is not None and self._process is not None
         while True:
             message = self._next_start_message()
-            if message[0] != "metric":  # the engine records its allocated state before it says it started
+            if not isinstance(message, msg.GaugesNow):  # the engine reports its allocated state before it starts
                 break
-            self._record(*message[1:])
-        if message[0] == "started":
-            return message[1]
+            record_gauges(self.metrics, message.gauges)
+        if isinstance(message, msg.Started):
+            return message
         self._end_process()
-        raise EngineFailure(f"model {self.name!r}: the engine process failed to start: {message[1]}")
+        raise EngineFailure(f"model {self.name!r}: the engine process failed to start: {message.message}")
 
-    def _next_start_message(self) -> tuple:
+    def _next_start_message(self) -> object:
         assert self._conn is not None and self._process is not None
         try:
             if self._conn.poll(START_SECONDS):
                 return self._conn.recv()
         except (EOFError, OSError):
-            return ("failed", f"it exited with code {self._end_process()} (its log above says why)")
-        return ("failed", f"it did not start within {START_SECONDS:.0f} s")
+            return msg.StartFailed(f"it exited with code {self._end_process()} (its log above says why)")
+        return msg.StartFailed(f"it did not start within {START_SECONDS:.0f} s")
 
     def stop(self) -> None:
         self._stopping = True
@@ -144,7 +146,7 @@ class EngineClient(EngineFacts):
         with self._lifecycle:
             if self._process is None:
                 return
-            self._send(("stop",))
+            self._send(msg.Stop())
             self._end_process()
             reader = self._reader
         if reader is not None:
@@ -190,7 +192,7 @@ class EngineClient(EngineFacts):
             self._check_alive()
             self._streams[key] = stream
             self._pending[key] = (loop, future)
-        self._send(("submit", key, request, each_event))
+        self._send(msg.Submit(key, request, each_event))
         try:
             await future
         except BaseException:  # refused, or the client went away meanwhile
@@ -205,7 +207,7 @@ class EngineClient(EngineFacts):
         with self._lock:
             self._check_alive()
             self._pending[key] = (loop, future)
-        self._send(("score", key, tokens, top))
+        self._send(msg.Score(key, tokens, top))
         return await future
 
     def _check_alive(self) -> None:
@@ -218,9 +220,9 @@ class EngineClient(EngineFacts):
         with self._lock:
             running = self._streams.pop(key, None) is not None
         if running:
-            self._send(("cancel", key))
+            self._send(msg.Cancel(key))
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: object) -> None:
         """Send to the engine process; if it is gone, what waits on it fails (the reader sees it exit)."""
         try:
             with self._send_lock:
@@ -261,22 +263,26 @@ class EngineClient(EngineFacts):
                               "restarting, retry shortly", ENGINE_RESTARTING)
         threading.Thread(target=self._restart, name=f"engine-{self.name}-restart", daemon=True).start()
 
-    def _dispatch(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "events":
-            self._hand_over(message[1])
-        elif kind == "metric":
-            self._record(message[1], message[2])
-        elif kind in ("accepted", "refused", "scored"):
-            self._answer(kind, *message[1:])
-        elif kind == "compiled":
-            self.compiled_decode = message[1]
-            self._compiled.set()
-        elif kind == "batch":
-            for each in message[1]:
-                self._dispatch(each)
-        else:
-            raise ValueError(f"unknown message {kind!r}")
+    def _dispatch(self, message: object) -> None:
+        match message:
+            case msg.Step(stats, events):
+                self.metrics.record_step(stats)  # first: a client that has its answer finds the step counted
+                self._hand_over(events)
+            case msg.Events(events):
+                self._hand_over(events)
+            case msg.GaugesNow(gauges):
+                record_gauges(self.metrics, gauges)
+            case msg.Accepted(key):
+                self._answer(key, None)
+            case msg.Refused(key, error):
+                self._answer(key, None, error, refused=True)
+            case msg.Scored(key, result, error):
+                self._answer(key, result, error)
+            case msg.Compiled(compiled):
+                self.compiled_decode = compiled
+                self._compiled.set()
+            case _:
+                raise ValueError(f"unknown message {type(message).__name__}")
 
     def _hand_over(self, batch: list[tuple[int, list]]) -> None:
         pairs = []
@@ -290,23 +296,15 @@ class EngineClient(EngineFacts):
                 pairs.append((stream, items))
         hand_over(pairs)
 
-    def _record(self, method: str, args: tuple) -> None:
-        if method not in FORWARDED_METRICS:
-            raise ValueError(f"unknown metric call {method!r}")
-        getattr(self.metrics, method)(*args)
-
-    def _answer(self, kind: str, key: int, *rest) -> None:
+    def _answer(self, key: int, result, error: msg.ErrorDescription | None = None, refused: bool = False) -> None:
+        """Settle what waits on `key`: a submit (accepted, or refused with why) or a score."""
         with self._lock:
             waiting = self._pending.pop(key, None)
-            if kind == "refused":
+            if refused:
                 self._streams.pop(key, None)
         if waiting is None:  # failed already: the engine process was going away
             return
         loop, future = waiting
-        if kind == "scored":
-            result, error = rest
-        else:  # accepted: no error; refused: why
-            result, error = None, (rest[0] if kind == "refused" else None)
         call_in_loop(loop, settle, future, result, rebuild_error(error))
 
     def _fail_everything(self, message: str, code: str) -> None:

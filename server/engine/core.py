@@ -7,8 +7,11 @@ stream layer (`streams.deliver`, the hop to asyncio). Every step: waiting
 requests join (prompts of one length prefill in one forward; the n samples
 of a prompt copy its row), one token is drawn for every live row, finished
 rows leave (the last live row moves into each hole), and one batched
-decode step feeds the new tokens. Each step's figures reach the metrics as
-one `StepStats`.
+decode step feeds the new tokens. A pass is a pipeline of plain data
+(server/engine/step.py): the scheduler's plan, the runner's tokens, the
+scheduler's update, the events; its figures (`StepStats`) go out with its
+events to the engine's output (server/engine/output.py), which records them
+on the API side: the engine calls no metric.
 
 Multi-step (vLLM's name): while no running request is streamed or runs
 particles that weigh known tokens (or several particles a sample: they
@@ -35,14 +38,13 @@ import torch
 from model.threads import adopt_process_threads
 from model.transformer import Transformer
 
-from model import particles
 from server.engine.base import EngineFacts, EngineLimits
-from server.metrics import Metrics
 from server.engine.multistep import PassCosts, ends_run_early
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Placement, QueueFull, Scheduler
-from server.engine.step_events import step_events
-from server.engine.streams import (ENGINE_ERROR, SHUTTING_DOWN, EngineFailure, EventSink, GenerationStream, LoopSink, ScoreJob, ScoreReply, deliver, finish,
+from server.engine.output import EngineOutput, Gauges
+from server.engine.step_events import sample_reads, step_events
+from server.engine.streams import (ENGINE_ERROR, SHUTTING_DOWN, EngineFailure, EventSink, GenerationStream, LoopSink, ScoreJob, ScoreReply, finish,
                       reply_in_loop)
 from server.engine.types import GenerationRequest, PromptScores
 from server.engine.validation import check_generation, check_scoring
@@ -59,9 +61,9 @@ IDLE_WAKEUP_SECONDS = 1.0  # refresh rate gauges while idle
 class Engine(EngineFacts):
     """Continuous batching for one model on a worker thread of its own (see the module's docstring)."""
 
-    def __init__(self, name: str, model: Transformer, info: dict, limits: EngineLimits, metrics: Metrics,
+    def __init__(self, name: str, model: Transformer, info: dict, limits: EngineLimits, output: EngineOutput,
                  compile_gate: CompileGate | None = None, threads: int | None = None):
-        """compile_gate: a lock the server's engines share, so their background compiles take turns.
+        """output: where each pass's figures and events go (server/engine/output.py). compile_gate: a lock the server's engines share, so their background compiles take turns.
         threads: intra-op CPU threads for this engine's steps (server/engine/cpu_budget.py); None: the process's count."""
         self.name = name
         self.threads = threads or torch.get_num_threads()
@@ -70,7 +72,8 @@ class Engine(EngineFacts):
         self.limits = limits
         self.state_bytes_per_sequence = model.state_bytes_per_sequence()  # at max_len
         self.state_bytes_allocated = 0  # all slots' state, known once started
-        self.metrics = metrics.for_model(name, model.config.attention, images=model.config.task == "mnist")
+        self.output = output
+        self.metrics = output.metrics  # the model's series, for the handlers (None in an engine process)
         self.scheduler = Scheduler(limits.max_batch, limits.max_waiting)
         self.runner = ModelRunner(model, limits.max_batch, limits.cuda_graphs, limits.compile_decode, compile_gate)
         self._lock = threading.Lock()  # the scheduler's queue: submissions come from the event loop
@@ -126,17 +129,20 @@ class Engine(EngineFacts):
         if self._thread is not None:
             self._thread.join()
 
-    def submit(self, request: GenerationRequest, each_event: bool = True, sink: EventSink | None = None) -> GenerationStream:
+    def submit(self, request: GenerationRequest, each_event: bool = True, sink: EventSink | None = None,
+               checked: bool = False) -> GenerationStream:
         """Queue a request (thread-safe); each_event=False hands its events over only once it has finished.
-        Its events go to `sink`, by default the calling event loop."""
-        check_generation(request, self.name, self.config.max_len, self.limits.max_batch)
+        Its events go to `sink`, by default the calling event loop. checked: the request was validated already
+        (by the API process, for an engine process), so it is not checked again."""
+        if not checked:
+            check_generation(request, self.name, self.config.max_len, self.limits.max_batch)
         stream = GenerationStream(request, sink or LoopSink(asyncio.get_running_loop()), each_event)
         with self._lock:
             try:
                 self.scheduler.add(stream)
             except QueueFull as exc:
                 raise QueueFull(f"model {self.name!r}: {exc}") from None
-        self.metrics.queue(self.running, self.waiting)
+        self.output.gauges(Gauges(self.running, self.waiting))
         self._wakeup.set()
         return stream
 
@@ -172,7 +178,7 @@ class Engine(EngineFacts):
                 self._ready.set()
                 return
             self.state_bytes_allocated = self.runner.slots.state.nbytes()
-            self.metrics.state_allocated(self.state_bytes_allocated)
+            self.output.gauges(Gauges(0, 0, idle=True, state_allocated=self.state_bytes_allocated))
             self._ready.set()
             while not self._stopping:
                 try:
@@ -189,7 +195,7 @@ class Engine(EngineFacts):
             self._fail_all("the server is shutting down", SHUTTING_DOWN)
 
     def _idle(self) -> None:
-        self.metrics.idle(self.waiting)
+        self.output.gauges(Gauges(0, self.waiting, idle=True))
         self._wakeup.wait(IDLE_WAKEUP_SECONDS)
         self._wakeup.clear()
 
@@ -240,32 +246,25 @@ class Engine(EngineFacts):
         self.scheduler.register(places, dict(zip(group, likelihoods)))
 
     def _step(self) -> None:
-        n, needs = self.scheduler.running, self.scheduler.needs()
-        planned, started, earlier = self.scheduler.steps_ahead(self.limits.scheduler_steps), time.monotonic(), []
-        while len(earlier) < planned - 1 and not self._ends_run_early(planned - 1 - len(earlier)):
-            earlier.append(self._unwatched_step(n, needs))
-        if earlier:
-            self._costs.observe_steps(time.monotonic() - started, len(earlier))
-        steps = len(earlier) + 1
-        known = particles.known_rows(self.scheduler.rows) if needs.weigh else []
-        weights = self.runner.known_logprobs(known, needs) if known else []  # before sampling counts the tokens
-        drawn = self.runner.sample(n, needs)
-        resamplings = self._resample(known, weights, drawn.tokens) if known else 0
+        """One pass, as data from part to part (server/engine/step.py)."""
+        plan = self.scheduler.plan_step(self.limits.scheduler_steps)
+        drawn = self.runner.execute(plan, self._ends_run_early)
+        if drawn.steps > 1:
+            self._costs.observe_steps(drawn.ahead_seconds, drawn.steps - 1)
         boundary_started = time.monotonic()
-        per_row = torch.stack([*earlier, drawn.tokens], dim=1) if earlier else drawn.tokens[:, None]  # (n, steps)
-        tokens = per_row.tolist()
-        outcome = self.scheduler.update_from_output(tokens, time.monotonic(), started)
-        outbox = step_events(self.scheduler.rows, outcome, tokens, drawn, self.runner)  # before rows move
-        self.runner.move_rows(self.scheduler.compact(outcome.finished), drawn.tokens)
+        update = self.scheduler.update(plan, drawn, boundary_started)
+        self.runner.copy_particles(update.copies, drawn.last)
+        samples = self.runner.read_samples(sample_reads(self.scheduler.rows, update.outcome))
+        outbox = step_events(self.scheduler.rows, update.outcome, drawn, samples)  # before rows move
+        self.runner.move_rows(self.scheduler.compact(update.outcome.finished), drawn.last)
         live = self.scheduler.running
-        # Metrics first: a client that has its answer must find the step counted when it scrapes.
-        seconds, self._forward_seconds = time.monotonic() - started + self._forward_seconds, 0.0
-        stats = self.scheduler.make_stats(outcome, self.runner.state_bytes(live), resamplings, steps, seconds)
-        self.metrics.record_step(stats)
-        deliver(outbox)
+        seconds, self._forward_seconds = time.monotonic() - drawn.started + self._forward_seconds, 0.0
+        stats = self.scheduler.make_stats(update.outcome, self.runner.state_bytes(live), update.resamplings,
+                                          drawn.steps, seconds)
+        self.output.step(stats, outbox)  # figures first: a client that has its answer finds the step counted
         forward_started = time.monotonic()
         self._costs.observe_boundary(forward_started - boundary_started)
-        self.runner.decode(drawn.tokens[:live])
+        self.runner.decode(drawn.last[:live])
         self._forward_seconds = time.monotonic() - forward_started
 
     def _ends_run_early(self, steps_left: int) -> bool:
@@ -275,22 +274,9 @@ class Engine(EngineFacts):
         with self._lock:  # submissions append to the queue (and drop cancelled requests from it) meanwhile
             return ends_run_early(self.scheduler, steps_left, self._costs)
 
-    def _unwatched_step(self, n: int, needs) -> torch.Tensor:
-        """A step of a multi-step run (no client watches each one): draw and feed rows [0, n);
-        the scheduler sees its tokens with the run's last step."""
-        tokens = self.runner.sample(n, needs).tokens
-        self.runner.decode(tokens)
-        return tokens
-
-    def _resample(self, known: list[int], weights: list[float], tokens: torch.Tensor) -> int:
-        """Weigh the particles at known tokens; copy rows (within each sample's own) where they resample."""
-        resampling = particles.weigh(self.scheduler.rows, known, weights)
-        self.runner.copy_particles(resampling.copies, tokens)
-        return resampling.samples
-
     def _fail_running(self, message: str, code: str = ENGINE_ERROR) -> None:
         finish(self.scheduler.clear_rows(), message, code)
-        self.metrics.queue(0, self.waiting)
+        self.output.gauges(Gauges(0, self.waiting))
 
     def _fail_all(self, message: str, code: str) -> None:
         with self._lock:

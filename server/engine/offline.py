@@ -19,8 +19,8 @@ from model import Transformer
 from model.sampling import SamplingParams
 from model.particles import ParticleSummary
 from server.engine.core import Engine, EngineLimits
+from server.engine.output import LocalOutput
 from server.engine.types import GenerationRequest
-from server.metrics import Metrics
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ def complete_with_particles(model: Transformer, forced: torch.Tensor, first_unkn
                             temperature: float, particles: int, rows: int) -> ParticleCompletions:
     """(N, 784) known grey levels (-1 unknown) -> completions; `rows` decode slots (>= particles)."""
     engine = Engine("eval", model, {}, EngineLimits(max_batch=max(rows, particles), max_waiting=len(seeds),
-                                                    cuda_graphs=False), Metrics())
+                                                    cuda_graphs=False), LocalOutput())
     engine.start()
     try:
         results = asyncio.run(_complete(engine, forced, first_unknown, seeds, temperature, particles))

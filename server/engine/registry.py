@@ -10,7 +10,7 @@ from typing import Any
 from model.transformer import Transformer
 from model.weights_io import load_model, read_metadata
 
-from server.engine.core import Engine
+from server.engine.base import EngineHandle
 from server.api.errors import APIError
 from server.settings import Settings, SettingsError
 
@@ -66,14 +66,14 @@ def data_by_file_name(metrics: dict[str, Any]) -> dict[str, Any]:
 class EngineRegistry:
     """The engines by model name, in load order."""
 
-    def __init__(self, engines: list[Engine], created: dict[str, int] | None = None):
+    def __init__(self, engines: list[EngineHandle], created: dict[str, int] | None = None):
         self.engines = {e.name: e for e in engines}
         self.created = created or {}  # unix time of each weights file
 
     def __iter__(self):
         return iter(self.engines.values())
 
-    def for_request(self, request, name: str | None, task: str) -> Engine:
+    def for_request(self, request, name: str | None, task: str) -> EngineHandle:
         """`get`, and label the request's metrics with the model it chose."""
         engine = self.get(name, task)
         request.state.model, request.state.attention = engine.name, engine.attention
@@ -86,7 +86,7 @@ class EngineRegistry:
         if engine is not None:
             request.state.model, request.state.attention = engine.name, engine.attention
 
-    def get(self, name: str | None, task: str) -> Engine:
+    def get(self, name: str | None, task: str) -> EngineHandle:
         """The named engine, or the task's only one when no name is given; 404/400 with the choices otherwise."""
         if not name:
             return self.only(task)
@@ -98,7 +98,7 @@ class EngineRegistry:
                            f"{task} models loaded: {self._names(task)}", "model", "wrong_model_task")
         return engine
 
-    def only(self, task: str) -> Engine:
+    def only(self, task: str) -> EngineHandle:
         """A request without `model`: the one loaded model of the task, else a 400 listing the choices."""
         candidates = [e for e in self.engines.values() if e.config.task == task]
         if len(candidates) == 1:

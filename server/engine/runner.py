@@ -13,8 +13,9 @@ per-token objects for it; `read_sample` takes a finished row out in one go.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -26,7 +27,8 @@ from model.state import ModelState
 from model.transformer import Transformer, with_bos
 
 from model.particles import RowCopy
-from server.engine.scheduler import Placement, StepNeeds
+from server.engine.scheduler import Placement
+from server.engine.step import RunnerOutput, SampleRead, SchedulerOutput, StepNeeds
 from server.engine.types import GenerationRequest, PromptScores, TopLogprobs
 
 if TYPE_CHECKING:
@@ -182,6 +184,26 @@ class ModelRunner:
             slots.bias[row, list(ids)] = torch.tensor(values, device=slots.bias.device)
 
     # -- a step -----------------------------------------------------------------
+    def execute(self, plan: SchedulerOutput, ends_early: Callable[[int], bool] = lambda steps_left: False) -> RunnerOutput:
+        """Run a pass: up to plan.steps - 1 unwatched steps (draw and feed; `ends_early(steps_left)` may stop
+        them), then the watched one: the known tokens' weights, then the draw. Its tokens are fed later
+        (`decode`), once finished rows have left."""
+        started, earlier = time.monotonic(), []
+        while len(earlier) < plan.steps - 1 and not ends_early(plan.steps - 1 - len(earlier)):
+            tokens = self.sample(plan.rows, plan.needs).tokens
+            self.decode(tokens)
+            earlier.append(tokens)
+        ahead = time.monotonic() - started
+        weights = self.known_logprobs(plan.known, plan.needs) if plan.known else []  # before sampling counts them
+        drawn = self.sample(plan.rows, plan.needs)
+        per_row = torch.stack([*earlier, drawn.tokens], dim=1) if earlier else drawn.tokens[:, None]  # (n, steps)
+        return RunnerOutput(per_row.tolist(), drawn.tokens, _host(drawn.logprobs), _host(drawn.top_ids),
+                            _host(drawn.top_values), weights, started, ahead)
+
+    def read_samples(self, reads: dict[int, tuple[int, int, GenerationRequest]]) -> dict[int, SampleRead]:
+        """Finished rows' whole samples: row -> (start, end, request) in, row -> its read out."""
+        return {row: self.read_sample(row, *args) for row, args in reads.items()}
+
     def sample(self, n: int, needs: StepNeeds) -> Drawn:
         """Draw a token for rows [0, n) (known tokens kept), written by position with what the rows need."""
         slots = self.slots
@@ -277,3 +299,7 @@ def prompt_log_likelihood(logits: torch.Tensor, request: GenerationRequest) -> f
 def pair_up(ids: torch.Tensor, values: torch.Tensor) -> list[TopLogprobs]:
     """(T, k) ids and log-probabilities -> per position, [(token, logprob), ...] most likely first."""
     return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+
+
+def _host(values: torch.Tensor | None) -> list | None:
+    return values.tolist() if values is not None else None

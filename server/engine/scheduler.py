@@ -13,10 +13,11 @@ row moves into its place, so a step runs the model on exactly the live rows.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
-from model.particles import ParticleGroup, conclude, particle_seed
+from model.particles import ParticleGroup, Resampling, conclude, known_rows, particle_seed, weigh
+from server.engine.step import CANCELLED, RunnerOutput, SchedulerOutput, StepNeeds, StepOutcome, StepUpdate
 from server.engine.stopping import StoppingCriteria
 from server.engine.types import GenerationRequest, StepStats
 
@@ -68,44 +69,6 @@ class Placement:
     def seed(self) -> int:
         """The seed the row draws with: seed + sample, or one of its particles' own."""
         return particle_seed(self.owner.request.sampling.seed + self.sample, self.particle)
-
-
-@dataclass
-class StepOutcome:
-    """What one step's tokens did to the row map (computed before rows move)."""
-
-    reasons: list[str | None]  # per row: finish reason, "cancelled", or None while running
-    finished: list[int] = field(default_factory=list)  # rows that left, in row order
-    completed: list[Submission] = field(default_factory=list)  # requests none of whose rows is left
-    tokens: int = 0  # tokens drawn (cancelled rows draw none)
-    first_token_seconds: list[float] = field(default_factory=list)
-    token_gaps: dict[float, int] = field(default_factory=dict)  # see _time_tokens
-
-
-CANCELLED = "cancelled"
-
-
-@dataclass(frozen=True, slots=True)
-class StepNeeds:
-    """What the live rows ask of a step beyond a token: the step skips what no row asks for."""
-
-    logprobs: bool = False  # each token's log-probability
-    top: bool = False  # the most likely tokens at each position
-    adjust: bool = False  # penalties or logit bias
-    weigh: bool = False  # particles weighed by known tokens
-    filters: bool = False  # top-k or top-p
-    forced: bool = False  # known tokens to keep instead of the drawn ones
-    each_step: bool = False  # a client sees every step (streamed tokens, particles' progress and resampling)
-
-    @classmethod
-    def of(cls, owners) -> "StepNeeds":
-        owners = list(owners)
-        requests = [o.request for o in owners]
-        return cls(logprobs=any(r.wants_logprobs for r in requests), top=any(r.top_logprobs for r in requests),
-                   adjust=any(r.sampling.adjusts_logits for r in requests),
-                   weigh=any(r.weighs_known for r in requests), filters=any(r.sampling.filters for r in requests),
-                   forced=any(r.forced for r in requests),
-                   each_step=any(o.each_event or o.request.steps_each for o in owners))
 
 
 class Scheduler:
@@ -208,6 +171,20 @@ class Scheduler:
             return 1
         left = min(seq.stopping.max_new_tokens - seq.stopping.generated for seq in self.rows)
         return max(1, min(limit, left))
+
+    def plan_step(self, limit: int) -> SchedulerOutput:
+        """The next pass: the live rows, how many steps they may run (at most `limit`), what they need."""
+        needs = self.needs()
+        return SchedulerOutput(self.running, self.steps_ahead(limit), needs, known_rows(self.rows) if needs.weigh else [])
+
+    def update(self, plan: SchedulerOutput, output: RunnerOutput, now: float) -> StepUpdate:
+        """A pass's tokens: weigh the particles at their known tokens (resampling where they must; the runner
+        copies those rows), then advance every row (`update_from_output`)."""
+        resampling = weigh(self.rows, plan.known, output.known_logprobs) if plan.known else Resampling([], 0)
+        for copy in resampling.copies:  # the copy takes its source's tokens too
+            output.tokens[copy.dst] = list(output.tokens[copy.src])
+        outcome = self.update_from_output(output.tokens, now, output.started)
+        return StepUpdate(outcome, resampling.copies, resampling.samples)
 
     def update_from_output(self, tokens: list[list[int]], now: float, started: float | None = None) -> StepOutcome:
         """Advance every row by the tokens it drew since the last update (one per step, the steps run

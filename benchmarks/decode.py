@@ -38,7 +38,7 @@ import torch
 
 from model.config import BOS_TOKEN, ModelConfig
 from model.cpu_kernels import turn_off_cpu_kernels
-from model.cuda_graphs import EagerDecoder
+from model.step_decoders import EagerDecoder
 from model.decoders import make_decoder
 from model.generate import generate
 from model.kinds import attention_kinds

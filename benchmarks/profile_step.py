@@ -22,7 +22,7 @@ import torch._inductor.config
 from torch.profiler import ProfilerActivity, profile
 
 from model import compiled_decode
-from model.cuda_graphs import EagerDecoder
+from model.step_decoders import EagerDecoder
 from model.decoders import make_decoder
 from model.registry import kinds_where
 from model.sampling import BatchSampling, SamplingParams

@@ -60,7 +60,7 @@ import torch._inductor.config
 
 from .compile_child import CompileJob, become_compile_child, compile_in_child
 from .cpu_kernels import KernelBuild, load_kernels, use_cpu_kernels
-from .cuda_graphs import EagerDecoder
+from .step_decoders import EagerDecoder
 from .packed_linear import decode_twin, packs
 from .guard_free import GuardFreeGraphs
 from .registry import kinds_where

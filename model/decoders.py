@@ -1,12 +1,12 @@
 """Which decoder runs a model's decode steps: CUDA graphs on a GPU, compiled steps on the CPU, else eager
-(each in a file of its own: model/cuda_graphs.py, model/compiled_decode.py)."""
+(each in a file of its own: model/step_decoders.py, model/compiled_decode.py)."""
 
 from __future__ import annotations
 
 import logging
 
 from .compiled_decode import CompiledDecoder
-from .cuda_graphs import CudaGraphDecoder, EagerDecoder, padded_sizes
+from .step_decoders import CudaGraphDecoder, EagerDecoder, padded_sizes
 from .state import ModelState
 from .transformer import Transformer
 

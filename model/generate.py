@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .cuda_graphs import EagerDecoder
+from .step_decoders import EagerDecoder
 from .decoders import make_decoder
 from .sampling import BatchSampling, force_tokens
 from .transformer import SequenceTooLong, Transformer, with_bos

@@ -24,7 +24,7 @@ from benchmarks.run import QUICK
 from model.attention import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
 from model.config import ConfigError, ModelConfig
 from model.compiled_decode import CompiledDecoder
-from model.cuda_graphs import EagerDecoder, PaddedDecoder
+from model.step_decoders import EagerDecoder, PaddedDecoder
 from model.decoders import make_decoder
 from model.heads import chunk_positions, merge_heads, split_heads
 from model.registry import ATTENTION_CLASSES, attention_class, attention_kinds, kinds_where

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from model.compiled_decode import CompiledDecoder
-from model.cuda_graphs import EagerDecoder
+from model.step_decoders import EagerDecoder
 from conftest import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]

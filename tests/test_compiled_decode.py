@@ -26,7 +26,7 @@ import torch._inductor.config
 
 from model.compiled_decode import BACKGROUND_COMPILE_NICENESS, CompiledDecoder
 from model.config import BOS_TOKEN
-from model.cuda_graphs import EagerDecoder
+from model.step_decoders import EagerDecoder
 from model.decoders import make_decoder
 from model.generate import generate
 from model.sampling import BatchSampling, SamplingParams, token_logprobs

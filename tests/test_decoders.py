@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 
-from model.cuda_graphs import CudaGraphDecoder, EagerDecoder, PaddedDecoder, padded_sizes
+from model.step_decoders import CudaGraphDecoder, EagerDecoder, PaddedDecoder, padded_sizes
 from model.decoders import make_decoder
 from model.generate import generate
 from model.sampling import BatchSampling, SamplingParams

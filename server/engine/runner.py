@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from model.config import BOS_TOKEN
-from model.cuda_graphs import EagerDecoder
+from model.step_decoders import EagerDecoder
 from model.decoders import make_decoder
 from model.sampling import BatchSampling, force_tokens, penalize, sampling_logprobs, token_logprobs, top_logprobs
 from model.state import ModelState

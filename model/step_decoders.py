@@ -1,4 +1,6 @@
-"""Decode steps at a few fixed batch sizes, replayed as CUDA graphs.
+"""The decoders that run a model's decode steps on a state: eager (`EagerDecoder`, every device; the base of
+the compiled CPU path in model/compiled_decode.py), padded to a few batch sizes, and replayed as CUDA graphs.
+model/decoders.py's `make_decoder` picks one.
 
 On a GPU a decode step of a small model is a few hundred tiny kernels, and
 launching them one by one from Python costs more than running them. A CUDA

@@ -29,7 +29,7 @@ from server.engine import messages as msg
 from server.engine.core import Engine, EngineLimits
 from server.engine.output import Gauges
 from server.engine.scheduler import QueueFull
-from server.engine.streams import ENGINE_ERROR, EngineFailure, GenerationStream, Outbox, is_terminal
+from server.engine.streams import ENGINE_ERROR, EngineFailure, GenerationStream, Outbox, is_terminal, released
 from server.engine.types import GenerationRequest, PromptScores, StepStats
 from server.engine.validation import InvalidRequest
 
@@ -102,8 +102,7 @@ class PipeSink:
 
     def step(self, stats: StepStats, outbox: Outbox) -> None:
         """A pass's figures and events, in one message."""
-        ready = [(stream, released) for stream, items in outbox.items() if (released := stream.release(items))]
-        self.pipe.send(msg.Step(stats, self._tagged(ready)))
+        self.pipe.send(msg.Step(stats, self._tagged(released(outbox))))
 
     def gauges(self, gauges: Gauges) -> None:
         self.pipe.send(msg.GaugesNow(gauges))

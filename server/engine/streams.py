@@ -112,7 +112,12 @@ Outbox = dict[GenerationStream, list]
 
 def deliver(outbox: Outbox) -> None:
     """Hand events to their streams' sinks: one hand-over per sink."""
-    hand_over([(stream, ready) for stream, items in outbox.items() if (ready := stream.release(items))])
+    hand_over(released(outbox))
+
+
+def released(outbox: Outbox) -> list[tuple[GenerationStream, list]]:
+    """(Engine thread.) What each stream hands over now (see `GenerationStream.release`); streams with nothing left out."""
+    return [(stream, ready) for stream, items in outbox.items() if (ready := stream.release(items))]
 
 
 def hand_over(pairs: list[tuple[GenerationStream, list]]) -> None:

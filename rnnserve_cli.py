@@ -27,6 +27,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "serve": Subcommand("serve the models in weights/ over HTTP", "server.serve:add_arguments", "server.serve:run"),
     "build-kernels": Subcommand("build the CPU decode kernels and compile the models' decode steps ahead of serving",
                                 "server.prebuild:add_arguments", "server.prebuild:run"),
+    "ray-status": Subcommand("what a running `rnnserve serve --ray` serves: applications, deployments, replicas",
+                             "server.rayserve.status:add_arguments", "server.rayserve.status:run"),
     "train": Subcommand("train a model and save it as .safetensors",
                         "training.arguments:add_train_arguments", "training.train:run"),
     "eval": Subcommand("evaluate a model: MNIST bits/dim or text loss",

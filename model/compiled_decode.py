@@ -24,9 +24,8 @@ decoder was made with, [0, n), as for the eager decoder: no padding needed.
 Once a row class is warmed up, its steps and draws call the graphs dynamo
 compiled for them directly, without dynamo's per-call guard checks
 (model/guard_free.py): the decoder fixes its inputs' layouts itself, so the
-checks, done once at capture, could only pass again (0.28 -> 0.22 ms a
-one-row linear step here; a 64-row draw 0.23 -> 0.13 ms with the temperature
-moved into its graph).
+checks, done once at capture, could only pass again (the draw's temperature
+lives in its graph for the same reason).
 
 Compiling takes seconds to a minute per graph on a small CPU. `compile()`
 does it in the caller (generate, the bench, `rnnserve build-kernels`);
@@ -48,10 +47,14 @@ stays eager.
 
 from __future__ import annotations
 
+import copyreg
 import logging
 import os
 import threading
 import time
+import types
+import uuid
+from typing import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
@@ -88,6 +91,24 @@ COMPILE_THREAD = "compile-decode"
 CompileGate = AbstractContextManager
 
 
+def _memory_format_named(name: str) -> torch.memory_format:
+    return getattr(torch, name)
+
+
+def _reduce_memory_format(memory_format: torch.memory_format) -> tuple:
+    return _memory_format_named, (str(memory_format).removeprefix("torch."),)
+
+
+def same_cache_keys_in_every_process() -> None:
+    """Pickle memory formats by a name that does not depend on the process, so that inductor's cache keys do
+    not either: a memory format pickles as a bare global, whose module pickle finds by scanning sys.modules,
+    and the first module that imports torch differs between a process and its spawned children (a spawned
+    child's main module comes first). The keys then differed, and a process adopting the graphs its compile
+    child had built missed the cache and compiled them again itself. (Inductor's pickler copies copyreg's
+    table whenever it is made.)"""
+    copyreg.pickle(torch.memory_format, _reduce_memory_format)
+
+
 @dataclass
 class CompileLog:
     """What was compiled and how long it took (seconds per shape class), and what failed."""
@@ -118,6 +139,16 @@ def _decode_step(model: Transformer, tokens: torch.Tensor, state: ModelState) ->
     return model.decode_step(tokens, state)
 
 
+def code_of_its_own(fn: Callable) -> Callable:
+    """`fn` with a code object (and a name) of its own. Dynamo keeps its graphs and the shapes it has seen per
+    code object and name: with the plain function, a second model in a process would be traced with the sizes
+    that differ from the first model's made symbolic, a graph unlike the one its compile child (a fresh
+    process) built, so the adopt would miss inductor's cache. With its own code, each decoder is traced as
+    in a fresh process."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{uuid.uuid4().hex[:12]}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
 class CompiledDecoder(EagerDecoder):
     """Decode steps (and draws) on rows [0, n) of a preallocated state through compiled graphs, once ready."""
 
@@ -128,11 +159,11 @@ class CompiledDecoder(EagerDecoder):
                              f"{', '.join(kinds_where(lambda c: c.compilable))}")
         if model.device.type != "cpu":
             raise ValueError(f"the compiled decode path is for the CPU, this model is on {model.device}")
-        self._step = torch.compile(_decode_step, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS)
+        step, draw = code_of_its_own(_decode_step), code_of_its_own(draw_unfiltered)
+        self._step = torch.compile(step, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS)
         # Once a row class is warmed up, its steps skip dynamo's per-call guard checks (model/guard_free.py).
-        self._graphs = GuardFreeGraphs(_decode_step, self._step)
-        self._draws = GuardFreeGraphs(draw_unfiltered, torch.compile(draw_unfiltered, dynamic=True, fullgraph=True,
-                                                                     options=INDUCTOR_OPTIONS))
+        self._graphs = GuardFreeGraphs(step, self._step)
+        self._draws = GuardFreeGraphs(draw, torch.compile(draw, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS))
         self.ready: set[int] = set()  # warm-up row counts (1, 2) whose graphs are compiled
         self.log = CompileLog()
         self._finished = threading.Event()  # compile_now has run to its end (compiled or failed)
@@ -260,6 +291,7 @@ class CompiledDecoder(EagerDecoder):
 
     def compile_now(self, batch: int | None = None, verb: str = "compiled") -> CompileLog:
         """Compile the shape classes here and now, one log line each; a failure leaves decoding eager."""
+        same_cache_keys_in_every_process()
         self.use_kernels()  # first, so that the graphs call them
         for name, rows in WARMUP_ROWS.items():
             wanted = rows <= self.state.batch_size if batch is None else rows == min(batch, 2)

@@ -2,8 +2,8 @@
 
 Before each call of a torch.compile'd function, dynamo checks the guards of its
 cached graphs (each input tensor's dtype, sizes and strides, the module's
-attributes, the grad mode, ...) to choose one: about 0.1 ms a call here, a
-third of a one-row decode step and a tenth of a 64-row one. A decoder calls its
+attributes, the grad mode, ...) to choose one: a sizeable share of a small
+model's decode step (benchmarks/README.md has the figures). A decoder calls its
 step with inputs whose layout it fixes itself (the same state views per row
 count, its own token buffer, under inference mode), so once a shape class's
 graph is known to accept those inputs the checks can only pass again.

@@ -231,6 +231,15 @@ def ray_stops_the_replica(server: subprocess.Popen, ray_tmp: Path) -> dict:
             "exit_code": server.wait(EXIT_SECONDS)}
 
 
+def ray_status() -> dict:
+    """`rnnserve ray-status`, plain and --json, as a user runs it beside the server (RAY_TMPDIR as the server's)."""
+    command = [str(Path(sys.executable).parent / "rnnserve"), "ray-status"]
+    plain = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    as_json = subprocess.run(command + ["--json"], capture_output=True, text=True, timeout=120)
+    return {"exit": plain.returncode, "lines": plain.stdout.splitlines(), "stderr": plain.stderr[-2000:],
+            "json_exit": as_json.returncode, "json": as_json.stdout}
+
+
 def observe(mode: str, server: subprocess.Popen, ray_tmp: Path) -> dict:
     if mode == "ray-stop":
         return ray_stops_the_replica(server, ray_tmp)
@@ -240,6 +249,7 @@ def observe(mode: str, server: subprocess.Popen, ray_tmp: Path) -> dict:
         text_tokens = TEXT_TOKENS * (len(seen["text"]) + 1)  # the non-streamed ones and the streamed one
         seen["node_metrics"] = node_metrics({a["replica"] for a in seen["text"] if a["replica"]}, text_tokens)
         seen["replica_logs"] = replica_logs(ray_tmp)
+        seen["ray_status"] = ray_status()
         seen["drain"] = drain(server, client)
     return seen
 

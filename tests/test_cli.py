@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,8 +34,8 @@ def test_help_of_every_subcommand_answers_without_importing_torch():
     done = subprocess.run([sys.executable, "-c", HELP_PROBE], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout)
-    assert set(found) == set(SUBCOMMANDS) == {"serve", "build-kernels", "train", "eval", "bench", "pictures", "curves",
-                                                    "train-classifier"}
+    assert set(found) == set(SUBCOMMANDS) == {"serve", "build-kernels", "ray-status", "train", "eval", "bench", "pictures",
+                                                    "curves", "train-classifier"}
     for name, result in found.items():
         assert result == {"code": 0, "usage": True, "imported": []}, name
 
@@ -62,3 +63,14 @@ def test_serve_names_a_missing_model_file_before_importing_torch(tmp_path):
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.stdout.split() == ["2", "False"], done.stderr
     assert f"--model file not found: {missing}" in done.stderr
+
+
+def test_ray_status_without_a_cluster_says_so_in_one_line(tmp_path):
+    """Ray's own `serve status` needs the dashboard; ours asks the cluster, and names the missing one."""
+    env = {**os.environ, "RAY_TMPDIR": str(tmp_path), "RAY_ADDRESS": ""}
+    done = subprocess.run([str(Path(sys.executable).parent / "rnnserve"), "ray-status"], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("rnnserve ray-status: no Ray cluster at 'auto'") and "rnnserve serve --ray" in line

@@ -3,6 +3,7 @@ steps, and it dies with its parent, compilers and all (no orphan, whatever ends 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -27,6 +28,33 @@ decoder = CompiledDecoder(model, model.new_state(3))
 decoder.compile(background=True)
 print("started", flush=True)
 time.sleep(600)
+"""
+
+# A process that imports torch in its main module (as a user's script or a Ray worker may), serving two models
+# of different kinds: each compiles in a child, then the process adopts the child's graphs. It prints, per model,
+# inductor's cache hits and misses counted during that model's compile and adopt.
+TWO_MODELS = """
+import json, sys, time
+import torch
+sys.path.insert(0, "tests")
+from torch._dynamo.utils import counters
+from conftest import make_tiny_model
+from model.compiled_decode import CompiledDecoder
+
+def main():
+    for kind, seed in (("linear", 1), ("softmax", 2)):
+        model = make_tiny_model(kind, seed=seed).eval()
+        decoder = CompiledDecoder(model, model.new_state(3))
+        counters.clear()
+        decoder.compile(background=True)
+        deadline = time.monotonic() + 600
+        while not decoder.wait_compiled(0.2) and time.monotonic() < deadline:
+            decoder.adopt_compiled()
+        print(json.dumps({"kind": kind, "compiled": decoder.compiled, "hits": counters["inductor"]["fxgraph_cache_hit"],
+                          "misses": counters["inductor"]["fxgraph_cache_miss"]}), flush=True)
+
+if __name__ == "__main__":
+    main()
 """
 
 
@@ -108,3 +136,18 @@ def test_the_adopted_graphs_decode_as_the_eager_steps():
             got, want = decoder(tokens), eager(tokens)
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
             tokens = want.argmax(-1)
+
+
+def test_a_process_with_several_models_adopts_every_graph_its_compile_children_built(tmp_path):
+    """No compile in the serving process: every graph the process traces at adopt is found in inductor's
+    cache, for the second model as for the first, whatever the process's main module imports."""
+    script = tmp_path / "serve_two.py"  # run as a file: its spawned children import it as their main module
+    script.write_text(TWO_MODELS)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["kind"] for r in reports] == ["linear", "softmax"], done.stdout
+    for report in reports:
+        assert report["compiled"], report
+        assert report["misses"] == 0 and report["hits"] >= 2, report

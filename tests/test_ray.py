@@ -163,6 +163,17 @@ def test_each_replica_logs_the_apps_lines(seen):
         assert "serving digits-linear, text-softmax" in text, f"{name} has no rnnserve line"
 
 
+def test_ray_status_says_what_runs_without_the_dashboard(seen):
+    status = seen["ray_status"]
+    assert status["exit"] == 0 and status["json_exit"] == 0, status
+    app = json.loads(status["json"])["applications"]["rnnserve"]
+    assert app["status"] == "RUNNING"
+    (deployment,) = app["deployments"].values()
+    assert deployment["status"] == "HEALTHY" and deployment["replicas"] == {"RUNNING": 2}, deployment
+    assert status["lines"][0] == "application rnnserve: RUNNING", status["lines"]
+    assert "replicas: 2 RUNNING" in status["lines"][1], status["lines"]
+
+
 def test_sigterm_drains_the_replicas_and_exits_0(seen):
     drain = seen["drain"]
     assert drain["health"]["status"] == 503 and json.loads(drain["health"]["body"])["error"]["code"] == "shutting_down"

@@ -3,10 +3,10 @@
 A run of up to `--scheduler-steps` decode steps pays the scheduler's host work once (its pass boundary).
 A request that arrives during the run either ends it at once, paying a boundary early, or waits
 for its end with its slot idle. Ending early is worth it when the idle rows would lose more
-row-steps than the boundary costs the running rows: at 64 rows of about 0.7 ms steps and a
-boundary of about 0.15 ms, one arrival waits (at most 7 steps of one idle row, against 0.15 / 0.7
-x 64 = 14 row-steps); at a few rows it joins at once. A streamed request always joins at once:
-its client watches for the first token.
+row-steps than the boundary costs the running rows. With many rows running, a boundary costs them more
+row-steps than one idle row loses by the run's end, so one arrival waits; with a few rows it joins at once.
+Both costs are the engine's own timings (`PassCosts`), not constants. A streamed request always joins at
+once: its client watches for the first token.
 """
 
 from __future__ import annotations

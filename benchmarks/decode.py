@@ -41,11 +41,11 @@ from model.cpu_kernels import turn_off_cpu_kernels
 from model.step_decoders import EagerDecoder
 from model.decoders import make_decoder
 from model.generate import generate
-from model.kinds import attention_kinds
+from model.kinds import attention_kinds, kind_options
 from model.sampling import BatchSampling, SamplingParams, sample
 from model.transformer import Transformer, build_model, with_bos
 from model.weights_io import load_model, read_metadata
-from training.presets import PRESETS, REFORMER_LOCAL_WINDOW
+from training.presets import PRESETS
 
 from .errors import BenchError
 from .roofline import probe_machine, roofline
@@ -179,7 +179,8 @@ def preset_config(preset: str, kind: str, task: str = "mnist", max_len: int = IM
         raise BenchError(f"unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
     # The training presets' shapes for every kind ("cpu": the CPU-trained MNIST models, "paper": the MNIST
     # model of "Transformers are RNNs"); Reformer as `rnnserve train` builds it, so timings match trained models.
-    return ModelConfig(attention=kind, task=task, max_len=max_len, reformer_local_window=REFORMER_LOCAL_WINDOW,
+    return ModelConfig(attention=kind, task=task, max_len=max_len,
+                       reformer_local_window=kind_options()["reformer_local_window"].train_default,
                        **PRESETS[preset].architecture())
 
 

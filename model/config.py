@@ -1,7 +1,10 @@
 """Model configuration: every hyper-parameter that defines a checkpoint.
 
 The config travels inside the safetensors metadata, so it must round-trip
-through JSON exactly (plain ints, floats, strings).
+through JSON exactly (plain ints, floats, strings). The attention kinds' own
+hyperparameters are declared with the kinds (model/kinds.py) and kept in
+`options`; they read as attributes (`config.linformer_k`) and are stored as
+top-level keys, as every file has them.
 """
 
 from __future__ import annotations
@@ -11,11 +14,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from .kinds import attention_kinds
+from .kinds import attention_kinds, kind_options
 
 TASKS = ("mnist", "text")
 POS_ENCODINGS = ("learned", "sinusoidal")
-LINFORMER_SHARING = ("none", "headwise", "kv")
 OUTPUT_HEADS = ("categorical", "logistic_mixture")
 
 BYTE_VOCAB = 256  # grey levels for pixels, bytes for text
@@ -26,7 +28,7 @@ class ConfigError(ValueError):
     """A config value is out of range or unknown."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ModelConfig:
     attention: str = "linear"
     task: str = "text"
@@ -37,40 +39,50 @@ class ModelConfig:
     max_len: int = 256
     dropout: float = 0.0
     pos_encoding: str = "learned"
-    # linear attention
-    linear_eps: float = 1e-6
-    # Linformer: projected length k and parameter sharing
-    linformer_k: int = 32
-    linformer_sharing: str = "headwise"
-    # Reformer: hashing rounds and buckets (even: bucket = argmax([xR; -xR]))
-    reformer_rounds: int = 1
-    reformer_buckets: int = 32
-    # Reformer: one more round over the W positions before each query (0: none;
-    # files from before this option have none)
-    reformer_local_window: int = 0
     # Output: 256 free logits, or (MNIST) a mixture of logistics over the grey levels (model/output_heads.py)
     output_head: str = "categorical"
     mixtures: int = 10
     extra: dict[str, Any] = field(default_factory=dict)
+    # Every kind's hyperparameters by key (model/kinds.py), defaults filled in: a file has them all.
+    options: dict[str, Any] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
+    def __init__(self, **values: Any) -> None:
+        """Fields by name; a kind's hyperparameters by their keys (`linformer_k=64`) or in `options`."""
+        declared = kind_options()
+        given = dict(values.pop("options", None) or {})
+        given.update({key: values.pop(key) for key in list(values) if key in declared})
+        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(self)} | set(given) - set(declared))
+        if unknown:
+            raise ConfigError(f"unknown config keys: {', '.join(unknown)}")
+        for f in dataclasses.fields(self):
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            object.__setattr__(self, f.name, values.get(f.name, default))
+        object.__setattr__(self, "options", {key: given.get(key, option.default) for key, option in declared.items()})
+        self._check()
+
+    def __getattr__(self, name: str) -> Any:
+        """A kind's hyperparameter, e.g. `config.linformer_k` (only reached when no field has the name)."""
+        options = self.__dict__.get("options", {})
+        if name in options:
+            return options[name]
+        raise AttributeError(f"{type(self).__name__} has no field or attention option {name!r}")
+
+    def _check(self) -> None:
         self._check_choice("attention", attention_kinds())
         self._check_choice("task", TASKS)
         self._check_choice("pos_encoding", POS_ENCODINGS)
-        self._check_choice("linformer_sharing", LINFORMER_SHARING)
         self._check_choice("output_head", OUTPUT_HEADS)
         if self.output_head == "logistic_mixture" and self.task != "mnist":
             raise ConfigError(f"output_head logistic_mixture models grey levels; task {self.task!r} predicts bytes, "
                               f"which have no order: use output_head categorical")
-        for name in ("d_model", "n_layers", "n_heads", "d_ff", "max_len", "linformer_k", "reformer_rounds", "mixtures"):
+        for key, option in kind_options().items():
+            if (problem := option.problem(self.options[key])) is not None:
+                raise ConfigError(problem)
+        for name in ("d_model", "n_layers", "n_heads", "d_ff", "max_len", "mixtures"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.d_model % self.n_heads:
             raise ConfigError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
-        if self.reformer_buckets < 2 or self.reformer_buckets % 2:
-            raise ConfigError(f"reformer_buckets must be an even number >= 2, got {self.reformer_buckets}")
-        if self.reformer_local_window < 0:
-            raise ConfigError(f"reformer_local_window must be >= 0, got {self.reformer_local_window}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
 
@@ -91,15 +103,19 @@ class ModelConfig:
     def vocab_out(self) -> int:
         return BYTE_VOCAB
 
+    def as_dict(self) -> dict[str, Any]:
+        """Flat: the fields, and each option under its own key (what a file stores)."""
+        data = dataclasses.asdict(self)
+        data.update(data.pop("options"))
+        return data
+
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return json.dumps(self.as_dict(), sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown config keys: {', '.join(unknown)}")
+        if "options" in data:  # stored flat; a nested one would be read twice
+            raise ConfigError("unknown config keys: options")
         return cls(**data)
 
     @classmethod
@@ -113,4 +129,4 @@ class ModelConfig:
         return cls.from_dict(data)
 
     def replace(self, **changes: Any) -> "ModelConfig":
-        return dataclasses.replace(self, **changes)
+        return ModelConfig(**{**self.as_dict(), **changes})

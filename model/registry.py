@@ -9,25 +9,25 @@ import importlib
 from typing import Callable
 
 from .attention import Attention, Capabilities
-from .kinds import ATTENTION_CLASSES, attention_kinds
+from .kinds import ATTENTION_KINDS, attention_kinds
 
-__all__ = ["ATTENTION_CLASSES", "attention_class", "attention_kinds", "attention_registry", "capabilities", "kinds_where"]
+__all__ = ["ATTENTION_KINDS", "attention_class", "attention_kinds", "attention_registry", "capabilities", "kinds_where"]
 
 
 def attention_class(kind: str) -> type[Attention]:
     """The class of `kind`, imported on first use."""
-    if kind not in ATTENTION_CLASSES:
-        raise KeyError(f"unknown attention kind {kind!r}; expected one of {', '.join(ATTENTION_CLASSES)}")
-    module_name, _, class_name = ATTENTION_CLASSES[kind].partition(":")
+    if kind not in ATTENTION_KINDS:
+        raise KeyError(f"unknown attention kind {kind!r}; expected one of {', '.join(ATTENTION_KINDS)}")
+    module_name, _, class_name = ATTENTION_KINDS[kind].cls.partition(":")
     cls = getattr(importlib.import_module(module_name), class_name)
     if not (isinstance(cls, type) and issubclass(cls, Attention)):
-        raise TypeError(f"attention kind {kind!r} names {ATTENTION_CLASSES[kind]}, which is not an Attention subclass")
+        raise TypeError(f"attention kind {kind!r} names {ATTENTION_KINDS[kind].cls}, which is not an Attention subclass")
     return cls
 
 
 def attention_registry() -> dict[str, type[Attention]]:
     """kind -> class for every registered kind (imports them all)."""
-    return {kind: attention_class(kind) for kind in ATTENTION_CLASSES}
+    return {kind: attention_class(kind) for kind in ATTENTION_KINDS}
 
 
 def capabilities(kind: str) -> Capabilities:
@@ -36,4 +36,4 @@ def capabilities(kind: str) -> Capabilities:
 
 def kinds_where(test: Callable[[Capabilities], bool]) -> tuple[str, ...]:
     """The kinds whose capabilities pass `test`, e.g. kinds_where(lambda c: c.graphable)."""
-    return tuple(kind for kind in ATTENTION_CLASSES if test(capabilities(kind)))
+    return tuple(kind for kind in ATTENTION_KINDS if test(capabilities(kind)))

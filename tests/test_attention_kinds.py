@@ -1,9 +1,10 @@
 """A fifth attention kind, added the documented way: one class and one registry entry.
 
 `MeanAttention` below outputs, at each position, the mean of the values of
-every position so far, with a constant-size running sum as its state. The
+every position so far, scaled by a hyperparameter of its own (`mean_scale`,
+declared in its registry entry), with a constant-size running sum as its state. The
 module's `kind` fixture registers it for this module's duration (as
-model/registry.py says: `monkeypatch.setitem(ATTENTION_CLASSES, ...)`), and
+model/registry.py says: `monkeypatch.setitem(ATTENTION_KINDS, ...)`), and
 the chunk-and-state contract tests of the four shipped kinds run again for it,
 unchanged. The other tests check that config validation, the CLI, the
 capability-derived lists, decoding, the roofline and the benchmark all pick
@@ -23,12 +24,15 @@ from benchmarks.roofline import attention_cost
 from benchmarks.run import QUICK
 from model.attention import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
 from model.config import ConfigError, ModelConfig
+from model.kinds import AttentionKind, KindOption
 from model.compiled_decode import CompiledDecoder
 from model.step_decoders import EagerDecoder, PaddedDecoder
 from model.decoders import make_decoder
 from model.heads import chunk_positions, merge_heads, split_heads
-from model.registry import ATTENTION_CLASSES, attention_class, attention_kinds, kinds_where
+from model.registry import ATTENTION_KINDS, attention_class, attention_kinds, kinds_where
 from model.state import RowState
+from model.weights_io import load_model, save_model
+from training.train import build_config
 from rnnserve_cli import parse_args
 
 from conftest import make_tiny_config, make_tiny_model, random_bytes
@@ -45,6 +49,7 @@ from test_model_state import (test_copied_rows_generate_identically_and_spare_ot
                               test_rows_at_different_positions_match_their_own_sequences)
 
 NEW_KIND = "mean"
+MEAN_OPTIONS = (KindOption("mean_scale", 1.0, "multiplies the mean of the values", minimum=0.0, parameter_free=True),)
 
 
 @dataclass
@@ -66,6 +71,7 @@ class MeanAttention(Attention):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
+        self.scale = cfg.mean_scale
         self.v = nn.Linear(cfg.d_model, cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
@@ -78,14 +84,15 @@ class MeanAttention(Attention):
             sums = sums + state.total[:, :, None]
             state.total.copy_(sums[:, :, -1])
         counts = chunk_positions(start, x.shape[1]) + 1  # (B, T) positions seen so far
-        return self.proj(merge_heads((sums / counts[:, None, :, None]).to(x.dtype))), state
+        means = self.scale * sums / counts[:, None, :, None]
+        return self.proj(merge_heads(means.to(x.dtype))), state
 
 
 @pytest.fixture(scope="module")
 def kind():
     """The new kind, registered for this module only (module scope: hypothesis tests use it)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(ATTENTION_CLASSES, NEW_KIND, f"{__name__}:MeanAttention")
+        patch.setitem(ATTENTION_KINDS, NEW_KIND, AttentionKind(f"{__name__}:MeanAttention", MEAN_OPTIONS))
         yield NEW_KIND
 
 
@@ -96,6 +103,28 @@ def test_config_cli_and_capability_lists_include_the_new_kind(kind):
     args = parse_args(["train", "--task", "text", "--attention", kind, "--data", "x.txt", "--out", "m.safetensors"])
     assert args.attention == kind
     assert kind in DecodeSettings().kinds  # the benchmark's default: every kind
+
+
+def test_the_new_kind_s_own_hyperparameter_is_a_config_key_a_flag_and_a_check(kind, tmp_path):
+    config = ModelConfig(attention=kind, mean_scale=0.5)
+    assert config.mean_scale == 0.5 and '"mean_scale": 0.5' in config.to_json()
+    assert ModelConfig.from_json(config.to_json()) == config
+    assert ModelConfig.from_dict({"attention": kind}).mean_scale == 1.0  # a file without it: the declared default
+    with pytest.raises(ConfigError, match="mean_scale must be >= 0.0, got -1"):
+        ModelConfig(attention=kind, mean_scale=-1)
+    with pytest.raises(ConfigError, match="mean_scale must be a number, got 'x'"):
+        ModelConfig.from_dict({"attention": kind, "mean_scale": "x"})
+    train = ["train", "--task", "text", "--attention", kind, "--data", "x.txt", "--out", "m.safetensors"]
+    assert build_config(parse_args(train)).mean_scale == 1.0
+    assert build_config(parse_args(train + ["--mean-scale", "0.25"])).mean_scale == 0.25
+    halved, whole = make_tiny_model(kind, mean_scale=0.5), make_tiny_model(kind)
+    save_model(halved, tmp_path / "halved.safetensors")
+    loaded, _ = load_model(tmp_path / "halved.safetensors")
+    assert loaded.config.mean_scale == 0.5 and loaded.blocks[0].attn.scale == 0.5
+    tokens = random_bytes(1, 2, 6)
+    with torch.inference_mode():  # the class reads it: same weights, other outputs
+        assert not torch.allclose(loaded(tokens)[0], whole(tokens)[0])
+        torch.testing.assert_close(loaded(tokens)[0], halved(tokens)[0])
 
 
 def test_the_model_builds_with_the_new_attention_and_a_constant_state(kind):
@@ -149,6 +178,6 @@ def test_an_unregistered_kind_is_refused_with_the_registered_ones_listed(kind, c
 def test_a_class_without_capabilities_or_outside_the_base_is_refused(monkeypatch):
     with pytest.raises(TypeError, match="must declare `capabilities = Capabilities"):
         type("Undeclared", (Attention,), {})
-    monkeypatch.setitem(ATTENTION_CLASSES, "plain", "torch.nn:Linear")
+    monkeypatch.setitem(ATTENTION_KINDS, "plain", AttentionKind("torch.nn:Linear"))
     with pytest.raises(TypeError, match="'plain' names torch.nn:Linear, which is not an Attention subclass"):
         attention_class("plain")

@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from model.kinds import attention_kinds
+from model.kinds import ATTENTION_KINDS, attention_kinds
 
-from .presets import PRESETS, REFORMER_LOCAL_WINDOW
+from .presets import PRESETS
 
 SAVE_DTYPE_NAMES = ("bfloat16", "float16", "float32")  # torch dtypes of these names
 OCCLUSIONS = ("bottom-half", "right-half", "centre-box")  # `eval --completions`: which pixels are unknown
@@ -27,6 +27,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-data", help="MNIST test images folder/file (default: the --data folder)")
     parser.add_argument("--out", required=True, help="output weights file, e.g. weights/mnist-linear.safetensors")
     _add_architecture_arguments(parser.add_argument_group("architecture (override the preset)"))
+    _add_kind_options(parser)
     _add_optimisation_arguments(parser.add_argument_group("optimisation"))
     _add_run_arguments(parser.add_argument_group("run"))
 
@@ -40,14 +41,21 @@ def _add_architecture_arguments(arch) -> None:
     arch.add_argument("--context", type=int, default=256, help="text: window length in bytes (= max_len)")
     arch.add_argument("--dropout", type=float, default=0.0)
     arch.add_argument("--pos-encoding", choices=("learned", "sinusoidal"), default="learned")
-    arch.add_argument("--linformer-k", type=int, default=64)
-    arch.add_argument("--reformer-buckets", type=int, default=32)
-    arch.add_argument("--reformer-rounds", type=int, default=1)
     arch.add_argument("--output-head", choices=("categorical", "logistic_mixture"), default="categorical",
                       help="MNIST: 256 free logits, or a mixture of logistics over the grey levels (the paper's)")
     arch.add_argument("--mixtures", type=int, default=10, help="logistics per pixel with --output-head logistic_mixture")
-    arch.add_argument("--reformer-local-window", type=int, default=REFORMER_LOCAL_WINDOW,
-                      help="Reformer: also attend to the W positions before each query (0: hashed buckets only)")
+
+
+def _add_kind_options(parser: argparse.ArgumentParser) -> None:
+    """Each attention kind's own hyperparameters, as it declares them (model/kinds.py); a model of another kind
+    stores them with their defaults and does not read them."""
+    for kind, declared in ATTENTION_KINDS.items():
+        if not declared.options:
+            continue
+        group = parser.add_argument_group(f"{kind} attention")
+        for option in declared.options:
+            group.add_argument(option.flag, type=option.type, choices=option.choices or None,
+                               default=option.train_default, help=f"{option.help} (default {option.train_default})")
 
 
 def _add_optimisation_arguments(opt) -> None:

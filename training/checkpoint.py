@@ -405,7 +405,7 @@ def restore(path: Path, ckpt: Checkpoint, model: Transformer, opt: torch.optim.O
 
 def config_differences(saved: ModelConfig, built: ModelConfig, ignored: frozenset[str] = frozenset()) -> str | None:
     """'attention=linear; this run builds attention=softmax' for the fields that differ (bar `ignored`), or None."""
-    was, now = dataclasses.asdict(saved), dataclasses.asdict(built)
+    was, now = saved.as_dict(), built.as_dict()
     fields = [name for name in was if was[name] != now[name] and name not in ignored]
     if not fields:
         return None

@@ -27,7 +27,3 @@ PRESETS: dict[str, Preset] = {
     # The MNIST model size of "Transformers are RNNs" (Katharopoulos et al. 2020).
     "paper": Preset(n_layers=8, d_model=256, n_heads=8, d_ff=1024, batch_size=32, lr=5e-4),
 }
-
-# Default local window of new Reformer models (`--reformer-local-window`): without it a
-# shared-QK character model learns no more than a bigram (see model/reformer_attention.py).
-REFORMER_LOCAL_WINDOW = 32

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from model import ModelConfig, Transformer, build_model
 from model.config import ConfigError
+from model.kinds import kind_options
 from model.weights_io import save_model, update_info
 
 from .arguments import SAVE_DTYPE_NAMES
@@ -85,10 +86,7 @@ def build_config(args: argparse.Namespace) -> ModelConfig:
         max_len=MNIST_PIXELS if args.task == "mnist" else args.context,
         dropout=args.dropout,
         pos_encoding=args.pos_encoding,
-        linformer_k=args.linformer_k,
-        reformer_buckets=args.reformer_buckets,
-        reformer_rounds=args.reformer_rounds,
-        reformer_local_window=args.reformer_local_window,
+        options={key: getattr(args, key) for key in kind_options()},
         output_head=args.output_head,
         mixtures=args.mixtures,
     )

@@ -22,20 +22,24 @@ import torch
 
 from model import Transformer
 from model.config import ModelConfig
+from model.kinds import kind_options
 from model.weights_io import WeightsError, load_model
 
 from .checkpoint import config_differences
 from .errors import TrainError
 
-# Config fields that size no parameter: a warm start may change them.
-PARAMETER_FREE_FIELDS = frozenset({"dropout", "reformer_buckets", "reformer_rounds", "reformer_local_window"})
+def parameter_free_fields() -> frozenset[str]:
+    """Config fields that size no parameter, so a warm start may change them: dropout and the attention options
+    declared so (model/kinds.py)."""
+    return frozenset({"dropout"} | {key for key, option in kind_options().items() if option.parameter_free})
 
 
 def check_warm_start_config(path: str, saved: ModelConfig, built: ModelConfig) -> None:
     """Name every field that differs and would change the parameters (bar added layers)."""
-    differences = config_differences(saved, built, PARAMETER_FREE_FIELDS | {"n_layers"})
+    free = parameter_free_fields()
+    differences = config_differences(saved, built, free | {"n_layers"})
     if differences:
-        allowed = ", ".join(sorted(PARAMETER_FREE_FIELDS))
+        allowed = ", ".join(sorted(free))
         raise TrainError(f"--init-from {path}: the file has {differences}; only {allowed} may differ from the "
                          "file's (they own no parameters), and n_layers may grow")
     if built.n_layers < saved.n_layers:
@@ -65,7 +69,7 @@ def init_from(path: str, model: Transformer) -> list[str]:
     added = model.blocks[source.config.n_layers:]
     for block in added:
         block.start_as_identity()
-    changed = {name: (getattr(source.config, name), getattr(model.config, name)) for name in PARAMETER_FREE_FIELDS
+    changed = {name: (getattr(source.config, name), getattr(model.config, name)) for name in sorted(parameter_free_fields())
                if getattr(source.config, name) != getattr(model.config, name)}
     if added:
         changed["n_layers"] = (source.config.n_layers, f"{model.config.n_layers} (new blocks start as identities)")

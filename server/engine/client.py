@@ -272,7 +272,8 @@ class EngineClient(EngineFacts):
                 self._hand_over(events)
             case msg.GaugesNow(gauges):
                 record_gauges(self.metrics, gauges)
-            case msg.Accepted(key):
+            case msg.Accepted(key, gauges):
+                record_gauges(self.metrics, gauges)
                 self._answer(key, None)
             case msg.Refused(key, error):
                 self._answer(key, None, error, refused=True)

@@ -130,10 +130,11 @@ class Engine(EngineFacts):
             self._thread.join()
 
     def submit(self, request: GenerationRequest, each_event: bool = True, sink: EventSink | None = None,
-               checked: bool = False) -> GenerationStream:
+               checked: bool = False, report_gauges: bool = True) -> GenerationStream:
         """Queue a request (thread-safe); each_event=False hands its events over only once it has finished.
         Its events go to `sink`, by default the calling event loop. checked: the request was validated already
-        (by the API process, for an engine process), so it is not checked again."""
+        (by the API process, for an engine process), so it is not checked again. report_gauges=False: the
+        caller reports the queue's gauges itself (an engine process, with its answer to the submit)."""
         if not checked:
             check_generation(request, self.name, self.config.max_len, self.limits.max_batch)
         stream = GenerationStream(request, sink or LoopSink(asyncio.get_running_loop()), each_event)
@@ -142,7 +143,8 @@ class Engine(EngineFacts):
                 self.scheduler.add(stream)
             except QueueFull as exc:
                 raise QueueFull(f"model {self.name!r}: {exc}") from None
-        self.output.gauges(Gauges(self.running, self.waiting))
+        if report_gauges:
+            self.output.gauges(Gauges(self.running, self.waiting))
         self._wakeup.set()
         return stream
 

@@ -58,6 +58,7 @@ class StartFailed:
 @dataclass(frozen=True, slots=True)
 class Accepted:
     key: int
+    gauges: Gauges  # the queue with the request in it: one message a submit, not two
 
 
 @dataclass(frozen=True, slots=True)

@@ -160,12 +160,12 @@ class EngineServer:
             raise TypeError(f"a submit carries a GenerationRequest, not {type(request).__name__}")
         try:
             with self.sink.lock:
-                stream = self.engine.submit(request, each_event, self.sink, checked=True)  # by the client
+                stream = self.engine.submit(request, each_event, self.sink, checked=True, report_gauges=False)
                 self.sink.keys[stream], self.sink.streams[key] = key, stream
         except (QueueFull, InvalidRequest) as exc:
             self.pipe.send(msg.Refused(key, describe_error(exc)))
             return
-        self.pipe.send(msg.Accepted(key))
+        self.pipe.send(msg.Accepted(key, Gauges(self.engine.running, self.engine.waiting)))
 
     def cancel(self, key: int) -> None:
         with self.sink.lock:

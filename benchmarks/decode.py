@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from model.config import BOS_TOKEN, ModelConfig
+from model.cpu_features import read_cpu_features
 from model.cpu_kernels import turn_off_cpu_kernels
 from model.step_decoders import EagerDecoder
 from model.decoders import make_decoder
@@ -605,12 +606,15 @@ def _add_ratios(images: list[ImageResult], no_cache: list[NoCacheResult]) -> Non
 
 
 def environment(settings: DecodeSettings) -> dict:
+    cpu = read_cpu_features()
     env = {
         "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
         "processor": _cpu_name(),
+        "cpu_class": cpu.cpu_class,  # the kernels' route and the benchmarks' tables go by it
+        "vector_features": cpu.vector_features,
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "device": settings.device,

@@ -124,7 +124,9 @@ def full_report(report: DecodeReport) -> str:
     env = report.environment
     s = report.settings
     parts = [
-        f"Machine: {env['processor']}, {env['cpu_count']} CPUs, torch {env['torch']} "
+        f"Machine: {env['processor']} ({env.get('cpu_class', 'CPU class not recorded')}: "
+        f"{', '.join(env.get('vector_features', [])) or 'no vector features recorded'}), {env['cpu_count']} CPUs, "
+        f"torch {env['torch']} "
         f"({env['torch_threads']} threads), device {env['device']}. Times: best of {s['repeats']} run(s), "
         "kinds taking turns.",
         load_line(report),

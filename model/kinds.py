@@ -71,11 +71,20 @@ class AttentionKind:
     cls: str  # "module:Class"
     options: tuple[KindOption, ...] = ()
 
+    @property
+    def option_keys(self) -> tuple[str, ...]:
+        return tuple(option.key for option in self.options)
+
 
 ATTENTION_KINDS: dict[str, AttentionKind] = {
     "softmax": AttentionKind("model.softmax_attention:SoftmaxAttention"),
     "linear": AttentionKind("model.linear_attention:LinearAttention", (
         KindOption("linear_eps", 1e-6, "added to the normaliser phi(q)^T Z", minimum=0.0),
+        KindOption("linear_feature_map", "elu", "phi: elu(x) + 1, or one learned to mimic softmax attention when "
+                   "a softmax model is linearized (model/feature_maps.py): t2r, relu(W x + b); hedgehog, "
+                   "softmax over +-(W x + b)", choices=("elu", "t2r", "hedgehog")),
+        KindOption("linear_features", 0, "outputs per head of t2r's or hedgehog's projection W (0: the head "
+                   "size); phi has as many with t2r, twice as many with hedgehog", minimum=0),
     )),
     "linformer": AttentionKind("model.linformer_attention:LinformerAttention", (
         KindOption("linformer_k", 32, "length k the keys and values are projected to", minimum=1,

@@ -1,7 +1,8 @@
-"""Linear attention (Katharopoulos et al. 2020), phi(x) = elu(x) + 1.
+"""Linear attention (Katharopoulos et al. 2020), phi(x) = elu(x) + 1 or a learned map (model/feature_maps.py).
 
 out_i = phi(q_i)^T S_i / (phi(q_i)^T Z_i + eps),
 S_i = sum_{j<=i} phi(k_j) v_j^T,  Z_i = sum_{j<=i} phi(k_j).
+phi has F features per head (F = D for elu), so S is (F, D) and Z is F per head.
 
 The state (S, Z) has a fixed size, so every token costs the same. The
 parallel path is chunked: an exact masked product inside each block of
@@ -19,6 +20,7 @@ from torch import nn
 
 from .attention import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
 from .config import ModelConfig
+from .feature_maps import feature_count, make_feature_map, projected_count
 from .heads import merge_heads, split_heads
 from .state import RowState
 
@@ -31,25 +33,21 @@ class LinearState(RowState):
     # read [S | Z]^T phi(q) per step give numerator and denominator together. Transposed, the
     # read reduces along contiguous memory, so the compiled step updates and reads the state
     # in one pass of whole vectors (D wide, no odd D + 1 tail); the eager step is as fast.
-    sz_t: torch.Tensor  # (B, H, D + 1, D) float32
+    sz_t: torch.Tensor  # (B, H, D + 1, F) float32
 
     @property
     def s(self) -> torch.Tensor:
-        return self.sz_t[..., :-1, :].transpose(-1, -2)  # (B, H, D, D): sum of phi(k) v^T
+        return self.sz_t[..., :-1, :].transpose(-1, -2)  # (B, H, F, D): sum of phi(k) v^T
 
     @property
     def z(self) -> torch.Tensor:
-        return self.sz_t[..., -1, :]  # (B, H, D): sum of phi(k)
-
-
-def feature_map(x: torch.Tensor) -> torch.Tensor:
-    return F.elu(x) + 1.0
+        return self.sz_t[..., -1, :]  # (B, H, F): sum of phi(k)
 
 
 def linear_attention_chunked(q, k, v, s0, z0, eps: float):
     """Exact causal linear attention over a chunk, starting from (s0, z0).
 
-    q, k: (B, H, T, D) already feature-mapped; v: (B, H, T, E).
+    q, k: (B, H, T, F) already feature-mapped; v: (B, H, T, E).
     Returns out (B, H, T, E) and the final (S, Z).
     """
     b, h, t, d = q.shape
@@ -76,9 +74,13 @@ class LinearAttention(Attention):
 
     @classmethod
     def token_cost(cls, cfg: ModelConfig, t: float) -> TokenCost:
-        # S += phi(k) v^T and phi(q)^T [S | Z] per head, plus O(H D); reads and writes S, Z whole.
+        # S += phi(k) v^T and phi(q)^T [S | Z] per head, plus O(H F); reads and writes S, Z whole. A learned
+        # map adds its projection of q and k.
         h, d = cfg.n_heads, cfg.d_head
-        return TokenCost(flops=4 * h * d * d + 6 * h * d, state_bytes=2 * h * (d * d + d) * STATE_NUMBER_BYTES)
+        f = feature_count(cfg.linear_feature_map, d, cfg.linear_features)
+        mapping = 0 if cfg.linear_feature_map == "elu" else 4 * h * d * projected_count(d, cfg.linear_features)
+        return TokenCost(flops=4 * h * f * d + 6 * h * f + mapping,
+                         state_bytes=2 * h * (f * d + f) * STATE_NUMBER_BYTES)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -86,33 +88,35 @@ class LinearAttention(Attention):
         self.eps = cfg.linear_eps
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.feature_map = make_feature_map(cfg.linear_feature_map, cfg.n_heads, cfg.d_head, cfg.linear_features)
+        self.features = feature_count(cfg.linear_feature_map, cfg.d_head, cfg.linear_features)  # F
 
     def new_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> LinearState:
         del dtype  # sums accumulate in float32 whatever the model's dtype
         d = self.proj.in_features // self.n_heads
-        return LinearState(torch.zeros(batch, self.n_heads, d + 1, d, device=device))
+        return LinearState(torch.zeros(batch, self.n_heads, d + 1, self.features, device=device))
 
     def forward(self, x: torch.Tensor, start: torch.Tensor, state: LinearState | None):
         del start  # position-free: the state is all a token needs
         q, k, v = (split_heads(t, self.n_heads).float() for t in self.qkv(x).chunk(3, dim=-1))
-        q, k = feature_map(q), feature_map(k)
+        q, k = self.feature_map(q), self.feature_map(k)  # (B, H, T, F)
         if state is not None and q.shape[2] == 1:
             y = self._step(q[:, :, 0], k[:, :, 0], v[:, :, 0], state)[:, :, None]
         else:
-            s0, z0 = (state.s, state.z) if state is not None else self._zeros(q)
+            s0, z0 = (state.s, state.z) if state is not None else self._zeros(q, v)
             y, s, z = linear_attention_chunked(q, k, v, s0, z0, self.eps)
             if state is not None:
                 state.s.copy_(s)
                 state.z.copy_(z)
         return self.proj(merge_heads(y.to(x.dtype))), state
 
-    def _zeros(self, q: torch.Tensor):
-        b, h, _, d = q.shape
-        return q.new_zeros(b, h, d, d), q.new_zeros(b, h, d)
+    def _zeros(self, q: torch.Tensor, v: torch.Tensor):
+        b, h, _, f = q.shape
+        return q.new_zeros(b, h, f, v.shape[-1]), q.new_zeros(b, h, f)
 
     def _step(self, q, k, v, state: LinearState) -> torch.Tensor:
-        """One token per row, state updated in place. q, k, v: (B, H, D)."""
-        b, h, d = k.shape
+        """One token per row, state updated in place. q, k: (B, H, F) feature-mapped; v: (B, H, D)."""
+        b, h, d = v.shape
         v1 = torch.cat([v, v.new_ones(b, h, 1)], dim=-1)  # (B, H, D + 1): [v; 1]
         # In place, [S | Z]^T += [v; 1] k^T: no (B, H, D, D) temporary per step. An elementwise
         # addcmul is one pass over the state, quicker on CPU than a batched rank-1 baddbmm

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from model import ModelConfig, Transformer, build_model
+from model.feature_maps import ProjectedFeatureMap
 from model.registry import attention_kinds, kinds_where
 from model.transformer import with_bos
 
@@ -39,8 +40,16 @@ REFORMER_BF16_MEAN_ERROR = 0.05
 REFORMER_BF16_MAX_ERROR = 1.5
 
 
+# Linear attention with each learned feature map (model/feature_maps.py), named as `make_tiny_config` reads them.
+FEATURE_MAP_VARIANTS = ("linear+t2r", "linear+hedgehog")
+
+
 def make_tiny_config(kind: str, **overrides) -> ModelConfig:
-    """A tiny config of `kind`; keyword overrides replace any field."""
+    """A tiny config of `kind` ("linear+hedgehog": linear attention with that feature map); keyword overrides
+    replace any field."""
+    kind, _, feature_map = kind.partition("+")
+    if feature_map:
+        overrides = {"linear_feature_map": feature_map, "linear_features": 6, **overrides}  # F != the head size
     fields = dict(
         attention=kind, task="text", d_model=32, n_layers=2, n_heads=4, d_ff=64,
         max_len=TINY_MAX_LEN, dropout=0.0, pos_encoding="learned",
@@ -66,6 +75,9 @@ def sharpen_(model: Transformer, seed: int) -> Transformer:
                 module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=gen))
             elif isinstance(module, nn.Embedding):
                 module.weight.copy_(torch.randn(module.weight.shape, generator=gen))
+            elif isinstance(module, ProjectedFeatureMap):  # learned feature maps: (H, P, D) per-head projections
+                module.weight.copy_(torch.randn(module.weight.shape, generator=gen) / math.sqrt(module.weight.shape[2]))
+                module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=gen))
     return model
 
 

@@ -142,12 +142,25 @@ def reference_softmax(attn, x):
     return attn.proj(_merge(scores.softmax(-1) @ v))
 
 
+def reference_phi(attn, x):
+    """The feature map's formula, written out: elu + 1; relu(W x + b); [softmax(W x + b), softmax(-(W x + b))]."""
+    name = type(attn.feature_map).__name__
+    if name == "EluFeatureMap":
+        return F.elu(x) + 1
+    w, b = attn.feature_map.weight, attn.feature_map.bias  # (H, P, D), (H, P)
+    projected = torch.stack([x[:, h] @ w[h].T + b[h] for h in range(w.shape[0])], dim=1)  # (B, H, T, P)
+    if name == "T2RFeatureMap":
+        return projected.clamp(min=0)
+    assert name == "HedgehogFeatureMap", name
+    return torch.cat([projected.softmax(-1), (-projected).softmax(-1)], dim=-1)
+
+
 def reference_linear(attn, x):
     """out_i = phi(q_i)^T S_i / (phi(q_i)^T Z_i + eps), prefix sums written out."""
     q, k, v = (_heads(t, attn.n_heads) for t in attn.qkv(x).chunk(3, dim=-1))
-    phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1
-    s = torch.einsum("bhjd,bhje->bhjde", phi_k, v).cumsum(dim=2)  # (B, H, T, D, D): S_i
-    z = phi_k.cumsum(dim=2)  # (B, H, T, D): Z_i
+    phi_q, phi_k = reference_phi(attn, q), reference_phi(attn, k)
+    s = torch.einsum("bhjd,bhje->bhjde", phi_k, v).cumsum(dim=2)  # (B, H, T, F, D): S_i
+    z = phi_k.cumsum(dim=2)  # (B, H, T, F): Z_i
     num = torch.einsum("bhid,bhide->bhie", phi_q, s)
     den = torch.einsum("bhid,bhid->bhi", phi_q, z) + attn.eps
     return attn.proj(_merge(num / den[..., None]))
@@ -207,7 +220,7 @@ REFERENCES = {"softmax": reference_softmax, "linear": reference_linear,
 
 
 @pytest.mark.parametrize("kind, overrides", [
-    ("softmax", {}), ("linear", {}),
+    ("softmax", {}), ("linear", {}), ("linear+t2r", {}), ("linear+hedgehog", {}),
     ("linformer", {"linformer_sharing": "none"}), ("linformer", {"linformer_sharing": "headwise"}),
     ("linformer", {"linformer_sharing": "kv"}), ("reformer", {"reformer_rounds": 1}), ("reformer", {}),
     ("reformer", {"reformer_local_window": 0}), ("reformer", {"reformer_local_window": 1}),
@@ -219,7 +232,7 @@ def test_attention_matches_reference_formula(kind, overrides):
     x, start = _attention_input(attn, seed=11)
     got, state = attn(x, start, None)
     assert state is None
-    torch.testing.assert_close(got, REFERENCES[kind](attn, x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, REFERENCES[kind.partition("+")[0]](attn, x), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("window", [0, 24])  # 24 does not divide 512: a padded last block

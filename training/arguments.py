@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from model.kinds import ATTENTION_KINDS, attention_kinds
+from model.kinds import ATTENTION_KINDS, attention_kinds, kind_options
 
 from .presets import PRESETS
 
@@ -111,6 +111,22 @@ def _add_run_arguments(run) -> None:
     run.add_argument("--eval-limit", type=int, help="evaluate on the first N test images / windows only")
     run.add_argument("--eval-batch-size", type=int, default=32)
     run.add_argument("--no-progress", action="store_true", help="no progress bar (logs print a line per checkpoint)")
+
+
+def add_linearize_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="FILE", help="the softmax model (.safetensors) to turn into a linear one")
+    parser.add_argument("--out", required=True, help="the linear model's file, e.g. weights/mnist-hedgehog.safetensors")
+    parser.add_argument("--feature-map", choices=kind_options()["linear_feature_map"].choices, default="hedgehog",
+                        help="phi of the linear attention: hedgehog (learned, mimics softmax's weights; default), "
+                             "t2r (learned, relu(W x + b)) or elu (elu(x) + 1, no parameters)")
+    parser.add_argument("--features", type=int, default=0,
+                        help="outputs per head of a learned map's projection (0: the head size)")
+    parser.add_argument("--data", required=True, help="what to fine-tune on: as `rnnserve train --data`")
+    parser.add_argument("--eval-data", help="MNIST test images folder/file (default: the --data folder)")
+    parser.add_argument("--no-teacher", action="store_true",
+                        help="fine-tune on the data alone (default: FILE also teaches, as `--teacher FILE`)")
+    _add_optimisation_arguments(parser.add_argument_group("fine-tuning (as `rnnserve train`)"))
+    _add_run_arguments(parser.add_argument_group("run (as `rnnserve train`)"))
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:

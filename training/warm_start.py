@@ -22,7 +22,7 @@ import torch
 
 from model import Transformer
 from model.config import ModelConfig
-from model.kinds import kind_options
+from model.kinds import ATTENTION_KINDS, kind_options
 from model.weights_io import WeightsError, load_model
 
 from .checkpoint import config_differences
@@ -35,8 +35,12 @@ def parameter_free_fields() -> frozenset[str]:
 
 
 def check_warm_start_config(path: str, saved: ModelConfig, built: ModelConfig) -> None:
-    """Name every field that differs and would change the parameters (bar added layers)."""
+    """Name every field that differs and would change the parameters (bar added layers). The attention kind
+    may change (a softmax model linearized): `check_parameters_fit` then checks that the file's parameters
+    all fit the new kind's, and neither kind's own options are compared."""
     free = parameter_free_fields()
+    if saved.attention != built.attention:
+        free |= {"attention", *ATTENTION_KINDS[saved.attention].option_keys, *ATTENTION_KINDS[built.attention].option_keys}
     differences = config_differences(saved, built, free | {"n_layers"})
     if differences:
         allowed = ", ".join(sorted(free))
@@ -48,6 +52,18 @@ def check_warm_start_config(path: str, saved: ModelConfig, built: ModelConfig) -
                          "not drop them")
 
 
+def check_parameters_fit(path: str, source: Transformer, model: Transformer) -> None:
+    """Every parameter of the file has a place of the same shape in the model built (new ones, e.g. a learned
+    feature map's, start as drawn)."""
+    shapes = {name: tensor.shape for name, tensor in model.named_parameters()}
+    misfit = [name for name, tensor in source.named_parameters() if shapes.get(name) != tensor.shape]
+    if misfit:
+        raise TrainError(f"--init-from {path}: the file's {source.config.attention} parameter {misfit[0]} has no "
+                         f"place of its shape in a {model.config.attention} model ({len(misfit)} such); a warm start "
+                         "may change the attention kind only to one that holds every parameter of the file's "
+                         "(softmax -> linear)")
+
+
 def init_from(path: str, model: Transformer) -> list[str]:
     """Copy the file's parameters (and same-shape buffers) into `model`; returns the buffers left as drawn."""
     try:
@@ -55,6 +71,7 @@ def init_from(path: str, model: Transformer) -> list[str]:
     except WeightsError as exc:
         raise TrainError(f"--init-from: {exc}") from exc
     check_warm_start_config(path, source.config, model.config)
+    check_parameters_fit(path, source, model)
     state = source.state_dict()
     parameters = {name for name, _ in model.named_parameters()}
     kept = []
@@ -71,6 +88,8 @@ def init_from(path: str, model: Transformer) -> list[str]:
         block.start_as_identity()
     changed = {name: (getattr(source.config, name), getattr(model.config, name)) for name in sorted(parameter_free_fields())
                if getattr(source.config, name) != getattr(model.config, name)}
+    if source.config.attention != model.config.attention:
+        changed["attention"] = (source.config.attention, model.config.attention)
     if added:
         changed["n_layers"] = (source.config.n_layers, f"{model.config.n_layers} (new blocks start as identities)")
     listed = "; ".join(f"{name} {old} -> {new}" for name, (old, new) in sorted(changed.items())) or "no change"

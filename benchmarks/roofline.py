@@ -68,6 +68,9 @@ def bound_tokens_per_s(cost: dict, bytes_per_s: float, flops_per_s: float) -> fl
     return 1.0 / max(moved / bytes_per_s, cost["flops"] / flops_per_s)
 
 
+ONEDNN = "oneDNN, packed weights"
+
+
 def probe_machine(dtype: torch.dtype = torch.float32) -> dict:
     """Measured copy bandwidth (256 MiB, past any cache but L3) and the matmul rate in `dtype`, best of 3,
     current threads: the faster of the two routes a product can take here (see `product_routes`)."""
@@ -75,24 +78,39 @@ def probe_machine(dtype: torch.dtype = torch.float32) -> dict:
     dst = torch.empty_like(src)
     copy_s = min(_time(lambda: dst.copy_(src)) for _ in range(3))
     a = torch.randn(1024, 1024, dtype=dtype)
-    rates = {}
-    for route, product in product_routes(a).items():
-        product()  # a first product pays for one-off setup
+    rates, skipped = {}, {}
+    for route, product in product_routes(a, skipped).items():
+        try:
+            product()  # a first product pays for one-off setup
+        except RuntimeError as exc:  # e.g. oneDNN's bfloat16 products on a CPU without AVX-512
+            skipped[route] = _first_line(exc)
+            continue
         rates[route] = 2 * 1024**3 / min(_time(product) for _ in range(3))
     best = max(rates, key=rates.get)
     return {"copy_bytes_per_s": 2 * src.numel() * FP32 / copy_s, "matmul_flops": rates[best], "matmul_route": best,
-            "matmul_flops_by_route": rates, "matmul_dtype": str(dtype).removeprefix("torch."),
-            "bytes_per_weight": a.element_size(), "threads": torch.get_num_threads()}
+            "matmul_flops_by_route": rates, "matmul_routes_skipped": skipped,
+            "matmul_dtype": str(dtype).removeprefix("torch."), "bytes_per_weight": a.element_size(),
+            "threads": torch.get_num_threads()}
 
 
-def product_routes(a: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
+def product_routes(a: torch.Tensor, skipped: dict[str, str] | None = None) -> dict[str, Callable[[], torch.Tensor]]:
     """a @ a.T two ways: torch's matmul (MKL's BLAS on x86, which runs AVX2 code on AMD CPUs), and oneDNN on
-    weights packed once (AVX-512 wherever the CPU has it)."""
+    weights packed once (AVX-512 wherever the CPU has it). A route this CPU cannot take in a's dtype is left
+    out, and why is put in `skipped`."""
     routes = {"torch.mm": lambda: a @ a.T}
     if torch.backends.mkldnn.is_available():
-        packed = torch.ops.mkldnn._reorder_linear_weight(a, a.shape[0])
-        routes["oneDNN, packed weights"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(a, a.shape[0])
+        except RuntimeError as exc:  # oneDNN packs bfloat16 weights only where the CPU has AVX-512
+            if skipped is not None:
+                skipped[ONEDNN] = _first_line(exc)
+            return routes
+        routes[ONEDNN] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
     return routes
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def _time(fn) -> float:

@@ -158,6 +158,21 @@ def test_the_roofline_costs_weights_and_products_in_the_bench_dtype():
     assert roofline(cfg, 784, 8, machine)["weight_bytes_per_token"] == token_cost(cfg, 392, 8, 2)["weight_bytes_per_token"]
 
 
+def test_a_product_route_the_cpu_cannot_take_is_skipped_with_its_reason(monkeypatch):
+    """What a CPU without AVX-512 does with oneDNN's bfloat16 products (it refuses to pack the weights): the
+    roofline takes its rate from the route that works and says why the other was left out."""
+    from benchmarks.roofline import ONEDNN, probe_machine
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("mkldnn bf16 path needs the cpu support avx512bw, avx512vl and avx512dq\nmore")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    machine = probe_machine(torch.bfloat16)
+    assert list(machine["matmul_flops_by_route"]) == ["torch.mm"] and machine["matmul_route"] == "torch.mm"
+    assert machine["matmul_routes_skipped"] == {ONEDNN: "mkldnn bf16 path needs the cpu support avx512bw, avx512vl "
+                                                        "and avx512dq"}
+
+
 def test_both_product_routes_compute_the_same_product():
     from benchmarks.roofline import product_routes
 

@@ -31,6 +31,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                              "server.rayserve.status:add_arguments", "server.rayserve.status:run"),
     "train": Subcommand("train a model and save it as .safetensors",
                         "training.arguments:add_train_arguments", "training.train:run"),
+    "import": Subcommand("import a model trained elsewhere (a Hugging Face GPT-2 folder) as an rnnserve file",
+                         "model.hf_import:add_arguments", "model.hf_import:run"),
     "linearize": Subcommand("turn a softmax model into a linear-attention RNN and fine-tune it",
                             "training.arguments:add_linearize_arguments", "training.linearize:run"),
     "eval": Subcommand("evaluate a model: MNIST bits/dim or text loss",

@@ -19,6 +19,7 @@ from .kinds import attention_kinds, kind_options
 TASKS = ("mnist", "text")
 POS_ENCODINGS = ("learned", "sinusoidal")
 OUTPUT_HEADS = ("categorical", "logistic_mixture")
+GELU_FORMS = ("exact", "tanh")  # GELU as erf, or its tanh approximation (GPT-2's)
 
 BYTE_VOCAB = 256  # grey levels for pixels, bytes for text
 BOS_TOKEN = 256  # start-of-sequence token, only ever an input
@@ -42,6 +43,14 @@ class ModelConfig:
     # Output: 256 free logits, or (MNIST) a mixture of logistics over the grey levels (model/output_heads.py)
     output_head: str = "categorical"
     mixtures: int = 10
+    # The vocabulary: bytes by default, a tokenizer's for imported models (model/hf_import.py).
+    vocab_size: int = BYTE_VOCAB
+    # The token every sequence starts from: -1 is one more input token after the vocabulary (rnnserve's own
+    # models); an imported model names one of its own (GPT-2: <|endoftext|>).
+    bos_token: int = -1
+    tied_head: bool = False  # the output layer is the input embedding, without a bias (GPT-2)
+    gelu: str = "exact"
+    ln_eps: float = 1e-5
     extra: dict[str, Any] = field(default_factory=dict)
     # Every kind's hyperparameters by key (model/kinds.py), defaults filled in: a file has them all.
     options: dict[str, Any] = field(default_factory=dict)
@@ -72,6 +81,8 @@ class ModelConfig:
         self._check_choice("task", TASKS)
         self._check_choice("pos_encoding", POS_ENCODINGS)
         self._check_choice("output_head", OUTPUT_HEADS)
+        self._check_choice("gelu", GELU_FORMS)
+        self._check_vocabulary()
         if self.output_head == "logistic_mixture" and self.task != "mnist":
             raise ConfigError(f"output_head logistic_mixture models grey levels; task {self.task!r} predicts bytes, "
                               f"which have no order: use output_head categorical")
@@ -86,6 +97,21 @@ class ModelConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
 
+    def _check_vocabulary(self) -> None:
+        if self.vocab_size < 2:
+            raise ConfigError(f"vocab_size must be >= 2, got {self.vocab_size}")
+        if not -1 <= self.bos_token < self.vocab_size:
+            raise ConfigError(f"bos_token must be -1 (a token of its own) or a token below vocab_size "
+                              f"({self.vocab_size}), got {self.bos_token}")
+        if self.tied_head and self.bos_token < 0:
+            raise ConfigError("tied_head shares the input embedding with the output layer, so the start token must "
+                              "be one of the vocabulary: set bos_token")
+        if self.output_head == "logistic_mixture" and self.vocab_size != BYTE_VOCAB:
+            raise ConfigError(f"output_head logistic_mixture models {BYTE_VOCAB} grey levels; vocab_size is "
+                              f"{self.vocab_size}")
+        if not self.ln_eps > 0:
+            raise ConfigError(f"ln_eps must be > 0, got {self.ln_eps}")
+
     def _check_choice(self, name: str, choices: tuple[str, ...]) -> None:
         value = getattr(self, name)
         if value not in choices:
@@ -96,12 +122,17 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     @property
+    def bos(self) -> int:
+        """The start token's id."""
+        return self.vocab_size if self.bos_token < 0 else self.bos_token
+
+    @property
     def vocab_in(self) -> int:
-        return BYTE_VOCAB + 1  # bytes plus BOS
+        return self.vocab_size + 1 if self.bos_token < 0 else self.vocab_size  # the start token may be extra
 
     @property
     def vocab_out(self) -> int:
-        return BYTE_VOCAB
+        return self.vocab_size
 
     def as_dict(self) -> dict[str, Any]:
         """Flat: the fields, and each option under its own key (what a file stores)."""

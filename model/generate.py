@@ -40,7 +40,7 @@ def generate(model: Transformer, prompt: torch.Tensor, total_len: int, sampling:
         decoder.state.reset_rows(range(b))  # a reused state still holds the last generation
     state = decoder.state
     # The BOS-shifted prompt predicts positions 1..P; one chunk prefills it.
-    logits, state = model(with_bos(torch.cat([prompt, prompt.new_zeros(b, 1)], dim=1)), state)
+    logits, state = model(with_bos(torch.cat([prompt, prompt.new_zeros(b, 1)], dim=1), model.config.bos), state)
     logits = logits[:, -1]
     for pos in range(p, total_len):
         position = torch.full((b,), pos, dtype=torch.long, device=model.device)

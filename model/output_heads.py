@@ -61,6 +61,21 @@ class CategoricalHead(nn.Linear):
         return token_logprobs(self(x), levels)
 
 
+class TiedHead(nn.Module):
+    """Logits from the input embedding's own matrix, no bias (GPT-2): it owns no parameter, so a file stores the
+    matrix once, as the embedding's."""
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self._embedding = [embedding]  # a list: not a submodule, so the matrix appears once in the state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self._embedding[0].weight)  # (..., d_model) -> (..., V)
+
+    def log_probs_at(self, x: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+        return token_logprobs(self(x), levels)
+
+
 class LogisticMixtureHead(nn.Module):
     def __init__(self, d_model: int, mixtures: int):
         super().__init__()
@@ -93,7 +108,9 @@ class LogisticMixtureHead(nn.Module):
             self.proj.bias[2 * n:] = INITIAL_LOG_SCALE
 
 
-def build_output_head(cfg: ModelConfig) -> nn.Module:
+def build_output_head(cfg: ModelConfig, embedding: nn.Embedding) -> nn.Module:
+    if cfg.tied_head:
+        return TiedHead(embedding)
     if cfg.output_head == "logistic_mixture":
         return LogisticMixtureHead(cfg.d_model, cfg.mixtures)
     return CategoricalHead(cfg.d_model, cfg.vocab_out)

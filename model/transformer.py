@@ -34,9 +34,10 @@ class FeedForward(nn.Module):
         self.up = nn.Linear(cfg.d_model, cfg.d_ff)
         self.down = nn.Linear(cfg.d_ff, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
+        self.approximate = "tanh" if cfg.gelu == "tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.down(F.gelu(self.up(x))))
+        return self.drop(self.down(F.gelu(self.up(x), approximate=self.approximate)))
 
 
 class Block(nn.Module):
@@ -44,9 +45,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.ln_attn = nn.LayerNorm(cfg.d_model)
+        self.ln_attn = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
         self.attn = attention_class(cfg.attention)(cfg)
-        self.ln_ff = nn.LayerNorm(cfg.d_model)
+        self.ln_ff = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
         self.ff = FeedForward(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
@@ -80,8 +81,8 @@ class Transformer(nn.Module):
         self.pos_emb = nn.Embedding(cfg.max_len, cfg.d_model) if cfg.pos_encoding == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.head = build_output_head(cfg)
+        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
+        self.head = build_output_head(cfg, self.tok_emb)
         self.apply(_init_weights)
         if isinstance(self.head, LogisticMixtureHead):
             self.head.initialise()
@@ -133,13 +134,13 @@ class Transformer(nn.Module):
     def token_log_probs(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, T) -> (B, T): log p(tokens[:, t] | tokens[:, :t]), one parallel pass from BOS (training, scoring).
         The head scores only the observed tokens, which a mixture head does far faster than all 256."""
-        hidden = self._hidden(with_bos(tokens), tokens.new_zeros(tokens.shape[0]), None)
+        hidden = self._hidden(with_bos(tokens, self.config.bos), tokens.new_zeros(tokens.shape[0]), None)
         return self.head.log_probs_at(hidden, tokens)
 
     def next_token_log_probs(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, T) -> (B, T, V): log p(v | tokens[:, :t]) for every class v, one parallel pass from BOS
         (distillation compares whole distributions)."""
-        return self._run(with_bos(tokens), tokens.new_zeros(tokens.shape[0]), None).float().log_softmax(-1)
+        return self._run(with_bos(tokens, self.config.bos), tokens.new_zeros(tokens.shape[0]), None).float().log_softmax(-1)
 
     def _run(self, tokens: torch.Tensor, start: torch.Tensor, state: ModelState | None) -> torch.Tensor:
         """(B, T) tokens from positions `start` -> (B, T, V) logits."""
@@ -172,7 +173,7 @@ def build_model(cfg: ModelConfig) -> Transformer:
     return Transformer(cfg)
 
 
-def with_bos(tokens: torch.Tensor) -> torch.Tensor:
-    """Prepend the start token: the input that predicts `tokens`. (B, T) -> (B, T)."""
-    bos = torch.full_like(tokens[:, :1], BOS_TOKEN)
+def with_bos(tokens: torch.Tensor, bos_token: int = BOS_TOKEN) -> torch.Tensor:
+    """Prepend the start token (the model's `config.bos`): the input that predicts `tokens`. (B, T) -> (B, T)."""
+    bos = torch.full_like(tokens[:, :1], bos_token)
     return torch.cat([bos, tokens[:, :-1]], dim=1)

@@ -22,6 +22,7 @@ from .config import ConfigError, ModelConfig
 from .transformer import Transformer, build_model
 
 CONFIG_KEY = "rnnserve.config"
+TOKENIZER_KEY = "rnnserve.tokenizer"
 INFO_KEY = "rnnserve.info"
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -36,8 +37,9 @@ class WeightsError(ValueError):
 
 
 def save_model(model: Transformer, path: str | os.PathLike, info: dict[str, Any] | None = None,
-               dtype: torch.dtype | None = None) -> None:
-    """Write `model` and its config, its parameters optionally cast to `dtype` (e.g. bfloat16).
+               dtype: torch.dtype | None = None, tokenizer: str | None = None) -> None:
+    """Write `model` and its config, its parameters optionally cast to `dtype` (e.g. bfloat16), and its
+    tokenizer (the `tokenizers` library's JSON) when it has one rather than bytes.
 
     Buffers are written in the dtype the model holds them in: Reformer's rotations
     stay float32, so a 16-bit file hashes exactly like the model that wrote it.
@@ -46,7 +48,15 @@ def save_model(model: Transformer, path: str | os.PathLike, info: dict[str, Any]
     tensors = {name: t.detach().to(dtype if dtype is not None and name in parameters else t.dtype).contiguous().cpu()
                for name, t in model.state_dict().items()}
     metadata = {CONFIG_KEY: model.config.to_json(), INFO_KEY: json.dumps(info or {}, sort_keys=True)}
+    if tokenizer is not None:
+        metadata[TOKENIZER_KEY] = tokenizer
     _write(tensors, metadata, path)
+
+
+def read_tokenizer(path: str | os.PathLike) -> str | None:
+    """The tokenizer stored with a model (the `tokenizers` library's JSON), or None for a byte model."""
+    with _open(path) as f:
+        return (f.metadata() or {}).get(TOKENIZER_KEY)
 
 
 def update_info(path: str | os.PathLike, changes: dict[str, Any]) -> None:

@@ -34,7 +34,8 @@ def test_help_of_every_subcommand_answers_without_importing_torch():
     done = subprocess.run([sys.executable, "-c", HELP_PROBE], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout)
-    assert set(found) == set(SUBCOMMANDS) == {"serve", "build-kernels", "ray-status", "train", "linearize", "eval", "bench", "pictures",
+    assert set(found) == set(SUBCOMMANDS) == {"serve", "build-kernels", "ray-status", "train", "import", "linearize",
+                                                    "eval", "bench", "pictures",
                                                     "curves", "train-classifier"}
     for name, result in found.items():
         assert result == {"code": 0, "usage": True, "imported": []}, name

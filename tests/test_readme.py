@@ -155,6 +155,13 @@ def make_train_workdir(root: Path) -> Path:
     mnist.mkdir(parents=True)
     write_idx_images(mnist / "train-images-idx3-ubyte.gz", torch.randint(0, 256, (16, 784)))
     write_idx_images(mnist / "t10k-images-idx3-ubyte.gz", torch.randint(0, 256, (4, 784)))
+    from model import build_model
+    from model.weights_io import save_model
+    from conftest import make_tiny_config
+
+    # What `rnnserve linearize` starts from: a tiny MNIST softmax model under the shipped model's name
+    softmax = build_model(make_tiny_config("softmax", task="mnist", max_len=784))
+    save_model(softmax, root / "weights" / "mnist-softmax.safetensors")
     return root
 
 
@@ -165,11 +172,13 @@ def test_train_your_own_commands_run(tmp_path):
     train = [c for block in bash_blocks("Train your own") for c in commands(block)]
     assert any("--task text" in c for c in train) and any("--task mnist" in c for c in train)
     for command in train:
-        result = run_bash(shortened(command) if " train " in command else command, workdir)
+        long_running = " train " in command or " linearize " in command
+        result = run_bash(shortened(command) if long_running else command, workdir)
         if " eval " in command:
             assert re.search(r"\d\.\d+", result.stdout.decode()), result.stdout.decode()
     from model.weights_io import read_metadata
 
-    for name in ("my-text-linear", "my-mnist-linear"):
+    for name in ("my-text-linear", "my-mnist-linear", "my-mnist-hedgehog"):
         config, info = read_metadata(workdir / "weights" / f"{name}.safetensors")
         assert info["steps"] == 2 and "eval" in info
+    assert (config.attention, config.linear_feature_map) == ("linear", "hedgehog")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from model.config import BYTE_VOCAB
 from model.transformer import Transformer
 from model.weights_io import load_model, read_metadata
 
@@ -31,7 +32,10 @@ def check_model_files(settings: Settings) -> list[Path]:
     paths = settings.model_paths()
     names: dict[str, Path] = {}
     for path in paths:
-        read_metadata(path)  # raises WeightsError naming the file and the problem
+        config, _ = read_metadata(path)  # raises WeightsError naming the file and the problem
+        if config.vocab_size != BYTE_VOCAB:
+            raise SettingsError(f"{path}: a model with a {config.vocab_size}-token vocabulary (imported with its "
+                                f"tokenizer); the server serves byte models ({BYTE_VOCAB} tokens) only for now")
         if path.stem in names:
             raise SettingsError(f"two model files are both named '{path.stem}': {names[path.stem]} and {path}; "
                                 "model names come from file names, so rename one")

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from model.config import BOS_TOKEN
 from model.step_decoders import EagerDecoder
 from model.decoders import make_decoder
 from model.sampling import BatchSampling, force_tokens, penalize, sampling_logprobs, token_logprobs, top_logprobs
@@ -156,14 +155,14 @@ class ModelRunner:
             row_state.write_rows(range(len(requests)), after_bos)
             return logits[:, None].expand(len(requests), 1, -1)
         row_state.reset_rows(range(len(requests)))
-        tokens = torch.tensor([[BOS_TOKEN, *r.prompt] for r in requests], device=self.model.device)
+        tokens = torch.tensor([[self.model.config.bos, *r.prompt] for r in requests], device=self.model.device)
         logits, _ = self.model(tokens, row_state)
         return logits
 
     def _prefill_bos(self) -> tuple[ModelState, torch.Tensor]:
         """The state after BOS alone and its next-token logits (1, V): where every empty prompt starts."""
         state = self.model.new_state(1)
-        logits, _ = self.model(torch.tensor([[BOS_TOKEN]], device=self.model.device), state)
+        logits, _ = self.model(torch.tensor([[self.model.config.bos]], device=self.model.device), state)
         return state, logits[:, -1].float()
 
     def _fill_row(self, row: int, req: GenerationRequest) -> None:
@@ -280,7 +279,7 @@ class ModelRunner:
         """Log-probability of each token given those before it (the first given BOS), one parallel pass,
         and the `top` most likely tokens at each position."""
         x = torch.tensor([tokens], device=self.model.device)
-        logits, _ = self.model(with_bos(x))
+        logits, _ = self.model(with_bos(x, self.model.config.bos))
         scores = PromptScores(token_logprobs(logits[0], x[0]).tolist())
         if top:
             scores.top_logprobs = pair_up(*top_logprobs(logits[0], top))

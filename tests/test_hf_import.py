@@ -1,0 +1,146 @@
+"""`rnnserve import hf`: a GPT-2 folder written by Hugging Face's own `save_pretrained` (a small random model, made
+here: nothing is downloaded) becomes an rnnserve file whose logits, greedy tokens and tokenizer are Hugging Face's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.generate import generate
+from model.sampling import BatchSampling, SamplingParams
+from model.weights_io import load_model, read_tokenizer
+from rnnserve_cli import main
+
+transformers = pytest.importorskip("transformers", reason="the Hugging Face side of the comparison (make test installs it)")
+tokenizers = pytest.importorskip("tokenizers")
+
+UNICODE = "Grüße, 世界! naïve café: ∑ x² — 🙂 ok"
+CORPUS = ["To be, or not to be, that is the question.", "Grüße aus Köln, naïve café, 世界 and 🙂 again.",
+          "Whether 'tis nobler in the mind to suffer the slings and arrows."] * 20
+
+
+def byte_level_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def gpt2_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("gpt2")
+    tokenizer = transformers.GPT2TokenizerFast(tokenizer_object=byte_level_tokenizer(400), eos_token="<|endoftext|>",
+                                               bos_token="<|endoftext|>", unk_token="<|endoftext|>")
+    end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_positions=128, n_embd=64, n_layer=2, n_head=4,
+                                     bos_token_id=end, eos_token_id=end, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():  # weights at a scale where every layer matters to the logits
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def imported(gpt2_folder, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("imported") / "gpt2-tiny.safetensors"
+    assert main(["import", "hf", str(gpt2_folder), "--out", str(out)]) == 0
+    return out
+
+
+def hf_model(folder: Path):
+    return transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
+
+
+def test_the_logits_are_hugging_face_s(gpt2_folder, imported):
+    model, _ = load_model(imported)
+    ids = torch.randint(0, model.config.vocab_size, (2, 50), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours, _ = model(ids)
+        theirs = hf_model(gpt2_folder)(ids).logits
+    assert ours.shape == theirs.shape
+    assert (ours - theirs).abs().max() < 1e-4
+
+
+def test_64_greedy_tokens_are_hugging_face_s(gpt2_folder, imported):
+    model, _ = load_model(imported)
+    prompt = torch.tensor([[5, 17, 42, 99, 7]])
+    greedy = BatchSampling.from_params([SamplingParams(temperature=0.0)])
+    ours = generate(model, prompt, prompt.shape[1] + 64, greedy, compiled=False)
+    start = torch.tensor([[model.config.bos]])  # rnnserve starts every sequence from GPT-2's <|endoftext|>
+    theirs = hf_model(gpt2_folder).generate(torch.cat([start, prompt], dim=1), max_new_tokens=64, do_sample=False,
+                                            pad_token_id=model.config.bos)
+    assert ours[0].tolist() == theirs[0, 1:].tolist()
+
+
+def test_the_stored_tokenizer_encodes_and_decodes_as_hugging_face_s(gpt2_folder, imported):
+    ours = tokenizers.Tokenizer.from_str(read_tokenizer(imported))
+    theirs = transformers.AutoTokenizer.from_pretrained(gpt2_folder)
+    ids = ours.encode(UNICODE).ids
+    assert ids == theirs.encode(UNICODE) and len(ids) > 5
+    assert ours.decode(ids) == theirs.decode(ids) == UNICODE
+
+
+def test_the_imported_file_describes_a_tied_gpt2(imported):
+    model, info = load_model(imported)
+    config = model.config
+    assert (config.attention, config.tied_head, config.gelu, config.max_len) == ("softmax", True, "tanh", 128)
+    end = tokenizers.Tokenizer.from_str(read_tokenizer(imported)).token_to_id("<|endoftext|>")
+    assert config.bos == end and config.vocab_in == config.vocab_size and info["imported_from"]["format"] == "hf"
+    assert "head.weight" not in model.state_dict()  # the embedding is stored once
+
+
+def test_a_folder_built_from_vocab_and_merges_tokenizes_the_same(gpt2_folder, imported, tmp_path):
+    folder = tmp_path / "no-tokenizer-json"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (folder / name).write_bytes((gpt2_folder / name).read_bytes())
+    # GPT-2's original tokenizer files, as older folders have them instead of tokenizer.json
+    written = tokenizers.Tokenizer.from_file(str(gpt2_folder / "tokenizer.json")).model.save(str(folder))
+    assert sorted(Path(p).name for p in written) == ["merges.txt", "vocab.json"]
+    out = tmp_path / "from-merges.safetensors"
+    assert main(["import", "hf", str(folder), "--out", str(out)]) == 0
+    a, b = (tokenizers.Tokenizer.from_str(read_tokenizer(p)) for p in (imported, out))
+    text = "To be, or not to be: Grüße"
+    assert a.encode(text).ids == b.encode(text).ids
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda f: (f / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})),
+     "unsupported architecture 'llama' (LlamaForCausalLM); expected a GPT-2-family model (model_type gpt2)"),
+    (lambda f: (f / "model.safetensors").unlink(), "no weights; expected model.safetensors or pytorch_model.bin"),
+    (lambda f: (f / "tokenizer.json").unlink(),
+     "no tokenizer; expected tokenizer.json, or vocab.json and merges.txt"),
+    (lambda f: (f / "config.json").write_text(json.dumps({**json.loads((f / "config.json").read_text()), "n_embd": 32})),
+     "tensor tok_emb.weight has shape"),
+])
+def test_a_folder_that_cannot_be_imported_is_one_line_and_exit_2(gpt2_folder, tmp_path, capsys, damage, message):
+    folder = tmp_path / "damaged"
+    folder.mkdir()
+    for path in gpt2_folder.iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    damage(folder)
+    assert main(["import", "hf", str(folder), "--out", str(tmp_path / "x.safetensors")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("rnnserve import: error: ") and message in line
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_the_server_refuses_a_tokenizer_model_in_one_line_for_now(imported):
+    from server.engine.registry import check_model_files
+    from server.settings import Settings, SettingsError
+
+    with pytest.raises(SettingsError, match=r"a model with a \d+-token vocabulary .*serves byte models \(256 tokens\)"):
+        check_model_files(Settings(weights=imported.parent))

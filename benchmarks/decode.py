@@ -636,7 +636,7 @@ def _cpu_name() -> str:
 
 # ---------------------------------------------------------------- targets (issues 5 and 16)
 
-BATCH1_LINEAR_STEP_BEFORE = 1.03e-3  # seconds: issue 16's "today", linear's eager step at position 100, batch 1
+BATCH1_LINEAR_STEP_BEFORE = 1.03e-3  # seconds: linear's eager step at position 100, batch 1, which the batch-1 target was set against
 
 
 def evaluate_targets(report: DecodeReport) -> list[dict]:

@@ -1,4 +1,4 @@
-"""The particle grid's table (issue 13): one row per kind and occlusion, one column per particle count.
+"""The particle grid's table: one row per kind and occlusion, one column per particle count.
 
 Reads the cells `benchmarks/particle_grid.sh` wrote (benchmarks/results/particles/KIND-OCCLUSION-pK.json,
 each the JSON of one `rnnserve eval --completions --particles K`) and prints a Markdown table of the

@@ -3,7 +3,7 @@
 `logits, state = model(tokens, state)`: a sequence fed as one parallel chunk
 or as any split into chunks with a carried state gives the same logits; no
 output depends on a later token; the attention math matches the reference
-formulas of issue 2; a chunk past max_len is refused.
+formulas written out; a chunk past max_len is refused.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from model.weights_io import load_model, save_model
 
 from conftest import KINDS, TINY_MAX_LEN, make_tiny_config, make_tiny_model, make_tokens
 
-CHUNK_TOLERANCE = 1e-4  # float32, as issue 2 asks
+CHUNK_TOLERANCE = 1e-4  # float32: what chunked and parallel paths must agree to
 # derandomize: a property failure must reproduce on every run, not once in a while.
 PROPERTY_SETTINGS = settings(max_examples=20, deadline=None, derandomize=True,
                              suppress_health_check=[HealthCheck.too_slow])

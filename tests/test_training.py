@@ -908,7 +908,7 @@ COMMITTED_CHECKPOINTS = sorted((WEIGHTS / "checkpoints").glob("*.ckpt"))
 @pytest.mark.skipif(not COMMITTED_CHECKPOINTS, reason="no checkpoints in weights/checkpoints/ yet")
 @pytest.mark.parametrize("path", COMMITTED_CHECKPOINTS, ids=[p.stem for p in COMMITTED_CHECKPOINTS])
 def test_committed_checkpoint_is_at_most_10_mb_and_continues_the_shipped_file(path: Path) -> None:
-    assert path.stat().st_size <= 10_000_000, f"{path.name}: {path.stat().st_size:,} bytes (issue 12: about 10 MB)"
+    assert path.stat().st_size <= 10_000_000, f"{path.name}: {path.stat().st_size:,} bytes (the checkpoint target: about 10 MB)"
     ckpt = read_checkpoint(path)
     saved = ckpt.average if ckpt.average is not None else ckpt.model  # what the run's --out file holds
     shipped = load_file(WEIGHTS / f"{path.stem}.safetensors")

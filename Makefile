@@ -41,9 +41,10 @@ test: $(TEST_STAMP)
 test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-# pyflakes and pycodestyle's errors (configured in pyproject.toml); CI runs it before the tests.
+# ruff: pyflakes and pycodestyle's errors, and the formatting (configured in pyproject.toml); CI runs it before the tests.
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 bench: $(STAMP)
 	$(BIN)/rnnserve bench $(ARGS)

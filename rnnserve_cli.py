@@ -25,26 +25,54 @@ class Subcommand:
 
 SUBCOMMANDS: dict[str, Subcommand] = {
     "serve": Subcommand("serve the models in weights/ over HTTP", "server.serve:add_arguments", "server.serve:run"),
-    "build-kernels": Subcommand("build the CPU decode kernels and compile the models' decode steps ahead of serving",
-                                "server.prebuild:add_arguments", "server.prebuild:run"),
-    "ray-status": Subcommand("what a running `rnnserve serve --ray` serves: applications, deployments, replicas",
-                             "server.rayserve.status:add_arguments", "server.rayserve.status:run"),
-    "train": Subcommand("train a model and save it as .safetensors",
-                        "training.arguments:add_train_arguments", "training.train:run"),
-    "import": Subcommand("import a model trained elsewhere (a Hugging Face GPT-2 folder) as an rnnserve file",
-                         "model.hf_import:add_arguments", "model.hf_import:run"),
-    "linearize": Subcommand("turn a softmax model into a linear-attention RNN and fine-tune it",
-                            "training.arguments:add_linearize_arguments", "training.linearize:run"),
-    "eval": Subcommand("evaluate a model: MNIST bits/dim or text loss",
-                       "training.arguments:add_eval_arguments", "rnnserve_cli:run_eval"),
-    "bench": Subcommand("benchmark decoding in-process, or a running server with --url",
-                        "benchmarks.run:add_arguments", "benchmarks.run:run"),
-    "pictures": Subcommand("draw occluded digits and each model's completions to a PNG",
-                           "training.arguments:add_pictures_arguments", "training.pictures:run"),
-    "curves": Subcommand("draw the training curves stored in model files and checkpoints to a PNG",
-                         "training.arguments:add_curves_arguments", "training.curves:run"),
-    "train-classifier": Subcommand("train the digit classifier that `eval --completions` reads with",
-                                   "training.arguments:add_classifier_arguments", "training.classifier:run"),
+    "build-kernels": Subcommand(
+        "build the CPU decode kernels and compile the models' decode steps ahead of serving",
+        "server.prebuild:add_arguments",
+        "server.prebuild:run",
+    ),
+    "ray-status": Subcommand(
+        "what a running `rnnserve serve --ray` serves: applications, deployments, replicas",
+        "server.rayserve.status:add_arguments",
+        "server.rayserve.status:run",
+    ),
+    "train": Subcommand(
+        "train a model and save it as .safetensors", "training.arguments:add_train_arguments", "training.train:run"
+    ),
+    "import": Subcommand(
+        "import a model trained elsewhere (a Hugging Face GPT-2 folder) as an rnnserve file",
+        "model.hf_import:add_arguments",
+        "model.hf_import:run",
+    ),
+    "linearize": Subcommand(
+        "turn a softmax model into a linear-attention RNN and fine-tune it",
+        "training.arguments:add_linearize_arguments",
+        "training.linearize:run",
+    ),
+    "eval": Subcommand(
+        "evaluate a model: MNIST bits/dim or text loss",
+        "training.arguments:add_eval_arguments",
+        "rnnserve_cli:run_eval",
+    ),
+    "bench": Subcommand(
+        "benchmark decoding in-process, or a running server with --url",
+        "benchmarks.run:add_arguments",
+        "benchmarks.run:run",
+    ),
+    "pictures": Subcommand(
+        "draw occluded digits and each model's completions to a PNG",
+        "training.arguments:add_pictures_arguments",
+        "training.pictures:run",
+    ),
+    "curves": Subcommand(
+        "draw the training curves stored in model files and checkpoints to a PNG",
+        "training.arguments:add_curves_arguments",
+        "training.curves:run",
+    ),
+    "train-classifier": Subcommand(
+        "train the digit classifier that `eval --completions` reads with",
+        "training.arguments:add_classifier_arguments",
+        "training.classifier:run",
+    ),
 }
 
 
@@ -67,7 +95,9 @@ def run_eval(args: argparse.Namespace) -> int:
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """The parser for `argv`. Only the chosen subcommand's flags are added (the others'
     modules stay unimported); every parse records the command line as `command_line`."""
-    parser = argparse.ArgumentParser(prog="rnnserve", description="Serve, train, evaluate and benchmark rnnserve models.")
+    parser = argparse.ArgumentParser(
+        prog="rnnserve", description="Serve, train, evaluate and benchmark rnnserve models."
+    )
     parser.set_defaults(command_line=shlex.join(["rnnserve", *argv]))
     subs = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in SUBCOMMANDS.items():

@@ -27,13 +27,17 @@ KINDS = attention_kinds()
 def train_args(task: str, kind: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_train_arguments(parser)
-    return parser.parse_args([*TASKS[task], "--attention", kind, "--data", "-", "--out", f"{task}-{kind}.safetensors",
-                              "--preset", "cpu"])
+    return parser.parse_args(
+        [*TASKS[task], "--attention", kind, "--data", "-", "--out", f"{task}-{kind}.safetensors", "--preset", "cpu"]
+    )
 
 
 COLUMNS = {  # (precision, with an average) -> the table's heading
-    ("bfloat16", False): "bfloat16 (default)", ("float32", False): "float32",
-    ("bfloat16", True): "bfloat16, with an average", ("compact", True): "compact (with an average)"}
+    ("bfloat16", False): "bfloat16 (default)",
+    ("float32", False): "float32",
+    ("bfloat16", True): "bfloat16, with an average",
+    ("compact", True): "compact (with an average)",
+}
 
 
 def checkpoint_sizes(args: argparse.Namespace, folder: Path) -> tuple[int, dict[tuple[str, bool], int]]:
@@ -62,8 +66,11 @@ def main() -> None:
         for task in TASKS:
             for kind in KINDS:
                 params, sizes = checkpoint_sizes(train_args(task, kind), Path(folder))
-                print(f"| {task}-{kind} | {params:,} | "
-                      + " | ".join(f"{sizes[column] / 1e6:.2f} MB" for column in COLUMNS) + " |")
+                print(
+                    f"| {task}-{kind} | {params:,} | "
+                    + " | ".join(f"{sizes[column] / 1e6:.2f} MB" for column in COLUMNS)
+                    + " |"
+                )
 
 
 if __name__ == "__main__":

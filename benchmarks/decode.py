@@ -124,8 +124,10 @@ class NoCacheResult:
     images_per_s: float
     tokens_per_s: float
     extrapolated: bool = True
-    method: str = ("first pixels measured step by step; later steps timed at sampled positions; "
-                   "total = measured + linear interpolation of step time over the remaining positions")
+    method: str = (
+        "first pixels measured step by step; later steps timed at sampled positions; "
+        "total = measured + linear interpolation of step time over the remaining positions"
+    )
 
 
 @dataclass
@@ -180,9 +182,13 @@ def preset_config(preset: str, kind: str, task: str = "mnist", max_len: int = IM
         raise BenchError(f"unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
     # The training presets' shapes for every kind ("cpu": the CPU-trained MNIST models, "paper": the MNIST
     # model of "Transformers are RNNs"); Reformer as `rnnserve train` builds it, so timings match trained models.
-    return ModelConfig(attention=kind, task=task, max_len=max_len,
-                       reformer_local_window=kind_options()["reformer_local_window"].train_default,
-                       **PRESETS[preset].architecture())
+    return ModelConfig(
+        attention=kind,
+        task=task,
+        max_len=max_len,
+        reformer_local_window=kind_options()["reformer_local_window"].train_default,
+        **PRESETS[preset].architecture(),
+    )
 
 
 def image_models(settings: DecodeSettings) -> dict[str, tuple[Transformer, str]]:
@@ -261,8 +267,10 @@ class Contestant:
 def check_generated(name: str, out: torch.Tensor, batch: int, tokens: int) -> None:
     """A timed run counts only if it produced batch x tokens tokens (bytes, or a peer's byte + BOS vocabulary)."""
     if tuple(out.shape) != (batch, tokens) or int(out.min()) < 0 or int(out.max()) > BOS_TOKEN:
-        raise BenchError(f"{name} produced {tuple(out.shape)} tokens in [{int(out.min())}, {int(out.max())}], "
-                         f"not {batch} x {tokens} tokens")
+        raise BenchError(
+            f"{name} produced {tuple(out.shape)} tokens in [{int(out.min())}, {int(out.max())}], "
+            f"not {batch} x {tokens} tokens"
+        )
 
 
 def _timed_run(contestant: Contestant, batch: int, tokens: int, device: torch.device) -> tuple[float, float]:
@@ -281,24 +289,31 @@ def _with_decoder(decoder: EagerDecoder, sampling: BatchSampling, tokens: int) -
 
 
 @torch.inference_mode()
-def rnnserve_contestants(models: dict[str, Transformer], batch: int, settings: DecodeSettings,
-                         compile_seconds: dict, progress) -> list[Contestant]:
+def rnnserve_contestants(
+    models: dict[str, Transformer], batch: int, settings: DecodeSettings, compile_seconds: dict, progress
+) -> list[Contestant]:
     """Each kind's decoder as the server makes it (CUDA graphs or compiled, made once per batch size
     outside the timings, as a server does at start-up), and the eager path beside each compiled one."""
     out = []
     for kind, model in models.items():
         sampling = _sampling(batch, model.device)
-        decoder = make_decoder(model, model.new_state(batch), settings.cuda_graphs, sizes=[batch],
-                               compiled=settings.compiled)
+        decoder = make_decoder(
+            model, model.new_state(batch), settings.cuda_graphs, sizes=[batch], compiled=settings.compiled
+        )
         log = decoder.compile(batch=batch)
         if log is not None:
             compile_seconds[f"{kind} batch {batch}"] = timings = dict(log.seconds)
             if log.kernels is not None and log.kernels.ok:  # built once per machine, then loaded
                 timings["C++ kernels"] = log.kernels.seconds
-            progress(f"compile {kind:9s} batch {batch:4d}: " + (log.error or ", ".join(
-                f"{name} {seconds:.1f} s" for name, seconds in timings.items())))
-        out.append(Contestant(kind, kind, "rnnserve", partial(_with_decoder, decoder, sampling), decoder.compiled,
-                              decoder.graphed))
+            progress(
+                f"compile {kind:9s} batch {batch:4d}: "
+                + (log.error or ", ".join(f"{name} {seconds:.1f} s" for name, seconds in timings.items()))
+            )
+        out.append(
+            Contestant(
+                kind, kind, "rnnserve", partial(_with_decoder, decoder, sampling), decoder.compiled, decoder.graphed
+            )
+        )
         if decoder.compiled and settings.eager_too:
             eager = EagerDecoder(pytorch_operators_only(model), model.new_state(batch))
             out.append(Contestant(f"{kind} (eager)", kind, "eager", partial(_with_decoder, eager, sampling)))
@@ -316,8 +331,9 @@ def peer_contestants(peers: list, batch: int) -> list[Contestant]:
     return [Contestant(f"peer: {p.spec.name}", p.spec.rival, "peer", partial(p.run, batch)) for p in peers]
 
 
-def measure_images(models: dict[str, Transformer], settings: DecodeSettings, progress,
-                   peers: list | None = None) -> tuple[list[ImageResult], dict]:
+def measure_images(
+    models: dict[str, Transformer], settings: DecodeSettings, progress, peers: list | None = None
+) -> tuple[list[ImageResult], dict]:
     """Every contestant at every batch size (peers at theirs), best of `repeats`; and compile times.
 
     The contestants take turns within each repeat, so a slow spell on a shared
@@ -344,9 +360,20 @@ def measure_images(models: dict[str, Transformer], settings: DecodeSettings, pro
 def _image_result(contestant: Contestant, batch: int, timings: list[tuple[float, float]], tokens: int) -> ImageResult:
     wall = min(w for w, _ in timings)
     cpu = min(c for _, c in timings)
-    return ImageResult(contestant.name, batch, wall, batch / wall, batch * tokens / wall, [w for w, _ in timings],
-                       cpu, batch / cpu, cuda_graphs=contestant.graphed, compiled=contestant.compiled,
-                       group=contestant.group, rival=None if contestant.group == "rnnserve" else contestant.kind)
+    return ImageResult(
+        contestant.name,
+        batch,
+        wall,
+        batch / wall,
+        batch * tokens / wall,
+        [w for w, _ in timings],
+        cpu,
+        batch / cpu,
+        cuda_graphs=contestant.graphed,
+        compiled=contestant.compiled,
+        group=contestant.group,
+        rival=None if contestant.group == "rnnserve" else contestant.kind,
+    )
 
 
 # ---------------------------------------------------------------- no-cache baseline
@@ -374,8 +401,10 @@ def measure_no_cache(model: Transformer, batch: int, settings: DecodeSettings) -
     first = [_timed(lambda p=pos: step(p), device) for pos in range(measured)]
     gen = torch.Generator().manual_seed(settings.seed)
     tokens[:, measured:] = torch.randint(0, 256, (batch, total - measured), generator=gen).to(device)
-    sampled = [{"position": pos, "seconds": _timed(lambda p=pos: _no_cache_step(model, tokens, p, sampling), device)}
-               for pos in _later_positions(measured, total, settings.nocache_samples)]
+    sampled = [
+        {"position": pos, "seconds": _timed(lambda p=pos: _no_cache_step(model, tokens, p, sampling), device)}
+        for pos in _later_positions(measured, total, settings.nocache_samples)
+    ]
     rest = _interpolated_sum(first, sampled, measured, total)
     seconds = sum(first) + rest
     return NoCacheResult(batch, measured, sum(first), sampled, seconds, batch / seconds, batch * total / seconds)
@@ -421,14 +450,17 @@ def _advance(model: Transformer, state, target: int, gen: torch.Generator) -> No
 @torch.inference_mode()
 def step_decoder(model: Transformer, settings: DecodeSettings, batch: int) -> EagerDecoder:
     """A decoder as the server makes it (compiled here and now when it is compiled) on a new state."""
-    decoder = make_decoder(model, model.new_state(batch), settings.cuda_graphs, sizes=[batch], compiled=settings.compiled)
+    decoder = make_decoder(
+        model, model.new_state(batch), settings.cuda_graphs, sizes=[batch], compiled=settings.compiled
+    )
     decoder.compile(batch=batch)
     return decoder
 
 
 @torch.inference_mode()
-def measure_positions(models: dict[str, Transformer], positions: list[int], settings: DecodeSettings,
-                      progress) -> dict[str, list[PositionPoint]]:
+def measure_positions(
+    models: dict[str, Transformer], positions: list[int], settings: DecodeSettings, progress
+) -> dict[str, list[PositionPoint]]:
     """Per kind, one state advanced through increasing positions; timed single-token steps at each,
     through the decoder the server would use (compiled, CUDA graphs or eager).
 
@@ -446,7 +478,9 @@ def measure_positions(models: dict[str, Transformer], positions: list[int], sett
         times: dict[str, list[float]] = {kind: [] for kind in models}
         for kind, model in models.items():
             if pos < int(decoders[kind].state.lengths[0]):
-                raise BenchError(f"positions must grow by more than --steps-per-position; {pos} is too close to the one before")
+                raise BenchError(
+                    f"positions must grow by more than --steps-per-position; {pos} is too close to the one before"
+                )
             _advance(model, decoders[kind].state, pos, gens[kind])
         state_bytes = {kind: d.state.nbytes_in_use() // batch for kind, d in decoders.items()}
         for r in range(rounds):
@@ -455,13 +489,17 @@ def measure_positions(models: dict[str, Transformer], positions: list[int], sett
                 times[kind] += _time_steps(decoder, steps)
         for kind, t in times.items():
             points[kind].append(PositionPoint(pos, min(t), statistics.median(t), state_bytes[kind]))
-        progress(f"steps   at {pos:6d}: " + ", ".join(f"{k} {p[-1].step_seconds_min * 1e3:.3f} ms" for k, p in points.items()))
+        progress(
+            f"steps   at {pos:6d}: "
+            + ", ".join(f"{k} {p[-1].step_seconds_min * 1e3:.3f} ms" for k, p in points.items())
+        )
     return points
 
 
 @torch.inference_mode()
-def measure_flatness(models: dict[str, Transformer], near: int, far: int, settings: DecodeSettings,
-                     progress) -> list[FlatnessResult]:
+def measure_flatness(
+    models: dict[str, Transformer], near: int, far: int, settings: DecodeSettings, progress
+) -> list[FlatnessResult]:
     """Kinds with a constant-size state: one state at `near`, one at `far`, single steps timed
     in alternation (FLAT_ROUNDS rounds, the order flipping each round). The sweep visits each
     position once, so a slow spell of a shared machine there can double one position's time;
@@ -475,13 +513,26 @@ def measure_flatness(models: dict[str, Transformer], near: int, far: int, settin
             _advance(model, decoder.state, pos, torch.Generator().manual_seed(settings.seed))
         times: dict[int, list[float]] = {near: [], far: []}
         for r in range(FLAT_ROUNDS):
-            for pos in ((near, far) if r % 2 == 0 else (far, near)):
+            for pos in (near, far) if r % 2 == 0 else (far, near):
                 times[pos] += _time_steps(decoders[pos], FLAT_STEPS_PER_ROUND)
         medians = {pos: statistics.median(t) for pos, t in times.items()}
-        results.append(FlatnessResult(kind, near, far, medians[near], medians[far], min(times[near]), min(times[far]),
-                                      medians[far] / medians[near], len(times[near])))
-        progress(f"flat    {kind:9s}: {medians[far] * 1e3:.3f} ms at {far} vs {medians[near] * 1e3:.3f} ms at {near} "
-                 f"(medians of {len(times[near])} alternating steps): {results[-1].ratio:.2f}x")
+        results.append(
+            FlatnessResult(
+                kind,
+                near,
+                far,
+                medians[near],
+                medians[far],
+                min(times[near]),
+                min(times[far]),
+                medians[far] / medians[near],
+                len(times[near]),
+            )
+        )
+        progress(
+            f"flat    {kind:9s}: {medians[far] * 1e3:.3f} ms at {far} vs {medians[near] * 1e3:.3f} ms at {near} "
+            f"(medians of {len(times[near])} alternating steps): {results[-1].ratio:.2f}x"
+        )
     return results
 
 
@@ -507,7 +558,9 @@ def run_decode_bench(settings: DecodeSettings, progress=print) -> DecodeReport:
     report = DecodeReport(asdict(settings), environment(settings), infos, images, no_cache, sweep, flatness)
     report.compile_seconds, report.comparisons = compile_seconds, compare(images)
     report.peers = [asdict(p.spec) for p in peers]
-    report.machine = probe_machine(DTYPES[settings.dtype]) if settings.device == "cpu" else {}  # a GPU is judged by its datasheet
+    report.machine = (
+        probe_machine(DTYPES[settings.dtype]) if settings.device == "cpu" else {}
+    )  # a GPU is judged by its datasheet
     batch = max(settings.batch_sizes)
     report.roofline = {k: roofline(models[k][0].config, settings.image_tokens, batch, report.machine) for k in kinds}
     report.load = {"before": load_before, "after": machine_load()}
@@ -554,9 +607,18 @@ def compare(images: list[ImageResult]) -> list[dict]:
         mine = ours.get((r.rival, r.batch))
         if r.group == "rnnserve" or mine is None:
             continue
-        rows.append({"batch": r.batch, "rnnserve": mine.kind, "against": r.kind, "group": r.group,
-                     "rnnserve_images_per_s": mine.images_per_s, "against_images_per_s": r.images_per_s,
-                     "ratio": mine.images_per_s / r.images_per_s, "ratio_cpu_time": mine.images_per_cpu_s / r.images_per_cpu_s})
+        rows.append(
+            {
+                "batch": r.batch,
+                "rnnserve": mine.kind,
+                "against": r.kind,
+                "group": r.group,
+                "rnnserve_images_per_s": mine.images_per_s,
+                "against_images_per_s": r.images_per_s,
+                "ratio": mine.images_per_s / r.images_per_s,
+                "ratio_cpu_time": mine.images_per_cpu_s / r.images_per_cpu_s,
+            }
+        )
     return rows
 
 
@@ -572,7 +634,9 @@ def machine_load() -> dict:
 def _check(settings: DecodeSettings) -> None:
     unknown = [k for k in settings.kinds if k not in attention_kinds()]
     if unknown:
-        raise BenchError(f"unknown attention kind(s) {', '.join(unknown)}; expected some of {', '.join(attention_kinds())}")
+        raise BenchError(
+            f"unknown attention kind(s) {', '.join(unknown)}; expected some of {', '.join(attention_kinds())}"
+        )
     if settings.weights is None:
         preset_config(settings.preset, "linear")  # raises on an unknown preset
     if settings.dtype not in DTYPES:
@@ -583,15 +647,22 @@ def _check(settings: DecodeSettings) -> None:
     if not settings.batch_sizes or min(settings.batch_sizes) < 1:
         raise BenchError(f"--batch-sizes must be positive integers, got {settings.batch_sizes}")
     if list(settings.positions) != sorted(set(settings.positions)) or min(settings.positions, default=3) < 3:
-        raise BenchError(f"--positions must be increasing and >= 3 (two warm-up steps come first), got {settings.positions}")
+        raise BenchError(
+            f"--positions must be increasing and >= 3 (two warm-up steps come first), got {settings.positions}"
+        )
     if settings.image_tokens > IMAGE_TOKENS:
         raise BenchError(f"--image-tokens must be <= {IMAGE_TOKENS} (one MNIST image), got {settings.image_tokens}")
 
 
 def _model_info(kind: str, model: Transformer, source: str, tokens: int) -> ModelInfo:
     cfg = model.config
-    return ModelInfo(kind, source, {k: v for k, v in asdict(cfg).items() if k != "extra"},
-                     model.num_parameters(), model.state_bytes_per_sequence(min(tokens, cfg.max_len)))
+    return ModelInfo(
+        kind,
+        source,
+        {k: v for k, v in asdict(cfg).items() if k != "extra"},
+        model.num_parameters(),
+        model.state_bytes_per_sequence(min(tokens, cfg.max_len)),
+    )
 
 
 def _add_ratios(images: list[ImageResult], no_cache: list[NoCacheResult]) -> None:
@@ -636,7 +707,9 @@ def _cpu_name() -> str:
 
 # ---------------------------------------------------------------- targets (issues 5 and 16)
 
-BATCH1_LINEAR_STEP_BEFORE = 1.03e-3  # seconds: linear's eager step at position 100, batch 1, which the batch-1 target was set against
+BATCH1_LINEAR_STEP_BEFORE = (
+    1.03e-3  # seconds: linear's eager step at position 100, batch 1, which the batch-1 target was set against
+)
 
 
 def evaluate_targets(report: DecodeReport) -> list[dict]:
@@ -649,21 +722,40 @@ def _issue5_targets(report: DecodeReport) -> list[dict]:
     largest = max((r.batch for r in report.images), default=None)
     linear = next((r for r in report.images if r.kind == "linear" and r.batch == largest), None)
     if linear is not None:
-        targets.append(_target(f"linear images/s >= 4x softmax-with-cache (batch {largest})",
-                               linear.vs_softmax_cache, 4.0))
-        targets.append(_target(f"same, by CPU time: steadier on a shared machine (batch {largest})",
-                               linear.vs_softmax_cache_cpu, 4.0))
-        targets.append(_target(f"linear images/s >= 100x softmax no-cache, extrapolated (batch {largest})",
-                               linear.vs_no_cache, 100.0))
+        targets.append(
+            _target(f"linear images/s >= 4x softmax-with-cache (batch {largest})", linear.vs_softmax_cache, 4.0)
+        )
+        targets.append(
+            _target(
+                f"same, by CPU time: steadier on a shared machine (batch {largest})", linear.vs_softmax_cache_cpu, 4.0
+            )
+        )
+        targets.append(
+            _target(
+                f"linear images/s >= 100x softmax no-cache, extrapolated (batch {largest})", linear.vs_no_cache, 100.0
+            )
+        )
     flat = next((f for f in report.flatness if f.kind == "linear"), None)
     if flat is not None:
-        targets.append({"name": f"linear step time at {flat.far} within 10% of at {flat.near} (alternating steps)",
-                        "measured": flat.ratio, "threshold": "<= 1.10", "met": flat.ratio <= 1.10})
+        targets.append(
+            {
+                "name": f"linear step time at {flat.far} within 10% of at {flat.near} (alternating steps)",
+                "measured": flat.ratio,
+                "threshold": "<= 1.10",
+                "met": flat.ratio <= 1.10,
+            }
+        )
     points = report.positions.get("linear", [])
     if len(points) >= 2:
         sizes = {p.state_bytes_per_sequence for p in points}
-        targets.append({"name": "linear state bytes identical at every position", "measured": sorted(sizes),
-                        "threshold": "one value", "met": len(sizes) == 1})
+        targets.append(
+            {
+                "name": "linear state bytes identical at every position",
+                "measured": sorted(sizes),
+                "threshold": "one value",
+                "met": len(sizes) == 1,
+            }
+        )
     return targets
 
 
@@ -671,24 +763,39 @@ def _issue16_targets(report: DecodeReport) -> list[dict]:
     largest = max((r.batch for r in report.images), default=None)
     ratios = {(c["rnnserve"], c["against"]): c["ratio"] for c in report.comparisons if c["batch"] == largest}
     targets = []
-    for kind, against, minimum in (("linear", "peer: fast-transformers recurrent linear", 2.0),
-                                   ("softmax", "peer: HF GPT-2 generate, static cache", 2.0),
-                                   ("linformer", "linformer (eager)", 1.5)):
+    for kind, against, minimum in (
+        ("linear", "peer: fast-transformers recurrent linear", 2.0),
+        ("softmax", "peer: HF GPT-2 generate, static cache", 2.0),
+        ("linformer", "linformer (eager)", 1.5),
+    ):
         if (kind, against) in ratios:
-            targets.append(_target(f"{kind} images/s >= {minimum:g}x {against} (batch {largest})",
-                                   ratios[(kind, against)], minimum))
+            targets.append(
+                _target(
+                    f"{kind} images/s >= {minimum:g}x {against} (batch {largest})", ratios[(kind, against)], minimum
+                )
+            )
     linear = next((r for r in report.images if r.kind == "linear" and r.batch == largest), None)
     bound = report.roofline.get("linear", {}).get("bound_images_per_s_here")
     if linear is not None and bound:
-        targets.append(_target(f"linear images/s >= 50% of its bound on this machine (batch {largest})",
-                               linear.images_per_s / bound, 0.5))
+        targets.append(
+            _target(
+                f"linear images/s >= 50% of its bound on this machine (batch {largest})",
+                linear.images_per_s / bound,
+                0.5,
+            )
+        )
     points = report.positions.get("linear", [])
     if points:
         near = min(points, key=lambda p: abs(p.position - FLAT_NEAR))
-        targets.append({"name": f"linear ms per step at position {near.position}, batch {report.settings['position_batch']}"
-                                f" (best step): <= half of {BATCH1_LINEAR_STEP_BEFORE * 1e3:.2f} ms",
-                        "measured": near.step_seconds_min * 1e3, "threshold": f"<= {BATCH1_LINEAR_STEP_BEFORE * 500:.3f}",
-                        "met": near.step_seconds_min <= BATCH1_LINEAR_STEP_BEFORE / 2})
+        targets.append(
+            {
+                "name": f"linear ms per step at position {near.position}, batch {report.settings['position_batch']}"
+                f" (best step): <= half of {BATCH1_LINEAR_STEP_BEFORE * 1e3:.2f} ms",
+                "measured": near.step_seconds_min * 1e3,
+                "threshold": f"<= {BATCH1_LINEAR_STEP_BEFORE * 500:.3f}",
+                "met": near.step_seconds_min <= BATCH1_LINEAR_STEP_BEFORE / 2,
+            }
+        )
     return targets
 
 
@@ -697,5 +804,9 @@ def _closest(positions: list[int], target: int) -> int:
 
 
 def _target(name: str, measured: float | None, minimum: float) -> dict:
-    return {"name": name, "measured": measured, "threshold": f">= {minimum:g}",
-            "met": measured is not None and measured >= minimum}
+    return {
+        "name": name,
+        "measured": measured,
+        "threshold": f">= {minimum:g}",
+        "met": measured is not None and measured >= minimum,
+    }

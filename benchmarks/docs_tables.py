@@ -34,8 +34,11 @@ def cpu_class(report: dict) -> str:
 
 def newest_runs(results: Path = RESULTS) -> dict[str, tuple[str, dict]]:
     """CPU class -> (file name, report) of its newest run, by date then run number."""
-    runs = sorted((tuple(map(int, match.group(1).split("-"))), int(match.group(2)), path)
-                  for path in results.glob("cpu-*-run*.json") if (match := RUN_FILE.fullmatch(path.name)))
+    runs = sorted(
+        (tuple(map(int, match.group(1).split("-"))), int(match.group(2)), path)
+        for path in results.glob("cpu-*-run*.json")
+        if (match := RUN_FILE.fullmatch(path.name))
+    )
     newest: dict[str, tuple[str, dict]] = {}
     for _, _, path in runs:
         report = json.loads(path.read_text())
@@ -55,30 +58,42 @@ def kind_row(report: dict, kind: str, batch: int) -> str:
     image = next(r for r in report["images"] if r["kind"] == kind and r["batch"] == batch and r["group"] == "rnnserve")
     against = [c for c in report["comparisons"] if c["batch"] == batch and c["rnnserve"] == kind]
     eager = next((c["ratio"] for c in against if c["group"] == "eager"), None)
-    peers = ", ".join(f"{_ratio(c['ratio'])} {c['against'].removeprefix('peer: ')}"
-                      for c in against if c["group"] == "peer") or "-"
+    peers = (
+        ", ".join(
+            f"{_ratio(c['ratio'])} {c['against'].removeprefix('peer: ')}" for c in against if c["group"] == "peer"
+        )
+        or "-"
+    )
     steps = report["positions"].get(kind, [])
     state = _size(report["models"][kind]["state_bytes_per_sequence"])
-    near_far = (f"{1e3 * steps[0]['step_seconds_median']:.2f} / {1e3 * steps[-1]['step_seconds_median']:.2f} "
-                f"(at {steps[0]['position']:,} / {steps[-1]['position']:,})" if steps else "-")
+    near_far = (
+        f"{1e3 * steps[0]['step_seconds_median']:.2f} / {1e3 * steps[-1]['step_seconds_median']:.2f} "
+        f"(at {steps[0]['position']:,} / {steps[-1]['position']:,})"
+        if steps
+        else "-"
+    )
     path = "compiled" if image["compiled"] else "eager"
-    return (f"| {kind} ({path}) | {image['images_per_s']:,.2f} | {_ratio(image['vs_softmax_cache'])} | "
-            f"{_ratio(image['vs_no_cache'])} | {_ratio(eager) if eager else '(eager)'} | {peers} | {state} | "
-            f"{near_far} |")
+    return (
+        f"| {kind} ({path}) | {image['images_per_s']:,.2f} | {_ratio(image['vs_softmax_cache'])} | "
+        f"{_ratio(image['vs_no_cache'])} | {_ratio(eager) if eager else '(eager)'} | {peers} | {state} | "
+        f"{near_far} |"
+    )
 
 
 def run_table(name: str, report: dict) -> str:
     env, settings = report["environment"], report["settings"]
     batch = max(r["batch"] for r in report["images"])
     kinds = list(dict.fromkeys(r["kind"] for r in report["images"] if r["group"] == "rnnserve"))
-    lines = [f"### {cpu_class(report)}: {env['processor']}, {env['torch_threads']} thread(s), {env['utc']}",
-             "",
-             f"`{report['command']}` (`benchmarks/results/{name}`; {settings['image_tokens']}-token images at batch "
-             f"{batch}; ratios from this one run)",
-             "",
-             "| kind | images/s | vs softmax with KV cache | vs softmax without cache | vs its eager path | "
-             "vs other implementations (same run) | state per sequence | ms per step near / far (batch 1) |",
-             "|---|---:|---:|---:|---:|---|---:|---:|"]
+    lines = [
+        f"### {cpu_class(report)}: {env['processor']}, {env['torch_threads']} thread(s), {env['utc']}",
+        "",
+        f"`{report['command']}` (`benchmarks/results/{name}`; {settings['image_tokens']}-token images at batch "
+        f"{batch}; ratios from this one run)",
+        "",
+        "| kind | images/s | vs softmax with KV cache | vs softmax without cache | vs its eager path | "
+        "vs other implementations (same run) | state per sequence | ms per step near / far (batch 1) |",
+        "|---|---:|---:|---:|---:|---|---:|---:|",
+    ]
     lines += [kind_row(report, kind, batch) for kind in kinds]
     return "\n".join(lines)
 
@@ -104,8 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     updated = with_tables(page, tables())
     if args.check:
         if updated != page:
-            print(f"{PAGE.relative_to(ROOT)}: the decode tables differ from benchmarks/results; run "
-                  "python -m benchmarks.docs_tables", file=sys.stderr)
+            print(
+                f"{PAGE.relative_to(ROOT)}: the decode tables differ from benchmarks/results; run "
+                "python -m benchmarks.docs_tables",
+                file=sys.stderr,
+            )
             return 1
         return 0
     PAGE.write_text(updated)

@@ -43,7 +43,9 @@ def sampling(i: int, adjusts: bool) -> SamplingParams:
 
 def engine_seconds(engine: Engine, batch: int, tokens: int, adjusting_rows: int = 0) -> float:
     # As the image route sends a whole image: an empty prompt and one particle, with nothing to weigh.
-    requests = [GenerationRequest(f"r{i}", [], tokens, sampling(i, i < adjusting_rows), particles=1) for i in range(batch)]
+    requests = [
+        GenerationRequest(f"r{i}", [], tokens, sampling(i, i < adjusting_rows), particles=1) for i in range(batch)
+    ]
 
     async def run() -> float:
         start = time.perf_counter()

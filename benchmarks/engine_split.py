@@ -36,8 +36,13 @@ def split(before: dict[str, float], after: dict[str, float], wall_seconds: float
     steps, tokens, busy = (after[name] - before[name] for name in TOTALS)
     if steps <= 0:
         raise ValueError("the engine ran no decoding step between the two scrapes")
-    return {"wall_s": wall_seconds, "busy_share": busy / wall_seconds, "rows_per_step": tokens / steps,
-            "step_ms": 1e3 * busy / steps, "steps": steps}
+    return {
+        "wall_s": wall_seconds,
+        "busy_share": busy / wall_seconds,
+        "rows_per_step": tokens / steps,
+        "step_ms": 1e3 * busy / steps,
+        "steps": steps,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,8 +55,11 @@ def main(argv: list[str] | None = None) -> None:
     with open(args.load_json) as f:
         wall = json.load(f)["elapsed_s"]
     figures = split(totals(args.before), totals(args.after), wall)
-    print(f"engine: decoding {100 * figures['busy_share']:.1f}% of {wall:.1f} s, {figures['rows_per_step']:.2f} rows "
-          f"a step, {figures['step_ms']:.3f} ms a step", file=sys.stderr)
+    print(
+        f"engine: decoding {100 * figures['busy_share']:.1f}% of {wall:.1f} s, {figures['rows_per_step']:.2f} rows "
+        f"a step, {figures['step_ms']:.3f} ms a step",
+        file=sys.stderr,
+    )
     if args.append:
         with open(args.append, "a") as f:
             f.write(json.dumps(figures) + "\n")

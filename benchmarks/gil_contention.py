@@ -103,7 +103,9 @@ def _decoder_timer(model: Transformer, batch: int, steps: int) -> Callable[[], f
 
 
 def _engine_timer(model: Transformer, batch: int, steps: int) -> tuple[Engine, Callable[[], float]]:
-    engine = Engine("bench", model, {}, EngineLimits(max_batch=batch, max_waiting=batch, compile_decode=True), LocalOutput())
+    engine = Engine(
+        "bench", model, {}, EngineLimits(max_batch=batch, max_waiting=batch, compile_decode=True), LocalOutput()
+    )
     engine.start()
     engine.wait_compiled()
     engine_seconds(engine, batch, 16)  # warm-up: first calls of every path
@@ -145,8 +147,10 @@ def main(argv: list[str] | None = None) -> None:
     times = measure(args.kind, args.batch, args.duty, args.rounds, args.steps, args.engine)
     alone = times["alone"]
     what = "the engine" if args.engine else "compiled decode steps"
-    print(f"{args.kind}, batch {args.batch}, {what}, neighbour busy {args.duty:.0%} of the time in 1 ms bursts; "
-          f"median of {args.rounds} rounds of {args.steps} steps")
+    print(
+        f"{args.kind}, batch {args.batch}, {what}, neighbour busy {args.duty:.0%} of the time in 1 ms bursts; "
+        f"median of {args.rounds} rounds of {args.steps} steps"
+    )
     for name, ms in times.items():
         print(f"  {name:24s} {ms:.3f} ms/step  ({ms / alone:.2f}x alone)")
 

@@ -77,8 +77,12 @@ def add_load_arguments(group) -> None:
     group.add_argument("--kind", choices=("image", "text"), default="image", help="image completions or streamed text")
     group.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
     group.add_argument("--duration", type=float, default=10.0, help="seconds during which new requests start")
-    group.add_argument("--ramp-up", type=float, default=0.0,
-                       help="spread the workers' first requests evenly over this many seconds (default 0: all at once)")
+    group.add_argument(
+        "--ramp-up",
+        type=float,
+        default=0.0,
+        help="spread the workers' first requests evenly over this many seconds (default 0: all at once)",
+    )
     group.add_argument("--requests", type=int, default=1000, help="at most this many requests in all")
     group.add_argument("--timeout", type=float, default=120.0, help="seconds allowed per request")
     group.add_argument("--model", help="model name to request (default: the server's choice)")
@@ -90,9 +94,19 @@ def add_load_arguments(group) -> None:
 
 def load_settings(args: argparse.Namespace) -> LoadSettings:
     settings = LoadSettings(
-        url=args.url, kind=args.kind, concurrency=args.concurrency, duration=args.duration,
-        ramp_up=args.ramp_up, max_requests=args.requests, timeout=args.timeout, model=args.model, keep_rows=args.keep_rows,
-        max_tokens=args.max_tokens, prompt=args.prompt, api_key=args.api_key)
+        url=args.url,
+        kind=args.kind,
+        concurrency=args.concurrency,
+        duration=args.duration,
+        ramp_up=args.ramp_up,
+        max_requests=args.requests,
+        timeout=args.timeout,
+        model=args.model,
+        keep_rows=args.keep_rows,
+        max_tokens=args.max_tokens,
+        prompt=args.prompt,
+        api_key=args.api_key,
+    )
     check_settings(settings)
     return settings
 
@@ -134,8 +148,14 @@ def image_body(s: LoadSettings, index: int) -> dict:
 
 
 def text_body(s: LoadSettings, index: int) -> dict:
-    body = {"prompt": s.prompt, "max_tokens": s.max_tokens, "stream": True, "seed": index,
-            "temperature": s.temperature, "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": s.prompt,
+        "max_tokens": s.max_tokens,
+        "stream": True,
+        "seed": index,
+        "temperature": s.temperature,
+        "stream_options": {"include_usage": True},
+    }
     return body | ({"model": s.model} if s.model else {})
 
 
@@ -202,8 +222,9 @@ async def _read_events(response: aiohttp.ClientResponse, record: RequestRecord, 
 # ---------------------------------------------------------------- the run
 
 
-async def _worker(session: aiohttp.ClientSession, s: LoadSettings, budget: dict, records: list[RequestRecord],
-                  delay: float) -> None:
+async def _worker(
+    session: aiohttp.ClientSession, s: LoadSettings, budget: dict, records: list[RequestRecord], delay: float
+) -> None:
     send = image_request if s.kind == "image" else text_request
     await asyncio.sleep(delay)
     budget["first_sends"].append(time.perf_counter() - budget["start"])
@@ -228,10 +249,13 @@ async def run_load_async(s: LoadSettings) -> dict:
     start = time.perf_counter()
     budget = {"start": start, "deadline": start + s.duration, "issued": 0, "first_sends": []}
     connector = aiohttp.TCPConnector(limit=s.concurrency)  # one keep-alive connection per worker
-    async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=s.timeout),
-                                     connector=connector, trust_env=False) as session:
-        workers = [asyncio.create_task(_worker(session, s, budget, records, i * s.ramp_up / s.concurrency))
-                   for i in range(s.concurrency)]
+    async with aiohttp.ClientSession(
+        headers=headers, timeout=aiohttp.ClientTimeout(total=s.timeout), connector=connector, trust_env=False
+    ) as session:
+        workers = [
+            asyncio.create_task(_worker(session, s, budget, records, i * s.ramp_up / s.concurrency))
+            for i in range(s.concurrency)
+        ]
         # Hard stop: no request may outlive duration + its own timeout.
         _, pending = await asyncio.wait(workers, timeout=s.duration + s.timeout + 5.0)
         for task in pending:

@@ -66,8 +66,12 @@ def server(weights: list[Path], flags: list[str], log: Path) -> Iterator[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RNNSERVE_")}
     models = [arg for path in weights for arg in ("--model", str(path))]
     with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "server", "serve", *models, "--port", str(port), *flags],
-                                   stdout=out, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "server", "serve", *models, "--port", str(port), *flags],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -90,8 +94,11 @@ async def wait_ready(session: aiohttp.ClientSession, url: str, log: Path, compil
                 cards = {c["id"]: c for c in (await answer.json())["data"]} if answer.status == 200 else {}
         except aiohttp.ClientError:
             cards, healthy = {}, False
-        if healthy and cards and (not compiled or all(c["compiled_decode"] or c["attention"] == "reformer"
-                                                      for c in cards.values())):
+        if (
+            healthy
+            and cards
+            and (not compiled or all(c["compiled_decode"] or c["attention"] == "reformer" for c in cards.values()))
+        ):
             return cards
         await asyncio.sleep(1.0)
     raise RuntimeError(f"the server was not ready in time; its log:\n{log.read_text()[-4000:]}")
@@ -103,8 +110,9 @@ async def complete_all(session: aiohttp.ClientSession, url: str, models: list[st
 
     async def one(model: str, seed: int) -> None:
         body = {"model": model, "pixels": synthetic_digit(), "keep_rows": 14, "seed": seed}
-        async with session.post(f"{url}/v1/images/completions", json=body,
-                                headers={"Accept": "application/json"}) as answer:
+        async with session.post(
+            f"{url}/v1/images/completions", json=body, headers={"Accept": "application/json"}
+        ) as answer:
             if answer.status != 200:
                 raise RuntimeError(f"{model}: {answer.status} {await answer.text()}")
             await answer.read()
@@ -124,9 +132,12 @@ async def run_config(weights: list[Path], flags: list[str], images: int, compile
             async with aiohttp.ClientSession(timeout=timeout) as session:
                 cards = await wait_ready(session, url, log, compiled)
                 seconds = await complete_all(session, url, list(cards), images)
-    return {"threads": {m: c["threads"] for m, c in cards.items()},
-            "compiled": {m: c["compiled_decode"] for m, c in cards.items()},
-            "seconds": seconds, "images_per_second": {m: images / s for m, s in seconds.items()}}
+    return {
+        "threads": {m: c["threads"] for m, c in cards.items()},
+        "compiled": {m: c["compiled_decode"] for m, c in cards.items()},
+        "seconds": seconds,
+        "images_per_second": {m: images / s for m, s in seconds.items()},
+    }
 
 
 def median(values: list[float]) -> float:
@@ -138,17 +149,24 @@ def median(values: list[float]) -> float:
 def summary_table(summary: dict, reference: str = "threads1") -> str:
     """A Markdown table: each configuration's median images/s per model over its rounds, each as a share of
     `reference`'s in the same run, and linear's images/s over softmax's."""
-    rates = {name: {model: median([r["images_per_second"][model] for r in rounds]) for model in rounds[0]["seconds"]}
-             for name, rounds in summary["rounds"].items()}
+    rates = {
+        name: {model: median([r["images_per_second"][model] for r in rounds]) for model in rounds[0]["seconds"]}
+        for name, rounds in summary["rounds"].items()
+    }
     models = list(next(iter(rates.values())))
-    lines = [f"| configuration (flags) | threads per engine | {' | '.join(models)} | linear / softmax |",
-             "|---|---|" + "---|" * len(models) + "---|"]
+    lines = [
+        f"| configuration (flags) | threads per engine | {' | '.join(models)} | linear / softmax |",
+        "|---|---|" + "---|" * len(models) + "---|",
+    ]
     for name, per_model in rates.items():
         threads = summary["rounds"][name][0]["threads"]
         cells = []
         for model in models:
-            share = (f" ({per_model[model] / rates[reference][model]:.0%})"
-                     if reference in rates and name != reference else "")
+            share = (
+                f" ({per_model[model] / rates[reference][model]:.0%})"
+                if reference in rates and name != reference
+                else ""
+            )
             cells.append(f"{per_model[model]:.2f}{share}")
         linear, softmax = per_model.get("mnist-linear"), per_model.get("mnist-softmax")
         ratio = f"{linear / softmax:.2f}x" if linear and softmax else "-"
@@ -166,8 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--weights", type=Path, default=Path("weights"))
     parser.add_argument("--models", default=",".join(MNIST_MODELS), help="comma-separated model names in --weights")
-    parser.add_argument("--config", action="append", default=[], metavar="NAME=FLAG,FLAG",
-                        help="a server configuration: its name and its flags (comma-separated; none for defaults)")
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="NAME=FLAG,FLAG",
+        help="a server configuration: its name and its flags (comma-separated; none for defaults)",
+    )
     parser.add_argument("--images", type=int, default=16, help="completions per model, all sent at once")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds of every configuration")
     parser.add_argument("--busy", type=int, default=0, help="busy-loop processes beside the server")
@@ -189,10 +212,19 @@ def main(argv: list[str] | None = None) -> int:
                 result = asyncio.run(run_config(weights, flags, args.images, compiled))
                 results[name].append(result)
                 rates = ", ".join(f"{m} {r:.2f}" for m, r in result["images_per_second"].items())
-                print(f"round {round_ + 1} {name} ({' '.join(flags) or 'defaults'}): images/s {rates}; "
-                      f"threads {result['threads']}", flush=True)
-    summary = {"cpu": cpu_class(), "cpus": len(os.sched_getaffinity(0)), "busy_loops": args.busy,
-               "images_per_model": args.images, "configs": {n: f for n, f in configs}, "rounds": results}
+                print(
+                    f"round {round_ + 1} {name} ({' '.join(flags) or 'defaults'}): images/s {rates}; "
+                    f"threads {result['threads']}",
+                    flush=True,
+                )
+    summary = {
+        "cpu": cpu_class(),
+        "cpus": len(os.sched_getaffinity(0)),
+        "busy_loops": args.busy,
+        "images_per_model": args.images,
+        "configs": {n: f for n, f in configs},
+        "rounds": results,
+    }
     if args.json_out:
         args.json_out.write_text(json.dumps(summary, indent=1) + "\n")
     print(summary_table(summary))

@@ -59,18 +59,31 @@ def tables(cells: dict) -> str:
     """Two Markdown tables: shares read as the true digit; images/s and resamplings per digit."""
     head = " | ".join(f"K = {k}" for k in PARTICLES)
     quality = [f"| kind | unknown | occluded input alone | {head} |", "|---|---|---:|" + "---:|" * len(PARTICLES)]
-    speed = ["| kind | unknown | " + " | ".join(f"images/s, K = {k}" for k in PARTICLES) + " | "
-             + " | ".join(f"resamplings per digit, K = {k}" for k in PARTICLES) + " |",
-             "|---|---|" + "---:|" * (2 * len(PARTICLES))]
+    speed = [
+        "| kind | unknown | "
+        + " | ".join(f"images/s, K = {k}" for k in PARTICLES)
+        + " | "
+        + " | ".join(f"resamplings per digit, K = {k}" for k in PARTICLES)
+        + " |",
+        "|---|---|" + "---:|" * (2 * len(PARTICLES)),
+    ]
     for kind in attention_kinds():
         for occlusion in OCCLUSIONS:
             row = [cells.get((kind, occlusion, k)) for k in PARTICLES]
             if not any(row):
                 continue
-            quality.append(f"| {kind} | {occlusion} | {_occluded(cells, kind, occlusion)} | "
-                           + " | ".join(_share(c) for c in row) + " |")
-            speed.append(f"| {kind} | {occlusion} | " + " | ".join(_rate(c) for c in row) + " | "
-                         + " | ".join(_resamplings(c) for c in row) + " |")
+            quality.append(
+                f"| {kind} | {occlusion} | {_occluded(cells, kind, occlusion)} | "
+                + " | ".join(_share(c) for c in row)
+                + " |"
+            )
+            speed.append(
+                f"| {kind} | {occlusion} | "
+                + " | ".join(_rate(c) for c in row)
+                + " | "
+                + " | ".join(_resamplings(c) for c in row)
+                + " |"
+            )
     return "\n".join(quality) + "\n\n" + "\n".join(speed)
 
 

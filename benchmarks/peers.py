@@ -51,15 +51,36 @@ class PeerSpec:
 
 
 PEERS = (
-    PeerSpec("fast-transformers recurrent linear", "linear", "S, Z per layer (fast-transformers' recurrent state)",
-             "rnnserve's Gumbel-max, temperature 1"),
-    PeerSpec("plain PyTorch linear recurrence", "linear", "S and Z as separate tensors", "rnnserve's Gumbel-max, temperature 1"),
-    PeerSpec("HF GPT-2 generate, static cache", "softmax", "static KV cache of the whole length, masked",
-             "HF multinomial, top_k=0, temperature 1"),
-    PeerSpec("HF GPT-2 generate, dynamic cache", "softmax", "dynamic KV cache, grown each step",
-             "HF multinomial, top_k=0, temperature 1"),
-    PeerSpec("HF Reformer generate, LSH cache", "reformer", "past buckets and states (LSH and local layers)",
-             "HF multinomial, top_k=0, temperature 1"),
+    PeerSpec(
+        "fast-transformers recurrent linear",
+        "linear",
+        "S, Z per layer (fast-transformers' recurrent state)",
+        "rnnserve's Gumbel-max, temperature 1",
+    ),
+    PeerSpec(
+        "plain PyTorch linear recurrence",
+        "linear",
+        "S and Z as separate tensors",
+        "rnnserve's Gumbel-max, temperature 1",
+    ),
+    PeerSpec(
+        "HF GPT-2 generate, static cache",
+        "softmax",
+        "static KV cache of the whole length, masked",
+        "HF multinomial, top_k=0, temperature 1",
+    ),
+    PeerSpec(
+        "HF GPT-2 generate, dynamic cache",
+        "softmax",
+        "dynamic KV cache, grown each step",
+        "HF multinomial, top_k=0, temperature 1",
+    ),
+    PeerSpec(
+        "HF Reformer generate, LSH cache",
+        "reformer",
+        "past buckets and states (LSH and local layers)",
+        "HF multinomial, top_k=0, temperature 1",
+    ),
 )
 
 
@@ -87,8 +108,9 @@ def build_peers(preset: str, max_len: int, seed: int, dtype: torch.dtype = torch
         import fast_transformers  # noqa: F401
         import transformers  # noqa: F401
     except ImportError as exc:
-        raise BenchError(f"--peers needs transformers and fast-transformers ({exc}); "
-                         "install them with benchmarks/install_peers.sh") from None
+        raise BenchError(
+            f"--peers needs transformers and fast-transformers ({exc}); install them with benchmarks/install_peers.sh"
+        ) from None
     builders = (_fast_transformers, _plain_recurrence, _gpt2_static, _gpt2_dynamic, _reformer)
     peers = []
     for spec, build in zip(PEERS, builders, strict=True):
@@ -126,8 +148,16 @@ def _fast_transformers(sizes: dict, max_len: int, dtype: torch.dtype):
 
     d, h = sizes["d_model"], sizes["n_heads"]
     encoder = RecurrentEncoderBuilder.from_kwargs(
-        attention_type="linear", n_layers=sizes["n_layers"], n_heads=h, feed_forward_dimensions=sizes["d_ff"],
-        query_dimensions=d // h, value_dimensions=d // h, activation="gelu", dropout=0.0, attention_dropout=0.0).get()
+        attention_type="linear",
+        n_layers=sizes["n_layers"],
+        n_heads=h,
+        feed_forward_dimensions=sizes["d_ff"],
+        query_dimensions=d // h,
+        value_dimensions=d // h,
+        activation="gelu",
+        dropout=0.0,
+        attention_dropout=0.0,
+    ).get()
     model = _Recurrent(sizes, max_len, encoder).to(dtype).eval()
     return model, model.generate
 
@@ -154,8 +184,9 @@ class _PlainLayer(nn.Module):
 class _PlainStack(nn.Module):
     def __init__(self, sizes: dict):
         super().__init__()
-        self.layers = nn.ModuleList(_PlainLayer(sizes["d_model"], sizes["n_heads"], sizes["d_ff"])
-                                    for _ in range(sizes["n_layers"]))
+        self.layers = nn.ModuleList(
+            _PlainLayer(sizes["d_model"], sizes["n_heads"], sizes["d_ff"]) for _ in range(sizes["n_layers"])
+        )
         self.norm = nn.LayerNorm(sizes["d_model"])
 
     def forward(self, x: torch.Tensor, state):
@@ -175,18 +206,39 @@ def _plain_recurrence(sizes: dict, max_len: int, dtype: torch.dtype):
 
 def _hf_generate(model, batch: int, tokens: int, **options) -> torch.Tensor:
     bos = torch.full((batch, 1), BOS_TOKEN)
-    out = model.generate(bos, attention_mask=torch.ones_like(bos), max_new_tokens=tokens, min_new_tokens=tokens,
-                         do_sample=True, top_k=0, top_p=1.0, temperature=1.0, pad_token_id=0, eos_token_id=None,
-                         **options)
+    out = model.generate(
+        bos,
+        attention_mask=torch.ones_like(bos),
+        max_new_tokens=tokens,
+        min_new_tokens=tokens,
+        do_sample=True,
+        top_k=0,
+        top_p=1.0,
+        temperature=1.0,
+        pad_token_id=0,
+        eos_token_id=None,
+        **options,
+    )
     return out[:, 1:]
 
 
 def _gpt2(sizes: dict, max_len: int, dtype: torch.dtype):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(vocab_size=HF_VOCAB, n_positions=max_len + 1, n_embd=sizes["d_model"], n_layer=sizes["n_layers"],
-                     n_head=sizes["n_heads"], n_inner=sizes["d_ff"], activation_function="gelu", resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=BOS_TOKEN, eos_token_id=None)
+    cfg = GPT2Config(
+        vocab_size=HF_VOCAB,
+        n_positions=max_len + 1,
+        n_embd=sizes["d_model"],
+        n_layer=sizes["n_layers"],
+        n_head=sizes["n_heads"],
+        n_inner=sizes["d_ff"],
+        activation_function="gelu",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=BOS_TOKEN,
+        eos_token_id=None,
+    )
     return GPT2LMHeadModel(cfg).to(dtype).eval()
 
 
@@ -204,14 +256,29 @@ def _reformer(sizes: dict, max_len: int, dtype: torch.dtype):
     from transformers import ReformerConfig, ReformerModelWithLMHead
 
     d, h = sizes["d_model"], sizes["n_heads"]
-    cfg = ReformerConfig(vocab_size=HF_VOCAB, hidden_size=d, num_attention_heads=h, attention_head_size=d // h,
-                         feed_forward_size=sizes["d_ff"], attn_layers=["local", "lsh"] * (sizes["n_layers"] // 2)
-                         + ["local"] * (sizes["n_layers"] % 2), num_hashes=1, num_buckets=REFORMER_BUCKETS,
-                         lsh_attn_chunk_length=REFORMER_CHUNK, local_attn_chunk_length=REFORMER_CHUNK,
-                         axial_pos_embds=False, max_position_embeddings=max_len + 1, is_decoder=True,
-                         hidden_act="gelu", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                         lsh_attention_probs_dropout_prob=0.0, local_attention_probs_dropout_prob=0.0,
-                         bos_token_id=BOS_TOKEN, eos_token_id=None, pad_token_id=0)
+    cfg = ReformerConfig(
+        vocab_size=HF_VOCAB,
+        hidden_size=d,
+        num_attention_heads=h,
+        attention_head_size=d // h,
+        feed_forward_size=sizes["d_ff"],
+        attn_layers=["local", "lsh"] * (sizes["n_layers"] // 2) + ["local"] * (sizes["n_layers"] % 2),
+        num_hashes=1,
+        num_buckets=REFORMER_BUCKETS,
+        lsh_attn_chunk_length=REFORMER_CHUNK,
+        local_attn_chunk_length=REFORMER_CHUNK,
+        axial_pos_embds=False,
+        max_position_embeddings=max_len + 1,
+        is_decoder=True,
+        hidden_act="gelu",
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        lsh_attention_probs_dropout_prob=0.0,
+        local_attention_probs_dropout_prob=0.0,
+        bos_token_id=BOS_TOKEN,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     model = ReformerModelWithLMHead(cfg).to(dtype).eval()
     return model, lambda batch, tokens: _quiet(_hf_generate, model, batch, tokens)
 

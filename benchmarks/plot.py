@@ -18,17 +18,20 @@ def plot_decode(result: dict, path: str | Path) -> None:
     for kind, points in result["positions"].items():
         pos = [p["position"] for p in points]
         ax_time.plot(pos, [p["step_seconds_min"] * 1e3 for p in points], "o-", label=kind, color=COLORS.get(kind))
-        ax_state.plot(pos, [p["state_bytes_per_sequence"] / 2**20 for p in points], "o-", label=kind,
-                      color=COLORS.get(kind))
+        ax_state.plot(
+            pos, [p["state_bytes_per_sequence"] / 2**20 for p in points], "o-", label=kind, color=COLORS.get(kind)
+        )
     batch = result["settings"]["position_batch"]
     _labels(ax_time, "position (tokens already decoded)", "ms per decoding step", f"one step, batch {batch}")
     ax_state.set_yscale("log")  # flat KiB states and growing MiB caches on one axis
     _labels(ax_state, "position (tokens already decoded)", "MiB of decode state per sequence", "decode state")
     _images_panel(ax_images, result)
     env = result["environment"]
-    fig.suptitle(f"rnnserve bench: {env['processor']}, {env['torch_threads']} threads, device {env['device']}, "
-                 f"{result['settings']['dtype']}",
-                 fontsize=10)
+    fig.suptitle(
+        f"rnnserve bench: {env['processor']}, {env['torch_threads']} threads, device {env['device']}, "
+        f"{result['settings']['dtype']}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -48,12 +51,17 @@ def _images_panel(ax, result: dict) -> None:
     kinds = list(dict.fromkeys(r["kind"] for r in result["images"]))
     for kind in kinds:
         rows = [r for r in result["images"] if r["kind"] == kind]
-        style, color = _line_style(kind, sum(k.startswith("peer:") for k in kinds[:kinds.index(kind)]))
+        style, color = _line_style(kind, sum(k.startswith("peer:") for k in kinds[: kinds.index(kind)]))
         ax.plot([r["batch"] for r in rows], [r["images_per_s"] for r in rows], style, label=kind, color=color)
     if result["no_cache"]:
         rows = result["no_cache"]
-        ax.plot([r["batch"] for r in rows], [r["images_per_s"] for r in rows], "x--", color="black",
-                label="softmax no cache (extrapolated)")
+        ax.plot(
+            [r["batch"] for r in rows],
+            [r["images_per_s"] for r in rows],
+            "x--",
+            color="black",
+            label="softmax no cache (extrapolated)",
+        )
     batches = sorted({r["batch"] for r in result["images"]})
     ax.set_xscale("log", base=2)
     ax.set_xticks(batches, [str(b) for b in batches])

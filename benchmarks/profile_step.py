@@ -32,10 +32,15 @@ from .decode import machine_load, preset_config
 
 # First match wins; names are torch.profiler's (aten operators, inductor kernels, dynamo regions).
 GROUPS = (
-    ("matrix products (linear layers, output head)", ("aten::addmm", "aten::mm", "mkl::", "mkldnn::", "rnnserve::packed_linear")),
+    (
+        "matrix products (linear layers, output head)",
+        ("aten::addmm", "aten::mm", "mkl::", "mkldnn::", "rnnserve::packed_linear"),
+    ),
     ("attention state: update and read-out", ("addcmul", "aten::bmm", "aten::cat")),
-    ("torch.compile: guards, wrapper, graph entry", ("Dynamo", "CompiledFxGraph", "Compiled Region", "Pregraph",
-                                                     "AOTDispatcher")),
+    (
+        "torch.compile: guards, wrapper, graph entry",
+        ("Dynamo", "CompiledFxGraph", "Compiled Region", "Pregraph", "AOTDispatcher"),
+    ),
     ("other operators / fused kernels (norms, GELU, residuals, feature map, embeddings)", ("",)),
 )
 
@@ -64,8 +69,10 @@ def decoders(kind: str, batch: int) -> dict[str, EagerDecoder]:
     model = build_model(preset_config("cpu", kind)).eval()
     # The C++ wrapper calls the matrix products where the profiler cannot see them: attribute with
     # inductor's Python wrapper, which calls the same kernels (the bench times the C++ one).
-    with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}), \
-            patch.dict(compiled_decode.INDUCTOR_OPTIONS, {"cpp_wrapper": False}):
+    with (
+        torch._inductor.config.patch({"cpp.enable_kernel_profile": True}),
+        patch.dict(compiled_decode.INDUCTOR_OPTIONS, {"cpp_wrapper": False}),
+    ):
         compiled = make_decoder(model, model.new_state(batch), cuda_graphs=False, compiled=True)
         compiled.compile(batch=batch)
     return {"eager": EagerDecoder(model, model.new_state(batch)), "compiled": compiled}
@@ -79,6 +86,7 @@ def run(kind: str, batch: int, steps: int) -> None:
     position = torch.full((batch,), 100)
     print(f"{kind}, batch {batch}, {steps} steps each; load {machine_load()}")
     for name, decoder in decoders(kind, batch).items():
+
         def step():
             if int(decoder.state.lengths[0]) >= decoder.model.config.max_len - 1:
                 decoder.state.reset_rows(range(batch))

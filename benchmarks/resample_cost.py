@@ -94,20 +94,30 @@ def main(argv: list[str] | None = None) -> int:
 
 def summary(c: Contender) -> dict:
     decode, resample = statistics.median(c.decode_s), statistics.median(c.resample_s)
-    return {"kind": c.kind, "state_bytes_per_row": c.state_bytes_per_row(), "decode_step_ms": round(decode * 1e3, 3),
-            "resample_8_of_16_ms": round(resample * 1e3, 3), "row_copy_us": round(resample / COPIES * 1e6, 1),
-            "resample_over_decode_step": round(resample / decode, 4)}
+    return {
+        "kind": c.kind,
+        "state_bytes_per_row": c.state_bytes_per_row(),
+        "decode_step_ms": round(decode * 1e3, 3),
+        "resample_8_of_16_ms": round(resample * 1e3, 3),
+        "row_copy_us": round(resample / COPIES * 1e6, 1),
+        "resample_over_decode_step": round(resample / decode, 4),
+    }
 
 
 def table(rows: list[dict], args: argparse.Namespace) -> str:
-    lines = [f"preset {args.preset}, {args.rows} rows of {PROMPT} pixels, {args.threads} thread(s), "
-             f"medians of {args.repeats} interleaved repeats",
-             "| kind | state per row | decode step, all rows | resampling (8 row copies) | per row copy | "
-             "resampling / decode step |", "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"preset {args.preset}, {args.rows} rows of {PROMPT} pixels, {args.threads} thread(s), "
+        f"medians of {args.repeats} interleaved repeats",
+        "| kind | state per row | decode step, all rows | resampling (8 row copies) | per row copy | "
+        "resampling / decode step |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['kind']} | {r['state_bytes_per_row'] / 1024:,.0f} KiB | {r['decode_step_ms']:.2f} ms | "
-                     f"{r['resample_8_of_16_ms']:.3f} ms | {r['row_copy_us']:.0f} us | "
-                     f"{r['resample_over_decode_step']:.1%} |")
+        lines.append(
+            f"| {r['kind']} | {r['state_bytes_per_row'] / 1024:,.0f} KiB | {r['decode_step_ms']:.2f} ms | "
+            f"{r['resample_8_of_16_ms']:.3f} ms | {r['row_copy_us']:.0f} us | "
+            f"{r['resample_over_decode_step']:.1%} |"
+        )
     return "\n".join(lines)
 
 

@@ -58,8 +58,14 @@ def weight_bytes(cfg: ModelConfig, bytes_per_weight: int = FP32) -> int:
 def token_cost(cfg: ModelConfig, t: float, batch: int, bytes_per_weight: int = FP32) -> dict:
     """Per generated token at position t in a batch of `batch` sequences."""
     attn_flops, state_moved = attention_cost(cfg, t)
-    return {"position": t, "batch": batch, "flops": dense_flops(cfg) + attn_flops, "attention_flops": attn_flops,
-            "state_bytes_moved": state_moved, "weight_bytes_per_token": weight_bytes(cfg, bytes_per_weight) / batch}
+    return {
+        "position": t,
+        "batch": batch,
+        "flops": dense_flops(cfg) + attn_flops,
+        "attention_flops": attn_flops,
+        "state_bytes_moved": state_moved,
+        "weight_bytes_per_token": weight_bytes(cfg, bytes_per_weight) / batch,
+    }
 
 
 def bound_tokens_per_s(cost: dict, bytes_per_s: float, flops_per_s: float) -> float:
@@ -87,10 +93,16 @@ def probe_machine(dtype: torch.dtype = torch.float32) -> dict:
             continue
         rates[route] = 2 * 1024**3 / min(_time(product) for _ in range(3))
     best = max(rates, key=rates.get)
-    return {"copy_bytes_per_s": 2 * src.numel() * FP32 / copy_s, "matmul_flops": rates[best], "matmul_route": best,
-            "matmul_flops_by_route": rates, "matmul_routes_skipped": skipped,
-            "matmul_dtype": str(dtype).removeprefix("torch."), "bytes_per_weight": a.element_size(),
-            "threads": torch.get_num_threads()}
+    return {
+        "copy_bytes_per_s": 2 * src.numel() * FP32 / copy_s,
+        "matmul_flops": rates[best],
+        "matmul_route": best,
+        "matmul_flops_by_route": rates,
+        "matmul_routes_skipped": skipped,
+        "matmul_dtype": str(dtype).removeprefix("torch."),
+        "bytes_per_weight": a.element_size(),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def product_routes(a: torch.Tensor, skipped: dict[str, str] | None = None) -> dict[str, Callable[[], torch.Tensor]]:
@@ -126,5 +138,9 @@ def roofline(cfg: ModelConfig, image_tokens: int, batch: int, machine: dict) -> 
     here = None  # only for a machine whose rates were measured (the CPU)
     if machine:
         here = bound_tokens_per_s(cost, machine["copy_bytes_per_s"], machine["matmul_flops"])
-    return cost | {"bound_tokens_per_s_here": here, "bound_images_per_s_here": None if here is None else here / image_tokens,
-                   "bound_tokens_per_s_h100": h100, "bound_images_per_s_h100": h100 / image_tokens}
+    return cost | {
+        "bound_tokens_per_s_here": here,
+        "bound_images_per_s_here": None if here is None else here / image_tokens,
+        "bound_tokens_per_s_h100": h100,
+        "bound_images_per_s_h100": h100 / image_tokens,
+    }

@@ -14,8 +14,13 @@ from training.presets import PRESETS
 from .errors import BenchError
 
 QUICK = {  # a tiny model and a few steps of each measurement: seconds, for tests; explicit flags still win
-    "preset": "tiny", "batch_sizes": (1, 4), "image_tokens": 64, "max_position": 256,
-    "steps_per_position": 2, "nocache_pixels": 8, "nocache_samples": 2,
+    "preset": "tiny",
+    "batch_sizes": (1, 4),
+    "image_tokens": 64,
+    "max_position": 256,
+    "steps_per_position": 2,
+    "nocache_pixels": 8,
+    "nocache_samples": 2,
     "compiled": False,  # compiling takes tens of seconds per graph
 }
 
@@ -35,12 +40,15 @@ def _kinds(text: str) -> tuple[str, ...]:
     unknown = [k for k in kinds if k not in attention_kinds()]
     if unknown or not kinds:
         raise argparse.ArgumentTypeError(
-            f"unknown attention kind(s) {', '.join(unknown) or text!r}; expected some of {','.join(attention_kinds())}")
+            f"unknown attention kind(s) {', '.join(unknown) or text!r}; expected some of {','.join(attention_kinds())}"
+        )
     return kinds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", help="benchmark a running server at this address (http://HOST:PORT) instead of in-process")
+    parser.add_argument(
+        "--url", help="benchmark a running server at this address (http://HOST:PORT) instead of in-process"
+    )
     parser.add_argument("--json-out", type=Path, help="write the full results as JSON to this file")
     ins = parser.add_argument_group("in-process benchmark")
     # Defaults of None: the value comes from DecodeSettings, or from QUICK with --quick.
@@ -59,16 +67,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ins.add_argument("--seed", type=int)
     ins.add_argument("--device", default="cpu", help="cpu, cuda, or auto")
     ins.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="model weights (default float32)")
-    ins.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
-                     help="on CUDA, replay decode steps of graphable kinds (linear, Linformer) as CUDA graphs (default on)")
-    ins.add_argument("--compile-decode", dest="compiled", action=argparse.BooleanOptionalAction,
-                     help="on the CPU, decode compilable kinds (softmax, linear, Linformer) through torch.compile, as "
-                          "the server does (default on; --quick: off)")
-    ins.add_argument("--eager-too", action=argparse.BooleanOptionalAction,
-                     help="with --compile-decode, also time each compiled kind's eager path (default on)")
-    ins.add_argument("--peers", action="store_true",
-                     help="also time fast-transformers, a plain PyTorch recurrence, HF GPT-2 and HF Reformer at the "
-                          "preset's sizes (install: benchmarks/install_peers.sh)")
+    ins.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        help="on CUDA, replay decode steps of graphable kinds (linear, Linformer) as CUDA graphs (default on)",
+    )
+    ins.add_argument(
+        "--compile-decode",
+        dest="compiled",
+        action=argparse.BooleanOptionalAction,
+        help="on the CPU, decode compilable kinds (softmax, linear, Linformer) through torch.compile, as "
+        "the server does (default on; --quick: off)",
+    )
+    ins.add_argument(
+        "--eager-too",
+        action=argparse.BooleanOptionalAction,
+        help="with --compile-decode, also time each compiled kind's eager path (default on)",
+    )
+    ins.add_argument(
+        "--peers",
+        action="store_true",
+        help="also time fast-transformers, a plain PyTorch recurrence, HF GPT-2 and HF Reformer at the "
+        "preset's sizes (install: benchmarks/install_peers.sh)",
+    )
     ins.add_argument("--peer-batch-sizes", type=_int_list, help="batch sizes for the peers (default: the largest)")
     ins.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     ins.add_argument("--plot", type=Path, help="draw step time and state bytes against position to this PNG")
@@ -97,8 +118,11 @@ def _run_decode(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     base = DecodeSettings(**QUICK) if args.quick else DecodeSettings()
-    given = {f.name: getattr(args, f.name) for f in fields(DecodeSettings)
-             if f.name != "device" and getattr(args, f.name, None) is not None}
+    given = {
+        f.name: getattr(args, f.name)
+        for f in fields(DecodeSettings)
+        if f.name != "device" and getattr(args, f.name, None) is not None
+    }
     settings = replace(base, device=_device(args.device), **given)
     report = run_decode_bench(settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(full_report(report))
@@ -139,4 +163,3 @@ def _write_json(path: Path | None, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=str) + "\n")
     print(f"wrote {path}")
-

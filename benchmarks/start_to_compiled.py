@@ -35,7 +35,7 @@ def process_tree(root: int) -> list[tuple[int, str]]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
         parents.setdefault(int(rest[1]), []).append(int(entry.name))
         names[int(entry.name)] = name
     found, todo = [], [root]
@@ -49,8 +49,13 @@ def process_tree(root: int) -> list[tuple[int, str]]:
 def image_request(url: str, model: str, example: Path) -> float:
     started = time.monotonic()
     with example.open("rb") as image:
-        answer = httpx.post(f"{url}/v1/images/completions", headers={"Accept": "image/png"}, timeout=600,
-                            files={"image": image}, data={"model": model, "n": "4", "seed": "1"})
+        answer = httpx.post(
+            f"{url}/v1/images/completions",
+            headers={"Accept": "image/png"},
+            timeout=600,
+            files={"image": image},
+            data={"model": model, "n": "4", "seed": "1"},
+        )
     answer.raise_for_status()
     return time.monotonic() - started
 
@@ -82,8 +87,12 @@ def watch(args: argparse.Namespace) -> dict:
                 image_sent_at = time.monotonic() - started
                 image_seconds = image_request(url, args.model, args.example)
             compilable = [c for c in cards if c["attention"] != "reformer"]
-            if image_seconds is not None and compilable and all(c["id"] in compiled_at for c in compilable) \
-                    and now - max(compiled_at.values()) > args.settle:
+            if (
+                image_seconds is not None
+                and compilable
+                and all(c["id"] in compiled_at for c in compilable)
+                and now - max(compiled_at.values()) > args.settle
+            ):
                 break
             time.sleep(POLL_SECONDS)
     finally:
@@ -92,10 +101,16 @@ def watch(args: argparse.Namespace) -> dict:
             server.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
-    return {"command": command, "health_ready_s": ready_at, "compiled_s": compiled_at,
-            "compiler_processes_after_ready": sorted(compilers_after_ready), "image_model": args.model,
-            "image_sent_s": image_sent_at, "image_seconds": image_seconds,
-            "first_compiled_image_done_s": None if image_seconds is None else image_sent_at + image_seconds}
+    return {
+        "command": command,
+        "health_ready_s": ready_at,
+        "compiled_s": compiled_at,
+        "compiler_processes_after_ready": sorted(compilers_after_ready),
+        "image_model": args.model,
+        "image_sent_s": image_sent_at,
+        "image_seconds": image_seconds,
+        "first_compiled_image_done_s": None if image_seconds is None else image_sent_at + image_seconds,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,6 +49,7 @@ def linear_columns(sz, q, k, v):  # sz (B, H, D, D + 1)
 def linear_rows(attention: LinearAttention) -> Callable:
     def step(sz_t, q, k, v):  # sz_t (B, H, D + 1, D)
         return attention._step(q, k, v, LinearState(sz_t))
+
     return step
 
 
@@ -69,6 +70,7 @@ def linformer_update_then_read(keys, values_t, q, k, v, e):  # the transposed la
 def linformer_transposed(attention: LinformerAttention) -> Callable:
     def step(keys, values_t, q, k, v, e):  # values_t (B, H, D, k); E = F, as in linformer_outer
         return attention._step(q, k, v, e, e, LinformerState(keys, values_t))
+
     return step
 
 
@@ -93,9 +95,14 @@ def cases(batch: int, prefix: int) -> dict[str, tuple[Callable, tuple]]:
         "linear, [S \\| Z] (B, H, D, D + 1)": (linear_columns, (sz, q, k, v)),
         "linear, [S \\| Z]^T (B, H, D + 1, D)": (linear_rows(linear), (_transposed(sz), q, k, v)),
         "Linformer, V~ (B, H, k, D), outer products": (linformer_outer, (keys, values, q4, k4, v4, e)),
-        "Linformer, V~^T (B, H, D, k), update then read": (linformer_update_then_read, (keys.clone(), _transposed(values), q4, k4, v4, e)),
+        "Linformer, V~^T (B, H, D, k), update then read": (
+            linformer_update_then_read,
+            (keys.clone(), _transposed(values), q4, k4, v4, e),
+        ),
         "Linformer, V~^T (B, H, D, k), the model's step (compiled: reads the state before its update)": (
-            linformer_transposed(linformer), (keys.clone(), _transposed(values), q4, k4, v4, e)),
+            linformer_transposed(linformer),
+            (keys.clone(), _transposed(values), q4, k4, v4, e),
+        ),
         f"softmax, prefix {prefix}: fused scaled_dot_product_attention": (softmax_fused, cache),
         f"softmax, prefix {prefix}: product, masked softmax, product": (attend_one_query, cache),
     }
@@ -141,7 +148,9 @@ def main(argv: list[str] | None = None) -> None:
             times[key].append(timed(f, fn_args, args.calls))
     print(f"| kind and form, batch {args.batch}, one layer | eager, ms | compiled, ms |\n|---|---:|---:|")
     for name in cases(1, args.prefix):
-        print(f"| {name} | {statistics.median(times[(name, 'eager')]):.3f} | {statistics.median(times[(name, 'compiled')]):.3f} |")
+        print(
+            f"| {name} | {statistics.median(times[(name, 'eager')]):.3f} | {statistics.median(times[(name, 'compiled')]):.3f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -15,20 +15,26 @@ def _rate(value: float) -> str:
 
 def images_table(report: DecodeReport) -> str:
     tokens = report.settings["image_tokens"]
-    head = ("| kind | batch | images/s | tokens/s | vs softmax+cache | vs softmax no-cache | images per CPU-s | "
-            f"vs softmax+cache by CPU time | state bytes/seq @{tokens} |")
+    head = (
+        "| kind | batch | images/s | tokens/s | vs softmax+cache | vs softmax no-cache | images per CPU-s | "
+        f"vs softmax+cache by CPU time | state bytes/seq @{tokens} |"
+    )
     lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in report.images:
         model = report.models.get(r.kind if r.group == "rnnserve" else r.rival)
         state = f"{model.state_bytes_per_sequence:,}" if r.group != "peer" and model else "-"
         kind = f"{r.kind} (CUDA graphs)" if r.cuda_graphs else f"{r.kind} (compiled)" if r.compiled else r.kind
-        lines.append(f"| {kind} | {r.batch} | {_rate(r.images_per_s)} | {r.tokens_per_s:,.0f} | "
-                     f"{_ratio(r.vs_softmax_cache)} | {_ratio(r.vs_no_cache)} | {_rate(r.images_per_cpu_s)} | "
-                     f"{_ratio(r.vs_softmax_cache_cpu)} | {state} |")
+        lines.append(
+            f"| {kind} | {r.batch} | {_rate(r.images_per_s)} | {r.tokens_per_s:,.0f} | "
+            f"{_ratio(r.vs_softmax_cache)} | {_ratio(r.vs_no_cache)} | {_rate(r.images_per_cpu_s)} | "
+            f"{_ratio(r.vs_softmax_cache_cpu)} | {state} |"
+        )
     for n in report.no_cache:
-        lines.append(f"| softmax, no cache (extrapolated from {n.measured_pixels} px + "
-                     f"{len(n.sampled_steps)} sampled steps) | {n.batch} | {_rate(n.images_per_s)} | "
-                     f"{n.tokens_per_s:,.1f} | - | 1.0x | - | - | 0 |")
+        lines.append(
+            f"| softmax, no cache (extrapolated from {n.measured_pixels} px + "
+            f"{len(n.sampled_steps)} sampled steps) | {n.batch} | {_rate(n.images_per_s)} | "
+            f"{n.tokens_per_s:,.1f} | - | 1.0x | - | - | 0 |"
+        )
     return "\n".join(lines)
 
 
@@ -43,8 +49,11 @@ def positions_table(report: DecodeReport) -> str:
         cells = []
         for k in kinds:
             p = by_kind[k].get(pos)
-            cells += ["-", "-"] if p is None else [f"{p.step_seconds_min * 1e3:.3f}",
-                                                   f"{p.state_bytes_per_sequence / 1024:,.1f}"]
+            cells += (
+                ["-", "-"]
+                if p is None
+                else [f"{p.step_seconds_min * 1e3:.3f}", f"{p.state_bytes_per_sequence / 1024:,.1f}"]
+            )
         lines.append(f"| {pos:,} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -53,11 +62,15 @@ def comparisons_table(report: DecodeReport) -> str:
     """rnnserve's kinds against their eager path and their peers, same run."""
     if not report.comparisons:
         return ""
-    lines = ["| batch | rnnserve | images/s | against | images/s | ratio | ratio by CPU time |",
-             "|---:|---|---:|---|---:|---:|---:|"]
+    lines = [
+        "| batch | rnnserve | images/s | against | images/s | ratio | ratio by CPU time |",
+        "|---:|---|---:|---|---:|---:|---:|",
+    ]
     for c in report.comparisons:
-        lines.append(f"| {c['batch']} | {c['rnnserve']} | {_rate(c['rnnserve_images_per_s'])} | {c['against']} | "
-                     f"{_rate(c['against_images_per_s'])} | **{c['ratio']:.2f}x** | {c['ratio_cpu_time']:.2f}x |")
+        lines.append(
+            f"| {c['batch']} | {c['rnnserve']} | {_rate(c['rnnserve_images_per_s'])} | {c['against']} | "
+            f"{_rate(c['against_images_per_s'])} | **{c['ratio']:.2f}x** | {c['ratio_cpu_time']:.2f}x |"
+        )
     return "\n".join(lines)
 
 
@@ -72,17 +85,24 @@ def peers_table(report: DecodeReport) -> str:
 def compile_line(report: DecodeReport) -> str:
     if not report.compile_seconds:
         return ""
-    parts = [f"{name}: " + ", ".join(f"{cls} {s:.1f} s" for cls, s in classes.items())
-             for name, classes in report.compile_seconds.items() if classes]
-    return "Compile times (torch.compile, and the C++ kernels' build or load; outside the timings): " + ("; ".join(parts) or "all cached")
+    parts = [
+        f"{name}: " + ", ".join(f"{cls} {s:.1f} s" for cls, s in classes.items())
+        for name, classes in report.compile_seconds.items()
+        if classes
+    ]
+    return "Compile times (torch.compile, and the C++ kernels' build or load; outside the timings): " + (
+        "; ".join(parts) or "all cached"
+    )
 
 
 def load_line(report: DecodeReport) -> str:
     before, after = report.load.get("before", {}), report.load.get("after", {})
     if not before or not after:
         return ""
-    return (f"Machine load (1-minute average, {report.environment['cpu_count']} CPUs): {before['load_1min']:.2f} at "
-            f"the start, {after['load_1min']:.2f} at the end; 15-minute average {after['load_15min']:.2f}.")
+    return (
+        f"Machine load (1-minute average, {report.environment['cpu_count']} CPUs): {before['load_1min']:.2f} at "
+        f"the start, {after['load_1min']:.2f} at the end; 15-minute average {after['load_15min']:.2f}."
+    )
 
 
 def targets_table(report: DecodeReport) -> str:
@@ -103,20 +123,29 @@ def roofline_table(report: DecodeReport) -> str:
     if not report.roofline:
         return ""
     m = report.machine
-    measured_here = (f"this machine measured: {m['copy_bytes_per_s'] / 1e9:.1f} GB/s copy, "
-                     f"{m['matmul_flops'] / 1e9:.0f} GFLOP/s {m['matmul_dtype']} matmul ({m.get('matmul_route', 'torch.mm')}), "
-                     f"{m['threads']} threads") if m else \
-        "no bound for this device: its rates were not measured"
-    lines = [f"Per generated token at the mean position of a generation, batch "
-             f"{next(iter(report.roofline.values()))['batch']} ({measured_here}):",
-             "| kind | MFLOP/token | attention kFLOP/token | state KB moved/token | bound here images/s | "
-             "measured images/s | bound H100 images/s (datasheet, not measured) |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    measured_here = (
+        (
+            f"this machine measured: {m['copy_bytes_per_s'] / 1e9:.1f} GB/s copy, "
+            f"{m['matmul_flops'] / 1e9:.0f} GFLOP/s {m['matmul_dtype']} matmul ({m.get('matmul_route', 'torch.mm')}), "
+            f"{m['threads']} threads"
+        )
+        if m
+        else "no bound for this device: its rates were not measured"
+    )
+    lines = [
+        f"Per generated token at the mean position of a generation, batch "
+        f"{next(iter(report.roofline.values()))['batch']} ({measured_here}):",
+        "| kind | MFLOP/token | attention kFLOP/token | state KB moved/token | bound here images/s | "
+        "measured images/s | bound H100 images/s (datasheet, not measured) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     measured = {(r.kind, r.batch): r.images_per_s for r in report.images}
     for kind, c in report.roofline.items():
-        lines.append(f"| {kind} | {c['flops'] / 1e6:.2f} | {c['attention_flops'] / 1e3:,.1f} | "
-                     f"{c['state_bytes_moved'] / 1e3:,.1f} | {_bound(c['bound_images_per_s_here'])} | "
-                     f"{_rate(measured.get((kind, c['batch']), float('nan')))} | {c['bound_images_per_s_h100']:,.0f} |")
+        lines.append(
+            f"| {kind} | {c['flops'] / 1e6:.2f} | {c['attention_flops'] / 1e3:,.1f} | "
+            f"{c['state_bytes_moved'] / 1e3:,.1f} | {_bound(c['bound_images_per_s_here'])} | "
+            f"{_rate(measured.get((kind, c['batch']), float('nan')))} | {c['bound_images_per_s_h100']:,.0f} |"
+        )
     return "\n".join(lines)
 
 

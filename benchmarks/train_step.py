@@ -61,8 +61,9 @@ def build_contender(kind: str, args: argparse.Namespace) -> Contender:
     """The model and optimiser `rnnserve train` would build for this kind."""
     train_parser = argparse.ArgumentParser()
     add_train_arguments(train_parser)
-    train_args = train_parser.parse_args(["--task", "mnist", "--attention", kind, "--data", "-", "--out", "-",
-                                          "--preset", args.preset])
+    train_args = train_parser.parse_args(
+        ["--task", "mnist", "--attention", kind, "--data", "-", "--out", "-", "--preset", args.preset]
+    )
     torch.manual_seed(0)
     if args.weights:
         model, _ = load_model(Path(args.weights) / f"mnist-{kind}.safetensors")
@@ -101,8 +102,10 @@ def print_table(contenders: list[Contender]) -> None:
     print("| kind | median s/step | best s/step | / softmax | median CPU s/step | / softmax (CPU) |")
     print("|---|---:|---:|---:|---:|---:|")
     for c in contenders:
-        print(f"| {c.kind} | {wall[c.kind]:.3f} | {min(c.times):.3f} | {ratio(wall, c.kind)} "
-              f"| {cpu[c.kind]:.3f} | {ratio(cpu, c.kind)} |")
+        print(
+            f"| {c.kind} | {wall[c.kind]:.3f} | {min(c.times):.3f} | {ratio(wall, c.kind)} "
+            f"| {cpu[c.kind]:.3f} | {ratio(cpu, c.kind)} |"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,9 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     batch_size = args.batch_size or train.PRESETS[args.preset].batch_size
     contenders = [build_contender(kind, args) for kind in args.kinds.split(",")]
     data = batches(args, batch_size)
-    print(f"preset {args.preset}, batch {batch_size}, length {MNIST_PIXELS}, {args.threads} thread(s), "
-          f"bf16 autocast {train.uses_autocast(device, args.autocast)}, data {args.data or 'random bytes'}, "
-          f"torch {torch.__version__}", flush=True)
+    print(
+        f"preset {args.preset}, batch {batch_size}, length {MNIST_PIXELS}, {args.threads} thread(s), "
+        f"bf16 autocast {train.uses_autocast(device, args.autocast)}, data {args.data or 'random bytes'}, "
+        f"torch {torch.__version__}",
+        flush=True,
+    )
     for repeat in range(args.repeats + 1):  # repeat 0 warms up
         tokens = next(data)  # (B, 784), the same batch for every kind
         for contender in contenders:

@@ -15,8 +15,15 @@ if TYPE_CHECKING:  # for type checkers only: at run time __getattr__ imports the
     from .transformer import SequenceTooLong, Transformer, build_model  # noqa: F401
 
 # exported name -> submodule that defines it
-_EXPORTS = {"BOS_TOKEN": "config", "BYTE_VOCAB": "config", "ModelConfig": "config", "ModelState": "state",
-            "SequenceTooLong": "transformer", "Transformer": "transformer", "build_model": "transformer"}
+_EXPORTS = {
+    "BOS_TOKEN": "config",
+    "BYTE_VOCAB": "config",
+    "ModelConfig": "config",
+    "ModelState": "state",
+    "SequenceTooLong": "transformer",
+    "Transformer": "transformer",
+    "build_model": "transformer",
+}
 __all__ = list(_EXPORTS)
 
 

@@ -60,8 +60,12 @@ def become_compile_child(job: CompileJob) -> None:
     _die_with_parent()
     logging.basicConfig(level=job.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(job.threads)
-    log.info("compiling the %s decode steps in process %d with %d intra-op threads", job.model.config.attention,
-             os.getpid(), torch.get_num_threads())
+    log.info(
+        "compiling the %s decode steps in process %d with %d intra-op threads",
+        job.model.config.attention,
+        os.getpid(),
+        torch.get_num_threads(),
+    )
 
 
 def _die_with_parent() -> None:

@@ -155,8 +155,10 @@ class CompiledDecoder(EagerDecoder):
     def __init__(self, model: Transformer, state: ModelState):
         super().__init__(model, state)
         if not model.capabilities.compilable:
-            raise ValueError(f"{model.config.attention} decode steps are not compiled; compilable kinds: "
-                             f"{', '.join(kinds_where(lambda c: c.compilable))}")
+            raise ValueError(
+                f"{model.config.attention} decode steps are not compiled; compilable kinds: "
+                f"{', '.join(kinds_where(lambda c: c.compilable))}"
+            )
         if model.device.type != "cpu":
             raise ValueError(f"the compiled decode path is for the CPU, this model is on {model.device}")
         step, draw = code_of_its_own(_decode_step), code_of_its_own(draw_unfiltered)
@@ -218,7 +220,7 @@ class CompiledDecoder(EagerDecoder):
 
     def _tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """The step's tokens in a buffer of unit stride: a strided column would compile again."""
-        buffer = self._token_buffer[:tokens.shape[0]]
+        buffer = self._token_buffer[: tokens.shape[0]]
         buffer.copy_(tokens)
         return buffer
 
@@ -227,8 +229,11 @@ class CompiledDecoder(EagerDecoder):
         or top-p draws through one compiled graph (temperature, noise, Gumbel-max, argmax), guard-free."""
         n = logits.shape[0]
         # Filtered batches and rows whose graphs are not ready sample eagerly: no layout work for them.
-        args = (self._draw_inputs(logits, params.temperature, params.seed, position)
-                if params.filters is False and self._use_compiled(n) else None)
+        args = (
+            self._draw_inputs(logits, params.temperature, params.seed, position)
+            if params.filters is False and self._use_compiled(n)
+            else None
+        )
         if args is None:
             return sample(logits, params, position)
         try:
@@ -245,21 +250,29 @@ class CompiledDecoder(EagerDecoder):
         if logits.dim() != 2 or any(t.shape != logits.shape[:1] for t in rows):
             return None
         typed = (logits.float(), rows[0].float(), rows[1].long(), rows[2].long())
-        return tuple(t if t.is_contiguous() and t.is_inference() else t.clone(memory_format=torch.contiguous_format)
-                     for t in typed)
+        return tuple(
+            t if t.is_contiguous() and t.is_inference() else t.clone(memory_format=torch.contiguous_format)
+            for t in typed
+        )
 
     # -- compiling ----------------------------------------------------------------
-    def compile(self, background: bool = False, batch: int | None = None,
-                gate: CompileGate | None = None) -> CompileLog | None:
+    def compile(
+        self, background: bool = False, batch: int | None = None, gate: CompileGate | None = None
+    ) -> CompileLog | None:
         """Compile now (returns what was compiled), or in the background while steps run eagerly (returns
         None): a child process compiles (model/compile_child.py), and the thread that runs the steps then
         adopts its graphs between two steps (`adopt_compiled`). batch: only the graph a batch of that many rows
         uses (a fixed-batch loop); None: both. gate: held while the child compiles."""
         if not background:
             return self.compile_now(batch)
-        job = CompileJob(self.model, self.state.batch_size, self._inference_tensors,
-                         torch.get_num_threads(),  # the caller's: an engine's share of the server's CPUs
-                         batch, logging.getLogger("rnnserve").getEffectiveLevel())
+        job = CompileJob(
+            self.model,
+            self.state.batch_size,
+            self._inference_tensors,
+            torch.get_num_threads(),  # the caller's: an engine's share of the server's CPUs
+            batch,
+            logging.getLogger("rnnserve").getEffectiveLevel(),
+        )
         self._background_batch = batch
         threading.Thread(target=self._compile_in_child, args=(job, gate), name=COMPILE_THREAD, daemon=True).start()
         return None
@@ -306,8 +319,13 @@ class CompiledDecoder(EagerDecoder):
                 break
             self.log.seconds[name] = time.perf_counter() - start
             self.ready.add(rows)
-            log.info("%s the %s decode step and sampling for %s in %.1f s", verb, self.model.config.attention, name,
-                     self.log.seconds[name])
+            log.info(
+                "%s the %s decode step and sampling for %s in %.1f s",
+                verb,
+                self.model.config.attention,
+                name,
+                self.log.seconds[name],
+            )
         self._finished.set()
         return self.log
 
@@ -330,7 +348,9 @@ class CompiledDecoder(EagerDecoder):
 
     def _fail(self, what: str, exc: Exception) -> None:
         self.log.error = f"{what}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        log.warning("compiling the %s %s failed (%s); decoding eagerly", self.model.config.attention, what, self.log.error)
+        log.warning(
+            "compiling the %s %s failed (%s); decoding eagerly", self.model.config.attention, what, self.log.error
+        )
 
     @torch.inference_mode()
     def _capture(self, rows: int) -> None:
@@ -355,12 +375,17 @@ class CompiledDecoder(EagerDecoder):
     def _draw_scratch(self, rows: int) -> tuple[torch.Tensor, ...]:
         """Inputs of an unfiltered draw for `rows` rows, laid out as `_draw_inputs` lays a caller's out."""
         device = self.model.device
-        return self._draw_inputs(torch.zeros(rows, self.model.config.vocab_out, device=device),
-                                 torch.ones(rows, device=device), torch.zeros(rows, dtype=torch.long, device=device),
-                                 torch.zeros(rows, dtype=torch.long, device=device))
+        return self._draw_inputs(
+            torch.zeros(rows, self.model.config.vocab_out, device=device),
+            torch.ones(rows, device=device),
+            torch.zeros(rows, dtype=torch.long, device=device),
+            torch.zeros(rows, dtype=torch.long, device=device),
+        )
 
 
-def compile_fresh(model: Transformer, rows: int, inference_tensors: bool = True, batch: int | None = None) -> CompileLog:
+def compile_fresh(
+    model: Transformer, rows: int, inference_tensors: bool = True, batch: int | None = None
+) -> CompileLog:
     """Compile `model`'s steps for a state of `rows` rows here and now, as a server's background compile does
     (only kernels built ahead, no pool of worker processes): what its child and `rnnserve build-kernels` run."""
     model = model.eval()

@@ -84,8 +84,10 @@ class ModelConfig:
         self._check_choice("gelu", GELU_FORMS)
         self._check_vocabulary()
         if self.output_head == "logistic_mixture" and self.task != "mnist":
-            raise ConfigError(f"output_head logistic_mixture models grey levels; task {self.task!r} predicts bytes, "
-                              f"which have no order: use output_head categorical")
+            raise ConfigError(
+                f"output_head logistic_mixture models grey levels; task {self.task!r} predicts bytes, "
+                f"which have no order: use output_head categorical"
+            )
         for key, option in kind_options().items():
             if (problem := option.problem(self.options[key])) is not None:
                 raise ConfigError(problem)
@@ -101,14 +103,19 @@ class ModelConfig:
         if self.vocab_size < 2:
             raise ConfigError(f"vocab_size must be >= 2, got {self.vocab_size}")
         if not -1 <= self.bos_token < self.vocab_size:
-            raise ConfigError(f"bos_token must be -1 (a token of its own) or a token below vocab_size "
-                              f"({self.vocab_size}), got {self.bos_token}")
+            raise ConfigError(
+                f"bos_token must be -1 (a token of its own) or a token below vocab_size "
+                f"({self.vocab_size}), got {self.bos_token}"
+            )
         if self.tied_head and self.bos_token < 0:
-            raise ConfigError("tied_head shares the input embedding with the output layer, so the start token must "
-                              "be one of the vocabulary: set bos_token")
+            raise ConfigError(
+                "tied_head shares the input embedding with the output layer, so the start token must "
+                "be one of the vocabulary: set bos_token"
+            )
         if self.output_head == "logistic_mixture" and self.vocab_size != BYTE_VOCAB:
-            raise ConfigError(f"output_head logistic_mixture models {BYTE_VOCAB} grey levels; vocab_size is "
-                              f"{self.vocab_size}")
+            raise ConfigError(
+                f"output_head logistic_mixture models {BYTE_VOCAB} grey levels; vocab_size is {self.vocab_size}"
+            )
         if not self.ln_eps > 0:
             raise ConfigError(f"ln_eps must be > 0, got {self.ln_eps}")
 

@@ -93,15 +93,20 @@ def _load_once(build: bool) -> KernelBuild:
         elif (directory / f"{LIBRARY}.so").is_file():
             torch.ops.load_library(str(directory / f"{LIBRARY}.so"))
         else:
-            log.warning("the CPU decode kernels were not built ahead (run `rnnserve build-kernels`, as `make install` "
-                        "does); decoding with PyTorch's operators")
+            log.warning(
+                "the CPU decode kernels were not built ahead (run `rnnserve build-kernels`, as `make install` "
+                "does); decoding with PyTorch's operators"
+            )
             return KernelBuild(False, time.perf_counter() - start, "not built; run `rnnserve build-kernels`")
         torch.library.register_fake("rnnserve::softmax_decode_attention")(_fake_softmax_decode_attention)
         torch.library.register_fake("rnnserve::packed_linear")(_fake_packed_linear)
     except Exception as exc:  # no compiler, no Python headers, a read-only cache
         error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
-        log.warning("%s the CPU decode kernels failed (%s); decoding with PyTorch's operators",
-                    "building" if build else "loading", error)
+        log.warning(
+            "%s the CPU decode kernels failed (%s); decoding with PyTorch's operators",
+            "building" if build else "loading",
+            error,
+        )
         return KernelBuild(False, time.perf_counter() - start, error)
     result = KernelBuild(True, time.perf_counter() - start)
     log.info("CPU decode kernels ready in %.1f s", result.seconds)
@@ -112,8 +117,14 @@ def _build(directory: Path, flags: list[str]) -> None:
     from torch.utils.cpp_extension import load
 
     with exclusive_build(directory):
-        load(name=LIBRARY, sources=[str(source) for source in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-             build_directory=str(directory), is_python_module=False)
+        load(
+            name=LIBRARY,
+            sources=[str(source) for source in SOURCES],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,
+        )
 
 
 def build_directory(flags: list[str]) -> Path:

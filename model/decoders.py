@@ -13,8 +13,9 @@ from .transformer import Transformer
 log = logging.getLogger("rnnserve.decoders")
 
 
-def make_decoder(model: Transformer, state: ModelState, cuda_graphs: bool,
-                 sizes: list[int] | None = None, compiled: bool = False) -> EagerDecoder:
+def make_decoder(
+    model: Transformer, state: ModelState, cuda_graphs: bool, sizes: list[int] | None = None, compiled: bool = False
+) -> EagerDecoder:
     """CUDA graphs when asked for and possible (a CUDA model of a graphable kind); on the CPU,
     compiled steps when asked for and the kind is compilable (see model/compiled_decode.py: the
     caller starts the compile, `decoder.compile()`); else eager.

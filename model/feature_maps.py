@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+
 def projected_count(head_dim: int, features: int) -> int:
     """P, the projection's outputs of a learned map: `features` when given (> 0), else the head size."""
     return features if features > 0 else head_dim

@@ -15,9 +15,15 @@ from .transformer import SequenceTooLong, Transformer, with_bos
 
 
 @torch.inference_mode()
-def generate(model: Transformer, prompt: torch.Tensor, total_len: int, sampling: BatchSampling,
-             forced: torch.Tensor | None = None, decoder: EagerDecoder | None = None,
-             compiled: bool = True) -> torch.Tensor:
+def generate(
+    model: Transformer,
+    prompt: torch.Tensor,
+    total_len: int,
+    sampling: BatchSampling,
+    forced: torch.Tensor | None = None,
+    decoder: EagerDecoder | None = None,
+    compiled: bool = True,
+) -> torch.Tensor:
     """Extend (B, P) prompts to (B, total_len) tokens, P may be 0.
 
     forced (B, total_len) holds known tokens (>= 0) to keep instead of sampling.
@@ -31,13 +37,7 @@ def generate(model: Transformer, prompt: torch.Tensor, total_len: int, sampling:
         raise SequenceTooLong(f"cannot generate {total_len} tokens; this model's max_len is {model.config.max_len}")
     tokens = torch.empty(b, total_len, dtype=torch.long, device=model.device)
     tokens[:, :p] = prompt
-    if decoder is None:
-        decoder = make_decoder(model, model.new_state(b), cuda_graphs=False, compiled=compiled)  # empty state
-        decoder.compile(batch=b)
-    elif decoder.state.batch_size != b:
-        raise ValueError(f"decoder has {decoder.state.batch_size} rows for a batch of {b}")
-    else:
-        decoder.state.reset_rows(range(b))  # a reused state still holds the last generation
+    decoder = _empty_decoder(model, b, decoder, compiled)
     state = decoder.state
     # The BOS-shifted prompt predicts positions 1..P; one chunk prefills it.
     logits, state = model(with_bos(torch.cat([prompt, prompt.new_zeros(b, 1)], dim=1), model.config.bos), state)
@@ -51,3 +51,15 @@ def generate(model: Transformer, prompt: torch.Tensor, total_len: int, sampling:
         if pos + 1 < total_len:
             logits = decoder(nxt)
     return tokens
+
+
+def _empty_decoder(model: Transformer, rows: int, decoder: EagerDecoder | None, compiled: bool) -> EagerDecoder:
+    """`decoder` with its state emptied, or a new one (compiled for `rows` rows where it can be)."""
+    if decoder is None:
+        decoder = make_decoder(model, model.new_state(rows), cuda_graphs=False, compiled=compiled)  # empty state
+        decoder.compile(batch=rows)
+    elif decoder.state.batch_size != rows:
+        raise ValueError(f"decoder has {decoder.state.batch_size} rows for a batch of {rows}")
+    else:
+        decoder.state.reset_rows(range(rows))  # a reused state still holds the last generation
+    return decoder

@@ -67,10 +67,15 @@ class GuardFreeGraphs:
             log.warning("cannot read dynamo's cache of %s (%s): calls keep their guard checks", self._fn.__name__, exc)
             return False
         if chosen is None:
-            log.info("no compiled %s graph accepts all the %s inputs: those calls keep their guard checks",
-                     self._fn.__name__, key)
+            log.info(
+                "no compiled %s graph accepts all the %s inputs: those calls keep their guard checks",
+                self._fn.__name__,
+                key,
+            )
             return False
-        self._captured[key] = _Captured(chosen, types.FunctionType(chosen.code, self._fn.__globals__, self._fn.__name__))
+        self._captured[key] = _Captured(
+            chosen, types.FunctionType(chosen.code, self._fn.__globals__, self._fn.__name__)
+        )
         return True
 
     def captured(self, key: Hashable) -> bool:
@@ -94,8 +99,11 @@ class GuardFreeGraphs:
         """A thread's first call: check the guards once, in this thread's state."""
         captured.verdict.passed = self._passes(captured, args)
         if not captured.verdict.passed:
-            log.info("a %s call on thread %s fails the captured graph's guards: that thread's calls keep them",
-                     self._fn.__name__, threading.current_thread().name)
+            log.info(
+                "a %s call on thread %s fails the captured graph's guards: that thread's calls keep them",
+                self._fn.__name__,
+                threading.current_thread().name,
+            )
         return captured.verdict.passed
 
     def _passes(self, captured: _Captured, args: tuple) -> bool:
@@ -103,7 +111,7 @@ class GuardFreeGraphs:
 
     def _scope(self, args: tuple) -> dict[str, Any]:
         """The call's frame locals, as the guards read them."""
-        names = self._fn.__code__.co_varnames[:self._fn.__code__.co_argcount]
+        names = self._fn.__code__.co_varnames[: self._fn.__code__.co_argcount]
         if len(args) != len(names):
             raise TypeError(f"{self._fn.__name__} takes {len(names)} arguments ({', '.join(names)}), got {len(args)}")
         return dict(zip(names, args))

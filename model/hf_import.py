@@ -37,8 +37,10 @@ def run(args: argparse.Namespace) -> int:
     except HFImportError as exc:
         print(f"rnnserve import: error: {exc}", file=sys.stderr)
         return 2
-    print(f"imported {args.folder} as {args.out}: {config.n_layers} layers, {config.d_model} dims, "
-          f"{config.vocab_size} tokens, context {config.max_len}")
+    print(
+        f"imported {args.folder} as {args.out}: {config.n_layers} layers, {config.d_model} dims, "
+        f"{config.vocab_size} tokens, context {config.max_len}"
+    )
     return 0
 
 
@@ -73,22 +75,34 @@ def gpt2_config(hf: dict[str, Any]):
     from .config import ConfigError, ModelConfig
 
     if hf.get("model_type") != "gpt2":
-        raise HFImportError(f"unsupported architecture {hf.get('model_type')!r} "
-                           f"({', '.join(hf.get('architectures') or []) or 'no architectures listed'}); "
-                           "expected a GPT-2-family model (model_type gpt2)")
+        raise HFImportError(
+            f"unsupported architecture {hf.get('model_type')!r} "
+            f"({', '.join(hf.get('architectures') or []) or 'no architectures listed'}); "
+            "expected a GPT-2-family model (model_type gpt2)"
+        )
     activation = hf.get("activation_function", "gelu_new")
     if activation not in GPT2_ACTIVATIONS:
-        raise HFImportError(f"unsupported activation_function {activation!r}; expected one of "
-                           f"{', '.join(GPT2_ACTIVATIONS)}")
+        raise HFImportError(
+            f"unsupported activation_function {activation!r}; expected one of {', '.join(GPT2_ACTIVATIONS)}"
+        )
     if not hf.get("tie_word_embeddings", True) or hf.get("scale_attn_by_inverse_layer_idx"):
         raise HFImportError("unsupported GPT-2 variant: an untied output layer or attention scaled by layer index")
     d = hf.get("n_embd", 768)
     try:
-        return ModelConfig(attention="softmax", task="text", d_model=d, n_layers=hf.get("n_layer", 12),
-                           n_heads=hf.get("n_head", 12), d_ff=hf.get("n_inner") or 4 * d,
-                           max_len=hf.get("n_positions", 1024), vocab_size=hf.get("vocab_size", 50257),
-                           bos_token=hf.get("bos_token_id", 50256), tied_head=True,
-                           gelu=GPT2_ACTIVATIONS[activation], ln_eps=hf.get("layer_norm_epsilon", 1e-5))
+        return ModelConfig(
+            attention="softmax",
+            task="text",
+            d_model=d,
+            n_layers=hf.get("n_layer", 12),
+            n_heads=hf.get("n_head", 12),
+            d_ff=hf.get("n_inner") or 4 * d,
+            max_len=hf.get("n_positions", 1024),
+            vocab_size=hf.get("vocab_size", 50257),
+            bos_token=hf.get("bos_token_id", 50256),
+            tied_head=True,
+            gelu=GPT2_ACTIVATIONS[activation],
+            ln_eps=hf.get("layer_norm_epsilon", 1e-5),
+        )
     except ConfigError as exc:
         raise HFImportError(f"config.json: {exc}") from exc
 
@@ -108,10 +122,20 @@ def read_weights(folder: Path) -> dict[str, Any]:
 def mapped_state(weights: dict[str, Any], layers: int) -> dict[str, Any]:
     """GPT-2's tensor names (with or without the `transformer.` prefix) -> rnnserve's, Conv1D matrices
     transposed to nn.Linear's (out, in); the tied lm_head and the causal-mask buffers are dropped."""
-    names = {"wte.weight": "tok_emb.weight", "wpe.weight": "pos_emb.weight",
-             "ln_f.weight": "ln_f.weight", "ln_f.bias": "ln_f.bias"}
-    parts = {"ln_1": "ln_attn", "attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj", "ln_2": "ln_ff",
-             "mlp.c_fc": "ff.up", "mlp.c_proj": "ff.down"}
+    names = {
+        "wte.weight": "tok_emb.weight",
+        "wpe.weight": "pos_emb.weight",
+        "ln_f.weight": "ln_f.weight",
+        "ln_f.bias": "ln_f.bias",
+    }
+    parts = {
+        "ln_1": "ln_attn",
+        "attn.c_attn": "attn.qkv",
+        "attn.c_proj": "attn.proj",
+        "ln_2": "ln_ff",
+        "mlp.c_fc": "ff.up",
+        "mlp.c_proj": "ff.down",
+    }
     for i in range(layers):
         for theirs, ours in parts.items():
             for kind in ("weight", "bias"):
@@ -128,12 +152,15 @@ def check_shapes(state: dict[str, Any], model) -> None:
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     if missing:
-        raise HFImportError(f"the weights have no tensor for {missing[0]} ({len(missing)} missing); expected every "
-                           "GPT-2 tensor of config.json's n_layer layers")
+        raise HFImportError(
+            f"the weights have no tensor for {missing[0]} ({len(missing)} missing); expected every "
+            "GPT-2 tensor of config.json's n_layer layers"
+        )
     for name, want in expected.items():
         if tuple(state[name].shape) != tuple(want.shape):
-            raise HFImportError(f"tensor {name} has shape {tuple(state[name].shape)}; config.json implies "
-                               f"{tuple(want.shape)}")
+            raise HFImportError(
+                f"tensor {name} has shape {tuple(state[name].shape)}; config.json implies {tuple(want.shape)}"
+            )
 
 
 def read_tokenizer(folder: Path) -> str:
@@ -145,8 +172,9 @@ def read_tokenizer(folder: Path) -> str:
         try:
             return Tokenizer.from_file(str(folder / "tokenizer.json")).to_str()
         except Exception as exc:  # the library's own parse error, whatever its type
-            raise HFImportError(f"{folder / 'tokenizer.json'}: not a tokenizer the tokenizers library reads "
-                               f"({exc})") from exc
+            raise HFImportError(
+                f"{folder / 'tokenizer.json'}: not a tokenizer the tokenizers library reads ({exc})"
+            ) from exc
     vocab, merges = folder / "vocab.json", folder / "merges.txt"
     if not (vocab.is_file() and merges.is_file()):
         raise HFImportError(f"{folder}: no tokenizer; expected tokenizer.json, or vocab.json and merges.txt")

@@ -78,29 +78,65 @@ class AttentionKind:
 
 ATTENTION_KINDS: dict[str, AttentionKind] = {
     "softmax": AttentionKind("model.softmax_attention:SoftmaxAttention"),
-    "linear": AttentionKind("model.linear_attention:LinearAttention", (
-        KindOption("linear_eps", 1e-6, "added to the normaliser phi(q)^T Z", minimum=0.0),
-        KindOption("linear_feature_map", "elu", "phi: elu(x) + 1, or one learned to mimic softmax attention when "
-                   "a softmax model is linearized (model/feature_maps.py): t2r, relu(W x + b); hedgehog, "
-                   "softmax over +-(W x + b)", choices=("elu", "t2r", "hedgehog")),
-        KindOption("linear_features", 0, "outputs per head of t2r's or hedgehog's projection W (0: the head "
-                   "size); phi has as many with t2r, twice as many with hedgehog", minimum=0),
-    )),
-    "linformer": AttentionKind("model.linformer_attention:LinformerAttention", (
-        KindOption("linformer_k", 32, "length k the keys and values are projected to", minimum=1,
-                   new_model_default=64),
-        KindOption("linformer_sharing", "headwise", "projections shared by the heads (headwise), by keys and "
-                   "values too (kv), or by nothing (none)", choices=("none", "headwise", "kv")),
-    )),
-    "reformer": AttentionKind("model.reformer_attention:ReformerAttention", (
-        KindOption("reformer_rounds", 1, "hashing rounds", minimum=1, parameter_free=True),
-        KindOption("reformer_buckets", 32, "hash buckets per round (bucket = argmax([xR; -xR]))", minimum=2,
-                   even=True, parameter_free=True),
-        # Files from before this option have no window; new models get one: without it a shared-QK character
-        # model learns no more than a bigram (see model/reformer_attention.py).
-        KindOption("reformer_local_window", 0, "also attend to the W positions before each query (0: hashed "
-                   "buckets only)", minimum=0, new_model_default=32, parameter_free=True),
-    )),
+    "linear": AttentionKind(
+        "model.linear_attention:LinearAttention",
+        (
+            KindOption("linear_eps", 1e-6, "added to the normaliser phi(q)^T Z", minimum=0.0),
+            KindOption(
+                "linear_feature_map",
+                "elu",
+                "phi: elu(x) + 1, or one learned to mimic softmax attention when "
+                "a softmax model is linearized (model/feature_maps.py): t2r, relu(W x + b); hedgehog, "
+                "softmax over +-(W x + b)",
+                choices=("elu", "t2r", "hedgehog"),
+            ),
+            KindOption(
+                "linear_features",
+                0,
+                "outputs per head of t2r's or hedgehog's projection W (0: the head "
+                "size); phi has as many with t2r, twice as many with hedgehog",
+                minimum=0,
+            ),
+        ),
+    ),
+    "linformer": AttentionKind(
+        "model.linformer_attention:LinformerAttention",
+        (
+            KindOption(
+                "linformer_k", 32, "length k the keys and values are projected to", minimum=1, new_model_default=64
+            ),
+            KindOption(
+                "linformer_sharing",
+                "headwise",
+                "projections shared by the heads (headwise), by keys and values too (kv), or by nothing (none)",
+                choices=("none", "headwise", "kv"),
+            ),
+        ),
+    ),
+    "reformer": AttentionKind(
+        "model.reformer_attention:ReformerAttention",
+        (
+            KindOption("reformer_rounds", 1, "hashing rounds", minimum=1, parameter_free=True),
+            KindOption(
+                "reformer_buckets",
+                32,
+                "hash buckets per round (bucket = argmax([xR; -xR]))",
+                minimum=2,
+                even=True,
+                parameter_free=True,
+            ),
+            # Files from before this option have no window; new models get one: without it a shared-QK character
+            # model learns no more than a bigram (see model/reformer_attention.py).
+            KindOption(
+                "reformer_local_window",
+                0,
+                "also attend to the W positions before each query (0: hashed buckets only)",
+                minimum=0,
+                new_model_default=32,
+                parameter_free=True,
+            ),
+        ),
+    ),
 }
 
 

@@ -79,8 +79,9 @@ class LinearAttention(Attention):
         h, d = cfg.n_heads, cfg.d_head
         f = feature_count(cfg.linear_feature_map, d, cfg.linear_features)
         mapping = 0 if cfg.linear_feature_map == "elu" else 4 * h * d * projected_count(d, cfg.linear_features)
-        return TokenCost(flops=4 * h * f * d + 6 * h * f + mapping,
-                         state_bytes=2 * h * (f * d + f) * STATE_NUMBER_BYTES)
+        return TokenCost(
+            flops=4 * h * f * d + 6 * h * f + mapping, state_bytes=2 * h * (f * d + f) * STATE_NUMBER_BYTES
+        )
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

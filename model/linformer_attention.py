@@ -102,7 +102,9 @@ class LinformerAttention(Attention):
     def new_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> LinformerState:
         del dtype  # sums accumulate in float32
         shape = (batch, self.n_heads, self.slots, self.proj.in_features // self.n_heads)
-        return LinformerState(torch.zeros(shape, device=device), torch.zeros(shape, device=device).transpose(-1, -2).contiguous())
+        return LinformerState(
+            torch.zeros(shape, device=device), torch.zeros(shape, device=device).transpose(-1, -2).contiguous()
+        )
 
     def _columns(self, proj: torch.Tensor, start: torch.Tensor, t: int, state) -> torch.Tensor:
         """Columns of E or F (H or 1, k, max_len) at the chunk's positions -> (B or 1, H or 1, T, k)."""

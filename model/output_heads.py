@@ -38,8 +38,9 @@ def _log_bin_mass(means: torch.Tensor, inv_scale: torch.Tensor, lower: torch.Ten
     return F.logsigmoid(a) + F.logsigmoid(-b) + torch.log(-torch.expm1(b - a))
 
 
-def mixture_log_probs(logit_weights: torch.Tensor, means: torch.Tensor, log_scales: torch.Tensor,
-                      levels: torch.Tensor | None = None) -> torch.Tensor:
+def mixture_log_probs(
+    logit_weights: torch.Tensor, means: torch.Tensor, log_scales: torch.Tensor, levels: torch.Tensor | None = None
+) -> torch.Tensor:
     """(..., n) mixture parameters -> log-probabilities of all 256 grey levels (..., 256), or of `levels` (...) only.
 
     Training and scoring need only the observed level: 256 times less work than the whole distribution."""
@@ -104,8 +105,8 @@ class LogisticMixtureHead(nn.Module):
         its learning rate per step, so starting at scale 1 (all levels) would take thousands of steps to sharpen."""
         n = self.mixtures
         with torch.no_grad():
-            self.proj.bias[n:2 * n] = torch.linspace(-1.0, 1.0, n)
-            self.proj.bias[2 * n:] = INITIAL_LOG_SCALE
+            self.proj.bias[n : 2 * n] = torch.linspace(-1.0, 1.0, n)
+            self.proj.bias[2 * n :] = INITIAL_LOG_SCALE
 
 
 def build_output_head(cfg: ModelConfig, embedding: nn.Embedding) -> nn.Module:

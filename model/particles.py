@@ -25,6 +25,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+
 @dataclass(frozen=True, slots=True)
 class ParticleSummary:
     """How one sample's particles went: reported in the answer's usage."""
@@ -178,8 +179,10 @@ def _resample(group: ParticleGroup, particles: list[Particle], members: list[int
     ancestors = systematic_ancestors(weights, uniform(group.seed, group.resamplings, 1))
     for p in particles:
         p.log_weight = 0.0
-    return [RowCopy(members[src], members[dst], particle_seed(group.seed, dst, group.resamplings))
-            for src, dst in copies_for(ancestors)]
+    return [
+        RowCopy(members[src], members[dst], particle_seed(group.seed, dst, group.resamplings))
+        for src, dst in copies_for(ancestors)
+    ]
 
 
 def conclude(group: ParticleGroup, particles: list[Particle]) -> None:
@@ -194,5 +197,9 @@ def conclude(group: ParticleGroup, particles: list[Particle]) -> None:
         if point < cumulative:
             group.chosen = p.particle
             break
-    group.summary = ParticleSummary(group.particles, group.resamplings, round(effective_sample_size(weights), 3),
-                                    group.log_z + log_mean_exp(weights))
+    group.summary = ParticleSummary(
+        group.particles,
+        group.resamplings,
+        round(effective_sample_size(weights), 3),
+        group.log_z + log_mean_exp(weights),
+    )

@@ -21,7 +21,9 @@ def attention_class(kind: str) -> type[Attention]:
     module_name, _, class_name = ATTENTION_KINDS[kind].cls.partition(":")
     cls = getattr(importlib.import_module(module_name), class_name)
     if not (isinstance(cls, type) and issubclass(cls, Attention)):
-        raise TypeError(f"attention kind {kind!r} names {ATTENTION_KINDS[kind].cls}, which is not an Attention subclass")
+        raise TypeError(
+            f"attention kind {kind!r} names {ATTENTION_KINDS[kind].cls}, which is not an Attention subclass"
+        )
     return cls
 
 

@@ -55,8 +55,13 @@ class BatchSampling:
         def col(name, dtype):
             return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
 
-        return cls(col("temperature", torch.float32), col("top_k", torch.long), col("top_p", torch.float32), col("seed", torch.long),
-                   filters=any(p.filters for p in params))
+        return cls(
+            col("temperature", torch.float32),
+            col("top_k", torch.long),
+            col("top_p", torch.float32),
+            col("seed", torch.long),
+            filters=any(p.filters for p in params),
+        )
 
 
 def _mix(x: torch.Tensor, below_2_62: bool = False) -> torch.Tensor:
@@ -130,8 +135,9 @@ def scaled_by_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> to
     return logits / temperature.clamp(min=1e-5)[:, None]
 
 
-def draw_unfiltered(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor,
-                    position: torch.Tensor) -> torch.Tensor:
+def draw_unfiltered(
+    logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, position: torch.Tensor
+) -> torch.Tensor:
     """`sample` for rows that ask for no top-k or top-p, in one function the compiled path fuses whole:
     (B, V) float logits, (B,) x 3 -> (B,) tokens."""
     return gumbel_max(logits, scaled_by_temperature(logits, temperature), temperature, seed, position)
@@ -149,8 +155,9 @@ def sample(logits: torch.Tensor, params: BatchSampling, position: torch.Tensor) 
     return gumbel_max(logits, filtered_logits(logits, params), params.temperature, params.seed, position)
 
 
-def gumbel_max(logits: torch.Tensor, filtered: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor,
-               position: torch.Tensor) -> torch.Tensor:
+def gumbel_max(
+    logits: torch.Tensor, filtered: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, position: torch.Tensor
+) -> torch.Tensor:
     """Each row's draw from softmax(filtered), or its greedy token where temperature is 0. (B, V) x 2, (B,) x 3 -> (B,)."""
     greedy = logits.argmax(dim=-1)
     # Gumbel noise -log(-log u), subtracted as log(-log u): in place, one temporary.
@@ -158,8 +165,9 @@ def gumbel_max(logits: torch.Tensor, filtered: torch.Tensor, temperature: torch.
     return torch.where(temperature > 0, drawn, greedy)
 
 
-def penalize(logits: torch.Tensor, counts: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor,
-             bias: torch.Tensor) -> torch.Tensor:
+def penalize(
+    logits: torch.Tensor, counts: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
     """OpenAI's adjustment: logit[j] - count[j] * frequency - (count[j] > 0) * presence + bias[j].
 
     (B, V) logits, counts (how often each token was generated so far) and bias; (B,) penalties.

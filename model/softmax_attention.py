@@ -78,8 +78,12 @@ class SoftmaxAttention(Attention):
         return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None])
 
     def _kernel_applies(self, q: torch.Tensor, state: KVCache) -> bool:
-        return (self.cpu_decode_kernel and q.device.type == "cpu"
-                and q.dtype == state.k.dtype == torch.float32 and q.stride(-1) == 1)
+        return (
+            self.cpu_decode_kernel
+            and q.device.type == "cpu"
+            and q.dtype == state.k.dtype == torch.float32
+            and q.stride(-1) == 1
+        )
 
 
 def attend_one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

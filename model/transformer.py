@@ -140,7 +140,11 @@ class Transformer(nn.Module):
     def next_token_log_probs(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, T) -> (B, T, V): log p(v | tokens[:, :t]) for every class v, one parallel pass from BOS
         (distillation compares whole distributions)."""
-        return self._run(with_bos(tokens, self.config.bos), tokens.new_zeros(tokens.shape[0]), None).float().log_softmax(-1)
+        return (
+            self._run(with_bos(tokens, self.config.bos), tokens.new_zeros(tokens.shape[0]), None)
+            .float()
+            .log_softmax(-1)
+        )
 
     def _run(self, tokens: torch.Tensor, start: torch.Tensor, state: ModelState | None) -> torch.Tensor:
         """(B, T) tokens from positions `start` -> (B, T, V) logits."""

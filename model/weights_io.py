@@ -36,8 +36,13 @@ class WeightsError(ValueError):
         self.problem = problem
 
 
-def save_model(model: Transformer, path: str | os.PathLike, info: dict[str, Any] | None = None,
-               dtype: torch.dtype | None = None, tokenizer: str | None = None) -> None:
+def save_model(
+    model: Transformer,
+    path: str | os.PathLike,
+    info: dict[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+    tokenizer: str | None = None,
+) -> None:
     """Write `model` and its config, its parameters optionally cast to `dtype` (e.g. bfloat16), and its
     tokenizer (the `tokenizers` library's JSON) when it has one rather than bytes.
 
@@ -45,8 +50,10 @@ def save_model(model: Transformer, path: str | os.PathLike, info: dict[str, Any]
     stay float32, so a 16-bit file hashes exactly like the model that wrote it.
     """
     parameters = {name for name, _ in model.named_parameters()}
-    tensors = {name: t.detach().to(dtype if dtype is not None and name in parameters else t.dtype).contiguous().cpu()
-               for name, t in model.state_dict().items()}
+    tensors = {
+        name: t.detach().to(dtype if dtype is not None and name in parameters else t.dtype).contiguous().cpu()
+        for name, t in model.state_dict().items()
+    }
     metadata = {CONFIG_KEY: model.config.to_json(), INFO_KEY: json.dumps(info or {}, sort_keys=True)}
     if tokenizer is not None:
         metadata[TOKENIZER_KEY] = tokenizer
@@ -80,8 +87,9 @@ def read_metadata(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any]]
         return _parse_metadata(path, f.metadata())
 
 
-def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> tuple[Transformer, dict[str, Any]]:
+def load_model(
+    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[Transformer, dict[str, Any]]:
     """Build the model a file describes and fill it; returns (model, info). `dtype` casts the
     parameters; Reformer keeps its rotations float32 (see ReformerAttention._apply)."""
     with _open(path) as f:
@@ -100,7 +108,9 @@ def _open(path: str | os.PathLike):
     try:
         return safe_open(str(path), framework="pt")
     except (SafetensorError, OSError, ValueError) as exc:
-        raise WeightsError(path, f"not a valid safetensors file ({exc}); expected a .safetensors file written by rnnserve") from exc
+        raise WeightsError(
+            path, f"not a valid safetensors file ({exc}); expected a .safetensors file written by rnnserve"
+        ) from exc
 
 
 def _check_not_truncated(path: str | os.PathLike) -> None:
@@ -115,14 +125,18 @@ def _check_not_truncated(path: str | os.PathLike) -> None:
             return  # not a safetensors header at all: safe_open says so
         try:
             header = json.loads(f.read(header_len))
-            data_end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"),
-                           default=0)
+            data_end = max(
+                (entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"), default=0
+            )
         except (ValueError, TypeError, KeyError, IndexError, AttributeError):
             return  # malformed header: safe_open gives the precise error
     expected = 8 + header_len + int(data_end)
     if size < expected:
-        raise WeightsError(path, f"truncated: {size} bytes, but its header describes {expected} bytes "
-                                 "(an interrupted copy or download?); expected a complete .safetensors file")
+        raise WeightsError(
+            path,
+            f"truncated: {size} bytes, but its header describes {expected} bytes "
+            "(an interrupted copy or download?); expected a complete .safetensors file",
+        )
 
 
 def _parse_metadata(path, metadata: dict[str, str] | None) -> tuple[ModelConfig, dict[str, Any]]:
@@ -153,6 +167,8 @@ def _check_tensors(path, model: Transformer, tensors: dict[str, torch.Tensor]) -
         if tuple(got.shape) != tuple(want.shape):
             raise WeightsError(path, f"tensor {name} has shape {tuple(got.shape)}, expected {tuple(want.shape)}")
         if got.dtype not in FLOAT_DTYPES:
-            raise WeightsError(path, f"tensor {name} has dtype {got.dtype}, expected a float type (float32, float16, bfloat16)")
+            raise WeightsError(
+                path, f"tensor {name} has dtype {got.dtype}, expected a float type (float32, float16, bfloat16)"
+            )
         if not torch.isfinite(got).all():
             raise WeightsError(path, f"tensor {name} has non-finite values (NaN or inf)")

@@ -47,8 +47,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("rnnserve.app")
 
 
-def build_app(settings: Settings, models: list[LoadedModel] | None = None, metrics: Metrics | None = None,
-              on_started: Callable[[], None] | None = None, background_start: bool = False) -> FastAPI:
+def build_app(
+    settings: Settings,
+    models: list[LoadedModel] | None = None,
+    metrics: Metrics | None = None,
+    on_started: Callable[[], None] | None = None,
+    background_start: bool = False,
+) -> FastAPI:
     """An app serving `models`, or the models `settings` names (loaded at start-up); its series go
     to `metrics` (default: a registry of its own, served at /metrics). `on_started` is called (on a
     worker thread) once the engines run, just before the app serves. background_start: the app serves
@@ -56,8 +61,12 @@ def build_app(settings: Settings, models: list[LoadedModel] | None = None, metri
     nothing to a replica whose start-up has not returned, so a probe would hang instead)."""
     metrics = metrics or Metrics(CollectorRegistry())
     # FastAPIOffline serves /docs and /redoc with Swagger UI and ReDoc from a Python package, no CDN.
-    app = FastAPIOffline(title="rnnserve", version="0.1.0", lifespan=_lifespan(settings, metrics, models, on_started, background_start),
-                         description="Image completion, streaming text and metrics for RNN-mode transformers.")
+    app = FastAPIOffline(
+        title="rnnserve",
+        version="0.1.0",
+        lifespan=_lifespan(settings, metrics, models, on_started, background_start),
+        description="Image completion, streaming text and metrics for RNN-mode transformers.",
+    )
     errors.install(app)
     openapi.install(app, settings.max_batch)
     routers = (models_router, text_router, images_router, playground_router)
@@ -78,8 +87,13 @@ def build_app(settings: Settings, models: list[LoadedModel] | None = None, metri
     return app
 
 
-def _lifespan(settings: Settings, metrics: Metrics, models: list[LoadedModel] | None,
-              on_started: Callable[[], None] | None, background: bool):
+def _lifespan(
+    settings: Settings,
+    metrics: Metrics,
+    models: list[LoadedModel] | None,
+    on_started: Callable[[], None] | None,
+    background: bool,
+):
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         life = Lifecycle(settings, metrics, models)
@@ -113,9 +127,13 @@ class Lifecycle:
         if settings.threads is not None:
             torch.set_num_threads(settings.threads)  # before any engine thread adopts the process's count
         loaded = self.models if self.models is not None else await asyncio.to_thread(load_models, settings)
-        limits = EngineLimits(max_batch=settings.max_batch, max_waiting=settings.max_waiting,
-                              cuda_graphs=settings.cuda_graphs, compile_decode=settings.compile_decode,
-                              scheduler_steps=settings.scheduler_steps)
+        limits = EngineLimits(
+            max_batch=settings.max_batch,
+            max_waiting=settings.max_waiting,
+            cuda_graphs=settings.cuda_graphs,
+            compile_decode=settings.compile_decode,
+            scheduler_steps=settings.scheduler_steps,
+        )
         budget = usable_cpus()
         threads = budget.engine_threads(len(loaded), settings.threads)
         engines = [make_engine(m, limits, self.metrics, settings, self.turns, n) for m, n in zip(loaded, threads)]
@@ -160,8 +178,9 @@ class StartingMiddleware:
         if failure is None:
             answer = errors.error_response(503, STARTING_MESSAGE, None, "starting", {"Retry-After": "2"})
         else:
-            answer = errors.error_response(503, f"the models failed to start ({failure}); see the server's log",
-                                           None, "start_failed")
+            answer = errors.error_response(
+                503, f"the models failed to start ({failure}); see the server's log", None, "start_failed"
+            )
         await answer(scope, receive, send)
 
 
@@ -178,8 +197,14 @@ async def start_engines(engines: list[EngineHandle]) -> list[EngineHandle]:
     return engines
 
 
-def make_engine(loaded: LoadedModel, limits: EngineLimits, metrics: Metrics, settings: Settings,
-                compile_gate: CompileGate | None = None, threads: int | None = None) -> EngineHandle:
+def make_engine(
+    loaded: LoadedModel,
+    limits: EngineLimits,
+    metrics: Metrics,
+    settings: Settings,
+    compile_gate: CompileGate | None = None,
+    threads: int | None = None,
+) -> EngineHandle:
     """The model's engine, with `threads` intra-op CPU threads: on a worker thread of this process, or
     (--engine-process) in a process of its own."""
     if settings.engine_process:

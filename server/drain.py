@@ -57,7 +57,9 @@ class Drain:
         self.begin()
         finished = await self._wait_idle(self.started + self.seconds)
         if not finished:
-            log.warning("drain deadline (%g s) passed with %d request(s) in flight; ending them", self.seconds, self.in_flight)
+            log.warning(
+                "drain deadline (%g s) passed with %d request(s) in flight; ending them", self.seconds, self.in_flight
+            )
         # Stopping an engine fails what it still holds with SHUTTING_DOWN (Engine._fail_all).
         await asyncio.to_thread(_stop_all, list(engines))
         if not await self._wait_idle(time.monotonic() + ANSWER_SECONDS):
@@ -100,8 +102,13 @@ class DrainMiddleware:
         if self.drain.draining:
             scope.setdefault("state", {})["outcome"] = "draining"  # RequestMetricsMiddleware's label
             # Connection: close, so a client or load balancer moves its keep-alive connection elsewhere.
-            response = error_response(503, f"{SHUTTING_DOWN}; retry once it is back (or on another replica)", None,
-                                      "shutting_down", {"Connection": "close", "Retry-After": "1"})
+            response = error_response(
+                503,
+                f"{SHUTTING_DOWN}; retry once it is back (or on another replica)",
+                None,
+                "shutting_down",
+                {"Connection": "close", "Retry-After": "1"},
+            )
             await response(scope, receive, send)
             return
         self.drain.in_flight += 1

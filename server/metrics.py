@@ -50,8 +50,14 @@ class CountedHistogram:
     observe per row (benchmarks/README.md, "Measurements behind design choices").
     """
 
-    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...], buckets: tuple[float, ...],
-                 registry: CollectorRegistry):
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: tuple[str, ...],
+        buckets: tuple[float, ...],
+        registry: CollectorRegistry,
+    ):
         self.name, self.documentation, self.labelnames = name, documentation, labelnames
         self.bounds = [*buckets, float("inf")]
         self._series: dict[tuple[str, ...], list] = {}  # labels -> [per-bucket counts, sum]
@@ -81,7 +87,9 @@ class CountedHistogram:
             cumulative, buckets = 0, []
             for bound, n in zip(self.bounds, counts):
                 cumulative += n
-                buckets.append((floatToGoString(bound), cumulative))  # "+Inf", "1e+06": as prometheus_client writes them
+                buckets.append(
+                    (floatToGoString(bound), cumulative)
+                )  # "+Inf", "1e+06": as prometheus_client writes them
             family.add_metric(list(labels), buckets, total)
         yield family
 
@@ -117,40 +125,83 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None, series=None):
         self.registry = registry or CollectorRegistry()
         s = series or PrometheusSeries(self.registry)
-        self.generated_tokens = s.counter("rnnserve_generated_tokens", "Tokens generated (pixels or bytes).", MODEL_LABELS)
+        self._declare_request_series(s)
+        self._declare_engine_series(s)
+        self._declare_rate_and_state_series(s)
+        self._token_rates: dict[tuple[str, str], RateWindow] = {}
+        self._image_rates: dict[tuple[str, str], RateWindow] = {}
+        self._children: dict[tuple[int, tuple[str, ...]], object] = {}
+
+    def _declare_request_series(self, s) -> None:
+        self.generated_tokens = s.counter(
+            "rnnserve_generated_tokens", "Tokens generated (pixels or bytes).", MODEL_LABELS
+        )
         self.completed_images = s.counter("rnnserve_completed_images", "Image completions finished.", MODEL_LABELS)
-        self.resamplings = s.counter("rnnserve_particle_resamplings", "Resamplings of image completions' particles "
-                                     "(sequential Monte Carlo), each a set of decode-state row copies.", MODEL_LABELS)
-        self.requests = s.counter("rnnserve_requests", "HTTP requests by endpoint, outcome, and the model they named (none: no model).",
-                                  ("endpoint", "outcome", *MODEL_LABELS))
-        self.ttft = s.histogram("rnnserve_time_to_first_token_seconds", "Time from submission to a sequence's first generated token.",
-                                MODEL_LABELS, LATENCY_BUCKETS)
-        self.itl = s.counted_histogram("rnnserve_inter_token_latency_seconds", "Time between two tokens of one sequence.",
-                                       MODEL_LABELS, LATENCY_BUCKETS)
-        self.latency = s.histogram("rnnserve_request_latency_seconds", "End-to-end generation request latency.",
-                                   MODEL_LABELS, LATENCY_BUCKETS)
+        self.resamplings = s.counter(
+            "rnnserve_particle_resamplings",
+            "Resamplings of image completions' particles "
+            "(sequential Monte Carlo), each a set of decode-state row copies.",
+            MODEL_LABELS,
+        )
+        self.requests = s.counter(
+            "rnnserve_requests",
+            "HTTP requests by endpoint, outcome, and the model they named (none: no model).",
+            ("endpoint", "outcome", *MODEL_LABELS),
+        )
+        self.ttft = s.histogram(
+            "rnnserve_time_to_first_token_seconds",
+            "Time from submission to a sequence's first generated token.",
+            MODEL_LABELS,
+            LATENCY_BUCKETS,
+        )
+        self.itl = s.counted_histogram(
+            "rnnserve_inter_token_latency_seconds",
+            "Time between two tokens of one sequence.",
+            MODEL_LABELS,
+            LATENCY_BUCKETS,
+        )
+        self.latency = s.histogram(
+            "rnnserve_request_latency_seconds", "End-to-end generation request latency.", MODEL_LABELS, LATENCY_BUCKETS
+        )
+
+    def _declare_engine_series(self, s) -> None:
         self.running = s.gauge("rnnserve_running_sequences", "Sequences holding a decode slot.", MODEL_LABELS)
         self.waiting = s.gauge("rnnserve_waiting_sequences", "Sequences queued for a slot.", MODEL_LABELS)
         self.batch_size = s.gauge("rnnserve_batch_size", "Sequences in the last decoding step.", MODEL_LABELS)
         self.decode_steps = s.counter("rnnserve_decode_steps", "Batched decoding steps run.", MODEL_LABELS)
         self.step_time = s.counted_histogram(
-            "rnnserve_decode_step_seconds", "Wall time of one batched decoding step, sampling and bookkeeping included "
+            "rnnserve_decode_step_seconds",
+            "Wall time of one batched decoding step, sampling and bookkeeping included "
             "(steps run as one multi-step pass share its time); the rate of its _sum is the share of time the engine "
-            "spends decoding.", MODEL_LABELS, STEP_BUCKETS)
-        self.tokens_per_second = s.gauge("rnnserve_tokens_per_second", f"Tokens generated per second over the last {RATE_WINDOW_SECONDS:g} s.",
-                                         MODEL_LABELS)
-        self.images_per_second = s.gauge("rnnserve_images_per_second", f"Images completed per second over the last {RATE_WINDOW_SECONDS:g} s.",
-                                         MODEL_LABELS)
-        self.state_in_use = s.gauge("rnnserve_decode_state_in_use_bytes",
-                                    "Bytes of decode state holding the live sequences at their current lengths.", MODEL_LABELS)
-        self.state_allocated = s.gauge("rnnserve_decode_state_allocated_bytes",
-                                       "Bytes of decode state preallocated for all slots (--max-batch sequences at max_len).",
-                                       MODEL_LABELS)
-        self.engine_restarts = s.counter("rnnserve_engine_restarts", "Engine processes started again after one died.",
-                                         MODEL_LABELS)
-        self._token_rates: dict[tuple[str, str], RateWindow] = {}
-        self._image_rates: dict[tuple[str, str], RateWindow] = {}
-        self._children: dict[tuple[int, tuple[str, ...]], object] = {}
+            "spends decoding.",
+            MODEL_LABELS,
+            STEP_BUCKETS,
+        )
+
+    def _declare_rate_and_state_series(self, s) -> None:
+        self.tokens_per_second = s.gauge(
+            "rnnserve_tokens_per_second",
+            f"Tokens generated per second over the last {RATE_WINDOW_SECONDS:g} s.",
+            MODEL_LABELS,
+        )
+        self.images_per_second = s.gauge(
+            "rnnserve_images_per_second",
+            f"Images completed per second over the last {RATE_WINDOW_SECONDS:g} s.",
+            MODEL_LABELS,
+        )
+        self.state_in_use = s.gauge(
+            "rnnserve_decode_state_in_use_bytes",
+            "Bytes of decode state holding the live sequences at their current lengths.",
+            MODEL_LABELS,
+        )
+        self.state_allocated = s.gauge(
+            "rnnserve_decode_state_allocated_bytes",
+            "Bytes of decode state preallocated for all slots (--max-batch sequences at max_len).",
+            MODEL_LABELS,
+        )
+        self.engine_restarts = s.counter(
+            "rnnserve_engine_restarts", "Engine processes started again after one died.", MODEL_LABELS
+        )
 
     def _bound(self, metric, *labels: str):
         """metric.labels(*labels), memoised: the lookup costs more than an observe, and the
@@ -162,8 +213,16 @@ class Metrics:
         return child
 
     # -- engine side -------------------------------------------------------
-    def step(self, model: str, attention: str, batch: int, tokens: int, state_bytes: int, steps: int = 1,
-             seconds: float = 0.0) -> None:
+    def step(
+        self,
+        model: str,
+        attention: str,
+        batch: int,
+        tokens: int,
+        state_bytes: int,
+        steps: int = 1,
+        seconds: float = 0.0,
+    ) -> None:
         """Record `steps` decoding steps of `batch` sequences producing `tokens` tokens in `seconds`."""
         labels = (model, attention)
         self._bound(self.decode_steps, *labels).inc(steps)
@@ -213,9 +272,18 @@ class Metrics:
     def register_model(self, model: str, attention: str, images: bool) -> None:
         """Create a model's series at zero so dashboards see them before traffic (image series for image models only)."""
         labels = (model, attention)
-        for metric in (self.generated_tokens, self.decode_steps, self.engine_restarts) + ((self.completed_images, self.resamplings) if images else ()):
+        for metric in (self.generated_tokens, self.decode_steps, self.engine_restarts) + (
+            (self.completed_images, self.resamplings) if images else ()
+        ):
             self._bound(metric, *labels).inc(0)
-        gauges = (self.running, self.waiting, self.batch_size, self.tokens_per_second, self.state_in_use, self.state_allocated)
+        gauges = (
+            self.running,
+            self.waiting,
+            self.batch_size,
+            self.tokens_per_second,
+            self.state_in_use,
+            self.state_allocated,
+        )
         for metric in gauges + ((self.images_per_second,) if images else ()):
             self._bound(metric, *labels).set(0)
         for metric in (self.ttft, self.latency):
@@ -244,8 +312,14 @@ class ModelMetrics:
     def record_step(self, stats: StepStats) -> None:
         """Everything one decoding step changes, in one place."""
         m, labels = self.metrics, self.labels
-        m.step(*labels, batch=stats.batch, tokens=stats.tokens, state_bytes=stats.state_bytes, steps=stats.steps,
-               seconds=stats.seconds)
+        m.step(
+            *labels,
+            batch=stats.batch,
+            tokens=stats.tokens,
+            state_bytes=stats.state_bytes,
+            steps=stats.steps,
+            seconds=stats.seconds,
+        )
         m.queue(*labels, stats.running, stats.waiting)
         for seconds in stats.first_token_seconds:
             m.first_token(*labels, seconds)

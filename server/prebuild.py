@@ -24,12 +24,19 @@ DEFAULT_ROWS = 64  # the server's --max-batch default
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--weights", type=Path, metavar="DIR",
-                        help="also compile the decode steps of every .safetensors model in DIR (default: weights/ "
-                             "when it exists)")
+    parser.add_argument(
+        "--weights",
+        type=Path,
+        metavar="DIR",
+        help="also compile the decode steps of every .safetensors model in DIR (default: weights/ when it exists)",
+    )
     parser.add_argument("--no-models", action="store_true", help="build the C++ kernels only")
-    parser.add_argument("--max-batch", type=int, default=DEFAULT_ROWS,
-                        help=f"rows the server will decode together, as its --max-batch (default {DEFAULT_ROWS})")
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=DEFAULT_ROWS,
+        help=f"rows the server will decode together, as its --max-batch (default {DEFAULT_ROWS})",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,8 +45,11 @@ def run(args: argparse.Namespace) -> int:
 
     kernels = load_kernels(build=True)
     if not kernels.ok:
-        print(f"rnnserve build-kernels: the C++ kernels did not build ({kernels.error}); a server will decode with "
-              "PyTorch's operators. Install a C++ compiler (Debian: g++) and run this again.", file=sys.stderr)
+        print(
+            f"rnnserve build-kernels: the C++ kernels did not build ({kernels.error}); a server will decode with "
+            "PyTorch's operators. Install a C++ compiler (Debian: g++) and run this again.",
+            file=sys.stderr,
+        )
         return 1
     paths = [] if args.no_models else model_files(args.weights)
     if paths is None:
@@ -47,8 +57,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     failed = [path for path in compile_models(paths, args.max_batch) if path is not None]
     for path in failed:
-        print(f"rnnserve build-kernels: compiling {path}'s decode steps failed (see above); a server will compile "
-              "them in the background, or decode it eagerly", file=sys.stderr)
+        print(
+            f"rnnserve build-kernels: compiling {path}'s decode steps failed (see above); a server will compile "
+            "them in the background, or decode it eagerly",
+            file=sys.stderr,
+        )
     return 1 if failed else 0
 
 
@@ -88,6 +101,10 @@ def compile_decode_steps(model, rows: int, name: str) -> bool:
         return True
     started = time.perf_counter()
     compiled = compile_fresh(model, rows)  # kernels were built above, so build=False finds them
-    print(f"rnnserve build-kernels: {name} ({model.config.attention}) decode steps compiled in "
-          f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    print(
+        f"rnnserve build-kernels: {name} ({model.config.attention}) decode steps compiled in "
+        f"{time.perf_counter() - started:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     return compiled.error is None

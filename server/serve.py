@@ -23,11 +23,38 @@ from server.start_checks import fail, listen
 
 GRACEFUL_SHUTDOWN_SECONDS = 5  # after the drain, uvicorn's own wait for connections to close
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-SERVER_FLAGS = ("weights", "models", "host", "port", "device", "dtype", "cuda_graphs", "compile_decode", "threads",
-                "max_batch", "max_waiting", "scheduler_steps", "engine_process",
-                "max_body_bytes", "api_key", "log_level", "drain_seconds", "body_timeout", "header_timeout")
-RAY_FLAGS = ("replicas", "min_replicas", "max_replicas", "target_ongoing_requests", "downscale_delay", "upscale_delay",
-             "cpus_per_replica", "gpus_per_replica", "ray_metrics_port")
+SERVER_FLAGS = (
+    "weights",
+    "models",
+    "host",
+    "port",
+    "device",
+    "dtype",
+    "cuda_graphs",
+    "compile_decode",
+    "threads",
+    "max_batch",
+    "max_waiting",
+    "scheduler_steps",
+    "engine_process",
+    "max_body_bytes",
+    "api_key",
+    "log_level",
+    "drain_seconds",
+    "body_timeout",
+    "header_timeout",
+)
+RAY_FLAGS = (
+    "replicas",
+    "min_replicas",
+    "max_replicas",
+    "target_ongoing_requests",
+    "downscale_delay",
+    "upscale_delay",
+    "cpus_per_replica",
+    "gpus_per_replica",
+    "ray_metrics_port",
+)
 
 
 def _default(name: str) -> str:
@@ -37,6 +64,8 @@ def _default(name: str) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_server_arguments(parser)
+    _add_engine_arguments(parser)
+    _add_request_arguments(parser)
     _add_time_limit_arguments(parser)
     _add_ray_arguments(parser.add_argument_group("Ray Serve (with --ray; pip install 'rnnserve[ray]')"))
 
@@ -44,68 +73,145 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     default = _default
     parser.add_argument("--weights", metavar="DIR", help=f"serve every .safetensors in DIR {default('weights')}")
-    parser.add_argument("--model", metavar="PATH", action="append", dest="models",
-                        help="serve this weights file; repeat for several; replaces --weights (env RNNSERVE_MODELS, a JSON list)")
+    parser.add_argument(
+        "--model",
+        metavar="PATH",
+        action="append",
+        dest="models",
+        help="serve this weights file; repeat for several; replaces --weights (env RNNSERVE_MODELS, a JSON list)",
+    )
     parser.add_argument("--host", help=f"address to listen on {default('host')}")
     parser.add_argument("--port", type=int, help=f"port to listen on, 0 = any free one {default('port')}")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), help=f"where the models run; auto = CUDA if present {default('device')}")
-    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"),
-                        help=f"weights and activations; auto = bfloat16 on CUDA, float32 on CPU {default('dtype')}")
-    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction,
-                        help="on CUDA, capture decode steps of graphable kinds (linear, Linformer) as CUDA graphs "
-                             f"at padded batch sizes {default('cuda_graphs')}")
-    parser.add_argument("--compile-decode", action=argparse.BooleanOptionalAction,
-                        help="on the CPU, compile decode steps and sampling of compilable kinds (softmax, linear, "
-                             "Linformer) with torch.compile, in the background after start-up (eager until ready) "
-                             f"{default('compile_decode')}")
-    parser.add_argument("--threads", type=int, metavar="N",
-                        help="intra-op CPU threads each model's steps use (env RNNSERVE_THREADS; default: the CPUs "
-                             "this process may use, from its affinity, its cgroup's quota and OMP_NUM_THREADS, "
-                             "shared equally among the models, at least one each)")
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        help=f"where the models run; auto = CUDA if present {default('device')}",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        help=f"weights and activations; auto = bfloat16 on CUDA, float32 on CPU {default('dtype')}",
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        help="on CUDA, capture decode steps of graphable kinds (linear, Linformer) as CUDA graphs "
+        f"at padded batch sizes {default('cuda_graphs')}",
+    )
+    parser.add_argument(
+        "--compile-decode",
+        action=argparse.BooleanOptionalAction,
+        help="on the CPU, compile decode steps and sampling of compilable kinds (softmax, linear, "
+        "Linformer) with torch.compile, in the background after start-up (eager until ready) "
+        f"{default('compile_decode')}",
+    )
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    default = _default
+    parser.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="intra-op CPU threads each model's steps use (env RNNSERVE_THREADS; default: the CPUs "
+        "this process may use, from its affinity, its cgroup's quota and OMP_NUM_THREADS, "
+        "shared equally among the models, at least one each)",
+    )
     parser.add_argument("--max-batch", type=int, help=f"sequences decoded together per model {default('max_batch')}")
-    parser.add_argument("--max-waiting", type=int, help=f"requests queued per model before 429 {default('max_waiting')}")
-    parser.add_argument("--scheduler-steps", type=int, metavar="N",
-                        help="decode steps run between two scheduling passes while no client watches each step "
-                             "(no streamed or particle request is running): new requests wait up to N - 1 steps to "
-                             f"join, and the per-step host work is paid once per N steps {default('scheduler_steps')}")
-    parser.add_argument("--engine-process", action=argparse.BooleanOptionalAction,
-                        help="run each model's engine in a process of its own (as vLLM does), so that request "
-                             "handling never holds the engine's GIL; the HTTP side talks to it over a pipe "
-                             f"{default('engine_process')}")
+    parser.add_argument(
+        "--max-waiting", type=int, help=f"requests queued per model before 429 {default('max_waiting')}"
+    )
+    parser.add_argument(
+        "--scheduler-steps",
+        type=int,
+        metavar="N",
+        help="decode steps run between two scheduling passes while no client watches each step "
+        "(no streamed or particle request is running): new requests wait up to N - 1 steps to "
+        f"join, and the per-step host work is paid once per N steps {default('scheduler_steps')}",
+    )
+    parser.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        help="run each model's engine in a process of its own (as vLLM does), so that request "
+        "handling never holds the engine's GIL; the HTTP side talks to it over a pipe "
+        f"{default('engine_process')}",
+    )
+
+
+def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
+    default = _default
     parser.add_argument("--max-body-bytes", type=int, help=f"largest request body accepted {default('max_body_bytes')}")
-    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' except on /health and /metrics "
-                                          "(env RNNSERVE_API_KEY, default none)")
-    parser.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), help=_default("log_level"))
+    parser.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' except on /health and /metrics (env RNNSERVE_API_KEY, default none)",
+    )
+    parser.add_argument(
+        "--log-level", choices=("critical", "error", "warning", "info", "debug"), help=_default("log_level")
+    )
 
 
 def _add_time_limit_arguments(parser: argparse.ArgumentParser) -> None:
     default = _default
-    parser.add_argument("--body-timeout", type=float, metavar="SECONDS",
-                        help=f"a request body not all arrived by then gets 408 and its connection closed {default('body_timeout')}")
-    parser.add_argument("--header-timeout", type=float, metavar="SECONDS",
-                        help="a request line and headers not all arrived by then (from the connection's opening, or "
-                             f"a request's first byte) get 408 and the connection closed {default('header_timeout')}")
-    parser.add_argument("--drain-seconds", type=float, metavar="SECONDS",
-                        help=f"after SIGTERM, how long requests in flight get to finish {default('drain_seconds')}")
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        metavar="SECONDS",
+        help=f"a request body not all arrived by then gets 408 and its connection closed {default('body_timeout')}",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="a request line and headers not all arrived by then (from the connection's opening, or "
+        f"a request's first byte) get 408 and the connection closed {default('header_timeout')}",
+    )
+    parser.add_argument(
+        "--drain-seconds",
+        type=float,
+        metavar="SECONDS",
+        help=f"after SIGTERM, how long requests in flight get to finish {default('drain_seconds')}",
+    )
 
 
 def _add_ray_arguments(group: argparse._ArgumentGroup) -> None:
     default = _default
     group.add_argument("--ray", action="store_true", help="serve through Ray Serve on a local Ray cluster started here")
     group.add_argument("--replicas", type=int, help=f"replicas, each with every model {default('replicas')}")
-    group.add_argument("--min-replicas", type=int, help="autoscale between --min-replicas (default 1) and --max-replicas")
-    group.add_argument("--max-replicas", type=int, help="autoscale up to this many replicas (env RNNSERVE_MAX_REPLICAS)")
-    group.add_argument("--target-ongoing-requests", type=float,
-                       help=f"autoscaling aims at this many requests per replica {default('target_ongoing_requests')}")
-    group.add_argument("--downscale-delay", type=float, metavar="SECONDS",
-                       help=f"autoscaling: load below target this long before a replica is removed (Ray's default: "
-                            f"600) {default('downscale_delay')}")
-    group.add_argument("--upscale-delay", type=float, metavar="SECONDS",
-                       help=f"autoscaling: load above target this long before a replica is added {default('upscale_delay')}")
-    group.add_argument("--cpus-per-replica", type=float, help=f"CPUs Ray reserves per replica {default('cpus_per_replica')}")
-    group.add_argument("--gpus-per-replica", type=float, help=f"GPUs Ray reserves per replica {default('gpus_per_replica')}")
-    group.add_argument("--ray-metrics-port", type=int,
-                       help=f"port of Ray's metrics export, every replica's series {default('ray_metrics_port')}")
+    group.add_argument(
+        "--min-replicas", type=int, help="autoscale between --min-replicas (default 1) and --max-replicas"
+    )
+    group.add_argument(
+        "--max-replicas", type=int, help="autoscale up to this many replicas (env RNNSERVE_MAX_REPLICAS)"
+    )
+    group.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        help=f"autoscaling aims at this many requests per replica {default('target_ongoing_requests')}",
+    )
+    group.add_argument(
+        "--downscale-delay",
+        type=float,
+        metavar="SECONDS",
+        help=f"autoscaling: load below target this long before a replica is removed (Ray's default: "
+        f"600) {default('downscale_delay')}",
+    )
+    group.add_argument(
+        "--upscale-delay",
+        type=float,
+        metavar="SECONDS",
+        help=f"autoscaling: load above target this long before a replica is added {default('upscale_delay')}",
+    )
+    group.add_argument(
+        "--cpus-per-replica", type=float, help=f"CPUs Ray reserves per replica {default('cpus_per_replica')}"
+    )
+    group.add_argument(
+        "--gpus-per-replica", type=float, help=f"GPUs Ray reserves per replica {default('gpus_per_replica')}"
+    )
+    group.add_argument(
+        "--ray-metrics-port",
+        type=int,
+        help=f"port of Ray's metrics export, every replica's series {default('ray_metrics_port')}",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -172,10 +278,17 @@ def _load_and_serve(sock: socket.socket, settings: Settings, on_started: Callabl
     names = ", ".join(f"{m.name} ({m.model.config.attention} {m.model.config.task})" for m in models)
     first = models[0].model
     host, port = sock.getsockname()[:2]
-    print(f"rnnserve: serving {names} on {first.device} in {str(first.dtype).removeprefix('torch.')} "
-          f"at http://{host}:{port}", file=sys.stderr, flush=True)
-    config = uvicorn.Config(build_app(settings, models, on_started=on_started), log_level=settings.log_level,
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
-                            http=protocol_with_header_timeout(settings.header_timeout))
+    print(
+        f"rnnserve: serving {names} on {first.device} in {str(first.dtype).removeprefix('torch.')} "
+        f"at http://{host}:{port}",
+        file=sys.stderr,
+        flush=True,
+    )
+    config = uvicorn.Config(
+        build_app(settings, models, on_started=on_started),
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+        http=protocol_with_header_timeout(settings.header_timeout),
+    )
     DrainingServer(config).run(sockets=[sock])
     return 0

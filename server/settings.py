@@ -30,7 +30,9 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     cuda_graphs: bool = True  # on CUDA, replay linear/Linformer decode steps as captured graphs
     compile_decode: bool = True  # on CPU, softmax/linear/Linformer decode steps through torch.compile
-    threads: int | None = Field(None, ge=1, le=1024)  # intra-op CPU threads per engine; None: a share of the budget (cpu_budget.py)
+    threads: int | None = Field(
+        None, ge=1, le=1024
+    )  # intra-op CPU threads per engine; None: a share of the budget (cpu_budget.py)
     max_batch: int = Field(64, ge=1, le=65536)  # sequences decoded together, per model
     max_waiting: int = Field(256, ge=0)  # sequences queued per model before 429
     scheduler_steps: int = Field(8, ge=1, le=1024)  # decode steps per scheduling pass when no client watches each
@@ -59,7 +61,9 @@ class Settings(BaseSettings):
                 raise ValueError("--min-replicas needs --max-replicas (autoscaling between the two)")
             return self
         if "replicas" in self.model_fields_set:
-            raise ValueError("give either --replicas (a fixed count) or --min-replicas/--max-replicas (autoscaling), not both")
+            raise ValueError(
+                "give either --replicas (a fixed count) or --min-replicas/--max-replicas (autoscaling), not both"
+            )
         if (self.min_replicas or 0) > self.max_replicas:
             raise ValueError(f"--min-replicas {self.min_replicas} is above --max-replicas {self.max_replicas}")
         return self
@@ -92,11 +96,15 @@ class Settings(BaseSettings):
                 raise SettingsError(f"--model file not found: {', '.join(missing)}")
             return list(self.models)
         if not self.weights.is_dir():
-            raise SettingsError(f"weights directory '{self.weights}' does not exist; pass --weights DIR or --model PATH")
+            raise SettingsError(
+                f"weights directory '{self.weights}' does not exist; pass --weights DIR or --model PATH"
+            )
         paths = sorted(self.weights.glob("*.safetensors"))
         if not paths:
-            raise SettingsError(f"weights directory '{self.weights}' has no .safetensors files; "
-                                "train one with `rnnserve train` or pass --model PATH")
+            raise SettingsError(
+                f"weights directory '{self.weights}' has no .safetensors files; "
+                "train one with `rnnserve train` or pass --model PATH"
+            )
         return paths
 
     def api_key_value(self) -> str | None:

@@ -22,7 +22,9 @@ def listen(host: str, port: int, flag: str = "--port") -> socket.socket:
     try:
         return socket.create_server((host, port), family=family, backlog=2048)
     except OSError as exc:
-        reason = {errno.EADDRINUSE: f"the address is already in use (another server?); pass another {flag}",
-                  errno.EACCES: f"permission denied; ports below 1024 need root, pass another {flag}",
-                  errno.EADDRNOTAVAIL: "this machine has no such address; pass another --host"}
+        reason = {
+            errno.EADDRINUSE: f"the address is already in use (another server?); pass another {flag}",
+            errno.EACCES: f"permission denied; ports below 1024 need root, pass another {flag}",
+            errno.EADDRNOTAVAIL: "this machine has no such address; pass another --host",
+        }
         raise SettingsError(f"cannot listen on {host}:{port}: {reason.get(exc.errno, exc.strerror)}") from None

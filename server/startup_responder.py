@@ -30,8 +30,10 @@ MESSAGE = "the server is starting: its models are loading; retry in a few second
 
 def starting_response() -> bytes:
     body = json.dumps(error_body(503, MESSAGE, None, "starting")).encode()
-    head = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            f"retry-after: {RETRY_AFTER_SECONDS}\r\nconnection: close\r\n\r\n")
+    head = (
+        f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        f"retry-after: {RETRY_AFTER_SECONDS}\r\nconnection: close\r\n\r\n"
+    )
     return head.encode("ascii") + body
 
 

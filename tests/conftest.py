@@ -51,9 +51,18 @@ def make_tiny_config(kind: str, **overrides) -> ModelConfig:
     if feature_map:
         overrides = {"linear_feature_map": feature_map, "linear_features": 6, **overrides}  # F != the head size
     fields = dict(
-        attention=kind, task="text", d_model=32, n_layers=2, n_heads=4, d_ff=64,
-        max_len=TINY_MAX_LEN, dropout=0.0, pos_encoding="learned",
-        linformer_k=8, reformer_rounds=2, reformer_buckets=4,  # few buckets: each holds several keys
+        attention=kind,
+        task="text",
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        d_ff=64,
+        max_len=TINY_MAX_LEN,
+        dropout=0.0,
+        pos_encoding="learned",
+        linformer_k=8,
+        reformer_rounds=2,
+        reformer_buckets=4,  # few buckets: each holds several keys
         reformer_local_window=8,  # shorter than max_len: the window slides
     )
     fields.update(overrides)
@@ -157,14 +166,39 @@ def assert_bfloat16_close(kind: str, got: torch.Tensor, reference: torch.Tensor)
 
 # Modules whose tests start servers, browsers, Ray clusters, compiles or trainings: `make test-fast` leaves them
 # out (`pytest -m "not slow"`); `make test`, what CI runs, runs everything.
-SLOW_MODULES = frozenset({
-    "test_api_errors", "test_background_start", "test_bench", "test_compile_child", "test_compiled_decode",
-    "test_completions", "test_cpu_kernels", "test_deploy", "test_distillation", "test_drain", "test_engine_admission",
-    "test_engine_process", "test_engine_restart", "test_eval_checkpoints", "test_openai_client",
-    "test_openapi_contract", "test_playground", "test_playground_browser", "test_prebuild", "test_ray",
-    "test_ray_deploy", "test_readme", "test_server_images", "test_server_particles", "test_server_process",
-    "test_server_misc", "test_server_text", "test_threads", "test_training",
-})
+SLOW_MODULES = frozenset(
+    {
+        "test_api_errors",
+        "test_background_start",
+        "test_bench",
+        "test_compile_child",
+        "test_compiled_decode",
+        "test_completions",
+        "test_cpu_kernels",
+        "test_deploy",
+        "test_distillation",
+        "test_drain",
+        "test_engine_admission",
+        "test_engine_process",
+        "test_engine_restart",
+        "test_eval_checkpoints",
+        "test_openai_client",
+        "test_openapi_contract",
+        "test_playground",
+        "test_playground_browser",
+        "test_prebuild",
+        "test_ray",
+        "test_ray_deploy",
+        "test_readme",
+        "test_server_images",
+        "test_server_particles",
+        "test_server_process",
+        "test_server_misc",
+        "test_server_text",
+        "test_threads",
+        "test_training",
+    }
+)
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -40,15 +40,31 @@ STOPPED_STREAMS = 12  # queued on one slot: about 10 s of decoding against a 1 s
 DIGIT = [[(r * 28 + c) % 256 if r < 14 else 0 for c in range(28)] for r in range(28)]
 
 
-SERVE_FLAGS = {"serve": ["--replicas", "2", "--max-batch", "4", "--drain-seconds", str(DRAIN_SECONDS)],
-               "ray-stop": ["--replicas", "1", "--max-batch", "1", "--drain-seconds", "1"]}
+SERVE_FLAGS = {
+    "serve": ["--replicas", "2", "--max-batch", "4", "--drain-seconds", str(DRAIN_SECONDS)],
+    "ray-stop": ["--replicas", "1", "--max-batch", "1", "--drain-seconds", "1"],
+}
 
 
 def start_server(mode: str, weights: Path, ray_tmp: Path, log: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_TMPDIR": str(ray_tmp), "RAY_DEDUP_LOGS": "0"}
-    command = [str(Path(sys.executable).parent / "rnnserve"), "serve", "--ray", "--weights", str(weights),
-               "--port", str(PORT), "--ray-metrics-port", str(METRICS_PORT), "--cpus-per-replica", "1",
-               "--device", "cpu", "--no-compile-decode", *SERVE_FLAGS[mode]]
+    command = [
+        str(Path(sys.executable).parent / "rnnserve"),
+        "serve",
+        "--ray",
+        "--weights",
+        str(weights),
+        "--port",
+        str(PORT),
+        "--ray-metrics-port",
+        str(METRICS_PORT),
+        "--cpus-per-replica",
+        "1",
+        "--device",
+        "cpu",
+        "--no-compile-decode",
+        *SERVE_FLAGS[mode],
+    ]
     with log.open("wb") as out:
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
 
@@ -103,7 +119,11 @@ class HealthWatch:
 
 
 def answer(response: httpx.Response) -> dict:
-    return {"status": response.status_code, "body": response.text, "replica": response.headers.get("x-rnnserve-replica")}
+    return {
+        "status": response.status_code,
+        "body": response.text,
+        "replica": response.headers.get("x-rnnserve-replica"),
+    }
 
 
 def requests_through_proxy(client: httpx.Client) -> dict:
@@ -132,8 +152,11 @@ def node_metrics(replicas: set[str], text_tokens: float) -> str:
         counters = [line for line in lines if line.startswith("ray_rnnserve_generated_tokens_total{")]
         text_total = sum(float(line.rsplit(" ", 1)[1]) for line in counters if 'model="text-softmax"' in line)
         images = any(line.startswith("ray_rnnserve_completed_images_total{") for line in lines)
-        if all(any(f'replica="{r}"' in line for line in counters) for r in replicas) and text_total >= text_tokens \
-                and images:
+        if (
+            all(any(f'replica="{r}"' in line for line in counters) for r in replicas)
+            and text_total >= text_tokens
+            and images
+        ):
             break
         time.sleep(1)
     return "\n".join(line for line in text.splitlines() if "rnnserve_" in line)
@@ -227,8 +250,11 @@ def ray_stops_the_replica(server: subprocess.Popen, ray_tmp: Path) -> dict:
         reader.join(EXIT_SECONDS)
     logs = replica_logs(ray_tmp)
     server.send_signal(signal.SIGTERM)  # nothing left to drain: the launcher just stops Ray
-    return {"streams": [streams.get(i) for i in range(STOPPED_STREAMS)], "replica_logs": logs,
-            "exit_code": server.wait(EXIT_SECONDS)}
+    return {
+        "streams": [streams.get(i) for i in range(STOPPED_STREAMS)],
+        "replica_logs": logs,
+        "exit_code": server.wait(EXIT_SECONDS),
+    }
 
 
 def ray_status() -> dict:
@@ -236,8 +262,13 @@ def ray_status() -> dict:
     command = [str(Path(sys.executable).parent / "rnnserve"), "ray-status"]
     plain = subprocess.run(command, capture_output=True, text=True, timeout=120)
     as_json = subprocess.run(command + ["--json"], capture_output=True, text=True, timeout=120)
-    return {"exit": plain.returncode, "lines": plain.stdout.splitlines(), "stderr": plain.stderr[-2000:],
-            "json_exit": as_json.returncode, "json": as_json.stdout}
+    return {
+        "exit": plain.returncode,
+        "lines": plain.stdout.splitlines(),
+        "stderr": plain.stderr[-2000:],
+        "json_exit": as_json.returncode,
+        "json": as_json.stdout,
+    }
 
 
 def observe(mode: str, server: subprocess.Popen, ray_tmp: Path) -> dict:

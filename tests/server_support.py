@@ -34,14 +34,25 @@ MNIST_MAX_LEN = 784
 
 
 def tiny_config(attention: str, task: str, max_len: int, **overrides: Any) -> ModelConfig:
-    fields = dict(attention=attention, task=task, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_len=max_len,
-                  linformer_k=8, reformer_rounds=1, reformer_buckets=4)
+    fields = dict(
+        attention=attention,
+        task=task,
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        d_ff=64,
+        max_len=max_len,
+        linformer_k=8,
+        reformer_rounds=1,
+        reformer_buckets=4,
+    )
     fields.update(overrides)
     return ModelConfig(**fields)
 
 
-def save_tiny_model(folder: Path, name: str, attention: str, task: str, info: dict | None = None,
-                    seed: int = 0, **overrides: Any) -> Path:
+def save_tiny_model(
+    folder: Path, name: str, attention: str, task: str, info: dict | None = None, seed: int = 0, **overrides: Any
+) -> Path:
     """A random-weight model written as `folder/name.safetensors`."""
     max_len = MNIST_MAX_LEN if task == "mnist" else TEXT_MAX_LEN
     torch.manual_seed(seed)
@@ -68,7 +79,12 @@ def save_script_model(folder: Path, name: str, script: bytes) -> Path:
     scale = 10.0
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if pname.startswith("blocks.") or pname.startswith("tok_emb") or pname.startswith("head") or pname.startswith("pos_emb"):
+            if (
+                pname.startswith("blocks.")
+                or pname.startswith("tok_emb")
+                or pname.startswith("head")
+                or pname.startswith("pos_emb")
+            ):
                 p.zero_()
         for pos, byte in enumerate(script):
             model.pos_emb.weight[pos, pos] = 1.0
@@ -147,8 +163,22 @@ def serving_process(folder: Path, *flags: str) -> Iterator[str]:
     script = Path(sys.executable).parent / "rnnserve"
     with open(log, "wb") as out:
         # eager decode steps: compiling is covered by tests/test_compiled_decode.py
-        proc = subprocess.Popen([str(script), "serve", "--weights", str(folder), "--port", str(port), "--device", "cpu",
-                                 "--no-compile-decode", *flags], stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                str(script),
+                "serve",
+                "--weights",
+                str(folder),
+                "--port",
+                str(port),
+                "--device",
+                "cpu",
+                "--no-compile-decode",
+                *flags,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, log)
@@ -175,7 +205,7 @@ def sse_payloads(body: str) -> list[Any]:
         assert event.startswith("data: ") and "\n" not in event, f"bad SSE event {event!r}"
     assert events[-1] == "data: [DONE]", "the stream ends with data: [DONE]"
     assert events.count("data: [DONE]") == 1
-    return [json.loads(e[len("data: "):]) for e in events[:-1]]
+    return [json.loads(e[len("data: ") :]) for e in events[:-1]]
 
 
 def metric_value(metrics_text: str, name: str, **labels: str) -> float:
@@ -195,7 +225,7 @@ def token_bytes(tokens: list[str]) -> list[int]:
     out = []
     for token in tokens:
         if token.startswith("bytes:\\x"):
-            out.append(int(token[len("bytes:\\x"):], 16))
+            out.append(int(token[len("bytes:\\x") :], 16))
         else:
             assert len(token) == 1 and ord(token) < 0x80, f"unexpected token {token!r}"
             out.append(ord(token))

@@ -36,17 +36,22 @@ from training.train import build_config
 from rnnserve_cli import parse_args
 
 from conftest import make_tiny_config, make_tiny_model, random_bytes
+
 # The contract every kind keeps, collected again here so that it runs with this module's `kind`.
-from test_model_contract import (test_changing_a_token_never_changes_earlier_outputs,  # noqa: F401
-                                 test_chunk_past_max_len_raises_and_leaves_the_state_usable,
-                                 test_chunked_logits_equal_parallel_logits,
-                                 test_later_positions_see_earlier_tokens_through_attention,
-                                 test_parallel_chunk_up_to_max_len_runs_and_past_it_raises,
-                                 test_token_by_token_decoding_equals_parallel_over_full_max_len)
-from test_model_state import (test_copied_rows_generate_identically_and_spare_other_rows,  # noqa: F401
-                              test_decoding_a_view_of_the_live_rows_matches_and_spares_the_rest,
-                              test_reset_row_behaves_like_a_fresh_sequence_and_spares_other_rows,
-                              test_rows_at_different_positions_match_their_own_sequences)
+from test_model_contract import (
+    test_changing_a_token_never_changes_earlier_outputs,  # noqa: F401
+    test_chunk_past_max_len_raises_and_leaves_the_state_usable,
+    test_chunked_logits_equal_parallel_logits,
+    test_later_positions_see_earlier_tokens_through_attention,
+    test_parallel_chunk_up_to_max_len_runs_and_past_it_raises,
+    test_token_by_token_decoding_equals_parallel_over_full_max_len,
+)
+from test_model_state import (
+    test_copied_rows_generate_identically_and_spare_other_rows,  # noqa: F401
+    test_decoding_a_view_of_the_live_rows_matches_and_spares_the_rest,
+    test_reset_row_behaves_like_a_fresh_sequence_and_spares_other_rows,
+    test_rows_at_different_positions_match_their_own_sequences,
+)
 
 NEW_KIND = "mean"
 MEAN_OPTIONS = (KindOption("mean_scale", 1.0, "multiplies the mean of the values", minimum=0.0, parameter_free=True),)
@@ -160,8 +165,16 @@ def test_roofline_reads_the_declared_cost_which_matches_the_real_state(kind):
 
 
 def test_the_benchmark_checks_the_flatness_of_the_new_constant_state_kind(kind):
-    settings = replace(DecodeSettings(**QUICK), kinds=("softmax", kind), batch_sizes=(1,), image_tokens=8,
-                       max_position=128, steps_per_position=1, nocache_pixels=2, nocache_samples=1)
+    settings = replace(
+        DecodeSettings(**QUICK),
+        kinds=("softmax", kind),
+        batch_sizes=(1,),
+        image_tokens=8,
+        max_position=128,
+        steps_per_position=1,
+        nocache_pixels=2,
+        nocache_samples=1,
+    )
     report = run_decode_bench(settings, progress=lambda line: None)
     assert [f.kind for f in report.flatness] == [kind]  # constant state: measured; softmax: not
     assert set(report.positions) == {"softmax", kind} and set(report.roofline) == {"softmax", kind}

@@ -37,8 +37,14 @@ FLOAT32 = 4
 def bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run the real console entry point; one thread keeps it fast on a shared 2-core machine."""
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "server", "bench", "--threads", "1", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "server", "bench", "--threads", "1", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +67,9 @@ def test_quick_bench_measures_every_kind_at_every_batch(quick_result):
         assert r["tokens_per_s"] == pytest.approx(r["images_per_s"] * tokens)
         assert r["images_per_cpu_s"] == pytest.approx(r["batch"] / r["cpu_seconds"])
         assert r["vs_softmax_cache"] == pytest.approx(
-            r["images_per_s"] / next(s["images_per_s"] for s in result["images"]
-                                     if s["kind"] == "softmax" and s["batch"] == r["batch"]))
+            r["images_per_s"]
+            / next(s["images_per_s"] for s in result["images"] if s["kind"] == "softmax" and s["batch"] == r["batch"])
+        )
     assert set(result["positions"]) == set(KINDS)
     assert result["command"].startswith("rnnserve bench")
 
@@ -112,14 +119,26 @@ def _peers_installed() -> bool:
     return True
 
 
-@pytest.mark.skipif(not _peers_installed(), reason="the peers are not installed in this environment "
-                    "(benchmarks/install_peers.sh builds fast-transformers in about 6 minutes; make install does not)")
+@pytest.mark.skipif(
+    not _peers_installed(),
+    reason="the peers are not installed in this environment "
+    "(benchmarks/install_peers.sh builds fast-transformers in about 6 minutes; make install does not)",
+)
 def test_compiled_kinds_their_eager_path_and_the_peers_run_side_by_side():
     """One in-process run: the compiled kind beside its eager path and every peer, each checked
     for batch x tokens tokens, and the ratios are those of the rows."""
-    settings = decode.DecodeSettings(kinds=("linear", "reformer"), preset="tiny", batch_sizes=(2,), image_tokens=16,
-                                     positions=(8, 16), steps_per_position=2, nocache_pixels=2, nocache_samples=1,
-                                     compiled=True, peers=True)
+    settings = decode.DecodeSettings(
+        kinds=("linear", "reformer"),
+        preset="tiny",
+        batch_sizes=(2,),
+        image_tokens=16,
+        positions=(8, 16),
+        steps_per_position=2,
+        nocache_pixels=2,
+        nocache_samples=1,
+        compiled=True,
+        peers=True,
+    )
     report = decode.run_decode_bench(settings, progress=lambda line: None)
     rows = {r.kind: r for r in report.images}
     assert rows["linear"].compiled and rows["linear"].group == "rnnserve" and not rows["reformer"].compiled
@@ -129,15 +148,19 @@ def test_compiled_kinds_their_eager_path_and_the_peers_run_side_by_side():
     assert report.compile_seconds["linear batch 2"]  # compiled outside the timings, and logged
     for c in report.comparisons:
         assert c["ratio"] == pytest.approx(rows[c["rnnserve"]].images_per_s / rows[c["against"]].images_per_s)
-    assert {c["against"] for c in report.comparisons} >= {"linear (eager)", "peer: fast-transformers recurrent linear",
-                                                          "peer: HF Reformer generate, LSH cache"}
+    assert {c["against"] for c in report.comparisons} >= {
+        "linear (eager)",
+        "peer: fast-transformers recurrent linear",
+        "peer: HF Reformer generate, LSH cache",
+    }
     assert set(report.load["before"]) == set(report.load["after"]) == {"load_1min", "load_5min", "load_15min"}
     # The kernel's 15-minute average, read minutes ago: it moves by a small part of the load's swings since.
     assert report.load["after"]["load_15min"] == pytest.approx(os.getloadavg()[2], abs=1.0)
 
 
-@pytest.mark.skipif(not _peers_installed(), reason="the peers are not installed in this environment "
-                    "(benchmarks/install_peers.sh)")
+@pytest.mark.skipif(
+    not _peers_installed(), reason="the peers are not installed in this environment (benchmarks/install_peers.sh)"
+)
 def test_peers_run_in_the_bench_dtype_like_rnnserve():
     """A bfloat16 bench compares bfloat16 with bfloat16: every peer's weights are cast, and it still
     generates every token."""
@@ -155,7 +178,9 @@ def test_the_roofline_costs_weights_and_products_in_the_bench_dtype():
     machine = probe_machine(torch.bfloat16)
     assert machine["matmul_dtype"] == "bfloat16" and machine["bytes_per_weight"] == 2
     assert machine["matmul_flops"] == max(machine["matmul_flops_by_route"].values())  # the faster route sets it
-    assert roofline(cfg, 784, 8, machine)["weight_bytes_per_token"] == token_cost(cfg, 392, 8, 2)["weight_bytes_per_token"]
+    assert (
+        roofline(cfg, 784, 8, machine)["weight_bytes_per_token"] == token_cost(cfg, 392, 8, 2)["weight_bytes_per_token"]
+    )
 
 
 def test_a_product_route_the_cpu_cannot_take_is_skipped_with_its_reason(monkeypatch):
@@ -169,8 +194,9 @@ def test_a_product_route_the_cpu_cannot_take_is_skipped_with_its_reason(monkeypa
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
     machine = probe_machine(torch.bfloat16)
     assert list(machine["matmul_flops_by_route"]) == ["torch.mm"] and machine["matmul_route"] == "torch.mm"
-    assert machine["matmul_routes_skipped"] == {ONEDNN: "mkldnn bf16 path needs the cpu support avx512bw, avx512vl "
-                                                        "and avx512dq"}
+    assert machine["matmul_routes_skipped"] == {
+        ONEDNN: "mkldnn bf16 path needs the cpu support avx512bw, avx512vl and avx512dq"
+    }
 
 
 def test_both_product_routes_compute_the_same_product():
@@ -202,8 +228,17 @@ def test_bench_uses_trained_weights_from_a_folder(tmp_path):
     for kind in ("linear", "softmax"):
         cfg = ModelConfig(attention=kind, task="mnist", d_model=16, n_layers=1, n_heads=2, d_ff=32, max_len=784)
         save_model(build_model(cfg), tmp_path / f"mnist-{kind}.safetensors", {"note": "test"})
-    done = bench("--quick", "--weights", str(tmp_path), "--kinds", "linear,softmax", "--batch-sizes", "2",
-                 "--json-out", str(tmp_path / "out.json"))
+    done = bench(
+        "--quick",
+        "--weights",
+        str(tmp_path),
+        "--kinds",
+        "linear,softmax",
+        "--batch-sizes",
+        "2",
+        "--json-out",
+        str(tmp_path / "out.json"),
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads((tmp_path / "out.json").read_text())
     assert set(result["models"]) == {"linear", "softmax"}
@@ -213,16 +248,19 @@ def test_bench_uses_trained_weights_from_a_folder(tmp_path):
     assert {r["batch"] for r in result["images"]} == {2}
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--batch-sizes", "1,zero"], "comma-separated integers"),
-    (["--batch-sizes", "0"], "positive integers"),
-    (["--kinds", "softmax,lstm"], "unknown attention kind"),
-    (["--weights", "/nonexistent-folder"], "not a directory"),
-    (["--url", "ftp://127.0.0.1:1"], "expected http://HOST:PORT"),
-    (["--url", "http://127.0.0.1:1", "--concurrency", "0"], "--concurrency must be between"),
-    (["--url", "http://127.0.0.1:1", "--duration", "5", "--ramp-up", "5"], "--ramp-up must be in"),
-    (["--positions", "500,100"], "--positions must be increasing"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--batch-sizes", "1,zero"], "comma-separated integers"),
+        (["--batch-sizes", "0"], "positive integers"),
+        (["--kinds", "softmax,lstm"], "unknown attention kind"),
+        (["--weights", "/nonexistent-folder"], "not a directory"),
+        (["--url", "ftp://127.0.0.1:1"], "expected http://HOST:PORT"),
+        (["--url", "http://127.0.0.1:1", "--concurrency", "0"], "--concurrency must be between"),
+        (["--url", "http://127.0.0.1:1", "--duration", "5", "--ramp-up", "5"], "--ramp-up must be in"),
+        (["--positions", "500,100"], "--positions must be increasing"),
+    ],
+)
 def test_bad_flags_say_what_is_expected(args, message, capsys):
     parser = argparse.ArgumentParser(prog="rnnserve bench")
     add_arguments(parser)
@@ -244,8 +282,19 @@ def test_later_positions_and_interpolated_sum():
 @pytest.mark.parametrize("kind", KINDS)
 def test_roofline_state_traffic_matches_the_models_own_state(kind):
     """The per-token byte formulas agree with the state the model really allocates."""
-    cfg = ModelConfig(attention=kind, task="text", d_model=32, n_layers=2, n_heads=4, d_ff=64, max_len=512,
-                      linformer_k=8, reformer_rounds=2, reformer_buckets=4, reformer_local_window=16)
+    cfg = ModelConfig(
+        attention=kind,
+        task="text",
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        d_ff=64,
+        max_len=512,
+        linformer_k=8,
+        reformer_rounds=2,
+        reformer_buckets=4,
+        reformer_local_window=16,
+    )
     model = build_model(cfg)
     t = 256
     _, moved = attention_cost(cfg, t)
@@ -258,8 +307,11 @@ def test_roofline_state_traffic_matches_the_models_own_state(kind):
         window = cfg.reformer_local_window
         assert moved == kv_per_position * (cfg.reformer_rounds * t / cfg.reformer_buckets + window + 1)
     # Dense FLOPs are two per weight of the blocks and the output head.
-    matrices = sum(p.numel() for n, p in model.named_parameters()
-                   if p.dim() == 2 and n.endswith(".weight") and not n.startswith(("tok_emb", "pos_emb")))
+    matrices = sum(
+        p.numel()
+        for n, p in model.named_parameters()
+        if p.dim() == 2 and n.endswith(".weight") and not n.startswith(("tok_emb", "pos_emb"))
+    )
     assert dense_flops(cfg) == 2 * matrices
 
 
@@ -282,8 +334,25 @@ def server_url(tmp_path_factory):
     log = folder / "server.log"
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     with log.open("w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "server", "serve", "--weights", str(folder), "--port", str(port),
-                                    "--log-level", "warning", "--no-compile-decode"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "server",
+                "serve",
+                "--weights",
+                str(folder),
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+                "--no-compile-decode",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(process, url, log)
@@ -298,8 +367,11 @@ def _metrics(url: str) -> str:
 
 def test_image_load_counts_match_the_servers_counters(server_url):
     before = _metrics(server_url)
-    result = run_load(LoadSettings(url=server_url, kind="image", concurrency=3, duration=2.0, max_requests=1000,
-                                   keep_rows=20, timeout=60))
+    result = run_load(
+        LoadSettings(
+            url=server_url, kind="image", concurrency=3, duration=2.0, max_requests=1000, keep_rows=20, timeout=60
+        )
+    )
     after = _metrics(server_url)
 
     def delta(name, **labels):
@@ -319,11 +391,16 @@ def test_engine_split_accounts_for_a_load_run(server_url, tmp_path):
     from benchmarks.engine_split import main as engine_split
 
     (tmp_path / "before").write_text(_metrics(server_url))
-    result = run_load(LoadSettings(url=server_url, kind="image", concurrency=3, duration=1.5, max_requests=1000,
-                                   keep_rows=24, timeout=60))
+    result = run_load(
+        LoadSettings(
+            url=server_url, kind="image", concurrency=3, duration=1.5, max_requests=1000, keep_rows=24, timeout=60
+        )
+    )
     (tmp_path / "after").write_text(_metrics(server_url))
     (tmp_path / "load.json").write_text(json.dumps(result))
-    engine_split([str(tmp_path / name) for name in ("before", "after", "load.json")] + ["--append", str(tmp_path / "e.jsonl")])
+    engine_split(
+        [str(tmp_path / name) for name in ("before", "after", "load.json")] + ["--append", str(tmp_path / "e.jsonl")]
+    )
     figures = json.loads((tmp_path / "e.jsonl").read_text())
     assert figures["rows_per_step"] * figures["steps"] == pytest.approx(result["tokens"])  # only this run decoded
     assert 1 <= figures["rows_per_step"] <= 3  # three clients
@@ -333,28 +410,57 @@ def test_engine_split_accounts_for_a_load_run(server_url, tmp_path):
 def test_ramp_up_spreads_the_workers_first_requests(server_url):
     """With --ramp-up R and c workers, worker i sends its first request R * i / c seconds in (all at once by default:
     equal-length requests then finish and return together, in lockstep)."""
-    result = run_load(LoadSettings(url=server_url, kind="image", concurrency=4, duration=2.0, ramp_up=1.2,
-                                   max_requests=1000, keep_rows=26, timeout=60))
+    result = run_load(
+        LoadSettings(
+            url=server_url,
+            kind="image",
+            concurrency=4,
+            duration=2.0,
+            ramp_up=1.2,
+            max_requests=1000,
+            keep_rows=26,
+            timeout=60,
+        )
+    )
     assert result["outcomes"] == {"200": result["sent"]}
     starts = result["first_sends_s"]
     assert len(starts) == 4 and all(start >= 0.3 * i for i, start in enumerate(starts)), starts
     assert starts[-1] < 1.2 + 0.5, starts  # the last worker is not held back past its turn (bounded slack)
-    together = run_load(LoadSettings(url=server_url, kind="image", concurrency=4, duration=0.5, max_requests=4,
-                                     keep_rows=26, timeout=60))
+    together = run_load(
+        LoadSettings(
+            url=server_url, kind="image", concurrency=4, duration=0.5, max_requests=4, keep_rows=26, timeout=60
+        )
+    )
     assert together["first_sends_s"][-1] < 0.3, together["first_sends_s"]
 
 
 def test_text_stream_load_stops_at_the_request_budget(server_url):
     before = _metrics(server_url)
-    result = run_load(LoadSettings(url=server_url, kind="text", concurrency=2, duration=120.0, max_requests=5,
-                                   max_tokens=12, prompt="Hi", timeout=60))
+    result = run_load(
+        LoadSettings(
+            url=server_url,
+            kind="text",
+            concurrency=2,
+            duration=120.0,
+            max_requests=5,
+            max_tokens=12,
+            prompt="Hi",
+            timeout=60,
+        )
+    )
     after = _metrics(server_url)
     assert result["sent"] == result["completed"] == 5
-    assert metric_value(after, "rnnserve_requests_total", endpoint="/v1/completions", outcome="ok") - \
-        metric_value(before, "rnnserve_requests_total", endpoint="/v1/completions", outcome="ok") == 5
+    assert (
+        metric_value(after, "rnnserve_requests_total", endpoint="/v1/completions", outcome="ok")
+        - metric_value(before, "rnnserve_requests_total", endpoint="/v1/completions", outcome="ok")
+        == 5
+    )
     assert result["tokens"] == 5 * 12
-    assert metric_value(after, "rnnserve_generated_tokens_total", model="text-linear") - \
-        metric_value(before, "rnnserve_generated_tokens_total", model="text-linear") == 5 * 12
+    assert (
+        metric_value(after, "rnnserve_generated_tokens_total", model="text-linear")
+        - metric_value(before, "rnnserve_generated_tokens_total", model="text-linear")
+        == 5 * 12
+    )
     assert result["ttft_s"]["count"] == 5
     # One gap between consecutive events; bytes of a split UTF-8 character arrive together.
     assert 0 < result["inter_token_s"]["count"] <= 5 * (12 - 1)
@@ -362,26 +468,38 @@ def test_text_stream_load_stops_at_the_request_budget(server_url):
 
 def test_load_errors_are_counted_by_status(server_url):
     before = _metrics(server_url)
-    result = run_load(LoadSettings(url=server_url, kind="text", concurrency=2, duration=60.0, max_requests=4,
-                                   model="no-such-model", timeout=30))
+    result = run_load(
+        LoadSettings(
+            url=server_url, kind="text", concurrency=2, duration=60.0, max_requests=4, model="no-such-model", timeout=30
+        )
+    )
     after = _metrics(server_url)
     assert result["completed"] == 0
     assert result["outcomes"] == {"404": 4}
-    assert metric_value(after, "rnnserve_requests_total", endpoint="/v1/completions", outcome="not_found") - \
-        metric_value(before, "rnnserve_requests_total", endpoint="/v1/completions", outcome="not_found") == 4
+    assert (
+        metric_value(after, "rnnserve_requests_total", endpoint="/v1/completions", outcome="not_found")
+        - metric_value(before, "rnnserve_requests_total", endpoint="/v1/completions", outcome="not_found")
+        == 4
+    )
 
 
 def test_requests_past_their_timeout_are_counted_as_timeouts(server_url):
     # A whole image is 784 decoding steps: far longer than a millisecond.
-    result = run_load(LoadSettings(url=server_url, kind="image", concurrency=2, duration=30.0, max_requests=3,
-                                   keep_rows=0, timeout=0.001))
+    result = run_load(
+        LoadSettings(
+            url=server_url, kind="image", concurrency=2, duration=30.0, max_requests=3, keep_rows=0, timeout=0.001
+        )
+    )
     assert result["sent"] == 3 and result["completed"] == 0
     assert result["outcomes"] == {"timeout": 3}
 
 
 def test_load_against_a_closed_port_reports_connection_errors():
-    result = run_load(LoadSettings(url=f"http://127.0.0.1:{free_port()}", kind="image", concurrency=2,
-                                   duration=30.0, max_requests=3, timeout=5))
+    result = run_load(
+        LoadSettings(
+            url=f"http://127.0.0.1:{free_port()}", kind="image", concurrency=2, duration=30.0, max_requests=3, timeout=5
+        )
+    )
     assert result["sent"] == 3 and result["completed"] == 0
     assert result["outcomes"] == {"connect_error": 3}
 
@@ -393,7 +511,10 @@ def test_flatness_alternates_two_states_of_each_constant_state_kind(quick_result
     assert [f["kind"] for f in result["flatness"]] == ["linear", "linformer"]
     for f in result["flatness"]:
         assert (f["near"], f["far"]) == (near, far) and f["steps"] == FLAT_ROUNDS * FLAT_STEPS_PER_ROUND
-        assert 0 < f["near_seconds_min"] <= f["near_seconds_median"] and 0 < f["far_seconds_min"] <= f["far_seconds_median"]
+        assert (
+            0 < f["near_seconds_min"] <= f["near_seconds_median"]
+            and 0 < f["far_seconds_min"] <= f["far_seconds_median"]
+        )
         assert f["ratio"] == pytest.approx(f["far_seconds_median"] / f["near_seconds_median"])
     target = next(t for t in result["targets"] if t["name"].startswith("linear step time"))
     assert target["measured"] == result["flatness"][0]["ratio"] and target["met"] == (target["measured"] <= 1.10)
@@ -404,8 +525,11 @@ def test_flatness_steps_run_without_autograd(monkeypatch):
     """Autograd on would add a fixed cost to every step and pull the ratio towards 1."""
     seen = []
     real = decode._time_steps
-    monkeypatch.setattr(decode, "_time_steps", lambda decoder, steps: seen.append(
-        torch.is_inference_mode_enabled()) or real(decoder, steps))
+    monkeypatch.setattr(
+        decode,
+        "_time_steps",
+        lambda decoder, steps: seen.append(torch.is_inference_mode_enabled()) or real(decoder, steps),
+    )
     model = build_model(decode.preset_config("tiny", "linear", task="text", max_len=512)).eval()
     settings = decode.DecodeSettings(compiled=False)  # eager steps: what is checked is the mode they run in
     (result,) = decode.measure_flatness({"linear": model}, 10, 200, settings, lambda line: None)
@@ -428,15 +552,20 @@ def test_step_kernel_forms_compute_the_same_thing():
             with torch.inference_mode():
                 out_second = second(*second_args)
             torch.testing.assert_close(out_first.reshape(out_second.shape), out_second, rtol=1e-5, atol=1e-5)
-            for a, b in zip(first_args, second_args):  # states updated alike (a transposed layout has another shape: k != D)
+            for a, b in zip(
+                first_args, second_args
+            ):  # states updated alike (a transposed layout has another shape: k != D)
                 torch.testing.assert_close(a, b if a.shape == b.shape else b.transpose(-1, -2))
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--duty", "0"], "--duty must be in (0, 1), got 0.0"),
-    (["--duty", "1.5"], "--duty must be in (0, 1), got 1.5"),
-    (["--steps", "900"], "--steps must be in [1, 784] (the preset's positions), got 900"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--duty", "0"], "--duty must be in (0, 1), got 0.0"),
+        (["--duty", "1.5"], "--duty must be in (0, 1), got 1.5"),
+        (["--steps", "900"], "--steps must be in [1, 784] (the preset's positions), got 900"),
+    ],
+)
 def test_gil_contention_flags_say_what_is_expected(args, message, capsys):
     from benchmarks.gil_contention import main
 

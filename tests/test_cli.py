@@ -34,9 +34,23 @@ def test_help_of_every_subcommand_answers_without_importing_torch():
     done = subprocess.run([sys.executable, "-c", HELP_PROBE], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout)
-    assert set(found) == set(SUBCOMMANDS) == {"serve", "build-kernels", "ray-status", "train", "import", "linearize",
-                                                    "eval", "bench", "pictures",
-                                                    "curves", "train-classifier"}
+    assert (
+        set(found)
+        == set(SUBCOMMANDS)
+        == {
+            "serve",
+            "build-kernels",
+            "ray-status",
+            "train",
+            "import",
+            "linearize",
+            "eval",
+            "bench",
+            "pictures",
+            "curves",
+            "train-classifier",
+        }
+    )
     for name, result in found.items():
         assert result == {"code": 0, "usage": True, "imported": []}, name
 
@@ -50,17 +64,20 @@ def test_main_runs_the_argv_it_is_given_and_leaves_sys_argv_alone(tmp_path, caps
 
 
 def test_python_m_server_is_the_same_command():
-    done = subprocess.run([sys.executable, "-m", "server", "--help"], cwd=REPO, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "server", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: rnnserve") and all(name in done.stdout for name in SUBCOMMANDS)
 
 
 def test_serve_names_a_missing_model_file_before_importing_torch(tmp_path):
     missing = tmp_path / "nope.safetensors"
-    probe = ("import sys; from rnnserve_cli import main; "
-             f"code = main(['serve', '--model', {str(missing)!r}, '--port', '0']); "
-             "print(code, 'torch' in sys.modules)")
+    probe = (
+        "import sys; from rnnserve_cli import main; "
+        f"code = main(['serve', '--model', {str(missing)!r}, '--port', '0']); "
+        "print(code, 'torch' in sys.modules)"
+    )
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.stdout.split() == ["2", "False"], done.stderr
     assert f"--model file not found: {missing}" in done.stderr
@@ -69,8 +86,13 @@ def test_serve_names_a_missing_model_file_before_importing_torch(tmp_path):
 def test_ray_status_without_a_cluster_says_so_in_one_line(tmp_path):
     """Ray's own `serve status` needs the dashboard; ours asks the cluster, and names the missing one."""
     env = {**os.environ, "RAY_TMPDIR": str(tmp_path), "RAY_ADDRESS": ""}
-    done = subprocess.run([str(Path(sys.executable).parent / "rnnserve"), "ray-status"], capture_output=True,
-                          text=True, timeout=120, env=env)
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "rnnserve"), "ray-status"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert done.returncode == 2, done.stderr
     assert done.stdout == ""
     (line,) = done.stderr.strip().splitlines()

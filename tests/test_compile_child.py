@@ -144,7 +144,9 @@ def test_a_process_with_several_models_adopts_every_graph_its_compile_children_b
     script = tmp_path / "serve_two.py"  # run as a file: its spawned children import it as their main module
     script.write_text(TWO_MODELS)
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [r["kind"] for r in reports] == ["linear", "softmax"], done.stdout

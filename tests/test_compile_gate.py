@@ -37,8 +37,10 @@ def test_a_process_that_dies_holding_its_turn_frees_it(tmp_path):
     turns = CompileTurns.new()
     try:
         # A child takes the turn, says so, and is killed while it holds it.
-        code = (f"import pickle, sys, time; turns = pickle.loads({pickle.dumps(turns)!r}); turns.__enter__(); "
-                "print('holding', flush=True); time.sleep(60)")
+        code = (
+            f"import pickle, sys, time; turns = pickle.loads({pickle.dumps(turns)!r}); turns.__enter__(); "
+            "print('holding', flush=True); time.sleep(60)"
+        )
         child = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
         assert child.stdout.readline().strip() == "holding"
         got_in = threading.Event()

@@ -120,8 +120,12 @@ def test_compiled_bfloat16_steps_are_as_close_to_float32_as_eager_bfloat16(kind)
 @pytest.mark.parametrize("kind", COMPILABLE_KINDS)
 def test_compiled_generate_draws_the_eager_tokens(kind):
     model = shared_tiny_model(kind)
-    params = [SamplingParams(seed=3), SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=20, seed=4),
-              SamplingParams(temperature=1.3, top_p=0.8, seed=5)]
+    params = [
+        SamplingParams(seed=3),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=20, seed=4),
+        SamplingParams(temperature=1.3, top_p=0.8, seed=5),
+    ]
     prompts = random_bytes(2, len(params), 6)
     sampling = BatchSampling.from_params(params)
     assert torch.equal(generate(model, prompts, 60, sampling), generate(model, prompts, 60, sampling, compiled=False))
@@ -139,7 +143,9 @@ def test_compiled_draws_are_the_eager_draws_and_skip_the_guards(rows):
     logits = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)) * 3
     temperatures = [0.0 if i % 3 == 2 else 0.5 + i / 4 for i in range(rows)]
     unfiltered = BatchSampling.from_params([SamplingParams(temperature=t, seed=i) for i, t in enumerate(temperatures)])
-    filtered = BatchSampling.from_params([SamplingParams(temperature=t, top_k=5, seed=i) for i, t in enumerate(temperatures)])
+    filtered = BatchSampling.from_params(
+        [SamplingParams(temperature=t, top_k=5, seed=i) for i, t in enumerate(temperatures)]
+    )
     with torch.inference_mode():
         for position in range(50):
             where = torch.full((rows,), position)
@@ -188,8 +194,9 @@ def test_compiled_steps_run_a_twin_whose_linear_layers_are_packed_and_which_shar
     assert not any(isinstance(m, PackedLinear) for m in model.modules())  # the model itself is left as it was
     shared = {id(t) for t in (*twin.parameters(), *twin.buffers())}
     packed_away = {f"{name}.weight" for name in linears}  # the twin holds these packed instead
-    assert all(id(t) in shared for name, t in (*model.named_parameters(), *model.named_buffers())
-               if name not in packed_away)
+    assert all(
+        id(t) in shared for name, t in (*model.named_parameters(), *model.named_buffers()) if name not in packed_away
+    )
 
 
 def test_a_twin_goes_with_its_model():
@@ -214,8 +221,10 @@ def test_a_compile_that_fails_is_logged_and_decoding_stays_eager(caplog):
     # A shape no other test compiles (nothing cached) and a C++ compiler that does not exist.
     model = make_tiny_model("linear", n_layers=1, d_model=16)
     decoder = make_decoder(model, model.new_state(2), cuda_graphs=False, compiled=True)
-    with torch._inductor.config.patch({"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False}), \
-            caplog.at_level(logging.WARNING, logger="rnnserve.compiled_decode"):
+    with (
+        torch._inductor.config.patch({"cpp.cxx": ("/nonexistent/c++",), "fx_graph_cache": False}),
+        caplog.at_level(logging.WARNING, logger="rnnserve.compiled_decode"),
+    ):
         log = decoder.compile_now()
     assert log.error is not None and not decoder.compiled and decoder.wait_compiled(0)
     assert "decoding eagerly" in caplog.text
@@ -268,8 +277,24 @@ def test_server_compiles_in_the_background_and_answers_what_eager_generate_draws
     port, log = free_port(), tmp_path / "server.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RNNSERVE_")} | {"OMP_NUM_THREADS": "1"}
     with log.open("w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "server", "serve", "--weights", str(tmp_path), "--port",
-                                    str(port), "--max-batch", "4"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "server",
+                "serve",
+                "--weights",
+                str(tmp_path),
+                "--port",
+                str(port),
+                "--max-batch",
+                "4",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(process, url, log)
@@ -288,8 +313,9 @@ def test_server_compiles_in_the_background_and_answers_what_eager_generate_draws
 @torch.inference_mode()
 def _eager_generation(model, prompt: list[int], count: int, params: SamplingParams) -> tuple[list[int], list[float]]:
     """Tokens of eager `generate` and their log-probabilities from eager decode steps."""
-    tokens = generate(model, torch.tensor([prompt]), len(prompt) + count, BatchSampling.from_params([params]),
-                      compiled=False)[0, len(prompt):]
+    tokens = generate(
+        model, torch.tensor([prompt]), len(prompt) + count, BatchSampling.from_params([params]), compiled=False
+    )[0, len(prompt) :]
     decoder = EagerDecoder(model, model.new_state(1))
     logits, _ = model(torch.tensor([[BOS_TOKEN, *prompt]]), decoder.state)
     logits, logprobs = logits[:, -1], []
@@ -319,11 +345,29 @@ def test_a_server_stopped_while_compiling_exits_cleanly(tmp_path, engines):
     save_tiny_model(tmp_path, "text-softmax", "softmax", "text")
     port, log = free_port(), tmp_path / "server.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RNNSERVE_")} | {
-        "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}  # no cached graphs: the compile takes seconds
+        "OMP_NUM_THREADS": "1",
+        "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+    }  # no cached graphs: the compile takes seconds
     with log.open("w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "server", "serve", "--weights", str(tmp_path), "--port",
-                                    str(port), "--max-batch", "4", engines], cwd=REPO, env=env, stdout=out,
-                                   stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "server",
+                "serve",
+                "--weights",
+                str(tmp_path),
+                "--port",
+                str(port),
+                "--max-batch",
+                "4",
+                engines,
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         wait_healthy(process, f"http://127.0.0.1:{port}", log)
         process.send_signal(signal.SIGTERM)

@@ -29,7 +29,13 @@ from server_support import make_settings, running_server
 from training import classifier as clf
 from training import arguments
 from training.completions import (
-    SEED_STRIDE, Occlusion, choose_occlusion, complete_digits, mask_from_file, occlusion_mask, unknown_bits_per_dim,
+    SEED_STRIDE,
+    Occlusion,
+    choose_occlusion,
+    complete_digits,
+    mask_from_file,
+    occlusion_mask,
+    unknown_bits_per_dim,
 )
 from rnnserve_cli import run_eval
 from server.api.imaging import read_mask_png
@@ -48,12 +54,12 @@ def toy_digits(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     images = torch.zeros(count, 28, 28, dtype=torch.uint8)
     for i, (label, a, b) in enumerate(zip(labels.tolist(), *torch.randint(4, 14, (2, count), generator=gen).tolist())):
         if label == 0:
-            images[i, a:a + 12, b + 4:b + 7] = 255
+            images[i, a : a + 12, b + 4 : b + 7] = 255
         elif label == 1:
-            images[i, b + 4:b + 7, a:a + 12] = 255
+            images[i, b + 4 : b + 7, a : a + 12] = 255
         else:
-            images[i, a:a + 10, b:b + 10] = 255
-            images[i, a + 2:a + 8, b + 2:b + 8] = 0
+            images[i, a : a + 10, b : b + 10] = 255
+            images[i, a + 2 : a + 8, b + 2 : b + 8] = 0
     return images.view(count, 784), labels.to(torch.uint8)
 
 
@@ -103,8 +109,14 @@ def toy_classifier(toy_data: Path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("classifier") / "digit-classifier.safetensors"
     args = argparse.ArgumentParser()
     arguments.add_classifier_arguments(args)
-    assert clf.run(args.parse_args(["--data", str(toy_data), "--out", str(out), "--epochs", "10", "--batch-size", "16",
-                                        "--seed", "0"])) == 0
+    assert (
+        clf.run(
+            args.parse_args(
+                ["--data", str(toy_data), "--out", str(out), "--epochs", "10", "--batch-size", "16", "--seed", "0"]
+            )
+        )
+        == 0
+    )
     return out
 
 
@@ -277,12 +289,27 @@ def save_tiny_file(folder: Path, name: str = "tiny") -> Path:
     return path
 
 
-def test_eval_completions_reports_stores_and_serves_the_result(tmp_path: Path, toy_data: Path, toy_classifier: Path,
-                                                               capsys) -> None:
+def test_eval_completions_reports_stores_and_serves_the_result(
+    tmp_path: Path, toy_data: Path, toy_classifier: Path, capsys
+) -> None:
     path = save_tiny_file(tmp_path)
     before = load_file(path)
-    argv = [str(path), "--completions", "--data", str(toy_data), "--classifier", str(toy_classifier), "--limit", "8",
-            "--batch-size", "3", "--device", "cpu", "--json", "--store"]
+    argv = [
+        str(path),
+        "--completions",
+        "--data",
+        str(toy_data),
+        "--classifier",
+        str(toy_classifier),
+        "--limit",
+        "8",
+        "--batch-size",
+        "3",
+        "--device",
+        "cpu",
+        "--json",
+        "--store",
+    ]
     assert run_eval(parse_eval(argv)) == 0
     printed = json.loads(capsys.readouterr().out)[str(path)]
     test = load_labeled_mnist(toy_data, "test")
@@ -293,7 +320,9 @@ def test_eval_completions_reports_stores_and_serves_the_result(tmp_path: Path, t
     assert printed["digits"] == 8 and printed["unknown_pixels"] == 392 and printed["occlusion"] == "bottom-half"
     assert printed["read_as_true_original"] == pytest.approx(clf.accuracy(classifier, images, labels))
     assert printed["read_as_true_occluded"] == pytest.approx(clf.accuracy(classifier, hidden.view(8, 784), labels))
-    model_bits = unknown_bits_per_dim(copy.deepcopy(tiny_mnist_model()).to(torch.bfloat16).float(), images, occlusion_mask("bottom-half"))
+    model_bits = unknown_bits_per_dim(
+        copy.deepcopy(tiny_mnist_model()).to(torch.bfloat16).float(), images, occlusion_mask("bottom-half")
+    )
     assert printed["bits_per_dim_unknown"] == pytest.approx(model_bits, rel=1e-4)
     _, info = read_metadata(path)
     assert info["eval"]["completions"]["bottom-half"] == printed and info["eval"]["bits_per_dim"] == 7.5
@@ -309,24 +338,32 @@ def test_a_bits_per_dim_store_keeps_stored_completions(tmp_path: Path, toy_data:
     from model.weights_io import update_info
 
     update_info(path, {"eval": {"bits_per_dim": 7.5, "completions": {"right-half": {"digits": 4}}}})
-    assert run_eval(parse_eval([str(path), "--data", str(toy_data), "--limit", "2", "--store", "--json",
-                                    "--device", "cpu"])) == 0
+    assert (
+        run_eval(
+            parse_eval([str(path), "--data", str(toy_data), "--limit", "2", "--store", "--json", "--device", "cpu"])
+        )
+        == 0
+    )
     stored = read_metadata(path)[1]["eval"]
     assert stored["completions"] == {"right-half": {"digits": 4}} and stored["bits_per_dim"] != 7.5
 
 
-@pytest.mark.parametrize("problem, expected", [
-    ("missing data", "no such file or folder"),
-    ("missing classifier", "no digit classifier here; train one with `rnnserve train-classifier"),
-    ("wrong-size mask", "mask is 20x20 pixels; expected 28x28"),
-    ("text model", ": this is a text model; --completions needs an MNIST model (trained with --task mnist)"),
-    ("mask without --completions", "--mask only applies with --completions"),
-    ("mask and occlusion", "give either --occlusion or --mask, not both"),
-    ("particles without --completions", "--particles only applies with --completions"),
-    ("zero particles", "--particles must be in 1..256, got 0"),
-])
-def test_eval_completions_errors_are_clear(problem: str, expected: str, tmp_path: Path, toy_data: Path,
-                                           toy_classifier: Path, capsys) -> None:
+@pytest.mark.parametrize(
+    "problem, expected",
+    [
+        ("missing data", "no such file or folder"),
+        ("missing classifier", "no digit classifier here; train one with `rnnserve train-classifier"),
+        ("wrong-size mask", "mask is 20x20 pixels; expected 28x28"),
+        ("text model", ": this is a text model; --completions needs an MNIST model (trained with --task mnist)"),
+        ("mask without --completions", "--mask only applies with --completions"),
+        ("mask and occlusion", "give either --occlusion or --mask, not both"),
+        ("particles without --completions", "--particles only applies with --completions"),
+        ("zero particles", "--particles must be in 1..256, got 0"),
+    ],
+)
+def test_eval_completions_errors_are_clear(
+    problem: str, expected: str, tmp_path: Path, toy_data: Path, toy_classifier: Path, capsys
+) -> None:
     path = save_tiny_file(tmp_path)
     mask = tmp_path / "small.png"
     mask.write_bytes(png_bytes(np.full((20, 20), 255)))

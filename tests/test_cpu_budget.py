@@ -14,13 +14,16 @@ from server.engine.cpu_budget import CpuBudget, cgroup_cpu_quota, usable_cpus
 from server_support import make_settings, running_server, save_tiny_model
 
 
-@pytest.mark.parametrize("cpus, engines, override, expected", [
-    (2, 1, None, [2]),
-    (2, 4, None, [1, 1, 1, 1]),  # never fewer than one thread
-    (8, 3, None, [3, 3, 2]),  # what does not divide goes to the first engines
-    (64, 8, None, [8] * 8),
-    (2, 3, 4, [4, 4, 4]),  # --threads overrides the budget
-])
+@pytest.mark.parametrize(
+    "cpus, engines, override, expected",
+    [
+        (2, 1, None, [2]),
+        (2, 4, None, [1, 1, 1, 1]),  # never fewer than one thread
+        (8, 3, None, [3, 3, 2]),  # what does not divide goes to the first engines
+        (64, 8, None, [8] * 8),
+        (2, 3, 4, [4, 4, 4]),  # --threads overrides the budget
+    ],
+)
 def test_engines_share_the_budget(cpus, engines, override, expected):
     assert CpuBudget(cpus, "test").engine_threads(engines, override) == expected
 
@@ -32,14 +35,17 @@ def cgroup(tmp_path: Path, files: dict[str, str]) -> Path:
     return tmp_path
 
 
-@pytest.mark.parametrize("files, quota", [
-    ({"cpu.max": "150000 100000\n"}, 1.5),  # cgroup v2
-    ({"cpu.max": "max 100000\n"}, None),  # v2, unlimited
-    ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2.0),  # cgroup v1
-    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),  # v1, unlimited
-    ({"cpu.max": "garbled"}, None),
-    ({}, None),  # no cgroup CPU controller at all
-])
+@pytest.mark.parametrize(
+    "files, quota",
+    [
+        ({"cpu.max": "150000 100000\n"}, 1.5),  # cgroup v2
+        ({"cpu.max": "max 100000\n"}, None),  # v2, unlimited
+        ({"cpu/cpu.cfs_quota_us": "200000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 2.0),  # cgroup v1
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),  # v1, unlimited
+        ({"cpu.max": "garbled"}, None),
+        ({}, None),  # no cgroup CPU controller at all
+    ],
+)
 def test_the_cgroup_quota_is_read_from_either_version(tmp_path, files, quota):
     assert cgroup_cpu_quota(cgroup(tmp_path, files)) == quota
 
@@ -49,7 +55,9 @@ def test_a_quota_below_the_affinity_limits_the_budget_rounded_up(tmp_path):
     root = cgroup(tmp_path, {"cpu.max": "50000 100000"})  # half a CPU's time
     budget = usable_cpus(root, environ={})
     assert budget.cpus == 1 and "quota of 0.5 CPUs" in budget.reason
-    assert usable_cpus(cgroup(tmp_path / "big", {"cpu.max": f"{affinity * 400000} 100000"}), environ={}).cpus == affinity
+    assert (
+        usable_cpus(cgroup(tmp_path / "big", {"cpu.max": f"{affinity * 400000} 100000"}), environ={}).cpus == affinity
+    )
 
 
 def test_omp_num_threads_caps_the_budget(tmp_path):
@@ -65,8 +73,13 @@ def test_the_affinity_a_process_is_started_with_is_its_budget():
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one CPU: nothing narrower to start a process with")
     code = "from server.engine.cpu_budget import usable_cpus; print(usable_cpus(environ={}).cpus)"
-    narrowed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                              preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}))
+    narrowed = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}),
+    )
     assert narrowed.stdout.strip() == "1"
 
 

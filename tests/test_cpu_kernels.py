@@ -26,8 +26,10 @@ from conftest import TINY_MAX_LEN, make_tiny_model, make_tokens
 
 KERNEL_TOLERANCE = 1e-5
 # The kernels are C++ built on this machine: without a compiler there is nothing to test.
-pytestmark = pytest.mark.skipif(not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
-                                reason="no C++ compiler on PATH: the CPU kernels cannot be built here")
+pytestmark = pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
+    reason="no C++ compiler on PATH: the CPU kernels cannot be built here",
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +53,8 @@ def test_the_kernel_equals_pytorch_attention_for_rows_of_different_lengths(kerne
     rows, heads, max_len = 5, 3, 40
     # Caches as decoders hold them: rows [1, 6) of a larger state; q a strided view of the fused projection.
     k_all, v_all = (torch.randn(rows + 2, heads, max_len, head_dim, generator=gen) for _ in range(2))
-    k, v = k_all[1:rows + 1], v_all[1:rows + 1]
-    q = split_heads(torch.randn(rows, 1, 3 * heads * head_dim, generator=gen)[..., :heads * head_dim], heads)
+    k, v = k_all[1 : rows + 1], v_all[1 : rows + 1]
+    q = split_heads(torch.randn(rows, 1, 3 * heads * head_dim, generator=gen)[..., : heads * head_dim], heads)
     assert not q.is_contiguous()
     last = torch.tensor([0, 5, 17, max_len - 1, 22])
     got = kernel(q, k, v, last)
@@ -72,14 +74,17 @@ def test_the_kernel_reads_only_the_positions_each_row_can_see(kernel):
     torch.testing.assert_close(after, before, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda q, k, v, last: (q, k, v, torch.tensor([3, 30])), "last position 30 outside the cache's 30"),
-    (lambda q, k, v, last: (q, k, v, torch.tensor([-1, 3])), "last position -1"),
-    (lambda q, k, v, last: (q.double(), k, v, last), "float32"),
-    (lambda q, k, v, last: (q, k[:, :1], v, last), "must both be"),
-    (lambda q, k, v, last: (q, k, v, last[:1]), "last must be"),
-    (lambda q, k, v, last: (q, k.transpose(2, 3).contiguous().transpose(2, 3), v, last), "unit stride"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda q, k, v, last: (q, k, v, torch.tensor([3, 30])), "last position 30 outside the cache's 30"),
+        (lambda q, k, v, last: (q, k, v, torch.tensor([-1, 3])), "last position -1"),
+        (lambda q, k, v, last: (q.double(), k, v, last), "float32"),
+        (lambda q, k, v, last: (q, k[:, :1], v, last), "must both be"),
+        (lambda q, k, v, last: (q, k, v, last[:1]), "last must be"),
+        (lambda q, k, v, last: (q, k.transpose(2, 3).contiguous().transpose(2, 3), v, last), "unit stride"),
+    ],
+)
 def test_bad_inputs_are_refused_with_what_is_wrong(kernel, change, message):
     q, k, v = torch.zeros(2, 2, 1, 32), torch.zeros(2, 2, 30, 32), torch.zeros(2, 2, 30, 32)
     with pytest.raises(RuntimeError, match=message):
@@ -103,17 +108,21 @@ def test_softmax_decoding_through_the_kernel_equals_the_parallel_pass():
     torch.testing.assert_close(torch.stack(steps, 1), parallel, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("rows, inputs, outputs", [(64, 128, 384), (1, 512, 128), (9, 5, 17), (70, 40, 3), (3, 128, 48)])
+@pytest.mark.parametrize(
+    "rows, inputs, outputs", [(64, 128, 384), (1, 512, 128), (9, 5, 17), (70, 40, 3), (3, 128, 48)]
+)
 def test_the_packed_linear_kernel_is_a_linear_layer(rows, inputs, outputs):
     """Any row count (blocks of 8 and a remainder), any width (a last panel part full), with and without a bias."""
     assert load_kernels().ok
     gen = torch.Generator().manual_seed(rows + inputs + outputs)
-    x, weight, bias = (torch.randn(*shape, generator=gen) for shape in ((rows, 1, inputs), (outputs, inputs), (outputs,)))
+    x, weight, bias = (
+        torch.randn(*shape, generator=gen) for shape in ((rows, 1, inputs), (outputs, inputs), (outputs,))
+    )
     packed = torch.ops.rnnserve.pack_linear_weight(weight)
     for b in (bias, None):
         got = torch.ops.rnnserve.packed_linear(x, packed, b, outputs)
         assert got.shape == (rows, 1, outputs)
-        torch.testing.assert_close(got, F.linear(x, weight, b), atol=1e-5 * inputs ** 0.5, rtol=1e-5)
+        torch.testing.assert_close(got, F.linear(x, weight, b), atol=1e-5 * inputs**0.5, rtol=1e-5)
 
 
 def test_the_packed_linear_kernel_splits_columns_over_threads_to_the_same_result():
@@ -196,8 +205,13 @@ def test_a_process_finds_the_kernels_despite_a_dead_build_s_lock():
     load_kernels()  # built (or found) here first, so the other process only loads it
     (cpu_kernels.build_directory(flags) / "lock").touch()
     code = "from model.cpu_kernels import load_kernels; b = load_kernels(); print(b.ok, b.error)"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[1])
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert done.stdout.split() == ["True", "None"], done.stderr[-2000:]
     assert "left by a build" in done.stderr
 
@@ -211,8 +225,9 @@ def test_a_server_loads_kernels_built_ahead_and_builds_none_itself(tmp_path):
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=repo)
     assert found.stdout.split() == ["True"], found.stderr[-2000:]
     empty = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
-    missing = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=repo,
-                             env=empty)
+    missing = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=repo, env=empty
+    )
     assert missing.stdout.split() == ["False"], missing.stderr[-2000:]
     assert "rnnserve build-kernels" in missing.stderr
     assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.o"))  # no compiler ran

@@ -23,12 +23,15 @@ from model.transformer import SequenceTooLong
 from conftest import GRAPHABLE_KINDS, KINDS, PADDABLE_KINDS, make_tiny_model, random_bytes, shared_tiny_model
 
 NO_CUDA = not torch.cuda.is_available()
-cuda_only = pytest.mark.skipif(NO_CUDA, reason="CUDA is not available on this machine (torch.cuda.is_available() is False)")
+cuda_only = pytest.mark.skipif(
+    NO_CUDA, reason="CUDA is not available on this machine (torch.cuda.is_available() is False)"
+)
 ROWS = 8
 
 
-@pytest.mark.parametrize("max_batch, sizes", [(1, [1]), (2, [1, 2]), (48, [1, 2, 4, 8, 16, 32, 48]),
-                                              (64, [1, 2, 4, 8, 16, 32, 64])])
+@pytest.mark.parametrize(
+    "max_batch, sizes", [(1, [1]), (2, [1, 2]), (48, [1, 2, 4, 8, 16, 32, 48]), (64, [1, 2, 4, 8, 16, 32, 64])]
+)
 def test_padded_sizes_are_powers_of_two_then_the_slot_count(max_batch, sizes):
     assert padded_sizes(max_batch) == sizes
 

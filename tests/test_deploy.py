@@ -44,8 +44,21 @@ SERVER_START_SECONDS = 90  # model loading on a busy 2-core machine
 
 # --------------------------------------------------------------------------- PromQL
 
-PROMQL_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool",
-                   "and", "or", "unless", "offset", "inf", "nan"}
+PROMQL_KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "inf",
+    "nan",
+}
 LABEL_LIST = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
 
 
@@ -57,7 +70,7 @@ def promql_metric_names(expr: str) -> set[str]:
     expr = LABEL_LIST.sub("", expr)  # grouping and matching label lists
     names = set()
     for match in re.finditer(r"(?<![\w.$])[A-Za-z_:][\w:]*", expr):
-        called = expr[match.end():].lstrip().startswith("(")
+        called = expr[match.end() :].lstrip().startswith("(")
         if not called and match.group().lower() not in PROMQL_KEYWORDS:
             names.add(match.group())
     return names
@@ -65,8 +78,13 @@ def promql_metric_names(expr: str) -> set[str]:
 
 def promql_grouping_labels(expr: str) -> set[str]:
     """Labels named in `by (...)` clauses: each must exist on the metrics aggregated."""
-    return {label.strip() for kind, labels in LABEL_LIST.findall(expr) if kind == "by"
-            for label in labels.split(",") if label.strip()}
+    return {
+        label.strip()
+        for kind, labels in LABEL_LIST.findall(expr)
+        if kind == "by"
+        for label in labels.split(",")
+        if label.strip()
+    }
 
 
 def dashboard_expressions(dashboard: dict) -> list[str]:
@@ -82,13 +100,16 @@ def dashboard_expressions(dashboard: dict) -> list[str]:
 
 
 def test_promql_metric_names_skips_functions_labels_and_numbers():
-    expr = ('histogram_quantile(0.9, sum by (le, model) (rate(a_seconds_bucket{model=~"$model", x="y z"}[$__rate_interval])))'
-            ' / on (model) group_left b_total offset 5m > bool 1e3')
+    expr = (
+        'histogram_quantile(0.9, sum by (le, model) (rate(a_seconds_bucket{model=~"$model", x="y z"}[$__rate_interval])))'
+        " / on (model) group_left b_total offset 5m > bool 1e3"
+    )
     assert promql_metric_names(expr) == {"a_seconds_bucket", "b_total"}
     assert promql_grouping_labels(expr) == {"le", "model"}
 
 
 # --------------------------------------------------------------------------- live server
+
 
 @dataclass
 class Scrape:
@@ -107,8 +128,9 @@ class Scrape:
         return scrape
 
     def value(self, name: str, **labels: str) -> float:
-        return sum(s.value for s in self.samples
-                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+        return sum(
+            s.value for s in self.samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
 
 
 def _free_port() -> int:
@@ -118,14 +140,25 @@ def _free_port() -> int:
 
 
 def _tiny_config(attention: str, task: str, max_len: int) -> ModelConfig:
-    return ModelConfig(attention=attention, task=task, d_model=32, n_layers=2, n_heads=4, d_ff=64,
-                       max_len=max_len, linformer_k=8, reformer_buckets=4)
+    return ModelConfig(
+        attention=attention,
+        task=task,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        d_ff=64,
+        max_len=max_len,
+        linformer_k=8,
+        reformer_buckets=4,
+    )
 
 
 def _write_tiny_models(folder: Path) -> dict[str, ModelConfig]:
     """One mnist model and one text model, random weights, as real safetensors files."""
-    configs = {"digits-linear": _tiny_config("linear", "mnist", 784),
-               "text-softmax": _tiny_config("softmax", "text", 64)}
+    configs = {
+        "digits-linear": _tiny_config("linear", "mnist", 784),
+        "text-softmax": _tiny_config("softmax", "text", 64),
+    }
     torch.manual_seed(0)
     for name, cfg in configs.items():
         save_model(build_model(cfg).eval(), folder / f"{name}.safetensors", info={"test": "deploy"})
@@ -135,9 +168,23 @@ def _write_tiny_models(folder: Path) -> dict[str, ModelConfig]:
 def _serve(weights: Path, port: int, log: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RNNSERVE_")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")  # the test machine's 2 cores are shared
-    command = [sys.executable, "-m", "server", "serve", "--weights", str(weights), "--host", "127.0.0.1",
-               "--port", str(port), "--device", "cpu", "--log-level", "warning",
-               "--no-compile-decode"]  # compiling is covered by tests/test_compiled_decode.py
+    command = [
+        sys.executable,
+        "-m",
+        "server",
+        "serve",
+        "--weights",
+        str(weights),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--log-level",
+        "warning",
+        "--no-compile-decode",
+    ]  # compiling is covered by tests/test_compiled_decode.py
     # Output to a file, not a pipe: nobody reads a pipe while tests run, and a full one blocks the server.
     with log.open("w") as out:
         return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -146,11 +193,17 @@ def _serve(weights: Path, port: int, log: Path) -> subprocess.Popen:
 def _send_traffic(base_url: str) -> None:
     """One image and one text completion, so the latency histograms have samples."""
     digit = [[(r * 28 + c) % 256 for c in range(28)] for r in range(28)]
-    image = httpx.post(f"{base_url}/v1/images/completions", timeout=120,
-                       json={"model": "digits-linear", "pixels": digit, "keep_rows": 27, "n": 1, "seed": 1})
+    image = httpx.post(
+        f"{base_url}/v1/images/completions",
+        timeout=120,
+        json={"model": "digits-linear", "pixels": digit, "keep_rows": 27, "n": 1, "seed": 1},
+    )
     assert image.status_code == 200, image.text
-    text = httpx.post(f"{base_url}/v1/completions", timeout=120,
-                      json={"model": "text-softmax", "prompt": "hello", "max_tokens": 5, "seed": 1})
+    text = httpx.post(
+        f"{base_url}/v1/completions",
+        timeout=120,
+        json={"model": "text-softmax", "prompt": "hello", "max_tokens": 5, "seed": 1},
+    )
     assert text.status_code == 200, text.text
 
 
@@ -183,7 +236,9 @@ def test_dashboard_metrics_are_exported_by_a_running_server(live_server):
     referenced = set().union(*(promql_metric_names(e) for e in exprs))
     assert referenced, "no metric names found in the dashboard's queries"
     missing = sorted(referenced - set(scrape.labels))
-    assert not missing, f"dashboard queries metrics the server does not export: {missing}; exported: {sorted(scrape.labels)}"
+    assert not missing, (
+        f"dashboard queries metrics the server does not export: {missing}; exported: {sorted(scrape.labels)}"
+    )
 
 
 def test_dashboard_groups_only_by_labels_the_metrics_carry(live_server):
@@ -199,8 +254,12 @@ def test_dashboard_groups_only_by_labels_the_metrics_carry(live_server):
 
 def test_dashboard_latency_histograms_have_samples_after_traffic(live_server):
     _, scrape = live_server
-    histograms = {name.removesuffix("_bucket") for e in dashboard_expressions(_dashboard())
-                  for name in promql_metric_names(e) if name.endswith("_bucket")}
+    histograms = {
+        name.removesuffix("_bucket")
+        for e in dashboard_expressions(_dashboard())
+        for name in promql_metric_names(e)
+        if name.endswith("_bucket")
+    }
     assert histograms, "the dashboard has no histogram_quantile panels"
     for histogram in sorted(histograms):
         for model in ("digits-linear", "text-softmax"):
@@ -217,7 +276,9 @@ def _healthcheck_code() -> str:
 
 def _run_healthcheck(port: int) -> int:
     env = {**os.environ, "RNNSERVE_PORT": str(port)}
-    return subprocess.run([sys.executable, "-c", _healthcheck_code()], env=env, capture_output=True, timeout=30).returncode
+    return subprocess.run(
+        [sys.executable, "-c", _healthcheck_code()], env=env, capture_output=True, timeout=30
+    ).returncode
 
 
 def test_dockerfile_healthcheck_passes_against_a_healthy_server(live_server):
@@ -231,6 +292,7 @@ def test_dockerfile_healthcheck_fails_when_nothing_answers():
 
 # --------------------------------------------------------------------------- dashboard content
 
+
 def test_dashboard_shows_the_required_panels_per_model_and_attention():
     exprs = dashboard_expressions(_dashboard())
 
@@ -241,13 +303,18 @@ def test_dashboard_shows_the_required_panels_per_model_and_attention():
         per_kind = [e for e in queries(counter) if "rate(" in e and {"model", "attention"} <= promql_grouping_labels(e)]
         assert per_kind, f"no per-second rate of {counter} by model and attention"
     for histogram in ("rnnserve_time_to_first_token_seconds", "rnnserve_inter_token_latency_seconds"):
-        quantiles = [e for e in queries(f"{histogram}_bucket") if "histogram_quantile(" in e and "le" in promql_grouping_labels(e)]
+        quantiles = [
+            e
+            for e in queries(f"{histogram}_bucket")
+            if "histogram_quantile(" in e and "le" in promql_grouping_labels(e)
+        ]
         assert len(quantiles) >= 2, f"expected several quantiles of {histogram}, got {quantiles}"
     for gauge in ("rnnserve_batch_size", "rnnserve_waiting_sequences", "rnnserve_decode_state_in_use_bytes"):
         assert queries(gauge), f"no panel shows {gauge}"
 
 
 # --------------------------------------------------------------------------- compose and Prometheus
+
 
 def _compose() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
@@ -290,8 +357,13 @@ def test_compose_build_targets_are_dockerfile_stages():
 def test_prometheus_scrapes_every_server_service_at_its_port():
     services = _compose()["services"]
     jobs = yaml.safe_load(PROMETHEUS_CONFIG.read_text())["scrape_configs"]
-    targets = {t for job in jobs if job.get("metrics_path", "/metrics") == "/metrics"
-               for group in job["static_configs"] for t in group["targets"]}
+    targets = {
+        t
+        for job in jobs
+        if job.get("metrics_path", "/metrics") == "/metrics"
+        for group in job["static_configs"]
+        for t in group["targets"]
+    }
     server_services = {name for name, s in services.items() if "build" in s}
     assert "server" in server_services
     for name in server_services:
@@ -307,18 +379,27 @@ def test_grafana_provisioning_matches_the_mounts_and_the_dashboard():
     grafana = _compose()["services"]["grafana"]
     mounts = _mounts(grafana)
     assert mounts.get("/etc/grafana/provisioning") == GRAFANA_PROVISIONING
-    datasources = [d for f in (GRAFANA_PROVISIONING / "datasources").glob("*.yml")
-                   for d in yaml.safe_load(f.read_text())["datasources"]]
+    datasources = [
+        d
+        for f in (GRAFANA_PROVISIONING / "datasources").glob("*.yml")
+        for d in yaml.safe_load(f.read_text())["datasources"]
+    ]
     prometheus = [d for d in datasources if d["type"] == "prometheus"]
     assert len(prometheus) == 1 and prometheus[0]["url"] == "http://prometheus:9090"
-    providers = [p for f in (GRAFANA_PROVISIONING / "dashboards").glob("*.yml")
-                 for p in yaml.safe_load(f.read_text())["providers"]]
-    assert mounts.get(providers[0]["options"]["path"]) == DASHBOARD.parent, "dashboard provider path is not the mounted folder"
+    providers = [
+        p
+        for f in (GRAFANA_PROVISIONING / "dashboards").glob("*.yml")
+        for p in yaml.safe_load(f.read_text())["providers"]
+    ]
+    assert mounts.get(providers[0]["options"]["path"]) == DASHBOARD.parent, (
+        "dashboard provider path is not the mounted folder"
+    )
     used_uids = {p["datasource"]["uid"] for p in _dashboard()["panels"]}
     assert used_uids == {prometheus[0]["uid"]}, f"dashboard uses datasource uids {used_uids}"
 
 
 # --------------------------------------------------------------------------- Dockerfile
+
 
 @dataclass
 class Stage:
@@ -380,8 +461,12 @@ def test_the_source_stage_copies_every_module_pyproject_installs():
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     top_level = {name.split(".")[0] for name in setuptools["packages"]}  # server.api lives in server/
     installed = top_level | {f"{m}.py" for m in setuptools.get("py-modules", [])}
-    copied = {Path(source).name for line in parse_dockerfile()["source"].all("COPY")
-              for source in line.split()[1:-1] if not source.startswith("--")}  # COPY SOURCE... DEST
+    copied = {
+        Path(source).name
+        for line in parse_dockerfile()["source"].all("COPY")
+        for source in line.split()[1:-1]
+        if not source.startswith("--")
+    }  # COPY SOURCE... DEST
     assert installed <= copied, f"`pip install .` in the image would miss {sorted(installed - copied)}"
 
 
@@ -389,11 +474,13 @@ def test_default_target_is_the_cpu_image():
     stages = parse_dockerfile()
     assert stages[""] is stages["cpu"]
     venv_source = re.search(r"--from=(\S+)", " ".join(stages["cpu"].all("COPY"))).group(1)
-    assert any("download.pytorch.org/whl/cpu" in line for line in stages[venv_source].all("ARG")), \
+    assert any("download.pytorch.org/whl/cpu" in line for line in stages[venv_source].all("ARG")), (
         f"the CPU image's venv ({venv_source}) does not install torch from the CPU index"
+    )
 
 
 # --------------------------------------------------------------------------- linters (when installed)
+
 
 def _tool(name: str) -> str:
     found = shutil.which(name) or shutil.which(name, path=str(TOOLS_BIN))
@@ -403,19 +490,29 @@ def _tool(name: str) -> str:
 
 
 def test_hadolint_reports_nothing():
-    result = subprocess.run([_tool("hadolint"), "--no-color", "--failure-threshold", "style", str(DOCKERFILE)],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [_tool("hadolint"), "--no-color", "--failure-threshold", "style", str(DOCKERFILE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("profile", [[], ["--profile", "gpu"]])
 def test_docker_compose_config_is_valid(profile):
-    result = subprocess.run([_tool("docker-compose"), "-f", str(COMPOSE), *profile, "config", "-q"],
-                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    result = subprocess.run(
+        [_tool("docker-compose"), "-f", str(COMPOSE), *profile, "config", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert result.returncode == 0 and not (result.stdout + result.stderr).strip(), result.stdout + result.stderr
 
 
 def test_promtool_accepts_prometheus_config():
-    result = subprocess.run([_tool("promtool"), "check", "config", str(PROMETHEUS_CONFIG)],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [_tool("promtool"), "check", "config", str(PROMETHEUS_CONFIG)], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -18,8 +18,7 @@ from rnnserve_cli import parse_args
 from training import train
 from training.checkpoint import RunSettings, read_checkpoint
 from training.data import load_text
-from training.distillation import (accept_file_digests, check_teacher, file_digest, load_distillation,
-                                   weights_digest)
+from training.distillation import accept_file_digests, check_teacher, file_digest, load_distillation, weights_digest
 
 
 @pytest.fixture
@@ -30,9 +29,34 @@ def corpus(tmp_path: Path) -> Path:
 
 
 def train_args(tmp_path: Path, corpus: Path, out: str, *extra: str) -> argparse.Namespace:
-    return parse_args(["train", "--task", "text", "--attention", "linear", "--data", str(corpus), "--preset", "tiny",
-                       "--context", "16", "--warmup-steps", "5", "--device", "cpu", "--threads", "1", "--no-progress",
-                       "--no-eval", "--save-dtype", "float32", "--out", str(tmp_path / out), *extra])
+    return parse_args(
+        [
+            "train",
+            "--task",
+            "text",
+            "--attention",
+            "linear",
+            "--data",
+            str(corpus),
+            "--preset",
+            "tiny",
+            "--context",
+            "16",
+            "--warmup-steps",
+            "5",
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--no-progress",
+            "--no-eval",
+            "--save-dtype",
+            "float32",
+            "--out",
+            str(tmp_path / out),
+            *extra,
+        ]
+    )
 
 
 @pytest.fixture
@@ -47,7 +71,7 @@ def teachers(tmp_path: Path, corpus: Path) -> list[Path]:
 
 
 def batch(corpus: Path) -> torch.Tensor:
-    return load_text(corpus).train[:8 * 16].view(8, 16).long()  # (8, 16)
+    return load_text(corpus).train[: 8 * 16].view(8, 16).long()  # (8, 16)
 
 
 def test_the_teacher_is_the_average_of_its_members_distributions(teachers: list[Path], corpus: Path) -> None:
@@ -77,12 +101,26 @@ def test_teacher_shares_weigh_the_mixture(teachers: list[Path], corpus: Path) ->
 
 
 def test_a_resume_refuses_other_teacher_shares(tmp_path: Path, corpus: Path, teachers: list[Path]) -> None:
-    common = ["--steps", "4", "--checkpoint-every", "2", "--checkpoint", str(tmp_path / "s.ckpt"), "--resume",
-              "--teacher", str(teachers[0]), "--teacher", str(teachers[1])]
+    common = [
+        "--steps",
+        "4",
+        "--checkpoint-every",
+        "2",
+        "--checkpoint",
+        str(tmp_path / "s.ckpt"),
+        "--resume",
+        "--teacher",
+        str(teachers[0]),
+        "--teacher",
+        str(teachers[1]),
+    ]
     train.train(train_args(tmp_path, corpus, "s.safetensors", *common, "--teacher-shares", "1", "3"), stop_after=2)
     assert read_checkpoint(tmp_path / "s.ckpt").run.teacher_shares == (0.25, 0.75)
-    with pytest.raises(train.TrainError, match=r"s\.ckpt: this run differs from the checkpoint's \(teacher_shares "
-                                               r"\(0\.25, 0\.75\) -> \(0\.75, 0\.25\)"):
+    with pytest.raises(
+        train.TrainError,
+        match=r"s\.ckpt: this run differs from the checkpoint's \(teacher_shares "
+        r"\(0\.25, 0\.75\) -> \(0\.75, 0\.25\)",
+    ):
         train.train(train_args(tmp_path, corpus, "s.safetensors", *common, "--teacher-shares", "3", "1"))
     info = train.train(train_args(tmp_path, corpus, "s.safetensors", *common, "--teacher-shares", "2", "6"))
     assert [t["share"] for t in info["distillation"]["teachers"]] == [0.25, 0.75]  # the same shares, resumed
@@ -120,25 +158,53 @@ def test_a_distilled_student_matches_its_teacher_better_than_one_trained_on_data
     train.train(train_args(tmp_path, other, teacher.name, "--steps", "60", "--lr", "3e-3"))
     common = ["--steps", "40", "--seed", "5", "--lr", "3e-3"]
     train.train(train_args(tmp_path, corpus, "plain.safetensors", *common))
-    info = train.train(train_args(tmp_path, corpus, "taught.safetensors", *common, "--teacher", str(teacher),
-                                  "--distill-weight", "1"))
+    info = train.train(
+        train_args(tmp_path, corpus, "taught.safetensors", *common, "--teacher", str(teacher), "--distill-weight", "1")
+    )
     tokens = batch(corpus)
-    taught, plain = kl_to(teacher, tmp_path / "taught.safetensors", tokens), kl_to(
-        teacher, tmp_path / "plain.safetensors", tokens)
+    taught, plain = (
+        kl_to(teacher, tmp_path / "taught.safetensors", tokens),
+        kl_to(teacher, tmp_path / "plain.safetensors", tokens),
+    )
     assert taught < 0.5 * plain, (taught, plain)
     stored = read_metadata(tmp_path / "taught.safetensors")[1]["distillation"]
-    assert stored == info["distillation"] == {
-        "weight": 1.0, "teachers": [{"file": teacher.name, "sha256": file_digest(teacher),
-                                     "weights_sha256": weights_digest(teacher), "share": 1.0}]}
+    assert (
+        stored
+        == info["distillation"]
+        == {
+            "weight": 1.0,
+            "teachers": [
+                {
+                    "file": teacher.name,
+                    "sha256": file_digest(teacher),
+                    "weights_sha256": weights_digest(teacher),
+                    "share": 1.0,
+                }
+            ],
+        }
+    )
     assert read_metadata(tmp_path / "plain.safetensors")[1]["distillation"] is None
 
 
 def test_a_distilled_run_resumes_bit_for_bit(tmp_path: Path, corpus: Path, teachers: list[Path]) -> None:
-    common = ["--steps", "6", "--checkpoint-every", "3", "--checkpoint-precision", "float32", "--dropout", "0.1",
-              "--teacher", str(teachers[0]), "--teacher", str(teachers[1])]
+    common = [
+        "--steps",
+        "6",
+        "--checkpoint-every",
+        "3",
+        "--checkpoint-precision",
+        "float32",
+        "--dropout",
+        "0.1",
+        "--teacher",
+        str(teachers[0]),
+        "--teacher",
+        str(teachers[1]),
+    ]
     train.train(train_args(tmp_path, corpus, "a.safetensors", *common, "--checkpoint", str(tmp_path / "a.ckpt")))
-    resumed = train_args(tmp_path, corpus, "b.safetensors", *common, "--checkpoint", str(tmp_path / "b.ckpt"),
-                         "--resume")
+    resumed = train_args(
+        tmp_path, corpus, "b.safetensors", *common, "--checkpoint", str(tmp_path / "b.ckpt"), "--resume"
+    )
     train.train(resumed, stop_after=3)
     assert read_checkpoint(tmp_path / "b.ckpt").run.teacher_digests == tuple(weights_digest(p) for p in teachers)
     train.train(resumed)
@@ -157,15 +223,25 @@ def test_a_resume_refuses_a_teacher_that_changed(tmp_path: Path, corpus: Path, t
         train.train(train_args(tmp_path, corpus, "c.safetensors", *common))  # the teacher left out
 
 
-def test_a_teacher_is_named_by_its_weights_not_by_its_stored_info(tmp_path: Path, corpus: Path,
-                                                                   teachers: list[Path]) -> None:
+def test_a_teacher_is_named_by_its_weights_not_by_its_stored_info(
+    tmp_path: Path, corpus: Path, teachers: list[Path]
+) -> None:
     # `rnnserve eval --store` rewrites a file's info: a resume must still take it as the same teacher.
-    common = ["--steps", "4", "--checkpoint-every", "2", "--checkpoint-precision", "float32",
-              "--teacher", str(teachers[0])]
+    common = [
+        "--steps",
+        "4",
+        "--checkpoint-every",
+        "2",
+        "--checkpoint-precision",
+        "float32",
+        "--teacher",
+        str(teachers[0]),
+    ]
     train.train(train_args(tmp_path, corpus, "a.safetensors", *common, "--checkpoint", str(tmp_path / "a.ckpt")))
     before = (file_digest(teachers[0]), weights_digest(teachers[0]))
-    resumed = train_args(tmp_path, corpus, "b.safetensors", *common, "--checkpoint", str(tmp_path / "b.ckpt"),
-                         "--resume")
+    resumed = train_args(
+        tmp_path, corpus, "b.safetensors", *common, "--checkpoint", str(tmp_path / "b.ckpt"), "--resume"
+    )
     train.train(resumed, stop_after=2)
     update_info(teachers[0], {"completions": {"accuracy": 0.5}})
     assert file_digest(teachers[0]) != before[0] and weights_digest(teachers[0]) == before[1]
@@ -184,37 +260,56 @@ def test_the_weights_digest_changes_with_any_number(tmp_path: Path, teachers: li
 
 
 def test_an_older_checkpoint_naming_teachers_by_file_digest_is_read_as_naming_them_by_weights(
-        teachers: list[Path]) -> None:
+    teachers: list[Path],
+) -> None:
     files = [str(p) for p in teachers]
-    now = RunSettings(4, None, 8, 1e-3, 5, 0.0, 100, teacher_digests=tuple(map(weights_digest, files)),
-                      distill_weight=0.5)
-    by_file = RunSettings(4, None, 8, 1e-3, 5, 0.0, 100, teacher_digests=tuple(map(file_digest, files)),
-                          distill_weight=0.5)
+    now = RunSettings(
+        4, None, 8, 1e-3, 5, 0.0, 100, teacher_digests=tuple(map(weights_digest, files)), distill_weight=0.5
+    )
+    by_file = RunSettings(
+        4, None, 8, 1e-3, 5, 0.0, 100, teacher_digests=tuple(map(file_digest, files)), distill_weight=0.5
+    )
     assert accept_file_digests(by_file, now, files) == now
-    swapped = RunSettings(4, None, 8, 1e-3, 5, 0.0, 100, teacher_digests=tuple(map(file_digest, files[::-1])),
-                          distill_weight=0.5)
+    swapped = RunSettings(
+        4, None, 8, 1e-3, 5, 0.0, 100, teacher_digests=tuple(map(file_digest, files[::-1])), distill_weight=0.5
+    )
     assert accept_file_digests(swapped, now, files) == swapped  # other files: still a difference to refuse
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--distill-weight", "0.5"], r"--distill-weight weighs the teachers' targets: add --teacher FILE"),
-    (["--teacher", "TEACHER", "--distill-weight", "0"], r"--distill-weight must be in \(0, 1\]"),
-    (["--teacher-shares", "1"], r"--teacher-shares weighs the teachers in their mixture: add --teacher FILE"),
-    (["--teacher", "TEACHER", "--teacher-shares", "1", "2"],
-     r"--teacher-shares has 2 shares for 1 --teacher files; expected one share per teacher"),
-    (["--teacher", "TEACHER", "--teacher", "TEACHER", "--teacher-shares", "1", "0"],
-     r"--teacher-shares must be positive numbers, got 1\.0 0\.0"),
-    (["--teacher", "MISSING"], r"--teacher .*none\.safetensors: no such file; expected a \.safetensors model"),
-    (["--teacher", "JUNK"], r"--teacher: .*junk\.safetensors"),
-    (["--teacher", "SHORT"], r"--teacher .*short\.safetensors: it reads up to 8 tokens, this run trains on 16; "
-                             r"expected a teacher at least as long"),
-])
-def test_bad_teachers_are_clear_errors(tmp_path: Path, corpus: Path, teachers: list[Path], flags: list[str],
-                                       message: str) -> None:
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--distill-weight", "0.5"], r"--distill-weight weighs the teachers' targets: add --teacher FILE"),
+        (["--teacher", "TEACHER", "--distill-weight", "0"], r"--distill-weight must be in \(0, 1\]"),
+        (["--teacher-shares", "1"], r"--teacher-shares weighs the teachers in their mixture: add --teacher FILE"),
+        (
+            ["--teacher", "TEACHER", "--teacher-shares", "1", "2"],
+            r"--teacher-shares has 2 shares for 1 --teacher files; expected one share per teacher",
+        ),
+        (
+            ["--teacher", "TEACHER", "--teacher", "TEACHER", "--teacher-shares", "1", "0"],
+            r"--teacher-shares must be positive numbers, got 1\.0 0\.0",
+        ),
+        (["--teacher", "MISSING"], r"--teacher .*none\.safetensors: no such file; expected a \.safetensors model"),
+        (["--teacher", "JUNK"], r"--teacher: .*junk\.safetensors"),
+        (
+            ["--teacher", "SHORT"],
+            r"--teacher .*short\.safetensors: it reads up to 8 tokens, this run trains on 16; "
+            r"expected a teacher at least as long",
+        ),
+    ],
+)
+def test_bad_teachers_are_clear_errors(
+    tmp_path: Path, corpus: Path, teachers: list[Path], flags: list[str], message: str
+) -> None:
     (tmp_path / "junk.safetensors").write_bytes(b"not a model")
     train.train(train_args(tmp_path, corpus, "short.safetensors", "--steps", "1", "--context", "8"))
-    names = {"TEACHER": teachers[0], "MISSING": tmp_path / "none.safetensors", "JUNK": tmp_path / "junk.safetensors",
-             "SHORT": tmp_path / "short.safetensors"}
+    names = {
+        "TEACHER": teachers[0],
+        "MISSING": tmp_path / "none.safetensors",
+        "JUNK": tmp_path / "junk.safetensors",
+        "SHORT": tmp_path / "short.safetensors",
+    }
     argv = [str(names.get(flag, flag)) for flag in flags]
     with pytest.raises(train.TrainError, match=message):
         train.train(train_args(tmp_path, corpus, "s.safetensors", "--steps", "1", *argv))

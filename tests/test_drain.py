@@ -52,8 +52,23 @@ def serve(tmp_path: Path, *flags: str) -> Server:
     weights.mkdir()
     save_tiny_model(weights, MODEL, "linear", "mnist")
     port, log = free_port(), tmp_path / "server.log"
-    process = start(["--weights", str(weights), "--port", str(port), "--device", "cpu",
-                     "--max-batch", "1", "--max-waiting", "8", "--no-compile-decode", *flags], log)
+    process = start(
+        [
+            "--weights",
+            str(weights),
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--max-batch",
+            "1",
+            "--max-waiting",
+            "8",
+            "--no-compile-decode",
+            *flags,
+        ],
+        log,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(process, url, log)
@@ -100,8 +115,17 @@ def wait_for_queue(url: str, in_engine: int) -> None:
     while time.monotonic() < deadline:
         text = httpx.get(f"{url}/metrics").text
         labels = {"model": MODEL, "attention": "linear"}
-        if sum(metric_value(text, name, **labels) for name in ("rnnserve_running_sequences",
-               "rnnserve_waiting_sequences", "rnnserve_completed_images_total")) >= in_engine:
+        if (
+            sum(
+                metric_value(text, name, **labels)
+                for name in (
+                    "rnnserve_running_sequences",
+                    "rnnserve_waiting_sequences",
+                    "rnnserve_completed_images_total",
+                )
+            )
+            >= in_engine
+        ):
             return
         time.sleep(0.02)
     pytest.fail(f"{in_engine} requests never reached the engine")
@@ -160,8 +184,10 @@ def test_a_body_that_does_not_arrive_gets_408_and_its_connection_closed(server_f
     slow = []
     for _ in range(20):  # each sends headers and a tenth of its body, then nothing
         sock = socket.create_connection((host, int(port)))
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100\r\n\r\n" + b'{"prompt":')
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n" + b'{"prompt":'
+        )
         slow.append(sock)
     try:
         for sock in slow:
@@ -175,11 +201,14 @@ def test_a_body_that_does_not_arrive_gets_408_and_its_connection_closed(server_f
     assert metric_value(text, "rnnserve_requests_total", endpoint="/v1/completions", outcome="timeout") == 20
 
 
-@pytest.mark.parametrize("sent", [
-    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl",  # stops mid-header
-    b"GET /hea",  # stops mid request line
-    b"",  # opens the connection and sends nothing
-])
+@pytest.mark.parametrize(
+    "sent",
+    [
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl",  # stops mid-header
+        b"GET /hea",  # stops mid request line
+        b"",  # opens the connection and sends nothing
+    ],
+)
 def test_headers_that_do_not_arrive_get_408_and_the_connection_closed(server_factory, sent):
     server = server_factory("--header-timeout", "1")
     host, port = server.url.removeprefix("http://").split(":")
@@ -215,7 +244,9 @@ def read_one_answer(sock: socket.socket) -> bytes:
     while b"\r\n\r\n" not in data:
         data += sock.recv(65536)
     head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    length = int(
+        next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    )
     while len(body) < length:
         body += sock.recv(65536)
     return head + b"\r\n\r\n" + body
@@ -240,8 +271,10 @@ def test_a_port_in_use_stops_start_up_before_the_models_load(tmp_path):
         code = start(["--model", str(broken), "--port", str(port)], log).wait(timeout=90)
     lines = log.read_text().strip().splitlines()
     assert code == 2
-    assert lines == [f"rnnserve serve: error: cannot listen on 127.0.0.1:{port}: "
-                     "the address is already in use (another server?); pass another --port"]
+    assert lines == [
+        f"rnnserve serve: error: cannot listen on 127.0.0.1:{port}: "
+        "the address is already in use (another server?); pass another --port"
+    ]
 
 
 def test_the_drain_stops_every_engine_at_once():

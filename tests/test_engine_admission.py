@@ -50,8 +50,10 @@ async def _whole_results(engine: Engine, requests: list[GenerationRequest]) -> l
 
 async def answers(engine: Engine, requests: list[GenerationRequest]) -> list[list[tuple[int, int, float]]]:
     """(sample, token, logprob) per generated token, per request, non-streamed."""
-    return [[(r.sample, token, logprob) for r in results for token, logprob in zip(r.tokens, r.logprobs)]
-            for results in await _whole_results(engine, requests)]
+    return [
+        [(r.sample, token, logprob) for r in results for token, logprob in zip(r.tokens, r.logprobs)]
+        for results in await _whole_results(engine, requests)
+    ]
 
 
 @pytest.mark.parametrize("kind", ["softmax", "linear", "linformer", "reformer"])
@@ -104,8 +106,9 @@ def test_a_failed_group_prefill_fails_its_requests_and_leaves_no_row_decoding(mo
         outcomes, later = asyncio.run(scenario())
     finally:
         engine.stop()
-    generated = engine.metrics.metrics.registry.get_sample_value("rnnserve_generated_tokens_total",
-                                                         {"model": "tiny", "attention": "linear"})
+    generated = engine.metrics.metrics.registry.get_sample_value(
+        "rnnserve_generated_tokens_total", {"model": "tiny", "attention": "linear"}
+    )
     # The 3-token group needed a copy (n = 2) and failed whole; the 5-token request went on.
     assert outcomes[0] == outcomes[1] == outcomes[3] == "prefill failed: copy failed"
     assert outcomes[2] == 12
@@ -124,11 +127,16 @@ def test_whole_samples_match_their_streamed_tokens_as_rows_move(monkeypatch):
     lengths finish at different steps, so live rows move into freed slots on the way."""
     moves = []
     copy_rows = Slots.copy_rows
-    monkeypatch.setattr(Slots, "copy_rows",
-                        lambda self, src, dst: moves.extend(zip(src, dst)) or copy_rows(self, src, dst))
+    monkeypatch.setattr(
+        Slots, "copy_rows", lambda self, src, dst: moves.extend(zip(src, dst)) or copy_rows(self, src, dst)
+    )
     lengths = [3, 12, 7, 20]
-    requests = [GenerationRequest(f"r{i}", [1, 2, 3], max_new_tokens=m, sampling=SamplingParams(seed=i), n=2,
-                                  logprobs=i % 2 == 0) for i, m in enumerate(lengths)]
+    requests = [
+        GenerationRequest(
+            f"r{i}", [1, 2, 3], max_new_tokens=m, sampling=SamplingParams(seed=i), n=2, logprobs=i % 2 == 0
+        )
+        for i, m in enumerate(lengths)
+    ]
     together = make_engine("linear")
     try:
         streams_results = asyncio.run(_whole_results(together, requests))
@@ -156,8 +164,10 @@ def test_empty_prompts_start_from_the_state_after_bos(kind):
     """Empty prompts copy a state computed once at start-up instead of running the model: their
     tokens' log-probabilities must still be those of one parallel pass over BOS + the tokens."""
     engine = make_engine(kind)
-    requests = [GenerationRequest(f"e{i}", [], max_new_tokens=10, sampling=SamplingParams(seed=i), n=2, logprobs=True)
-                for i in range(2)]
+    requests = [
+        GenerationRequest(f"e{i}", [], max_new_tokens=10, sampling=SamplingParams(seed=i), n=2, logprobs=True)
+        for i in range(2)
+    ]
     try:
         results = asyncio.run(_whole_results(engine, requests))
         for result in (r for rs in results for r in rs):
@@ -171,8 +181,11 @@ def test_scoring_runs_on_the_engine_thread_that_owns_the_model(monkeypatch):
     """Scores go through the worker thread, between steps, like every other use of the model."""
     threads = []
     score = ModelRunner.score
-    monkeypatch.setattr(ModelRunner, "score",
-                        lambda self, tokens, top=0: threads.append(threading.current_thread().name) or score(self, tokens, top))
+    monkeypatch.setattr(
+        ModelRunner,
+        "score",
+        lambda self, tokens, top=0: threads.append(threading.current_thread().name) or score(self, tokens, top),
+    )
     engine = make_engine("linear")
 
     async def both():
@@ -185,13 +198,17 @@ def test_scoring_runs_on_the_engine_thread_that_owns_the_model(monkeypatch):
     finally:
         engine.stop()
     assert threads == ["engine-tiny"]
-    assert scored.logprobs == pytest.approx(engine.runner.score([5, 6, 7]).logprobs, abs=1e-5) and len(results[0].tokens) == 12
+    assert (
+        scored.logprobs == pytest.approx(engine.runner.score([5, 6, 7]).logprobs, abs=1e-5)
+        and len(results[0].tokens) == 12
+    )
 
 
 def test_rows_with_top_k_or_top_p_draw_from_their_filtered_distribution_beside_rows_without():
     """The engine tells sampling whether a live row filters, so a step without filters reads no flags
     back: top_k 1 and a tiny top_p keep only the best token, so those rows draw the greedy tokens, in a
     batch whose other rows draw from the whole distribution."""
+
     def req(i: int, **sampling) -> GenerationRequest:
         return GenerationRequest(f"f{i}", [1, 2, 3], max_new_tokens=16, sampling=SamplingParams(seed=i, **sampling))
 
@@ -211,28 +228,35 @@ STOPS = [bytes([b]) for b in range(0, 256, 8)]  # a drawn byte stops a sample ab
 
 def mixed_requests() -> list[GenerationRequest]:
     """Different budgets, stop sequences, penalties, known tokens, several samples, log-probabilities."""
-    return [GenerationRequest("len", [1, 2, 3], 13, SamplingParams(seed=1), n=2, logprobs=True),
-            GenerationRequest("stop", [4, 5, 6], 30, SamplingParams(seed=2), n=2, stop=STOPS),
-            GenerationRequest("penalty", [7, 8, 9], 9, SamplingParams(seed=3, frequency_penalty=1.5, presence_penalty=0.5)),
-            GenerationRequest("known", [], 20, SamplingParams(seed=4), forced={3: 17, 4: 18, 10: 200}, logprobs=True)]
+    return [
+        GenerationRequest("len", [1, 2, 3], 13, SamplingParams(seed=1), n=2, logprobs=True),
+        GenerationRequest("stop", [4, 5, 6], 30, SamplingParams(seed=2), n=2, stop=STOPS),
+        GenerationRequest("penalty", [7, 8, 9], 9, SamplingParams(seed=3, frequency_penalty=1.5, presence_penalty=0.5)),
+        GenerationRequest("known", [], 20, SamplingParams(seed=4), forced={3: 17, 4: 18, 10: 200}, logprobs=True),
+    ]
 
 
 @pytest.mark.parametrize("kind", ["softmax", "linear", "linformer", "reformer"])
 def test_several_steps_per_scheduling_pass_give_the_answers_of_one(kind):
     """Multi-step runs up to 8 decode steps before the scheduler looks again; rows that stop within them
     drop their later tokens. Every answer must be the one a pass after every step gives."""
+
     def run(steps: int) -> list[list]:
         engine = make_engine(kind, scheduler_steps=steps)
         try:
-            return [sorted(results, key=lambda r: r.sample) for results in asyncio.run(_whole_results(engine, mixed_requests()))]
+            return [
+                sorted(results, key=lambda r: r.sample)
+                for results in asyncio.run(_whole_results(engine, mixed_requests()))
+            ]
         finally:
             engine.stop()
 
     each, multi = run(1), run(8)
     assert any(r.finish_reason == "stop" for r in each[1])  # the stop sequences were met
     for one, several in zip(each, multi):
-        assert [(r.sample, r.tokens, r.finish_reason, r.matched_stop) for r in several] == \
-            [(r.sample, r.tokens, r.finish_reason, r.matched_stop) for r in one]
+        assert [(r.sample, r.tokens, r.finish_reason, r.matched_stop) for r in several] == [
+            (r.sample, r.tokens, r.finish_reason, r.matched_stop) for r in one
+        ]
         for a, b in zip(one, several):
             assert (a.logprobs is None) == (b.logprobs is None)
             if a.logprobs is not None:
@@ -260,8 +284,11 @@ def test_a_request_that_can_join_ends_a_multi_step_run_early_unless_waiting_is_c
         engine._costs = FixedCosts(boundary_seconds=1e3, step_seconds=1e-3)
     joined_at = []
     register = engine.scheduler.register
-    monkeypatch.setattr(engine.scheduler, "register",
-                        lambda places, *a: joined_at.append(int(engine.runner.slots.position[0])) or register(places, *a))
+    monkeypatch.setattr(
+        engine.scheduler,
+        "register",
+        lambda places, *a: joined_at.append(int(engine.runner.slots.position[0])) or register(places, *a),
+    )
 
     async def scenario():
         (long_one,) = queue_then_start(engine, [GenerationRequest("long", [1], 94, SamplingParams(seed=0))], False)

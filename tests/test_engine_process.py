@@ -43,9 +43,12 @@ def make(kind: type, limits: EngineLimits = LIMITS, metrics: Metrics | None = No
 
 
 def requests() -> list[GenerationRequest]:
-    return [GenerationRequest(f"r{i}", prompt, max_new_tokens=10, sampling=SamplingParams(seed=seed, temperature=1.0),
-                              n=n, logprobs=True)
-            for i, (prompt, n, seed) in enumerate([([1, 2, 3], 1, 5), ([4, 5], 2, 6), ([], 1, 7)])]
+    return [
+        GenerationRequest(
+            f"r{i}", prompt, max_new_tokens=10, sampling=SamplingParams(seed=seed, temperature=1.0), n=n, logprobs=True
+        )
+        for i, (prompt, n, seed) in enumerate([([1, 2, 3], 1, 5), ([4, 5], 2, 6), ([], 1, 7)])
+    ]
 
 
 async def results_of(engine, batch: list[GenerationRequest]) -> list[list[tuple]]:
@@ -74,20 +77,30 @@ def both_ways(scenario):
 
 def tokens_of(answer) -> list:
     results, streamed, _, top = answer
-    return [[(sample, tokens) for sample, tokens, _ in samples] for samples in results] + [streamed, [[t for t, _ in row] for row in top]]
+    return [[(sample, tokens) for sample, tokens, _ in samples] for samples in results] + [
+        streamed,
+        [[t for t, _ in row] for row in top],
+    ]
 
 
 def numbers_of(answer) -> list[float]:
     results, _, logprobs, top = answer
-    return ([x for samples in results for _, _, values in samples for x in values] + logprobs
-            + [p for row in top for _, p in row])
+    return (
+        [x for samples in results for _, _, values in samples for x in values]
+        + logprobs
+        + [p for row in top for _, p in row]
+    )
 
 
 def test_the_engine_process_answers_what_the_engine_thread_answers():
     async def scenario(engine):
         scored = await engine.score([9, 8, 7, 6], top=2)
-        return (await results_of(engine, requests()), await streamed_tokens(engine, requests()[0]),
-                scored.logprobs, scored.top_logprobs)
+        return (
+            await results_of(engine, requests()),
+            await streamed_tokens(engine, requests()[0]),
+            scored.logprobs,
+            scored.top_logprobs,
+        )
 
     on_thread, in_process = both_ways(scenario)
     results, streamed, logprobs, top = in_process
@@ -100,9 +113,13 @@ def test_the_engine_process_answers_what_the_engine_thread_answers():
 
 def test_its_steps_are_counted_here_before_its_answer_arrives():
     async def scenario(engine):
-        before = metric_value(metrics.render()[0].decode(), "rnnserve_generated_tokens_total", model="tiny", attention="linear")
+        before = metric_value(
+            metrics.render()[0].decode(), "rnnserve_generated_tokens_total", model="tiny", attention="linear"
+        )
         await results_of(engine, requests()[:1])
-        after = metric_value(metrics.render()[0].decode(), "rnnserve_generated_tokens_total", model="tiny", attention="linear")
+        after = metric_value(
+            metrics.render()[0].decode(), "rnnserve_generated_tokens_total", model="tiny", attention="linear"
+        )
         return before, after
 
     metrics = Metrics()
@@ -114,7 +131,11 @@ def test_its_steps_are_counted_here_before_its_answer_arrives():
     finally:
         engine.stop()
     assert (before, after) == (0, 10)
-    assert metric_value(text, "rnnserve_decode_state_allocated_bytes", model="tiny", attention="linear") == engine.state_bytes_allocated > 0
+    assert (
+        metric_value(text, "rnnserve_decode_state_allocated_bytes", model="tiny", attention="linear")
+        == engine.state_bytes_allocated
+        > 0
+    )
 
 
 def test_a_pass_s_figures_and_events_cross_the_pipe_in_one_message_and_held_events_stay_behind():
@@ -179,8 +200,9 @@ def test_a_dead_engine_process_fails_what_waits_on_it_stops_being_ready_and_come
         return first.position
 
     async def answered(engine):
-        stream = await engine.enqueue(GenerationRequest("again", [1], max_new_tokens=5, sampling=SamplingParams(seed=1)),
-                                      each_event=False)
+        stream = await engine.enqueue(
+            GenerationRequest("again", [1], max_new_tokens=5, sampling=SamplingParams(seed=1)), each_event=False
+        )
         return [result async for result in stream]
 
     engine = make(EngineClient)
@@ -204,6 +226,7 @@ def test_a_dead_engine_process_fails_what_waits_on_it_stops_being_ready_and_come
 def test_a_call_that_fails_in_the_engine_process_is_answered_and_the_process_serves_on():
     """A bug hit by one call (here: a submit whose request is not a GenerationRequest, which the client's own
     checks never let through) fails that call with the reason; the engine process keeps serving."""
+
     async def scenario(engine):
         key, future = -1, asyncio.get_running_loop().create_future()
         with engine._lock:
@@ -243,4 +266,7 @@ def test_over_http_a_killed_engine_process_leaves_the_server_answering(tmp_path)
         assert httpx.get(f"{url}/health").json()["error"]["message"] == "models not ready: two"
         refused = httpx.post(f"{url}/v1/completions", json={"model": "two", "prompt": "a"})
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"
-        assert httpx.post(f"{url}/v1/completions", json={"model": "one", "prompt": "a", "max_tokens": 3}).status_code == 200
+        assert (
+            httpx.post(f"{url}/v1/completions", json={"model": "one", "prompt": "a", "max_tokens": 3}).status_code
+            == 200
+        )

@@ -59,9 +59,14 @@ def test_a_killed_engine_fails_its_requests_with_503_says_so_and_comes_back(fold
                 chunks = streamed.iter_text()
                 head = next(chunks)  # the stream is running
                 os.kill(pid, signal.SIGSTOP)  # frozen: what is sent now stays in flight
-                waiting = [threading.Thread(target=lambda i=i: answers.__setitem__(
-                    f"json{i}", httpx.post(f"{url}/v1/completions", json=completion(url, 20), timeout=120)))
-                    for i in range(3)]
+                waiting = [
+                    threading.Thread(
+                        target=lambda i=i: answers.__setitem__(
+                            f"json{i}", httpx.post(f"{url}/v1/completions", json=completion(url, 20), timeout=120)
+                        )
+                    )
+                    for i in range(3)
+                ]
                 for thread in waiting:
                     thread.start()
                 time.sleep(1.0)
@@ -80,8 +85,12 @@ def test_a_killed_engine_fails_its_requests_with_503_says_so_and_comes_back(fold
             assert answer.json()["error"]["code"] == "engine_restarting"
             assert answer.headers["retry-after"] == "1"
         assert health.status_code == 503 and MODEL in health.json()["error"]["message"]
-        for gauge in ("rnnserve_running_sequences", "rnnserve_waiting_sequences", "rnnserve_decode_state_in_use_bytes",
-                      "rnnserve_decode_state_allocated_bytes"):
+        for gauge in (
+            "rnnserve_running_sequences",
+            "rnnserve_waiting_sequences",
+            "rnnserve_decode_state_in_use_bytes",
+            "rnnserve_decode_state_allocated_bytes",
+        ):
             assert metric_value(metrics, gauge, model=MODEL) == 0, gauge
         log = (folder / "server.log").read_text()
         assert f"model {MODEL}: its engine process {pid} died (killed by SIGKILL)" in log

@@ -30,10 +30,40 @@ def mnist_dir(tmp_path: Path) -> Path:
 
 def run_training(tmp_path: Path, mnist_dir: Path, *extra: str) -> tuple[Path, Path]:
     out, ckpt = tmp_path / "m.safetensors", tmp_path / "m.ckpt"
-    train.train(parse_args(["train", "--task", "mnist", "--attention", "linear", "--data", str(mnist_dir),
-                            "--preset", "tiny", "--steps", "4", "--checkpoint-every", "2", "--warmup-steps", "1",
-                            "--lr", "1e-2", "--device", "cpu", "--threads", "1", "--no-progress", "--no-eval",
-                            "--out", str(out), "--checkpoint", str(ckpt), *extra]))
+    train.train(
+        parse_args(
+            [
+                "train",
+                "--task",
+                "mnist",
+                "--attention",
+                "linear",
+                "--data",
+                str(mnist_dir),
+                "--preset",
+                "tiny",
+                "--steps",
+                "4",
+                "--checkpoint-every",
+                "2",
+                "--warmup-steps",
+                "1",
+                "--lr",
+                "1e-2",
+                "--device",
+                "cpu",
+                "--threads",
+                "1",
+                "--no-progress",
+                "--no-eval",
+                "--out",
+                str(out),
+                "--checkpoint",
+                str(ckpt),
+                *extra,
+            ]
+        )
+    )
     return out, ckpt
 
 
@@ -45,10 +75,13 @@ def eval_json(capsys, *argv: str) -> dict:
 
 # A checkpoint keeps the average in its precision (bfloat16 by default, as the file saves it) and the weights in
 # float32: with the file saved alike, both score the same to the last digit.
-@pytest.mark.parametrize("extra, weights", [(["--ema-decay", "0.5"], "moving average of the weights"),
-                                            (["--save-dtype", "float32"], "last step's weights")])
-def test_a_checkpoint_scores_as_the_file_its_run_saves(tmp_path: Path, mnist_dir: Path, capsys, extra: list[str],
-                                                       weights: str) -> None:
+@pytest.mark.parametrize(
+    "extra, weights",
+    [(["--ema-decay", "0.5"], "moving average of the weights"), (["--save-dtype", "float32"], "last step's weights")],
+)
+def test_a_checkpoint_scores_as_the_file_its_run_saves(
+    tmp_path: Path, mnist_dir: Path, capsys, extra: list[str], weights: str
+) -> None:
     out, ckpt = run_training(tmp_path, mnist_dir, *extra)
     results = eval_json(capsys, str(out), str(ckpt), "--data", str(mnist_dir))
     from_file, from_ckpt = results[str(out)], results[str(ckpt)]

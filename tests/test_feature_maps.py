@@ -15,16 +15,20 @@ from model.feature_maps import feature_count
 from model.linear_attention import LinearAttention
 
 from conftest import FEATURE_MAP_VARIANTS, make_tiny_model, random_bytes
-from test_model_contract import (test_changing_a_token_never_changes_earlier_outputs,  # noqa: F401
-                                 test_chunk_past_max_len_raises_and_leaves_the_state_usable,
-                                 test_chunked_logits_equal_parallel_logits,
-                                 test_later_positions_see_earlier_tokens_through_attention,
-                                 test_parallel_chunk_up_to_max_len_runs_and_past_it_raises,
-                                 test_token_by_token_decoding_equals_parallel_over_full_max_len)
-from test_model_state import (test_copied_rows_generate_identically_and_spare_other_rows,  # noqa: F401
-                              test_decoding_a_view_of_the_live_rows_matches_and_spares_the_rest,
-                              test_reset_row_behaves_like_a_fresh_sequence_and_spares_other_rows,
-                              test_rows_at_different_positions_match_their_own_sequences)
+from test_model_contract import (
+    test_changing_a_token_never_changes_earlier_outputs,  # noqa: F401
+    test_chunk_past_max_len_raises_and_leaves_the_state_usable,
+    test_chunked_logits_equal_parallel_logits,
+    test_later_positions_see_earlier_tokens_through_attention,
+    test_parallel_chunk_up_to_max_len_runs_and_past_it_raises,
+    test_token_by_token_decoding_equals_parallel_over_full_max_len,
+)
+from test_model_state import (
+    test_copied_rows_generate_identically_and_spare_other_rows,  # noqa: F401
+    test_decoding_a_view_of_the_live_rows_matches_and_spares_the_rest,
+    test_reset_row_behaves_like_a_fresh_sequence_and_spares_other_rows,
+    test_rows_at_different_positions_match_their_own_sequences,
+)
 
 
 @pytest.fixture(scope="module", params=FEATURE_MAP_VARIANTS)

@@ -14,12 +14,17 @@ from model.sampling import BatchSampling, SamplingParams
 from model.weights_io import load_model, read_tokenizer
 from rnnserve_cli import main
 
-transformers = pytest.importorskip("transformers", reason="the Hugging Face side of the comparison (make test installs it)")
+transformers = pytest.importorskip(
+    "transformers", reason="the Hugging Face side of the comparison (make test installs it)"
+)
 tokenizers = pytest.importorskip("tokenizers")
 
 UNICODE = "Grüße, 世界! naïve café: ∑ x² — 🙂 ok"
-CORPUS = ["To be, or not to be, that is the question.", "Grüße aus Köln, naïve café, 世界 and 🙂 again.",
-          "Whether 'tis nobler in the mind to suffer the slings and arrows."] * 20
+CORPUS = [
+    "To be, or not to be, that is the question.",
+    "Grüße aus Köln, naïve café, 世界 and 🙂 again.",
+    "Whether 'tis nobler in the mind to suffer the slings and arrows.",
+] * 20
 
 
 def byte_level_tokenizer(vocab_size: int):
@@ -28,8 +33,9 @@ def byte_level_tokenizer(vocab_size: int):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train_from_iterator(CORPUS, trainer)
     return tokenizer
 
@@ -37,12 +43,25 @@ def byte_level_tokenizer(vocab_size: int):
 @pytest.fixture(scope="module")
 def gpt2_folder(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("gpt2")
-    tokenizer = transformers.GPT2TokenizerFast(tokenizer_object=byte_level_tokenizer(400), eos_token="<|endoftext|>",
-                                               bos_token="<|endoftext|>", unk_token="<|endoftext|>")
+    tokenizer = transformers.GPT2TokenizerFast(
+        tokenizer_object=byte_level_tokenizer(400),
+        eos_token="<|endoftext|>",
+        bos_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+    )
     end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_positions=128, n_embd=64, n_layer=2, n_head=4,
-                                     bos_token_id=end, eos_token_id=end, resid_pdrop=0.0, embd_pdrop=0.0,
-                                     attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=128,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        bos_token_id=end,
+        eos_token_id=end,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(config).eval()
     with torch.no_grad():  # weights at a scale where every layer matters to the logits
@@ -80,8 +99,9 @@ def test_64_greedy_tokens_are_hugging_face_s(gpt2_folder, imported):
     greedy = BatchSampling.from_params([SamplingParams(temperature=0.0)])
     ours = generate(model, prompt, prompt.shape[1] + 64, greedy, compiled=False)
     start = torch.tensor([[model.config.bos]])  # rnnserve starts every sequence from GPT-2's <|endoftext|>
-    theirs = hf_model(gpt2_folder).generate(torch.cat([start, prompt], dim=1), max_new_tokens=64, do_sample=False,
-                                            pad_token_id=model.config.bos)
+    theirs = hf_model(gpt2_folder).generate(
+        torch.cat([start, prompt], dim=1), max_new_tokens=64, do_sample=False, pad_token_id=model.config.bos
+    )
     assert ours[0].tolist() == theirs[0, 1:].tolist()
 
 
@@ -117,15 +137,28 @@ def test_a_folder_built_from_vocab_and_merges_tokenizes_the_same(gpt2_folder, im
     assert a.encode(text).ids == b.encode(text).ids
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda f: (f / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})),
-     "unsupported architecture 'llama' (LlamaForCausalLM); expected a GPT-2-family model (model_type gpt2)"),
-    (lambda f: (f / "model.safetensors").unlink(), "no weights; expected model.safetensors or pytorch_model.bin"),
-    (lambda f: (f / "tokenizer.json").unlink(),
-     "no tokenizer; expected tokenizer.json, or vocab.json and merges.txt"),
-    (lambda f: (f / "config.json").write_text(json.dumps({**json.loads((f / "config.json").read_text()), "n_embd": 32})),
-     "tensor tok_emb.weight has shape"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (
+            lambda f: (f / "config.json").write_text(
+                json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+            ),
+            "unsupported architecture 'llama' (LlamaForCausalLM); expected a GPT-2-family model (model_type gpt2)",
+        ),
+        (lambda f: (f / "model.safetensors").unlink(), "no weights; expected model.safetensors or pytorch_model.bin"),
+        (
+            lambda f: (f / "tokenizer.json").unlink(),
+            "no tokenizer; expected tokenizer.json, or vocab.json and merges.txt",
+        ),
+        (
+            lambda f: (f / "config.json").write_text(
+                json.dumps({**json.loads((f / "config.json").read_text()), "n_embd": 32})
+            ),
+            "tensor tok_emb.weight has shape",
+        ),
+    ],
+)
 def test_a_folder_that_cannot_be_imported_is_one_line_and_exit_2(gpt2_folder, tmp_path, capsys, damage, message):
     folder = tmp_path / "damaged"
     folder.mkdir()

@@ -25,7 +25,7 @@ def imported(module: str, path: Path, node: ast.Import | ast.ImportFrom) -> list
         return [alias.name for alias in node.names]
     if node.level:
         base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
-        base = base[:len(base) - (node.level - 1)]
+        base = base[: len(base) - (node.level - 1)]
         target = ".".join(base + ([node.module] if node.module else []))
     else:
         target = node.module or ""
@@ -84,6 +84,9 @@ def test_training_imports_nothing_from_the_server():
     """training/ borrows the server's parts only as handed in by rnnserve_cli.py (training/completions.py's
     EvalParts): an import of server/ from it would tie training to the HTTP product."""
     graph = import_graph()
-    reaching = {m: sorted(t for t in targets if t.split(".")[0] == "server")
-                for m, targets in graph.items() if m.split(".")[0] == "training"}
+    reaching = {
+        m: sorted(t for t in targets if t.split(".")[0] == "server")
+        for m, targets in graph.items()
+        if m.split(".")[0] == "training"
+    }
     assert not {m: t for m, t in reaching.items() if t}, reaching

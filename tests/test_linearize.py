@@ -34,17 +34,38 @@ def corpus(tmp_path: Path) -> Path:
 
 
 def linearize(tmp_path: Path, source: Path, corpus: Path, *extra: str) -> int:
-    return main(["linearize", str(source), "--data", str(corpus), "--steps", "2", "--warmup-steps", "1",
-                 "--device", "cpu", "--threads", "1", "--no-progress", "--no-eval", "--save-dtype", "float32",
-                 "--checkpoint", str(tmp_path / "lin.ckpt"), *extra])
+    return main(
+        [
+            "linearize",
+            str(source),
+            "--data",
+            str(corpus),
+            "--steps",
+            "2",
+            "--warmup-steps",
+            "1",
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--no-progress",
+            "--no-eval",
+            "--save-dtype",
+            "float32",
+            "--checkpoint",
+            str(tmp_path / "lin.ckpt"),
+            *extra,
+        ]
+    )
 
 
 @pytest.mark.parametrize("feature_map", ["hedgehog", "t2r", "elu"])
 def test_the_linear_model_keeps_every_softmax_weight_and_adds_the_map(tmp_path, softmax_file, corpus, feature_map):
     out = tmp_path / f"{feature_map}.safetensors"
     # lr 1e-12: the fine-tuning steps move nothing visible, so what the file holds is what linearize made
-    assert linearize(tmp_path, softmax_file, corpus, "--out", str(out), "--feature-map", feature_map,
-                     "--lr", "1e-12") == 0
+    assert (
+        linearize(tmp_path, softmax_file, corpus, "--out", str(out), "--feature-map", feature_map, "--lr", "1e-12") == 0
+    )
     softmax, _ = load_model(softmax_file)
     linear, info = load_model(out)
     assert linear.config.attention == "linear" and linear.config.linear_feature_map == feature_map
@@ -52,8 +73,11 @@ def test_the_linear_model_keeps_every_softmax_weight_and_adds_the_map(tmp_path, 
     assert [getattr(linear.config, f) for f in shape] == [getattr(softmax.config, f) for f in shape]
     kept = dict(softmax.named_parameters())
     added = {name for name, _ in linear.named_parameters() if name not in kept}
-    assert added == ({f"blocks.{i}.attn.feature_map.{p}" for i in range(2) for p in ("weight", "bias")}
-                     if feature_map != "elu" else set())
+    assert added == (
+        {f"blocks.{i}.attn.feature_map.{p}" for i in range(2) for p in ("weight", "bias")}
+        if feature_map != "elu"
+        else set()
+    )
     for name, value in linear.named_parameters():
         if name in kept:
             torch.testing.assert_close(value, kept[name], atol=1e-6, rtol=0)
@@ -62,21 +86,75 @@ def test_the_linear_model_keeps_every_softmax_weight_and_adds_the_map(tmp_path, 
     assert info["command"].startswith("rnnserve linearize ")
 
 
-TINY = ["--context", "16", "--layers", "2", "--d-model", "32", "--heads", "4", "--d-ff", "64", "--warmup-steps", "1",
-        "--device", "cpu", "--threads", "1", "--no-progress", "--no-eval"]
+TINY = [
+    "--context",
+    "16",
+    "--layers",
+    "2",
+    "--d-model",
+    "32",
+    "--heads",
+    "4",
+    "--d-ff",
+    "64",
+    "--warmup-steps",
+    "1",
+    "--device",
+    "cpu",
+    "--threads",
+    "1",
+    "--no-progress",
+    "--no-eval",
+]
 
 
 def test_fine_tuning_from_the_softmax_weights_beats_starting_from_scratch(tmp_path, corpus):
     trained = tmp_path / "trained-softmax.safetensors"
-    assert main(["train", "--task", "text", "--attention", "softmax", "--data", str(corpus), *TINY, "--steps", "40",
-                 "--save-dtype", "float32", "--checkpoint", str(tmp_path / "softmax.ckpt"), "--out", str(trained)]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--task",
+                "text",
+                "--attention",
+                "softmax",
+                "--data",
+                str(corpus),
+                *TINY,
+                "--steps",
+                "40",
+                "--save-dtype",
+                "float32",
+                "--checkpoint",
+                str(tmp_path / "softmax.ckpt"),
+                "--out",
+                str(trained),
+            ]
+        )
+        == 0
+    )
     warm, cold = tmp_path / "warm.safetensors", tmp_path / "cold.safetensors"
     assert linearize(tmp_path, trained, corpus, "--out", str(warm), "--no-teacher") == 0
     _, warm_info = load_model(warm)
     assert warm_info.get("distillation") is None  # --no-teacher: the data alone
-    scratch = ["train", "--task", "text", "--attention", "linear", "--linear-feature-map", "hedgehog",
-               "--data", str(corpus), *TINY, "--steps", "2", "--checkpoint", str(tmp_path / "cold.ckpt"),
-               "--out", str(cold)]
+    scratch = [
+        "train",
+        "--task",
+        "text",
+        "--attention",
+        "linear",
+        "--linear-feature-map",
+        "hedgehog",
+        "--data",
+        str(corpus),
+        *TINY,
+        "--steps",
+        "2",
+        "--checkpoint",
+        str(tmp_path / "cold.ckpt"),
+        "--out",
+        str(cold),
+    ]
     assert main(scratch) == 0
     _, cold_info = load_model(cold)
     assert warm_info["final_train_loss_nats"] < cold_info["final_train_loss_nats"]
@@ -87,8 +165,10 @@ def test_a_model_that_is_not_softmax_is_refused_in_one_line(tmp_path, corpus, ca
     save_model(build_model(make_tiny_config("linear", max_len=16)), path)
     assert linearize(tmp_path, path, corpus, "--out", str(tmp_path / "x.safetensors")) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line == f"rnnserve linearize: error: {path} is a linear model; linearize turns a softmax model into a " \
-                   "linear one"
+    assert (
+        line == f"rnnserve linearize: error: {path} is a linear model; linearize turns a softmax model into a "
+        "linear one"
+    )
     assert linearize(tmp_path, tmp_path / "none.safetensors", corpus, "--out", str(tmp_path / "x.safetensors")) == 2
     assert "rnnserve linearize: error: " in capsys.readouterr().err
 
@@ -97,8 +177,11 @@ def test_a_warm_start_may_not_drop_parameters_of_another_kind(tmp_path):
     source = tmp_path / "hedgehog.safetensors"
     save_model(build_model(make_tiny_config("linear+hedgehog", max_len=16)), source)
     softmax = build_model(make_tiny_config("softmax", max_len=16))
-    with pytest.raises(TrainError, match=r"the file's linear parameter blocks\.0\.attn\.feature_map\.weight has no place "
-                                         r"of its shape in a softmax model \(4 such\)"):
+    with pytest.raises(
+        TrainError,
+        match=r"the file's linear parameter blocks\.0\.attn\.feature_map\.weight has no place "
+        r"of its shape in a softmax model \(4 such\)",
+    ):
         init_from(str(source), softmax)
 
 

@@ -26,8 +26,9 @@ from conftest import KINDS, TINY_MAX_LEN, make_tiny_config, make_tiny_model, mak
 
 CHUNK_TOLERANCE = 1e-4  # float32: what chunked and parallel paths must agree to
 # derandomize: a property failure must reproduce on every run, not once in a while.
-PROPERTY_SETTINGS = settings(max_examples=20, deadline=None, derandomize=True,
-                             suppress_health_check=[HealthCheck.too_slow])
+PROPERTY_SETTINGS = settings(
+    max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def draw_chunk_sizes(data, length: int, largest: int = 40) -> list[int]:
@@ -44,7 +45,7 @@ def run_chunked(model, tokens: torch.Tensor, sizes: list[int]):
     state = model.new_state(tokens.shape[0])
     outputs, start = [], 0
     for size in sizes:
-        logits, returned = model(tokens[:, start:start + size], state)
+        logits, returned = model(tokens[:, start : start + size], state)
         assert returned is state  # updated in place and handed back
         outputs.append(logits)
         start += size
@@ -59,6 +60,7 @@ def run_parallel(model, tokens: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- chunk invariance
+
 
 @PROPERTY_SETTINGS
 @given(data=st.data())
@@ -84,6 +86,7 @@ def test_token_by_token_decoding_equals_parallel_over_full_max_len(kind):
 
 
 # ---------------------------------------------------------------- causality
+
 
 @settings(max_examples=15, deadline=None, derandomize=True)
 @given(data=st.data())
@@ -115,6 +118,7 @@ def test_later_positions_see_earlier_tokens_through_attention(kind):
 
 
 # ---------------------------------------------------------------- reference math per kind
+
 
 def _attention_input(attn, seed: int, length: int = 20):
     """Random attention input (B, T, C) from position 0."""
@@ -194,8 +198,10 @@ def reference_reformer(attn, x):
     t, d = q.shape[2], q.shape[3]
     dots = (q @ keys.transpose(-1, -2)) / math.sqrt(d)  # (B, H, T, T)
     earlier = torch.ones(t, t, dtype=torch.bool).tril(-1)
-    rounds = [(buckets[:, :, r, :, None] == buckets[:, :, r, None, :]) & earlier  # (B, H, T, T)
-              for r in range(attn.rotations.shape[0])]
+    rounds = [
+        (buckets[:, :, r, :, None] == buckets[:, :, r, None, :]) & earlier  # (B, H, T, T)
+        for r in range(attn.rotations.shape[0])
+    ]
     if attn.window:
         rounds.append(earlier & ~torch.ones(t, t, dtype=torch.bool).tril(-attn.window - 1))
     lse, outs = [], []
@@ -215,17 +221,31 @@ def max_bucket_occupancy(attn, x) -> int:
     return int(F.one_hot(buckets, attn.n_buckets).sum(dim=3).max())
 
 
-REFERENCES = {"softmax": reference_softmax, "linear": reference_linear,
-              "linformer": reference_linformer, "reformer": reference_reformer}
+REFERENCES = {
+    "softmax": reference_softmax,
+    "linear": reference_linear,
+    "linformer": reference_linformer,
+    "reformer": reference_reformer,
+}
 
 
-@pytest.mark.parametrize("kind, overrides", [
-    ("softmax", {}), ("linear", {}), ("linear+t2r", {}), ("linear+hedgehog", {}),
-    ("linformer", {"linformer_sharing": "none"}), ("linformer", {"linformer_sharing": "headwise"}),
-    ("linformer", {"linformer_sharing": "kv"}), ("reformer", {"reformer_rounds": 1}), ("reformer", {}),
-    ("reformer", {"reformer_local_window": 0}), ("reformer", {"reformer_local_window": 1}),
-    ("reformer", {"reformer_local_window": 64}),  # wider than the input: every earlier position
-])
+@pytest.mark.parametrize(
+    "kind, overrides",
+    [
+        ("softmax", {}),
+        ("linear", {}),
+        ("linear+t2r", {}),
+        ("linear+hedgehog", {}),
+        ("linformer", {"linformer_sharing": "none"}),
+        ("linformer", {"linformer_sharing": "headwise"}),
+        ("linformer", {"linformer_sharing": "kv"}),
+        ("reformer", {"reformer_rounds": 1}),
+        ("reformer", {}),
+        ("reformer", {"reformer_local_window": 0}),
+        ("reformer", {"reformer_local_window": 1}),
+        ("reformer", {"reformer_local_window": 64}),  # wider than the input: every earlier position
+    ],
+)
 @torch.no_grad()
 def test_attention_matches_reference_formula(kind, overrides):
     attn = make_tiny_model(kind, **overrides).blocks[0].attn
@@ -273,6 +293,7 @@ def test_reformer_long_sequence_decodes_like_the_parallel_path(window):
 
 # ---------------------------------------------------------------- max_len
 
+
 def test_parallel_chunk_up_to_max_len_runs_and_past_it_raises(kind):
     model = make_tiny_model(kind, max_len=16)
     assert run_parallel(model, make_tokens(0, 1, 16)).shape == (1, 16, 256)
@@ -297,6 +318,7 @@ def test_chunk_past_max_len_raises_and_leaves_the_state_usable(kind):
 
 
 # ---------------------------------------------------------------- Linformer sharing
+
 
 def linformer_projection_parameters(sharing: str, cfg) -> int:
     per_matrix = cfg.linformer_k * cfg.max_len
@@ -364,6 +386,7 @@ def test_linformer_compiled_form_of_a_step_equals_the_eager_form(sharing):
 
 
 # ---------------------------------------------------------------- Reformer hashing
+
 
 def _keys_for_hashing(seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)

@@ -19,8 +19,11 @@ from model.weights_io import load_model, save_model
 from conftest import TINY_MAX_LEN, assert_bfloat16_close, make_tiny_model, make_tokens, random_bytes, shared_tiny_model
 
 NO_CUDA = not torch.cuda.is_available()
-cuda_only = pytest.mark.skipif(NO_CUDA, reason="CUDA is not available on this machine (torch.cuda.is_available() is False)")
+cuda_only = pytest.mark.skipif(
+    NO_CUDA, reason="CUDA is not available on this machine (torch.cuda.is_available() is False)"
+)
 DEVICES = ["cpu", pytest.param("cuda", marks=cuda_only)]
+
 
 @torch.no_grad()
 def logits_on(model, tokens: torch.Tensor, device: str, dtype: torch.dtype, chunks: list[int] | None = None):
@@ -33,7 +36,7 @@ def logits_on(model, tokens: torch.Tensor, device: str, dtype: torch.dtype, chun
     state = moved.new_state(tokens.shape[0])
     outputs, start = [], 0
     for size in chunks:
-        outputs.append(moved(tokens[:, start:start + size], state)[0])
+        outputs.append(moved(tokens[:, start : start + size], state)[0])
         start += size
     return torch.cat(outputs, dim=1).float().cpu()
 
@@ -79,8 +82,10 @@ def test_sampling_noise_and_draws_match_cpu(device):
     cpu_noise = uniform_noise(seeds, positions, 256)
     assert torch.equal(uniform_noise(seeds.to(device), positions.to(device), 256).cpu(), cpu_noise)
     logits = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
-    params = [SamplingParams(temperature=0.5 + i / 64, top_k=i % 5 * 10, top_p=0.5 + i % 3 / 4, seed=int(s))
-              for i, s in enumerate(seeds)]
+    params = [
+        SamplingParams(temperature=0.5 + i / 64, top_k=i % 5 * 10, top_p=0.5 + i % 3 / 4, seed=int(s))
+        for i, s in enumerate(seeds)
+    ]
     on_cpu = sample(logits, BatchSampling.from_params(params, "cpu"), positions)
     on_device = sample(logits.to(device), BatchSampling.from_params(params, device), positions.to(device))
     assert torch.equal(on_device.cpu(), on_cpu)

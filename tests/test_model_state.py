@@ -12,8 +12,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import (CONSTANT_STATE_KINDS, GROWING_STATE_KINDS, KINDS, TINY_MAX_LEN, make_tiny_model, make_tokens,
-                      random_bytes)
+from conftest import (
+    CONSTANT_STATE_KINDS,
+    GROWING_STATE_KINDS,
+    KINDS,
+    TINY_MAX_LEN,
+    make_tiny_model,
+    make_tokens,
+    random_bytes,
+)
 
 TOLERANCE = 1e-4
 
@@ -48,9 +55,13 @@ def prefill_alone(model, tokens: torch.Tensor):
 
 # ---------------------------------------------------------------- continuous batching
 
+
 @settings(max_examples=15, deadline=None, derandomize=True)
-@given(lengths=st.lists(st.integers(1, TINY_MAX_LEN - 4), min_size=3, max_size=3),
-       order=st.permutations([0, 1, 2]), step=st.integers(1, 3))
+@given(
+    lengths=st.lists(st.integers(1, TINY_MAX_LEN - 4), min_size=3, max_size=3),
+    order=st.permutations([0, 1, 2]),
+    step=st.integers(1, 3),
+)
 @torch.no_grad()
 def test_rows_at_different_positions_match_their_own_sequences(kind, lengths, order, step):
     """Rows prefilled alone (write_rows) then advanced together by `step` tokens."""
@@ -89,6 +100,7 @@ def test_decoding_several_steps_with_rows_at_different_positions(kind):
 
 # ---------------------------------------------------------------- reset_rows
 
+
 @torch.no_grad()
 def test_reset_row_behaves_like_a_fresh_sequence_and_spares_other_rows(kind):
     model = make_tiny_model(kind)
@@ -122,6 +134,7 @@ def test_reset_row_equals_a_newly_allocated_row(kind):
 
 
 # ---------------------------------------------------------------- copy_rows
+
 
 @torch.no_grad()
 def test_copied_rows_generate_identically_and_spare_other_rows(kind):
@@ -169,6 +182,7 @@ def test_copy_rows_into_a_row_at_another_position(kind):
 
 # ---------------------------------------------------------------- slice views
 
+
 @torch.no_grad()
 def test_prefill_through_a_slice_writes_into_the_batch_state(kind):
     model = make_tiny_model(kind)
@@ -196,7 +210,7 @@ def test_decoding_a_view_of_the_live_rows_matches_and_spares_the_rest(kind):
     spare = snapshot(state, [2, 3])
     live = state.slice(0, 2)
     steps = random_bytes(15, 2, 5)
-    decoded = torch.cat([model(steps[:, s:s + 1], live)[0] for s in range(5)], dim=1)
+    decoded = torch.cat([model(steps[:, s : s + 1], live)[0] for s in range(5)], dim=1)
     assert state.lengths.tolist() == [17, 17, 12, 12]
     assert_rows_unchanged(spare, snapshot(state, [2, 3]))
     whole = torch.cat([history[:2], steps], dim=1)
@@ -204,6 +218,7 @@ def test_decoding_a_view_of_the_live_rows_matches_and_spares_the_rest(kind):
 
 
 # ---------------------------------------------------------------- memory
+
 
 def _feed(model, state, total: int, chunk: int) -> None:
     with torch.no_grad():

@@ -76,17 +76,24 @@ def greedy_with_penalties(path: Path, prompt: bytes, steps: int, frequency: floa
             token = int((logits - counts * frequency - (counts > 0) * presence).argmax())
             counts[token] += 1
             tokens.append(token)
-    return bytes(tokens[len(prompt):])
+    return bytes(tokens[len(prompt) :])
 
 
 @pytest.mark.parametrize("frequency, presence", [(0.0, 0.0), (1.5, 0.0), (0.0, 2.0), (1.0, -1.0)])
 def test_penalties_follow_openais_formula(served, frequency, presence):
     client, folder, _ = served
     expected = greedy_with_penalties(folder / "tiny.safetensors", b"ab", 12, frequency, presence)
-    out = client.completions.create(model="tiny", prompt="ab", max_tokens=12, temperature=0,
-                                    frequency_penalty=frequency, presence_penalty=presence, logprobs=0)
+    out = client.completions.create(
+        model="tiny",
+        prompt="ab",
+        max_tokens=12,
+        temperature=0,
+        frequency_penalty=frequency,
+        presence_penalty=presence,
+        logprobs=0,
+    )
     tokens = out.choices[0].logprobs.tokens
-    got = bytes(int(t[len("bytes:\\x"):], 16) if t.startswith("bytes:") else ord(t) for t in tokens)
+    got = bytes(int(t[len("bytes:\\x") :], 16) if t.startswith("bytes:") else ord(t) for t in tokens)
     assert got == expected
 
 
@@ -107,8 +114,9 @@ def test_logit_bias_moves_the_script_off_its_bytes(served):
     client, _, _ = served
     plain = client.completions.create(model="script", prompt="> ", max_tokens=5, temperature=0)
     assert plain.choices[0].text == "hello"
-    banned = client.completions.create(model="script", prompt="> ", max_tokens=5, temperature=0,
-                                       logit_bias={str(ord("h")): -100, str(ord("z")): 100})
+    banned = client.completions.create(
+        model="script", prompt="> ", max_tokens=5, temperature=0, logit_bias={str(ord("h")): -100, str(ord("z")): 100}
+    )
     assert banned.choices[0].text == "zzzzz"
 
 
@@ -117,8 +125,9 @@ def test_top_logprobs_agree_between_generation_and_echo_scoring(served):
     gen = client.completions.create(model="tiny", prompt="ab", max_tokens=6, seed=4, logprobs=3)
     lp = gen.choices[0].logprobs
     assert all(len(top) in (3, 4) and lp.tokens[i] in top for i, top in enumerate(lp.top_logprobs))
-    scored = client.completions.create(model="tiny", prompt="ab" + gen.choices[0].text, max_tokens=0, echo=True,
-                                       logprobs=3)
+    scored = client.completions.create(
+        model="tiny", prompt="ab" + gen.choices[0].text, max_tokens=0, echo=True, logprobs=3
+    )
     again = scored.choices[0].logprobs.top_logprobs[2:]
     for mine, theirs in zip(lp.top_logprobs, again, strict=True):
         assert mine.keys() == theirs.keys()
@@ -129,14 +138,29 @@ def test_echo_and_stop_streamed_and_not(served):
     client, _, _ = served
     out = client.completions.create(model="script", prompt="> ", max_tokens=11, temperature=0, stop=" h", echo=True)
     assert out.choices[0].text == "> hello" and out.choices[0].finish_reason == "stop"
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="script", prompt="> ", max_tokens=11, temperature=0, stop=" h", echo=True, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="script", prompt="> ", max_tokens=11, temperature=0, stop=" h", echo=True, stream=True
+        )
+        if c.choices
+    )
     assert streamed == "> hello"
 
 
 def test_neutral_values_of_standard_parameters_are_accepted(served):
     client, _, _ = served
     plain = client.completions.create(model="tiny", prompt="q", max_tokens=4, seed=1)
-    neutral = client.completions.create(model="tiny", prompt="q", max_tokens=4, seed=1, frequency_penalty=0,
-                                        presence_penalty=0, best_of=1, logit_bias={}, suffix="", user="someone")
+    neutral = client.completions.create(
+        model="tiny",
+        prompt="q",
+        max_tokens=4,
+        seed=1,
+        frequency_penalty=0,
+        presence_penalty=0,
+        best_of=1,
+        logit_bias={},
+        suffix="",
+        user="someone",
+    )
     assert texts(neutral) == texts(plain)

@@ -41,8 +41,10 @@ def test_no_422_and_every_error_status_of_the_generation_routes(document):
         responses = document["paths"][path]["post"]["responses"]
         assert "422" not in responses and ERROR_STATUSES <= set(responses)
         assert "text/event-stream" in responses["200"]["content"]
-        assert all(responses[s]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
-                   for s in ERROR_STATUSES)
+        assert all(
+            responses[s]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+            for s in ERROR_STATUSES
+        )
     assert "image/png" in document["paths"]["/v1/images/completions"]["post"]["responses"]["200"]["content"]
     assert "text/plain" in document["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
 
@@ -59,8 +61,20 @@ def test_every_multipart_field_is_documented_and_limits_are_this_servers(documen
     body = document["paths"]["/v1/images/completions"]["post"]["requestBody"]
     form = body["content"]["multipart/form-data"]["schema"]
     assert body["required"] and form["required"] == ["image"]
-    assert {"image", "mask", "pixels", "model", "n", "temperature", "top_k", "top_p", "seed", "stream",
-            "keep_rows", "particles"} == set(form["properties"])
+    assert {
+        "image",
+        "mask",
+        "pixels",
+        "model",
+        "n",
+        "temperature",
+        "top_k",
+        "top_p",
+        "seed",
+        "stream",
+        "keep_rows",
+        "particles",
+    } == set(form["properties"])
     completion = document["components"]["schemas"]["CompletionRequest"]["properties"]
     # JSON options are nullable (null = the default, as in OpenAI's API); a form cannot send null
     assert [branch.get("maximum") for branch in completion["n"]["anyOf"]] == [8, None]  # --max-batch 8
@@ -78,12 +92,19 @@ def test_docs_and_redoc_load_their_assets_from_this_server(base):
             assert httpx.get(f"{base}{source}").status_code == 200
 
 
-@pytest.mark.skipif(shutil.which("schemathesis", path=str(Path(sys.executable).parent)) is None,
-                    reason="schemathesis is not installed: it is a test extra (pip install -e .[test])")
+@pytest.mark.skipif(
+    shutil.which("schemathesis", path=str(Path(sys.executable).parent)) is None,
+    reason="schemathesis is not installed: it is a test extra (pip install -e .[test])",
+)
 def test_the_schema_fuzzer_finds_no_failure(base):
     st = Path(sys.executable).parent / "schemathesis"
-    run = subprocess.run([str(st), "run", f"{base}/openapi.json", "--max-examples", "20", "--workers", "1",
-                          "--max-time", "60"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [str(st), "run", f"{base}/openapi.json", "--max-examples", "20", "--workers", "1", "--max-time", "60"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     summary = run.stdout[-3000:]
     assert run.returncode == 0, summary
     assert "failure" not in summary.splitlines()[-1], summary

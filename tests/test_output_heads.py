@@ -70,8 +70,17 @@ def test_the_mixture_head_keeps_float32_under_a_bfloat16_autocast():
 
 def mixture_model(attention: str = "linear") -> torch.nn.Module:
     torch.manual_seed(0)
-    cfg = ModelConfig(attention=attention, task="mnist", d_model=32, n_layers=2, n_heads=2, d_ff=64, max_len=784,
-                      output_head="logistic_mixture", mixtures=4)
+    cfg = ModelConfig(
+        attention=attention,
+        task="mnist",
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        d_ff=64,
+        max_len=784,
+        output_head="logistic_mixture",
+        mixtures=4,
+    )
     return build_model(cfg).eval()
 
 
@@ -106,10 +115,36 @@ def test_training_a_mixture_model_lowers_its_loss(tmp_path: Path):
     images[:, 8:20, 10:18] = 255
     write_idx_images(tmp_path / "train-images-idx3-ubyte.gz", images.view(32, 784))
     write_idx_images(tmp_path / "t10k-images-idx3-ubyte.gz", images[:4].view(4, 784))
-    argv = ["train", "--task", "mnist", "--attention", "linear", "--data", str(tmp_path), "--preset", "tiny",
-            "--output-head", "logistic_mixture", "--mixtures", "3", "--steps", "80", "--lr", "5e-3",
-            "--warmup-steps", "2", "--device", "cpu", "--threads", "1", "--no-progress", "--checkpoint-every", "0",
-            "--out", str(tmp_path / "m.safetensors")]
+    argv = [
+        "train",
+        "--task",
+        "mnist",
+        "--attention",
+        "linear",
+        "--data",
+        str(tmp_path),
+        "--preset",
+        "tiny",
+        "--output-head",
+        "logistic_mixture",
+        "--mixtures",
+        "3",
+        "--steps",
+        "80",
+        "--lr",
+        "5e-3",
+        "--warmup-steps",
+        "2",
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--checkpoint-every",
+        "0",
+        "--out",
+        str(tmp_path / "m.safetensors"),
+    ]
     args = parse_args(argv)
     torch.manual_seed(args.seed)  # the initial weights train() starts from
     with torch.no_grad():
@@ -122,7 +157,22 @@ def test_a_mixture_head_for_text_is_refused_with_the_reason(tmp_path: Path, caps
     with pytest.raises(ConfigError, match="logistic_mixture models grey levels; task 'text' predicts bytes"):
         ModelConfig(task="text", output_head="logistic_mixture")
     (tmp_path / "t.txt").write_text("some text " * 50)
-    argv = ["train", "--task", "text", "--attention", "linear", "--data", str(tmp_path / "t.txt"), "--preset", "tiny",
-            "--output-head", "logistic_mixture", "--steps", "1", "--out", str(tmp_path / "m.safetensors")]
+    argv = [
+        "train",
+        "--task",
+        "text",
+        "--attention",
+        "linear",
+        "--data",
+        str(tmp_path / "t.txt"),
+        "--preset",
+        "tiny",
+        "--output-head",
+        "logistic_mixture",
+        "--steps",
+        "1",
+        "--out",
+        str(tmp_path / "m.safetensors"),
+    ]
     assert train.run(parse_args(argv)) == 2
     assert "error: output_head logistic_mixture models grey levels" in capsys.readouterr().err

@@ -67,8 +67,9 @@ def exact_conditional(model: Transformer) -> tuple[dict[tuple[int, int], float],
     """p(x0, x2 | known) on the toy alphabet's 16 outcomes plus None for the rest, from all 256^2
     completions; and log p(known)."""
     grid = torch.cartesian_prod(torch.arange(256), torch.arange(256))  # (65536, 2)
-    full = torch.stack([grid[:, 0], torch.full_like(grid[:, 0], KNOWN[1]), grid[:, 1],
-                        torch.full_like(grid[:, 0], KNOWN[3])], dim=1)  # (65536, 4)
+    full = torch.stack(
+        [grid[:, 0], torch.full_like(grid[:, 0], KNOWN[1]), grid[:, 1], torch.full_like(grid[:, 0], KNOWN[3])], dim=1
+    )  # (65536, 4)
     inputs = torch.cat([torch.full((len(full), 1), BOS_TOKEN), full[:, :-1]], dim=1)
     with torch.inference_mode():
         logits, _ = model(inputs)
@@ -86,13 +87,20 @@ def cell(pair: tuple[int, int]) -> tuple[int, int] | None:
 
 def draw(model: Transformer, particles: int, samples: int = SAMPLES, first_seed: int = 0) -> list:
     """`samples` completions by a real engine: their (x0, x1) and particle summaries."""
-    engine = Engine("toy", model, {}, EngineLimits(max_batch=PER_REQUEST * particles, max_waiting=512,
-                                                   cuda_graphs=False), LocalOutput())
+    engine = Engine(
+        "toy",
+        model,
+        {},
+        EngineLimits(max_batch=PER_REQUEST * particles, max_waiting=512, cuda_graphs=False),
+        LocalOutput(),
+    )
     engine.start()
 
     async def run() -> list:
-        streams = [engine.submit(toy_request(f"r{i}", particles, first_seed + i * PER_REQUEST), each_event=False)
-                   for i in range(samples // PER_REQUEST)]
+        streams = [
+            engine.submit(toy_request(f"r{i}", particles, first_seed + i * PER_REQUEST), each_event=False)
+            for i in range(samples // PER_REQUEST)
+        ]
         return [result for stream in streams async for result in stream]
 
     try:
@@ -102,8 +110,15 @@ def draw(model: Transformer, particles: int, samples: int = SAMPLES, first_seed:
 
 
 def toy_request(request_id: str, particles: int, seed: int) -> GenerationRequest:
-    return GenerationRequest(request_id, [], max_new_tokens=LENGTH, sampling=SamplingParams(seed=seed),
-                             n=PER_REQUEST, forced=dict(KNOWN), particles=particles)
+    return GenerationRequest(
+        request_id,
+        [],
+        max_new_tokens=LENGTH,
+        sampling=SamplingParams(seed=seed),
+        n=PER_REQUEST,
+        forced=dict(KNOWN),
+        particles=particles,
+    )
 
 
 def total_variation(samples: list, exact: dict[tuple[int, int], float]) -> float:

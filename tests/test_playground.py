@@ -82,8 +82,23 @@ def test_a_non_editable_wheel_ships_the_page(tmp_path):
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ["pyproject.toml", "README.md", *(f"{m}.py" for m in setuptools.get("py-modules", []))]:
         shutil.copy(ROOT / name, source / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(source),
-                    "-w", str(tmp_path / "dist")], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            str(source),
+            "-w",
+            str(tmp_path / "dist"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     wheel = next((tmp_path / "dist").glob("rnnserve-*.whl"))
     shipped = set(zipfile.ZipFile(wheel).namelist())
     expected = {f"server/playground/{f.name}" for f in STATIC_DIR.iterdir()}

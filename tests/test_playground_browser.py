@@ -24,8 +24,15 @@ import pytest
 from PIL import Image
 
 from server.api.image_particles import PREFIX_ONLY
-from server_support import (free_port, make_settings, metric_value, running_server, save_tiny_model, stop_process,
-                            wait_healthy)
+from server_support import (
+    free_port,
+    make_settings,
+    metric_value,
+    running_server,
+    save_tiny_model,
+    stop_process,
+    wait_healthy,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "browser-test-key"
@@ -37,16 +44,22 @@ def start_server(args: list[str], log: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RNNSERVE_")}
     env["OMP_NUM_THREADS"] = "1"
     with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "server", "serve", "--device", "cpu", "--no-compile-decode", *args],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(
+            [sys.executable, "-m", "server", "serve", "--device", "cpu", "--no-compile-decode", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
 
 
 @pytest.fixture(scope="module")
 def chromium():
     path = shutil.which("chromium") or shutil.which("chromium-browser")
     if path is None:
-        pytest.skip("no Chromium on this machine: `apt-get install chromium` runs the playground's browser tests "
-                    "(CI's .ci/run installs it)")
+        pytest.skip(
+            "no Chromium on this machine: `apt-get install chromium` runs the playground's browser tests "
+            "(CI's .ci/run installs it)"
+        )
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is missing: pip install -e '.[test]'")
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=path)
@@ -58,7 +71,10 @@ def chromium():
 def served(chromium, tmp_path_factory):
     """The four shipped MNIST models and one Shakespeare model in a real server process."""
     port, log = free_port(), tmp_path_factory.mktemp("playground_server") / "server.log"
-    models = [*sorted((ROOT / "weights").glob("mnist-*.safetensors")), ROOT / "weights" / "shakespeare-linear.safetensors"]
+    models = [
+        *sorted((ROOT / "weights").glob("mnist-*.safetensors")),
+        ROOT / "weights" / "shakespeare-linear.safetensors",
+    ]
     proc = start_server([arg for path in models for arg in ("--model", str(path))] + ["--port", str(port)], log)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -124,8 +140,11 @@ def wait_metric(url: str, name: str, condition, seconds: float = 30, **labels: s
 
 def canvas_rgba(page, selector: str) -> list[np.ndarray]:
     """(28, 28, 4) RGBA of every canvas matching `selector`, read back with getImageData."""
-    flat = page.evaluate("""(selector) => [...document.querySelectorAll(selector)].map(
-        (canvas) => Array.from(canvas.getContext('2d').getImageData(0, 0, 28, 28).data))""", selector)
+    flat = page.evaluate(
+        """(selector) => [...document.querySelectorAll(selector)].map(
+        (canvas) => Array.from(canvas.getContext('2d').getImageData(0, 0, 28, 28).data))""",
+        selector,
+    )
     return [np.array(values, dtype=np.uint8).reshape(28, 28, 4) for values in flat]
 
 
@@ -152,6 +171,7 @@ def image_models(url: str) -> list[dict]:
 
 
 # ---------------------------------------------------------------- loading
+
 
 def test_page_loads_every_model_and_the_examples_with_no_error_and_no_other_host(watched):
     models = httpx.get(f"{watched.url}/v1/models").json()["data"]
@@ -186,11 +206,16 @@ def test_phone_width_needs_no_sideways_scrolling(chromium, served):
 
 # ---------------------------------------------------------------- image tab
 
+
 def test_presets_mark_the_unknown_pixels(watched):
     page = watched.open().page
     rows, cols = np.mgrid[0:28, 0:28]
-    expected = {"bottom": rows >= 14, "right": cols >= 14, "none": rows < 0,
-                "centre": (rows >= 7) & (rows < 21) & (cols >= 7) & (cols < 21)}
+    expected = {
+        "bottom": rows >= 14,
+        "right": cols >= 14,
+        "none": rows < 0,
+        "centre": (rows >= 7) & (rows < 21) & (cols >= 7) & (cols < 21),
+    }
     for preset, unknown in expected.items():
         page.click(f"[data-preset={preset}]")
         assert (editor_input(page)[1] == unknown).all(), preset
@@ -221,8 +246,14 @@ def test_draw_hide_and_complete_keeps_every_known_pixel(watched, tmp_path):
         assert (rgba[..., 0] == rgba[..., 2]).all(), "every unknown pixel was filled (none left tinted)"
         assert (rgba[..., 0][~unknown] == pixels[~unknown]).all(), "known pixels are the input's"
     # the page shows exactly what the API answers to the same request
-    body = {"model": "mnist-linear", "pixels": pixels.tolist(), "mask": unknown.astype(int).tolist(), "n": 2,
-            "seed": 7, "temperature": 1.0}
+    body = {
+        "model": "mnist-linear",
+        "pixels": pixels.tolist(),
+        "mask": unknown.astype(int).tolist(),
+        "n": 2,
+        "seed": 7,
+        "temperature": 1.0,
+    }
     answer = httpx.post(f"{watched.url}/v1/images/completions", json=body, timeout=120).json()
     shown = canvas_rgba(page, ".panel[data-model='mnist-linear'] canvas")
     assert [s[..., 0].tolist() for s in shown] == [entry["pixels"] for entry in answer["data"]]
@@ -248,9 +279,13 @@ def keep_screenshot(page, tmp_path: Path) -> None:
         shutil.copy(shot, os.environ["PLAYGROUND_SCREENSHOT"])
 
 
-PARTICLE_FIGURES = re.compile(r"(\d+) particles?/sample · (\d+) resamplings? · final ESS ≥ ([\d.]+)"
-                              r" · log p\(known pixels\) = (-?[\d.]+) nats")
-SAMPLE_FIGURES = re.compile(r"sample (\d+): (\d+) resamplings? · final ESS ([\d.]+) · log p\(known pixels\) = (-?[\d.]+) nats")
+PARTICLE_FIGURES = re.compile(
+    r"(\d+) particles?/sample · (\d+) resamplings? · final ESS ≥ ([\d.]+)"
+    r" · log p\(known pixels\) = (-?[\d.]+) nats"
+)
+SAMPLE_FIGURES = re.compile(
+    r"sample (\d+): (\d+) resamplings? · final ESS ([\d.]+) · log p\(known pixels\) = (-?[\d.]+) nats"
+)
 # On every change inside the panels: each panel's particle line and how many of its pixels are still
 # unknown (tinted blue: blue > red), so a test sees what was on screen while the particles ran.
 RECORD_PANELS = """() => { window.snapshots = [];
@@ -292,8 +327,15 @@ def test_particles_with_the_right_half_unknown_show_progress_then_their_figures(
         assert (rgba[..., 0][~unknown] == pixels[~unknown]).all(), "known pixels are the input's"
 
     # the linear panel shows what the API answers to the same request, figures included
-    body = {"model": "mnist-linear", "pixels": pixels.tolist(), "mask": unknown.astype(int).tolist(), "n": 2,
-            "seed": 5, "temperature": 1.0, "particles": 8}
+    body = {
+        "model": "mnist-linear",
+        "pixels": pixels.tolist(),
+        "mask": unknown.astype(int).tolist(),
+        "n": 2,
+        "seed": 5,
+        "temperature": 1.0,
+        "particles": 8,
+    }
     answer = httpx.post(f"{watched.url}/v1/images/completions", json=body, timeout=120).json()
     panel = ".panel[data-model='mnist-linear']"
     assert [s[..., 0].tolist() for s in canvas_rgba(page, f"{panel} canvas")] == [e["pixels"] for e in answer["data"]]
@@ -302,7 +344,7 @@ def test_particles_with_the_right_half_unknown_show_progress_then_their_figures(
     assert int(figures[2]) == usage["resamplings"]
     assert float(figures[3]) == pytest.approx(usage["effective_sample_size"], abs=0.006)
     assert float(figures[4]) == pytest.approx(usage["known_log_likelihood"], abs=0.006)
-    titles = page.evaluate(f"[...document.querySelectorAll(\"{panel} canvas\")].map((c) => c.title)")
+    titles = page.evaluate(f'[...document.querySelectorAll("{panel} canvas")].map((c) => c.title)')
     for title, entry in zip(titles, answer["data"], strict=True):
         sample = SAMPLE_FIGURES.fullmatch(title)
         assert sample and int(sample[1]) == entry["index"] and int(sample[2]) == entry["particles"]["resamplings"]
@@ -386,8 +428,10 @@ def test_stop_ends_the_stream_and_frees_the_slot(watched):
     url = watched.url
 
     def ended() -> float:  # text requests that ended, cancelled or not
-        return sum(metric_now(url, "rnnserve_requests_total", endpoint="/v1/completions", outcome=outcome)
-                   for outcome in ("cancelled", "ok"))
+        return sum(
+            metric_now(url, "rnnserve_requests_total", endpoint="/v1/completions", outcome=outcome)
+            for outcome in ("cancelled", "ok")
+        )
 
     ended_before = ended()
     open_text_tab(watched, "ROMEO:\n", 240)
@@ -418,18 +462,22 @@ def test_colours_each_character_by_its_bytes_log_probability(watched):
     page = watched.page
     page.click("#score")
     watched.wait(f"{OUTPUT_STATE} === 'scored'")
-    spans = page.evaluate("[...document.querySelectorAll('#output span')].map((s) => [s.textContent, s.title, s.style.background])")
+    spans = page.evaluate(
+        "[...document.querySelectorAll('#output span')].map((s) => [s.textContent, s.title, s.style.background])"
+    )
     assert "".join(text for text, _, _ in spans) == prompt
     body = {"model": "shakespeare-linear", "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1}
     logprobs = httpx.post(f"{watched.url}/v1/completions", json=body).json()["choices"][0]["logprobs"]["token_logprobs"]
     per_char = [*([lp] for lp in logprobs[:-2]), logprobs[-2:]]
     assert [title for _, title, _ in spans] == [
-        f"log p = {sum(lps):.2f} over {len(lps)} byte{'s' if len(lps) > 1 else ''}" for lps in per_char]
+        f"log p = {sum(lps):.2f} over {len(lps)} byte{'s' if len(lps) > 1 else ''}" for lps in per_char
+    ]
     assert len({colour for _, _, colour in spans}) > 3, "likely and unlikely bytes get different colours"
     watched.check_clean()
 
 
 # ---------------------------------------------------------------- errors and the API key
+
 
 def test_errors_show_the_apis_own_message(watched):
     body = open_text_tab(watched, "ROMEO:\n", 100000)

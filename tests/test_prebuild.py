@@ -22,8 +22,10 @@ from benchmarks.start_to_compiled import COMPILERS, process_tree
 from server_support import free_port, save_tiny_model, stop_process, wait_healthy
 
 RNNSERVE = str(Path(sys.executable).parent / "rnnserve")
-pytestmark = pytest.mark.skipif(not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
-                                reason="no C++ compiler on PATH: nothing can be built ahead here")
+pytestmark = pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
+    reason="no C++ compiler on PATH: nothing can be built ahead here",
+)
 
 
 def cache_env(cache: Path) -> dict[str, str]:
@@ -39,8 +41,13 @@ def test_a_server_after_build_kernels_compiles_nothing_itself(tmp_path):
     weights, cache = tmp_path / "weights", tmp_path / "inductor"
     weights.mkdir()
     save_tiny_model(weights, "words", "linear", "text")
-    built = subprocess.run([RNNSERVE, "build-kernels", "--weights", str(weights), "--max-batch", "4"],
-                           capture_output=True, text=True, timeout=600, env=cache_env(cache))
+    built = subprocess.run(
+        [RNNSERVE, "build-kernels", "--weights", str(weights), "--max-batch", "4"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=cache_env(cache),
+    )
     assert built.returncode == 0, built.stderr[-3000:]
     assert "words (linear) decode steps compiled" in built.stderr
     before = cache_files(cache)
@@ -48,8 +55,12 @@ def test_a_server_after_build_kernels_compiles_nothing_itself(tmp_path):
 
     port, log = free_port(), tmp_path / "server.log"
     with open(log, "wb") as out:
-        server = subprocess.Popen([RNNSERVE, "serve", "--weights", str(weights), "--port", str(port), "--device", "cpu",
-                                   "--max-batch", "4"], stdout=out, stderr=subprocess.STDOUT, env=cache_env(cache))
+        server = subprocess.Popen(
+            [RNNSERVE, "serve", "--weights", str(weights), "--port", str(port), "--device", "cpu", "--max-batch", "4"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=cache_env(cache),
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(server, url, log)
@@ -68,6 +79,7 @@ def test_a_server_after_build_kernels_compiles_nothing_itself(tmp_path):
 
 
 def test_build_kernels_names_a_weights_folder_that_is_not_there(tmp_path):
-    done = subprocess.run([RNNSERVE, "build-kernels", "--weights", str(tmp_path / "nothing")], capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [RNNSERVE, "build-kernels", "--weights", str(tmp_path / "nothing")], capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 2 and "is not a directory" in done.stderr

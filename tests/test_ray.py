@@ -40,8 +40,17 @@ def namespace_command() -> list[str]:
     for tool in ("unshare", "ip"):
         if shutil.which(tool) is None:
             pytest.skip(f"the Ray test needs `{tool}` (util-linux / iproute2) for its network namespace")
-    return ["unshare", "--net", "--pid", "--fork", "--mount-proc", "--", "sh", "-c",
-            'ip link set lo up && exec "$0" "$@"']
+    return [
+        "unshare",
+        "--net",
+        "--pid",
+        "--fork",
+        "--mount-proc",
+        "--",
+        "sh",
+        "-c",
+        'ip link set lo up && exec "$0" "$@"',
+    ]
 
 
 def run_scenario(mode: str, folder: Path) -> dict:
@@ -53,7 +62,13 @@ def run_scenario(mode: str, folder: Path) -> dict:
     if mode == "ray-stop":  # GPT-2 small's width and depth: a load that takes the replica a while
         save_tiny_model(weights, "text-large", "softmax", "text", d_model=768, n_layers=12, n_heads=12, d_ff=3072)
     out = folder / "seen.json"
-    command = namespace_command() + [sys.executable, str(ROOT / "tests" / "ray_scenario.py"), mode, str(weights), str(out)]
+    command = namespace_command() + [
+        sys.executable,
+        str(ROOT / "tests" / "ray_scenario.py"),
+        mode,
+        str(weights),
+        str(out),
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=SCENARIO_SECONDS)
     assert out.exists(), f"the scenario wrote nothing (exit {done.returncode}):\n{done.stdout}\n{done.stderr}"
     record = json.loads(out.read_text())
@@ -107,9 +122,9 @@ def test_health_through_the_proxy_answers_starting_until_ready(stopped):
     answered = [w for w in watched[:-1] if "status" in w]
     starting = [w for w in answered if w["status"] == 503 and w["code"] == "starting" and w["retry_after"]]
     assert starting, f"no 503 `starting` seen before ready: {watched}"
-    before = answered[:answered.index(starting[0])]
+    before = answered[: answered.index(starting[0])]
     assert all(w["status"] == 404 for w in before), f"before the app is deployed only Serve's 404: {watched}"
-    assert all(w["status"] == 503 and w["code"] == "starting" for w in answered[len(before):]), watched
+    assert all(w["status"] == 503 and w["code"] == "starting" for w in answered[len(before) :]), watched
 
 
 def test_requests_reach_both_replicas(seen):
@@ -128,16 +143,24 @@ def test_metrics_through_the_proxy_are_not_routed(seen):
 def test_node_export_has_every_replicas_series_with_their_types(seen):
     exported = families(seen["node_metrics"])
     replicas = {a["replica"] for a in seen["text"]}
-    expected = {"ray_rnnserve_generated_tokens": "counter", "ray_rnnserve_requests": "counter",
-                "ray_rnnserve_time_to_first_token_seconds": "histogram",
-                "ray_rnnserve_inter_token_latency_seconds": "histogram", "ray_rnnserve_running_sequences": "gauge",
-                "ray_rnnserve_decode_state_allocated_bytes": "gauge", "ray_rnnserve_waiting_sequences": "gauge"}
+    expected = {
+        "ray_rnnserve_generated_tokens": "counter",
+        "ray_rnnserve_requests": "counter",
+        "ray_rnnserve_time_to_first_token_seconds": "histogram",
+        "ray_rnnserve_inter_token_latency_seconds": "histogram",
+        "ray_rnnserve_running_sequences": "gauge",
+        "ray_rnnserve_decode_state_allocated_bytes": "gauge",
+        "ray_rnnserve_waiting_sequences": "gauge",
+    }
     for name, kind in expected.items():
         assert name in exported and exported[name].type == kind, f"{name}: {exported.get(name)}"
         labelled = {s.labels.get("replica") for s in exported[name].samples}
         assert replicas <= labelled, f"{name} lacks replicas {replicas - labelled}"
-    tokens = sum(s.value for s in exported["ray_rnnserve_generated_tokens"].samples
-                 if s.name.endswith("_total") and s.labels["model"] == "text-softmax")
+    tokens = sum(
+        s.value
+        for s in exported["ray_rnnserve_generated_tokens"].samples
+        if s.name.endswith("_total") and s.labels["model"] == "text-softmax"
+    )
     assert tokens == 6 * 17, "16 + 1 streamed text requests of 6 tokens, summed over both replicas"
     allocated = [s.value for s in exported["ray_rnnserve_decode_state_allocated_bytes"].samples]
     assert allocated and all(value > 0 for value in allocated), allocated

@@ -32,7 +32,9 @@ SERVE_CONFIG = RAY_DIR / "serve-config.yaml"
 MANIFESTS = sorted(RAY_DIR.glob("rayservice-*.yaml"))
 DASHBOARDS = ROOT / "deploy" / "grafana" / "dashboards"
 HAS_RAY = importlib.util.find_spec("ray") is not None
-needs_ray = pytest.mark.skipif(not HAS_RAY, reason="Ray Serve is not installed: pip install -e '.[ray]' (.ci/run installs it)")
+needs_ray = pytest.mark.skipif(
+    not HAS_RAY, reason="Ray Serve is not installed: pip install -e '.[ray]' (.ci/run installs it)"
+)
 
 
 def pinned_ray_version() -> str:
@@ -54,6 +56,7 @@ def pod_templates(doc: dict) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- Serve configs
+
 
 @needs_ray
 @pytest.mark.parametrize("path", [SERVE_CONFIG, *MANIFESTS], ids=lambda p: p.name)
@@ -77,8 +80,13 @@ def test_the_checker_catches_what_rays_schema_lets_through(tmp_path):
     ServeDeploySchema.model_validate(bad)  # Ray's schema accepts all of it
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(bad))
-    result = subprocess.run([sys.executable, "-m", "server.rayserve.config", str(path)], capture_output=True, text=True,
-                            cwd=ROOT, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "server.rayserve.config", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert result.returncode == 1
     lines = result.stdout.splitlines()
     assert len(lines) == 3, result.stdout
@@ -91,12 +99,16 @@ def test_serve_config_and_manifests_run_the_same_application():
     expected = yaml.safe_load(SERVE_CONFIG.read_text())["applications"][0]
     for path in MANIFESTS:
         app = serve_config_of(path)["applications"][0]
-        assert (app["name"], app["import_path"], app["route_prefix"]) == \
-               (expected["name"], expected["import_path"], expected["route_prefix"]), path.name
+        assert (app["name"], app["import_path"], app["route_prefix"]) == (
+            expected["name"],
+            expected["import_path"],
+            expected["route_prefix"],
+        ), path.name
         assert build_settings(**app["args"]).autoscaling(), f"{path.name} does not autoscale"
 
 
 # --------------------------------------------------------------------------- manifests
+
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
 def test_manifest_matches_the_pinned_ray_and_its_images(path):
@@ -118,7 +130,9 @@ def test_the_ray_image_copies_every_module_pyproject_installs():
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     top_level = {name.split(".")[0] for name in setuptools["packages"]}  # server.api lives in server/
     installed = top_level | {f"{m}.py" for m in setuptools.get("py-modules", [])}
-    copies = [line.split()[1:-1] for line in (RAY_DIR / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")]
+    copies = [
+        line.split()[1:-1] for line in (RAY_DIR / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")
+    ]
     copied = {Path(source).name for sources in copies for source in sources if not source.startswith("--")}
     assert installed <= copied, f"`pip install` in the Ray image would miss {sorted(installed - copied)}"
 
@@ -149,12 +163,14 @@ def test_podmonitor_scrapes_the_metrics_port_of_ray_pods():
 
 # --------------------------------------------------------------------------- dashboard variant
 
+
 def test_ray_dashboard_is_the_generated_variant():
     spec = importlib.util.spec_from_file_location("ray_dashboard", ROOT / "deploy" / "grafana" / "ray_dashboard.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert (DASHBOARDS / "rnnserve-ray.json").read_text() == module.render(), \
+    assert (DASHBOARDS / "rnnserve-ray.json").read_text() == module.render(), (
         "run `python deploy/grafana/ray_dashboard.py` after changing rnnserve.json"
+    )
 
 
 def test_ray_dashboard_queries_the_prefixed_metrics_filtered_by_replica():
@@ -172,11 +188,14 @@ def test_ray_dashboard_queries_the_prefixed_metrics_filtered_by_replica():
 
 # --------------------------------------------------------------------------- bad configuration, one line
 
+
 def run_serve_ray(args: list[str], tmp_path: Path, without_ray: bool = False) -> tuple[int, list[str]]:
     """`rnnserve serve --ray ARGS` through `python -m server`; without_ray: as if the extra were missing."""
     hide = "sys.modules['ray'] = None; " if without_ray else ""  # `import ray` then raises ImportError
-    code = (f"import runpy, sys; {hide}sys.argv = ['rnnserve', 'serve', '--ray', *{args!r}]; "
-            "runpy.run_module('server', run_name='__main__')")
+    code = (
+        f"import runpy, sys; {hide}sys.argv = ['rnnserve', 'serve', '--ray', *{args!r}]; "
+        "runpy.run_module('server', run_name='__main__')"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     return result.returncode, (result.stdout + result.stderr).strip().splitlines()
 
@@ -184,7 +203,9 @@ def run_serve_ray(args: list[str], tmp_path: Path, without_ray: bool = False) ->
 def test_missing_extra_is_one_line(tmp_path):
     code, lines = run_serve_ray(["--port", str(free_port())], tmp_path, without_ray=True)
     assert code == 2
-    assert lines == ["rnnserve serve: error: --ray needs Ray Serve, which is not installed: pip install 'rnnserve[ray]'"]
+    assert lines == [
+        "rnnserve serve: error: --ray needs Ray Serve, which is not installed: pip install 'rnnserve[ray]'"
+    ]
 
 
 @needs_ray
@@ -192,11 +213,14 @@ def test_more_replicas_than_cpus_is_one_line(tmp_path):
     import os
 
     replicas = (os.cpu_count() or 1) + 1
-    code, lines = run_serve_ray(["--weights", str(ROOT / "weights"), "--port", str(free_port()),
-                                 "--replicas", str(replicas)], tmp_path)
+    code, lines = run_serve_ray(
+        ["--weights", str(ROOT / "weights"), "--port", str(free_port()), "--replicas", str(replicas)], tmp_path
+    )
     assert code == 2
-    assert lines == [f"rnnserve serve: error: --replicas {replicas} x --cpus-per-replica 1 needs {replicas} CPUs "
-                     f"and this machine has {os.cpu_count()}; lower one of them"]
+    assert lines == [
+        f"rnnserve serve: error: --replicas {replicas} x --cpus-per-replica 1 needs {replicas} CPUs "
+        f"and this machine has {os.cpu_count()}; lower one of them"
+    ]
 
 
 @needs_ray
@@ -209,8 +233,10 @@ def test_a_port_in_use_stops_ray_start_up_in_one_line(tmp_path):
         port = taken.getsockname()[1]
         code, lines = run_serve_ray(["--weights", str(tmp_path), "--port", str(port)], tmp_path)
     assert code == 2
-    assert lines == [f"rnnserve serve: error: cannot listen on 127.0.0.1:{port}: "
-                     "the address is already in use (another server?); pass another --port"]
+    assert lines == [
+        f"rnnserve serve: error: cannot listen on 127.0.0.1:{port}: "
+        "the address is already in use (another server?); pass another --port"
+    ]
 
 
 def test_replicas_and_autoscaling_together_is_one_line(tmp_path):
@@ -234,20 +260,32 @@ def test_builder_refuses_unknown_args_in_one_line():
 def test_serve_run_with_a_bad_arg_says_one_line_and_exits_2(tmp_path):
     """`serve run server.rayserve.app:build replicaz=2` fails before Ray starts: our line, not Ray's CLI traceback."""
     serve_cli = Path(sys.executable).with_name("serve")
-    result = subprocess.run([str(serve_cli), "run", "server.rayserve.app:build", "replicaz=2", "--app-dir", str(ROOT)],
-                            capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    result = subprocess.run(
+        [str(serve_cli), "run", "server.rayserve.app:build", "replicaz=2", "--app-dir", str(ROOT)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "Traceback" not in result.stdout + result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith("rnnserve on Ray Serve: invalid settings: unknown setting 'replicaz'")
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith("rnnserve on Ray Serve: invalid settings: unknown setting 'replicaz'")
+    )
 
 
 def test_config_check_without_the_extra_is_one_line(tmp_path):
-    code = ("import runpy, sys; sys.modules['ray'] = None; sys.argv = ['ray_config', 'x.yaml']; "
-            "runpy.run_module('server.rayserve.config', run_name='__main__')")
+    code = (
+        "import runpy, sys; sys.modules['ray'] = None; sys.argv = ['ray_config', 'x.yaml']; "
+        "runpy.run_module('server.rayserve.config', run_name='__main__')"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert result.returncode == 2
     assert (result.stdout + result.stderr).strip().splitlines() == [
-        "server.rayserve.config needs Ray Serve, which is not installed: pip install 'rnnserve[ray]'"]
+        "server.rayserve.config needs Ray Serve, which is not installed: pip install 'rnnserve[ray]'"
+    ]
 
 
 @needs_ray
@@ -259,8 +297,13 @@ def test_builder_turns_settings_into_deployment_options():
     assert fixed["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0.0}
     assert fixed["max_ongoing_requests"] == 12  # the engine's own queue limit answers 429, not Serve's
     scaled = deployment_options(build_settings(max_replicas=4, target_ongoing_requests=16, drain_seconds=10))
-    assert scaled["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 16,
-                                            "downscale_delay_s": 60.0, "upscale_delay_s": 5.0}
+    assert scaled["autoscaling_config"] == {
+        "min_replicas": 1,
+        "max_replicas": 4,
+        "target_ongoing_requests": 16,
+        "downscale_delay_s": 60.0,
+        "upscale_delay_s": 5.0,
+    }
     quick = deployment_options(build_settings(max_replicas=2, downscale_delay=3, upscale_delay=1))["autoscaling_config"]
     from ray.serve.config import AutoscalingConfig
 

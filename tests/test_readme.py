@@ -46,13 +46,15 @@ def commands(block: str) -> list[str]:
 
 
 def run_bash(command: str, cwd: Path) -> subprocess.CompletedProcess:
-    result = subprocess.run(["bash", "-c", "set -o pipefail; " + command], cwd=cwd, capture_output=True,
-                            timeout=COMMAND_SECONDS)
+    result = subprocess.run(
+        ["bash", "-c", "set -o pipefail; " + command], cwd=cwd, capture_output=True, timeout=COMMAND_SECONDS
+    )
     assert result.returncode == 0, f"{command}\nexit {result.returncode}\n{result.stderr.decode()[-3000:]}"
     return result
 
 
 # ---------------------------------------------------------------- make serve + "Try it"
+
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
@@ -63,8 +65,14 @@ def served(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RNNSERVE_")}
     env["OMP_NUM_THREADS"] = "1"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(["make", "serve", f"ARGS=--port {port} --device cpu --log-level warning --no-compile-decode"],
-                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            ["make", "serve", f"ARGS=--port {port} --device cpu --log-level warning --no-compile-decode"],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     base = f"http://127.0.0.1:{port}"
     workdir = tmp_path_factory.mktemp("readme_cwd")
     (workdir / "examples").symlink_to(ROOT / "examples")
@@ -83,7 +91,7 @@ def check_png_strip(result, workdir: Path) -> None:
     rgba = np.asarray(digit.convert("RGBA"))
     known = rgba[..., 3] > 0
     for i in range(4):  # every panel keeps the visible pixels exactly
-        panel = strip[:, 28 * i: 28 * (i + 1)]
+        panel = strip[:, 28 * i : 28 * (i + 1)]
         assert np.array_equal(panel[known], rgba[..., 0][known])
 
 
@@ -119,8 +127,8 @@ def check_models(result, workdir: Path) -> None:
 
 def check_rates(result, workdir: Path) -> None:
     lines = result.stdout.decode().splitlines()
-    assert any(line.startswith('rnnserve_tokens_per_second{') for line in lines)
-    assert any(line.startswith('rnnserve_images_per_second{') for line in lines)
+    assert any(line.startswith("rnnserve_tokens_per_second{") for line in lines)
+    assert any(line.startswith("rnnserve_images_per_second{") for line in lines)
 
 
 TRY_IT_CHECKS = [check_png_strip, check_json_image, check_stream, check_scores, check_models, check_rates]
@@ -137,6 +145,7 @@ def test_try_it_commands_work_against_make_serve(served):
 
 
 # ---------------------------------------------------------------- "Train your own"
+
 
 def shortened(command: str) -> str:
     """The README's training horizon, cut to a step or two."""

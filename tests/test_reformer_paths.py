@@ -119,20 +119,22 @@ def _sequence_buckets_are_uneven(model, tokens) -> bool:
 @pytest.mark.parametrize("window", [0, 16])
 @torch.no_grad()
 def test_one_round_model_decodes_like_its_causal_parallel_path(window):
-    model = make_tiny_model("reformer", reformer_rounds=1, reformer_buckets=8, max_len=160,
-                            reformer_local_window=window)
+    model = make_tiny_model(
+        "reformer", reformer_rounds=1, reformer_buckets=8, max_len=160, reformer_local_window=window
+    )
     tokens = make_tokens(3, 2, 160)
     assert _sequence_buckets_are_uneven(model, tokens), "test must exercise the causal path"
     expected = model(tokens, None)[0]
     for sizes in ([1] * 160, [50, 1, 60, 49]):
         state, outputs, start = model.new_state(2), [], 0
         for size in sizes:
-            outputs.append(model(tokens[:, start:start + size], state)[0])
+            outputs.append(model(tokens[:, start : start + size], state)[0])
             start += size
         torch.testing.assert_close(torch.cat(outputs, dim=1), expected, atol=CHUNK_TOLERANCE, rtol=0)
 
 
 # ---------------------------------------------------------------- rotations in float32
+
 
 def _bf16_exact_keys() -> torch.Tensor:
     """(B, H, T, D) unit keys whose float32 values bfloat16 holds exactly: the same keys in both dtypes."""

@@ -12,8 +12,16 @@ import pytest
 import torch
 
 from model.generate import generate
-from model.sampling import (BatchSampling, SamplingParams, force_tokens, sample, token_logprobs,
-                            top_k_mask, top_p_mask, uniform_noise)
+from model.sampling import (
+    BatchSampling,
+    SamplingParams,
+    force_tokens,
+    sample,
+    token_logprobs,
+    top_k_mask,
+    top_p_mask,
+    uniform_noise,
+)
 from model.transformer import with_bos
 
 from conftest import random_bytes, shared_tiny_model
@@ -36,8 +44,9 @@ def draw_many(logits_row: torch.Tensor, params: SamplingParams, n: int, by: str 
     index = torch.arange(n)
     seeds = index + params.seed if by == "seed" else torch.full((n,), params.seed)
     positions = torch.full((n,), 3) if by == "seed" else index
-    batch = BatchSampling(torch.full((n,), params.temperature), torch.full((n,), params.top_k),
-                          torch.full((n,), params.top_p), seeds)
+    batch = BatchSampling(
+        torch.full((n,), params.temperature), torch.full((n,), params.top_k), torch.full((n,), params.top_p), seeds
+    )
     return sample(logits_row.expand(n, -1), batch, positions)
 
 
@@ -75,7 +84,7 @@ def test_a_row_draws_the_same_tokens_alone_or_in_a_batch():
         position = torch.tensor([step, step + 7, 0, step, 700 + step])
         together = sample(logits, batch, position)
         for row, params in enumerate(MIXED_PARAMS):
-            alone = sample(logits[row:row + 1], batch_of([params]), position[row:row + 1])
+            alone = sample(logits[row : row + 1], batch_of([params]), position[row : row + 1])
             assert int(alone) == int(together[row])
         reordered = sample(logits.flip(0), batch_of(MIXED_PARAMS[::-1]), position.flip(0))
         assert torch.equal(reordered.flip(0), together)
@@ -107,6 +116,7 @@ def test_uniform_noise_stays_strictly_inside_the_unit_interval():
 
 
 # ---------------------------------------------------------------- greedy and filters
+
 
 def test_temperature_zero_is_argmax_whatever_the_other_parameters():
     logits = random_logits(0, 200)
@@ -163,6 +173,7 @@ def test_top_p_equal_to_a_cumulative_mass_keeps_only_the_tokens_before_it():
 
 # ---------------------------------------------------------------- exact distribution
 
+
 @pytest.mark.parametrize("by", ["seed", "position"])
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
 def test_draw_frequencies_match_softmax(temperature, by):
@@ -201,6 +212,7 @@ def test_token_logprobs_are_the_log_softmax():
 
 # ---------------------------------------------------------------- forcing
 
+
 def test_force_tokens_keeps_forced_values_and_samples_elsewhere():
     sampled = torch.tensor([3, 4, 5, 6, 7])
     forced = torch.tensor([-1, 9, -1, 0, 255])
@@ -215,13 +227,17 @@ PROMPT_LEN, TOTAL_LEN = 5, 30
 def test_generate_row_is_the_same_alone_or_in_a_batch(kind):
     model = shared_tiny_model(kind)
     prompts = random_bytes(1, 4, PROMPT_LEN)
-    params = [SamplingParams(seed=11), SamplingParams(temperature=0.8, top_k=40, seed=12),
-              SamplingParams(temperature=1.2, top_p=0.9, seed=13), SamplingParams(seed=14)]
+    params = [
+        SamplingParams(seed=11),
+        SamplingParams(temperature=0.8, top_k=40, seed=12),
+        SamplingParams(temperature=1.2, top_p=0.9, seed=13),
+        SamplingParams(seed=14),
+    ]
     together = generate(model, prompts, TOTAL_LEN, batch_of(params))
     assert together.shape == (4, TOTAL_LEN)
     assert torch.equal(together[:, :PROMPT_LEN], prompts)
     for row in (1, 2):
-        alone = generate(model, prompts[row:row + 1], TOTAL_LEN, batch_of([params[row]]))
+        alone = generate(model, prompts[row : row + 1], TOTAL_LEN, batch_of([params[row]]))
         assert torch.equal(alone[0], together[row])
     reseeded = generate(model, prompts[:1], TOTAL_LEN, batch_of([SamplingParams(seed=99)]))
     assert not torch.equal(reseeded[0], together[0])

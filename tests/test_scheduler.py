@@ -81,7 +81,12 @@ def test_samples_of_a_group_copy_the_row_their_prompt_was_prefilled_in():
     a, b = req("a", n=3), req("b", n=2)
     places = scheduler.placements([a, b])
     assert [(p.row, p.owner, p.sample, p.copy_of) for p in places] == [
-        (1, a, 0, None), (2, b, 0, None), (3, a, 1, 1), (4, a, 2, 1), (5, b, 1, 2)]
+        (1, a, 0, None),
+        (2, b, 0, None),
+        (3, a, 1, 1),
+        (4, a, 2, 1),
+        (5, b, 1, 2),
+    ]
 
 
 def test_rows_end_by_stop_or_length_and_a_request_completes_with_its_last_row():
@@ -118,6 +123,7 @@ def test_compaction_moves_run_at_once_and_leave_rows_as_one_by_one_moves_would()
             slots[dst] = contents[src]
         assert slots[:left] == scheduler.rows
         assert sorted(map(id, scheduler.rows)) == sorted(id(s) for i, s in enumerate(contents) if i not in finished)
+
 
 def test_cancelled_rows_leave_without_drawing_a_token():
     scheduler = Scheduler(max_batch=4, max_waiting=4)

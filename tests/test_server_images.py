@@ -46,6 +46,7 @@ def tail_hole() -> np.ndarray:
 
 # -- decoding (no server) -------------------------------------------------------
 
+
 def test_png_round_trip_and_alpha_marks_unknown():
     grey, hole = digit(1), tail_hole()
     decoded = imaging.decode_png(rgba_with_hole(grey, hole), "image")
@@ -55,7 +56,7 @@ def test_png_round_trip_and_alpha_marks_unknown():
 
 
 def test_16_bit_grey_is_scaled_not_clipped():
-    grey16 = (digit(9).astype(np.uint16) * 257)
+    grey16 = digit(9).astype(np.uint16) * 257
     assert np.array_equal(imaging.decode_png(png_bytes(grey16), "image").grey, digit(9))
 
 
@@ -132,6 +133,7 @@ def test_strip_is_n_images_side_by_side():
 
 # -- over HTTP --------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("mnist_weights")
@@ -189,8 +191,12 @@ def test_same_seed_same_completion_and_mask_lists(server):
 def test_multipart_upload_and_png_strip(server):
     grey, hole = digit(6), tail_hole()
     files = {"image": ("digit.png", rgba_with_hole(grey, hole), "image/png")}
-    response = server.post("/v1/images/completions", files=files, data={"n": "3", "seed": "2", "model": "linear-mnist"},
-                           headers={"accept": "image/png"})
+    response = server.post(
+        "/v1/images/completions",
+        files=files,
+        data={"n": "3", "seed": "2", "model": "linear-mnist"},
+        headers={"accept": "image/png"},
+    )
     assert response.status_code == 200 and response.headers["content-type"] == "image/png"
     strip = np.asarray(Image.open(io.BytesIO(response.content)))
     assert strip.shape == (28, 84)
@@ -200,12 +206,17 @@ def test_multipart_upload_and_png_strip(server):
 
 def test_multipart_with_mask_file_and_keep_rows_field(server):
     grey = digit(7)
-    files = {"image": ("d.png", png_bytes(grey), "image/png"),
-             "mask": ("m.png", png_bytes(np.where(tail_hole(), 255, 0).astype(np.uint8)), "image/png")}
+    files = {
+        "image": ("d.png", png_bytes(grey), "image/png"),
+        "mask": ("m.png", png_bytes(np.where(tail_hole(), 255, 0).astype(np.uint8)), "image/png"),
+    }
     out = server.post("/v1/images/completions", files=files, data={"seed": "3", "model": "linear-mnist"}).json()
     assert out["usage"]["pixels_generated"] == int(tail_hole().sum())
-    kept = server.post("/v1/images/completions", files={"image": ("d.png", png_bytes(grey), "image/png")},
-                       data={"keep_rows": "27", "model": "linear-mnist"}).json()
+    kept = server.post(
+        "/v1/images/completions",
+        files={"image": ("d.png", png_bytes(grey), "image/png")},
+        data={"keep_rows": "27", "model": "linear-mnist"},
+    ).json()
     assert kept["usage"]["pixels_generated"] == 28
 
 
@@ -253,8 +264,13 @@ def test_image_errors(server):
     jpeg = io.BytesIO()
     Image.fromarray(digit()).save(jpeg, format="JPEG")
     bad(server, 400, "image", "not a PNG", "JPEG", json={"image": b64(jpeg.getvalue())})
-    bad(server, 400, "image", "27x28 pixels; expected 28x28",
-        json={"image": b64(png_bytes(np.zeros((28, 27), dtype=np.uint8))), "keep_rows": 3})
+    bad(
+        server,
+        400,
+        "image",
+        "27x28 pixels; expected 28x28",
+        json={"image": b64(png_bytes(np.zeros((28, 27), dtype=np.uint8))), "keep_rows": 3},
+    )
     bad(server, 400, "image", "not valid base64", json={"image": "%%%"})
     bad(server, 400, "image", "no unknown pixel", json={"image": b64(png_bytes(digit()))})
     bad(server, 400, "keep_rows", "no unknown pixel", json=pixels_body(digit(), keep_rows=28))
@@ -272,30 +288,47 @@ def test_image_errors(server):
 
 def test_unknown_model_and_content_type(server):
     response = server.post("/v1/images/completions", json=pixels_body(digit(), model="nope"))
-    assert response.status_code == 404 and "linear-mnist, linear-text, softmax-mnist" in response.json()["error"]["message"]
+    assert (
+        response.status_code == 404
+        and "linear-mnist, linear-text, softmax-mnist" in response.json()["error"]["message"]
+    )
     response = server.post("/v1/images/completions", content=b"x", headers={"content-type": "text/plain"})
     assert response.status_code == 415 and "multipart/form-data" in response.json()["error"]["message"]
 
 
 def test_refused_image_requests_count_under_the_model_they_name(server):
     def invalid(model: str) -> float:
-        return metric_value(server.get("/metrics").text, "rnnserve_requests_total", endpoint="/v1/images/completions",
-                            outcome="invalid", model=model)
+        return metric_value(
+            server.get("/metrics").text,
+            "rnnserve_requests_total",
+            endpoint="/v1/images/completions",
+            outcome="invalid",
+            model=model,
+        )
 
     before = invalid("linear-mnist")
     grey = digit(2)
     refusals = [
         server.post("/v1/images/completions", json=pixels_body(grey, keep_rows=-1)),  # a bad field (JSON)
         server.post("/v1/images/completions", json={**pixels_body(grey), "pixels": [[300] * 28] * 28}),  # bad pixels
-        server.post("/v1/images/completions", data={"model": "linear-mnist", "n": "abc"},  # a bad field (form)
-                    files={"image": ("d.png", png_bytes(grey), "image/png")}),
-        server.post("/v1/images/completions", data={"model": "linear-mnist"},  # a PNG of the wrong size
-                    files={"image": ("d.png", png_bytes(np.zeros((32, 32), np.uint8)), "image/png")}),
+        server.post(
+            "/v1/images/completions",
+            data={"model": "linear-mnist", "n": "abc"},  # a bad field (form)
+            files={"image": ("d.png", png_bytes(grey), "image/png")},
+        ),
+        server.post(
+            "/v1/images/completions",
+            data={"model": "linear-mnist"},  # a PNG of the wrong size
+            files={"image": ("d.png", png_bytes(np.zeros((32, 32), np.uint8)), "image/png")},
+        ),
         server.post("/v1/images/completions", json=pixels_body(grey), headers={"accept": "text/csv"}),  # a 406
     ]
     assert [r.status_code for r in refusals] == [400, 400, 400, 400, 406], [r.text for r in refusals]
     assert invalid("linear-mnist") == before + 5
     none_before = invalid("none")
-    assert server.post("/v1/images/completions", json={**pixels_body(grey, keep_rows=-1), "model": "nope"}).status_code == 400
+    assert (
+        server.post("/v1/images/completions", json={**pixels_body(grey, keep_rows=-1), "model": "nope"}).status_code
+        == 400
+    )
     assert invalid("none") == none_before + 1  # an unknown name is no label value
     assert server.post("/v1/images/completions", json=pixels_body(grey, n=1)).status_code == 200  # still serving

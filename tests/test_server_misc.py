@@ -17,23 +17,46 @@ from server.settings import SettingsError, build_settings
 from server_support import make_settings, metric_value, running_server, save_tiny_model
 
 METRIC_NAMES = (
-    "rnnserve_generated_tokens_total", "rnnserve_completed_images_total", "rnnserve_requests_total",
-    "rnnserve_time_to_first_token_seconds", "rnnserve_inter_token_latency_seconds", "rnnserve_request_latency_seconds",
-    "rnnserve_running_sequences", "rnnserve_waiting_sequences", "rnnserve_batch_size", "rnnserve_decode_steps_total",
-    "rnnserve_tokens_per_second", "rnnserve_images_per_second", "rnnserve_decode_state_in_use_bytes",
-    "rnnserve_particle_resamplings_total", "rnnserve_decode_step_seconds",
+    "rnnserve_generated_tokens_total",
+    "rnnserve_completed_images_total",
+    "rnnserve_requests_total",
+    "rnnserve_time_to_first_token_seconds",
+    "rnnserve_inter_token_latency_seconds",
+    "rnnserve_request_latency_seconds",
+    "rnnserve_running_sequences",
+    "rnnserve_waiting_sequences",
+    "rnnserve_batch_size",
+    "rnnserve_decode_steps_total",
+    "rnnserve_tokens_per_second",
+    "rnnserve_images_per_second",
+    "rnnserve_decode_state_in_use_bytes",
+    "rnnserve_particle_resamplings_total",
+    "rnnserve_decode_step_seconds",
 )
 
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in ("HOST", "PORT", "WEIGHTS", "MODELS", "DEVICE", "DTYPE", "CUDA_GRAPHS", "MAX_BATCH", "MAX_WAITING",
-                 "MAX_BODY_BYTES", "API_KEY", "LOG_LEVEL"):
+    for name in (
+        "HOST",
+        "PORT",
+        "WEIGHTS",
+        "MODELS",
+        "DEVICE",
+        "DTYPE",
+        "CUDA_GRAPHS",
+        "MAX_BATCH",
+        "MAX_WAITING",
+        "MAX_BODY_BYTES",
+        "API_KEY",
+        "LOG_LEVEL",
+    ):
         monkeypatch.delenv(f"RNNSERVE_{name}", raising=False)
     return monkeypatch
 
 
 # -- settings -------------------------------------------------------------------
+
 
 def test_settings_defaults(clean_env):
     s = build_settings()
@@ -50,7 +73,9 @@ def test_flags_override_env_over_defaults(clean_env):
     assert [str(p) for p in build_settings().models] == ["a.safetensors", "b.safetensors"]
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--port", "9002", "--model", "x.safetensors", "--model", "y.safetensors", "--max-batch", "4"])
+    args = parser.parse_args(
+        ["--port", "9002", "--model", "x.safetensors", "--model", "y.safetensors", "--max-batch", "4"]
+    )
     s = settings_from_args(args)
     assert (s.port, s.max_batch, [str(p) for p in s.models]) == (9002, 4, ["x.safetensors", "y.safetensors"])
     clean_env.setenv("RNNSERVE_CUDA_GRAPHS", "false")
@@ -62,7 +87,9 @@ def test_flags_override_env_over_defaults(clean_env):
 
 
 def test_bad_settings_name_the_flag(clean_env):
-    with pytest.raises(SettingsError, match="--max-batch / RNNSERVE_MAX_BATCH: Input should be greater than or equal to 1"):
+    with pytest.raises(
+        SettingsError, match="--max-batch / RNNSERVE_MAX_BATCH: Input should be greater than or equal to 1"
+    ):
         build_settings(max_batch=0)
     clean_env.setenv("RNNSERVE_PORT", "http")
     with pytest.raises(SettingsError, match="--port .*'http'"):
@@ -100,11 +127,17 @@ def test_cuda_without_gpu_is_a_clear_error():
 
 # -- models, health, metrics, errors ----------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("misc_weights")
-    save_tiny_model(folder, "linear-text", "linear", "text",
-                    info={"eval": {"bits_per_byte": 3.5, "data": "../shared/data/text/valid.txt"}, "steps": 10})
+    save_tiny_model(
+        folder,
+        "linear-text",
+        "linear",
+        "text",
+        info={"eval": {"bits_per_byte": 3.5, "data": "../shared/data/text/valid.txt"}, "steps": 10},
+    )
     save_tiny_model(folder, "softmax-text", "softmax", "text")
     save_tiny_model(folder, "linear-mnist", "linear", "mnist")
     with running_server(make_settings(weights=folder, max_batch=4, max_waiting=4)) as (url, _app):
@@ -131,7 +164,9 @@ def test_models_list_shape(server):
 def test_unknown_model_id_lists_loaded(server):
     response = server.get("/v1/models/nope")
     assert response.status_code == 404
-    assert response.json()["error"]["code"] == "model_not_found" and "linear-text" in response.json()["error"]["message"]
+    assert (
+        response.json()["error"]["code"] == "model_not_found" and "linear-text" in response.json()["error"]["message"]
+    )
 
 
 def test_health_ready(server):
@@ -142,48 +177,91 @@ def test_health_ready(server):
 def test_metrics_exports_every_name_and_moves(server):
     text = server.get("/metrics").text
     labels = {"model": "linear-text", "attention": "linear"}
-    before = {name: metric_value(text, name, **labels) for name in
-              ("rnnserve_generated_tokens_total", "rnnserve_decode_steps_total", "rnnserve_request_latency_seconds_count",
-               "rnnserve_decode_step_seconds_count", "rnnserve_decode_step_seconds_sum", "rnnserve_request_latency_seconds_sum")}
+    before = {
+        name: metric_value(text, name, **labels)
+        for name in (
+            "rnnserve_generated_tokens_total",
+            "rnnserve_decode_steps_total",
+            "rnnserve_request_latency_seconds_count",
+            "rnnserve_decode_step_seconds_count",
+            "rnnserve_decode_step_seconds_sum",
+            "rnnserve_request_latency_seconds_sum",
+        )
+    }
     ok_before = metric_value(text, "rnnserve_requests_total", endpoint="/v1/completions", outcome="ok")
     bad_before = metric_value(text, "rnnserve_requests_total", endpoint="/v1/completions", outcome="invalid")
     ok_model_before = metric_value(text, "rnnserve_requests_total", endpoint="/v1/completions", outcome="ok", **labels)
-    assert server.post("/v1/completions", json={"model": "linear-text", "prompt": "a", "max_tokens": 5}).status_code == 200
+    assert (
+        server.post("/v1/completions", json={"model": "linear-text", "prompt": "a", "max_tokens": 5}).status_code == 200
+    )
     assert server.post("/v1/completions", json={"model": "linear-text", "n": 0}).status_code == 400
     response = server.get("/metrics")
     assert response.headers["content-type"].startswith("text/plain")
     after = response.text
     for name in METRIC_NAMES:  # after traffic: the request counter has no series before its first request
         assert f"\n{name}" in after, name
-    assert metric_value(after, "rnnserve_generated_tokens_total", **labels) == before["rnnserve_generated_tokens_total"] + 5
+    assert (
+        metric_value(after, "rnnserve_generated_tokens_total", **labels)
+        == before["rnnserve_generated_tokens_total"] + 5
+    )
     assert metric_value(after, "rnnserve_decode_steps_total", **labels) >= before["rnnserve_decode_steps_total"] + 5
-    assert metric_value(after, "rnnserve_request_latency_seconds_count", **labels) == before["rnnserve_request_latency_seconds_count"] + 1
+    assert (
+        metric_value(after, "rnnserve_request_latency_seconds_count", **labels)
+        == before["rnnserve_request_latency_seconds_count"] + 1
+    )
     # every step is timed once, and the steps of one request fit inside its latency
     steps = metric_value(after, "rnnserve_decode_steps_total", **labels) - before["rnnserve_decode_steps_total"]
-    assert metric_value(after, "rnnserve_decode_step_seconds_count", **labels) - before["rnnserve_decode_step_seconds_count"] == steps
-    step_seconds = metric_value(after, "rnnserve_decode_step_seconds_sum", **labels) - before["rnnserve_decode_step_seconds_sum"]
-    latency = metric_value(after, "rnnserve_request_latency_seconds_sum", **labels) - before["rnnserve_request_latency_seconds_sum"]
+    assert (
+        metric_value(after, "rnnserve_decode_step_seconds_count", **labels)
+        - before["rnnserve_decode_step_seconds_count"]
+        == steps
+    )
+    step_seconds = (
+        metric_value(after, "rnnserve_decode_step_seconds_sum", **labels) - before["rnnserve_decode_step_seconds_sum"]
+    )
+    latency = (
+        metric_value(after, "rnnserve_request_latency_seconds_sum", **labels)
+        - before["rnnserve_request_latency_seconds_sum"]
+    )
     assert 0 < step_seconds <= latency
     assert metric_value(after, "rnnserve_requests_total", endpoint="/v1/completions", outcome="ok") == ok_before + 1
-    assert metric_value(after, "rnnserve_requests_total", endpoint="/v1/completions", outcome="invalid") == bad_before + 1
+    assert (
+        metric_value(after, "rnnserve_requests_total", endpoint="/v1/completions", outcome="invalid") == bad_before + 1
+    )
     # both requests named a loaded model: the refused one is labelled by it too
-    assert metric_value(after, "rnnserve_requests_total", endpoint="/v1/completions", outcome="ok", **labels) == ok_model_before + 1
+    assert (
+        metric_value(after, "rnnserve_requests_total", endpoint="/v1/completions", outcome="ok", **labels)
+        == ok_model_before + 1
+    )
     assert metric_value(after, "rnnserve_requests_total", endpoint="/v1/completions", outcome="invalid", **labels) >= 1
     assert server.post("/v1/completions", json={"model": "no-such-model", "n": 0}).status_code == 400
-    unknown = metric_value(server.get("/metrics").text, "rnnserve_requests_total", endpoint="/v1/completions",
-                           outcome="invalid", model="none")
+    unknown = metric_value(
+        server.get("/metrics").text,
+        "rnnserve_requests_total",
+        endpoint="/v1/completions",
+        outcome="invalid",
+        model="none",
+    )
     assert unknown >= 1  # a model that is not loaded is no label value: cardinality stays bounded
     assert metric_value(after, "rnnserve_running_sequences", **labels) == 0
 
 
 def test_a_406_counts_under_the_model_it_names(server):
     def not_acceptable() -> float:
-        return metric_value(server.get("/metrics").text, "rnnserve_requests_total", endpoint="/v1/completions",
-                            outcome="invalid", model="linear-text")
+        return metric_value(
+            server.get("/metrics").text,
+            "rnnserve_requests_total",
+            endpoint="/v1/completions",
+            outcome="invalid",
+            model="linear-text",
+        )
 
     before = not_acceptable()
-    response = server.post("/v1/completions", json={"model": "linear-text", "prompt": "a", "max_tokens": 2},
-                           headers={"accept": "image/png"})
+    response = server.post(
+        "/v1/completions",
+        json={"model": "linear-text", "prompt": "a", "max_tokens": 2},
+        headers={"accept": "image/png"},
+    )
     assert response.status_code == 406, response.text
     assert not_acceptable() == before + 1
 
@@ -203,7 +281,12 @@ def test_validation_error_shape(server):
     response = server.post("/v1/completions", json={"model": "linear-text", "max_tokens": "many"})
     error = response.json()["error"]
     assert response.status_code == 400
-    assert error == {"message": error["message"], "type": "invalid_request_error", "param": "max_tokens", "code": "invalid_value"}
+    assert error == {
+        "message": error["message"],
+        "type": "invalid_request_error",
+        "param": "max_tokens",
+        "code": "invalid_value",
+    }
     assert "max_tokens: Input should be a valid integer" in error["message"] and "'many'" in error["message"]
 
 
@@ -222,6 +305,7 @@ def test_health_503_names_a_model_that_is_not_ready(tmp_path):
 
 
 # -- API key and body limit -------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory):
@@ -284,7 +368,9 @@ def test_start_up_objects_are_frozen_out_of_the_garbage_collectors_reach(tmp_pat
         while gc.get_freeze_count() == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         frozen = gc.get_freeze_count()
-        assert httpx.post(f"{url}/v1/completions", json={"prompt": "ab", "max_tokens": 2}, timeout=30).status_code == 200
+        assert (
+            httpx.post(f"{url}/v1/completions", json={"prompt": "ab", "max_tokens": 2}, timeout=30).status_code == 200
+        )
     assert frozen > 10_000  # torch, the models and the app: everything start-up built
 
 

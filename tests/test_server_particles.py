@@ -35,7 +35,7 @@ def right_of_last_rows() -> np.ndarray:
 
 def known_after_first_unknown(hole: np.ndarray) -> int:
     flat = hole.reshape(-1)
-    return int((~flat[int(np.argmax(flat)):]).sum())
+    return int((~flat[int(np.argmax(flat)) :]).sum())
 
 
 def body(**extra) -> dict:

@@ -52,8 +52,25 @@ def url(folder, request):
     save_tiny_model(folder, "chat", "linear", "text")
     port, log = free_port(), folder / "server.log"
     flags = ["--engine-process"] if request.param == "engine-process" else []
-    proc = start(["--weights", str(folder), "--port", str(port), "--device", "cpu",
-                  "--max-batch", "1", "--max-waiting", "1", "--no-compile-decode", "--threads", "1", *flags], log)
+    proc = start(
+        [
+            "--weights",
+            str(folder),
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--max-batch",
+            "1",
+            "--max-waiting",
+            "1",
+            "--no-compile-decode",
+            "--threads",
+            "1",
+            *flags,
+        ],
+        log,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, base, log)
@@ -68,14 +85,19 @@ def test_threads_flag_sets_the_intra_op_thread_count(url, folder):
         pytest.skip("one core: torch's default count is 1 as well, so the flag's effect cannot be told apart")
     started = (folder / "server.log").read_text()
     assert "intra-op CPU threads per engine (--threads): chat 1, digits 1" in started
-    assert {card["id"]: card["threads"] for card in httpx.get(f"{url}/v1/models").json()["data"]} == {"chat": 1, "digits": 1}
+    assert {card["id"]: card["threads"] for card in httpx.get(f"{url}/v1/models").json()["data"]} == {
+        "chat": 1,
+        "digits": 1,
+    }
 
 
 def gauges(url: str) -> tuple[float, float, float]:
     text = httpx.get(f"{url}/metrics").text
     labels = {"model": MODEL, "attention": "linear"}
-    return (*(metric_value(text, g, **labels) for g in GAUGES),
-            metric_value(text, "rnnserve_generated_tokens_total", **labels))
+    return (
+        *(metric_value(text, g, **labels) for g in GAUGES),
+        metric_value(text, "rnnserve_generated_tokens_total", **labels),
+    )
 
 
 def wait_for(url: str, condition, what: str) -> tuple[float, float, float]:
@@ -98,8 +120,12 @@ def test_health_models_text_and_image(url):
     assert ids == ["chat", MODEL]
     text = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4, "seed": 1}, timeout=30)
     assert text.status_code == 200 and text.json()["usage"]["completion_tokens"] == 4
-    image = httpx.post(f"{url}/v1/images/completions", json=blank_digit_request(keep_rows=27, n=1), timeout=30,
-                       headers={"accept": "image/png"})
+    image = httpx.post(
+        f"{url}/v1/images/completions",
+        json=blank_digit_request(keep_rows=27, n=1),
+        timeout=30,
+        headers={"accept": "image/png"},
+    )
     assert image.status_code == 200 and image.content.startswith(b"\x89PNG")
 
 
@@ -163,8 +189,11 @@ def test_unstreamed_disconnect_frees_the_slot(url, folder):
     host, port = url.removeprefix("http://").split(":")
     body = httpx.Request("POST", f"{url}/v1/images/completions", json=blank_digit_request()).read()
     with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"POST /v1/images/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        sock.sendall(
+            b"POST /v1/images/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         wait_for(url, lambda r, w, t: r == 1, "the request to start")
     _, _, tokens = wait_for(url, lambda r, w, t: r == 0 and w == 0, "running gauge back to zero")
     assert tokens - tokens_before < 784
@@ -205,8 +234,10 @@ def test_requests_while_starting_get_a_503_that_says_so_then_answers(tmp_path):
     (`starting`, with Retry-After) instead of waiting unanswered in the socket's backlog."""
     save_tiny_model(tmp_path, "chat", "linear", "text")
     port, log = free_port(), tmp_path / "server.log"
-    proc = start(["--weights", str(tmp_path), "--port", str(port), "--device", "cpu", "--no-compile-decode",
-                  "--engine-process"], log)
+    proc = start(
+        ["--weights", str(tmp_path), "--port", str(port), "--device", "cpu", "--no-compile-decode", "--engine-process"],
+        log,
+    )
     body, answers = {"model": "chat", "prompt": "ab", "max_tokens": 2}, []
     try:
         deadline = time.monotonic() + 90

@@ -12,18 +12,37 @@ from hypothesis import given, settings as hsettings, strategies as st
 
 from server.engine.stopping import StoppingCriteria
 from server.api.textcodec import SampleText, char_offsets, incomplete_utf8_suffix, longest_stop_prefix, token_text
-from server_support import (KINDS, TEXT_MAX_LEN, make_settings, running_server, save_script_model, save_tiny_model,
-                            sse_payloads, token_bytes)
+from server_support import (
+    KINDS,
+    TEXT_MAX_LEN,
+    make_settings,
+    running_server,
+    save_script_model,
+    save_tiny_model,
+    sse_payloads,
+    token_bytes,
+)
 
 SCRIPT = "> €é😀 ok".encode()  # 3-, 2- and 4-byte characters, written one byte per token
 
 
 # -- UTF-8 hold-back and stop sequences (no server) ---------------------------
 
-@pytest.mark.parametrize("data, held", [
-    (b"abc", 0), (b"\xe2\x82", 2), (b"\xe2\x82\xac", 0), (b"a\xf0\x9f\x98", 3), (b"\xf0\x9f\x98\x80", 0),
-    (b"\xc3", 1), (b"\x80", 0), (b"\xff", 0), (b"\xe0\x80", 0),  # never valid: shown now, not held
-])
+
+@pytest.mark.parametrize(
+    "data, held",
+    [
+        (b"abc", 0),
+        (b"\xe2\x82", 2),
+        (b"\xe2\x82\xac", 0),
+        (b"a\xf0\x9f\x98", 3),
+        (b"\xf0\x9f\x98\x80", 0),
+        (b"\xc3", 1),
+        (b"\x80", 0),
+        (b"\xff", 0),
+        (b"\xe0\x80", 0),  # never valid: shown now, not held
+    ],
+)
 def test_incomplete_utf8_suffix(data, held):
     assert incomplete_utf8_suffix(data) == held
 
@@ -103,6 +122,7 @@ def test_incremental_decoder_agrees_on_pending_bytes():
 
 # -- over HTTP ----------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("text_weights")
@@ -143,8 +163,10 @@ def test_seed_fixes_samples_and_sample_i_uses_seed_plus_i(server):
 def test_requests_that_arrive_together_get_what_they_get_alone(server, kind):
     """Requests queued together join the batch together (prompts of one length share one
     prefill forward, further samples copy their row): each still gets its solo answer."""
-    bodies = [dict(model=f"{kind}-text", prompt=prompt, max_tokens=12, n=n, seed=seed, logprobs=0)
-              for prompt, n, seed in [("abc", 1, 1), ("xyz", 2, 2), ("abc", 1, 3), ("hello", 1, 4), ("world", 1, 5)]]
+    bodies = [
+        dict(model=f"{kind}-text", prompt=prompt, max_tokens=12, n=n, seed=seed, logprobs=0)
+        for prompt, n, seed in [("abc", 1, 1), ("xyz", 2, 2), ("abc", 1, 3), ("hello", 1, 4), ("world", 1, 5)]
+    ]
     alone = [complete(server, **body)["choices"] for body in bodies]
     barrier = threading.Barrier(len(bodies))
 
@@ -188,7 +210,7 @@ def test_generated_logprobs_match_echo_scoring(server, kind):
     scored = complete(server, model=f"{kind}-text", prompt=prompt + generated, max_tokens=0, echo=True, logprobs=1)
     choice = scored["choices"][0]
     assert token_bytes(choice["logprobs"]["tokens"]) == prompt + generated
-    assert choice["logprobs"]["token_logprobs"][len(prompt):] == pytest.approx(lp["token_logprobs"], abs=1e-3)
+    assert choice["logprobs"]["token_logprobs"][len(prompt) :] == pytest.approx(lp["token_logprobs"], abs=1e-3)
     assert scored["usage"]["completion_tokens"] == 0 and choice["finish_reason"] == "length"
 
 
@@ -207,8 +229,10 @@ def test_echo_with_generation_prefixes_the_prompt(server):
 
 
 def test_stream_never_splits_a_utf8_character(server):
-    response = server.post("/v1/completions", json=dict(model="script", prompt="> ", max_tokens=len(SCRIPT) - 2,
-                                                        stream=True, logprobs=0, seed=1))
+    response = server.post(
+        "/v1/completions",
+        json=dict(model="script", prompt="> ", max_tokens=len(SCRIPT) - 2, stream=True, logprobs=0, seed=1),
+    )
     chunks = [c["choices"][0] for c in sse_payloads(response.text)]
     texts = [c["text"] for c in chunks]
     assert "".join(texts) == SCRIPT.decode()[2:]
@@ -221,8 +245,9 @@ def test_stream_never_splits_a_utf8_character(server):
 def test_stop_sequence_ends_the_sample_without_it(server):
     out = complete(server, model="script", prompt="> ", max_tokens=10, stop=["é", "zz"], temperature=0)
     assert out["choices"][0]["text"] == "€" and out["choices"][0]["finish_reason"] == "stop"
-    response = server.post("/v1/completions", json=dict(model="script", prompt="> ", max_tokens=10, stop="😀",
-                                                        stream=True, temperature=0))
+    response = server.post(
+        "/v1/completions", json=dict(model="script", prompt="> ", max_tokens=10, stop="😀", stream=True, temperature=0)
+    )
     chunks = [c["choices"][0] for c in sse_payloads(response.text)]
     assert "".join(c["text"] for c in chunks) == "€é" and chunks[-1]["finish_reason"] == "stop"
 
@@ -246,24 +271,27 @@ def test_max_tokens_zero_without_echo_is_empty(server):
     assert out["choices"][0]["text"] == "" and out["usage"]["completion_tokens"] == 0
 
 
-@pytest.mark.parametrize("body, status, param, words", [
-    (dict(prompt="a" * 60, max_tokens=10), 400, "max_tokens", ["60", "10", str(TEXT_MAX_LEN)]),
-    (dict(prompt="a", max_tokens=-1), 400, "max_tokens", ["greater than or equal to 0"]),
-    (dict(prompt="a", n=0), 400, "n", ["greater than or equal to 1"]),
-    (dict(prompt="a", n=65), 400, "n", ["less than or equal to 64"]),
-    (dict(prompt="a", n=9), 400, "n", ["--max-batch", "8"]),
-    (dict(prompt="a", n=9, max_tokens=0), 400, "n", ["--max-batch", "8"]),  # generating nothing: the same limit
-    (dict(prompt="a", n=2, best_of=9, max_tokens=0, echo=True), 400, "n", ["--max-batch", "8"]),
-    (dict(prompt="a", temperature=-1), 400, "temperature", ["greater than or equal to 0"]),
-    (dict(prompt="a", top_p=0), 400, "top_p", ["greater than 0"]),
-    (dict(prompt=[1, 300]), 400, "prompt", ["255"]),
-    (dict(prompt="a", stop=["a", "b", "c", "d", "e"]), 400, "stop", ["at most 4"]),
-    (dict(prompt="a", stop=[""]), 400, "stop", ["must not be empty"]),
-    (dict(prompt="a", logprobs=6), 400, "logprobs", ["less than or equal to 5"]),
-    (dict(prompt="a", best_of=2, stream=True), 400, "best_of", ["stream"]),
-    (dict(prompt="a", suffix="b"), 400, "suffix", ["not supported"]),
-    (dict(prompt="a", nonsense=1), 400, "nonsense", ["Extra inputs"]),
-])
+@pytest.mark.parametrize(
+    "body, status, param, words",
+    [
+        (dict(prompt="a" * 60, max_tokens=10), 400, "max_tokens", ["60", "10", str(TEXT_MAX_LEN)]),
+        (dict(prompt="a", max_tokens=-1), 400, "max_tokens", ["greater than or equal to 0"]),
+        (dict(prompt="a", n=0), 400, "n", ["greater than or equal to 1"]),
+        (dict(prompt="a", n=65), 400, "n", ["less than or equal to 64"]),
+        (dict(prompt="a", n=9), 400, "n", ["--max-batch", "8"]),
+        (dict(prompt="a", n=9, max_tokens=0), 400, "n", ["--max-batch", "8"]),  # generating nothing: the same limit
+        (dict(prompt="a", n=2, best_of=9, max_tokens=0, echo=True), 400, "n", ["--max-batch", "8"]),
+        (dict(prompt="a", temperature=-1), 400, "temperature", ["greater than or equal to 0"]),
+        (dict(prompt="a", top_p=0), 400, "top_p", ["greater than 0"]),
+        (dict(prompt=[1, 300]), 400, "prompt", ["255"]),
+        (dict(prompt="a", stop=["a", "b", "c", "d", "e"]), 400, "stop", ["at most 4"]),
+        (dict(prompt="a", stop=[""]), 400, "stop", ["must not be empty"]),
+        (dict(prompt="a", logprobs=6), 400, "logprobs", ["less than or equal to 5"]),
+        (dict(prompt="a", best_of=2, stream=True), 400, "best_of", ["stream"]),
+        (dict(prompt="a", suffix="b"), 400, "suffix", ["not supported"]),
+        (dict(prompt="a", nonsense=1), 400, "nonsense", ["Extra inputs"]),
+    ],
+)
 def test_bad_requests_say_what_to_fix(server, body, status, param, words):
     response = server.post("/v1/completions", json={"model": "linear-text", **body})
     assert response.status_code == status
@@ -307,5 +335,5 @@ def test_bfloat16_serving_decodes_like_its_parallel_pass(bf16_server, kind):
     lp = gen["choices"][0]["logprobs"]
     generated = token_bytes(lp["tokens"])
     scored = complete(bf16_server, model=f"{kind}-text", prompt=prompt + generated, max_tokens=0, echo=True, logprobs=1)
-    parallel = scored["choices"][0]["logprobs"]["token_logprobs"][len(prompt):]
+    parallel = scored["choices"][0]["logprobs"]["token_logprobs"][len(prompt) :]
     assert parallel == pytest.approx(lp["token_logprobs"], abs=0.15)

@@ -47,12 +47,15 @@ def one_process_thread():
 
 def test_engine_thread_decodes_with_the_process_thread_count():
     probe = openmp_threads_probe()
-    engine = Engine("tiny", make_tiny_model("linear", seed=1), {}, EngineLimits(max_batch=2, max_waiting=2), LocalOutput())
+    engine = Engine(
+        "tiny", make_tiny_model("linear", seed=1), {}, EngineLimits(max_batch=2, max_waiting=2), LocalOutput()
+    )
     seen = []
     allocate = engine.runner.allocate
     engine.runner.allocate = lambda: seen.append(probe()) or allocate()  # runs first on the worker thread
     engine.start()
     try:
+
         async def one_answer():
             stream = engine.submit(GenerationRequest("r", [1, 2], 4, SamplingParams(seed=0)), each_event=False)
             return [r async for r in stream]

@@ -52,7 +52,7 @@ def digit_images(count: int, seed: int = 0) -> torch.Tensor:
     images = torch.zeros(count, 28, 28, dtype=torch.uint8)
     cols = torch.randint(4, 24, (count,), generator=gen)
     for i, c in enumerate(cols.tolist()):
-        images[i, 6:22, c:c + 3] = 255
+        images[i, 6:22, c : c + 3] = 255
     return images.view(count, 784)
 
 
@@ -129,9 +129,31 @@ def test_text_loader_rejects_non_utf8(tmp_path: Path) -> None:
 
 
 def text_args(tmp_path: Path, text_file: Path, *extra: str) -> argparse.Namespace:
-    return parse("train", ["--task", "text", "--attention", "linear", "--data", str(text_file), "--preset", "tiny",
-                           "--context", "16", "--warmup-steps", "5", "--device", "cpu", "--threads", "1",
-                           "--no-progress", "--out", str(tmp_path / "m.safetensors"), *extra])
+    return parse(
+        "train",
+        [
+            "--task",
+            "text",
+            "--attention",
+            "linear",
+            "--data",
+            str(text_file),
+            "--preset",
+            "tiny",
+            "--context",
+            "16",
+            "--warmup-steps",
+            "5",
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--no-progress",
+            "--out",
+            str(tmp_path / "m.safetensors"),
+            *extra,
+        ],
+    )
 
 
 def fixed_batch(text_file: Path, context: int) -> torch.Tensor:
@@ -157,13 +179,35 @@ def test_training_lowers_the_loss(tmp_path: Path, text_file: Path) -> None:
 
 def test_checkpoint_resumes_bit_for_bit(tmp_path: Path, text_file: Path) -> None:
     # k steps, a resume, k more == 2k steps in one run. Dropout and fresh reformer rotations make the RNG state matter.
-    common = ["--steps", "6", "--checkpoint-every", "3", "--no-eval", "--attention", "reformer", "--dropout", "0.1",
-              "--checkpoint-precision", "float32", "--save-dtype", "float32"]
-    straight = text_args(tmp_path, text_file, *common, "--checkpoint", str(tmp_path / "a.ckpt"),
-                         "--out", str(tmp_path / "a.safetensors"))
+    common = [
+        "--steps",
+        "6",
+        "--checkpoint-every",
+        "3",
+        "--no-eval",
+        "--attention",
+        "reformer",
+        "--dropout",
+        "0.1",
+        "--checkpoint-precision",
+        "float32",
+        "--save-dtype",
+        "float32",
+    ]
+    straight = text_args(
+        tmp_path, text_file, *common, "--checkpoint", str(tmp_path / "a.ckpt"), "--out", str(tmp_path / "a.safetensors")
+    )
     train.train(straight)
-    resumed = text_args(tmp_path, text_file, *common, "--checkpoint", str(tmp_path / "b.ckpt"), "--resume",
-                        "--out", str(tmp_path / "b.safetensors"))
+    resumed = text_args(
+        tmp_path,
+        text_file,
+        *common,
+        "--checkpoint",
+        str(tmp_path / "b.ckpt"),
+        "--resume",
+        "--out",
+        str(tmp_path / "b.safetensors"),
+    )
     train.train(resumed, stop_after=3)  # an interrupted run: its checkpoint is at step 3
     assert read_checkpoint(tmp_path / "b.ckpt").progress.step == 3
     train.train(resumed)
@@ -191,8 +235,9 @@ def assert_same_training_state(a: Checkpoint, b: Checkpoint) -> None:
 
 def test_bfloat16_moments_resume_close_to_the_uninterrupted_run(tmp_path: Path, text_file: Path) -> None:
     common = ["--steps", "24", "--threads", "1", "--no-eval", "--save-dtype", "float32"]
-    straight = text_args(tmp_path, text_file, *common, "--checkpoint-precision", "float32",
-                         "--out", str(tmp_path / "a.safetensors"))
+    straight = text_args(
+        tmp_path, text_file, *common, "--checkpoint-precision", "float32", "--out", str(tmp_path / "a.safetensors")
+    )
     resumed = text_args(tmp_path, text_file, *common, "--resume", "--out", str(tmp_path / "b.safetensors"))
     train.train(straight)
     train.train(resumed, stop_after=12)  # the default precision: bfloat16 moments
@@ -202,24 +247,39 @@ def test_bfloat16_moments_resume_close_to_the_uninterrupted_run(tmp_path: Path, 
     assert {dtypes[k] for k in dtypes if k.startswith("optim.")} == {"BF16"}
     halfway = batch_loss(tmp_path / "b.safetensors", text_file)
     train.train(resumed)
-    uninterrupted, after_resume = batch_loss(tmp_path / "a.safetensors", text_file), batch_loss(tmp_path / "b.safetensors", text_file)
+    uninterrupted, after_resume = (
+        batch_loss(tmp_path / "a.safetensors", text_file),
+        batch_loss(tmp_path / "b.safetensors", text_file),
+    )
     assert halfway - uninterrupted > 0.1  # the second half still learns: closeness below is not for free
     assert abs(after_resume - uninterrupted) < 1e-3, (after_resume, uninterrupted)
 
 
 def test_compact_checkpoint_resume_close_to_the_uninterrupted_run(tmp_path: Path, text_file: Path) -> None:
     common = ["--steps", "24", "--threads", "1", "--no-eval", "--save-dtype", "float32", "--ema-decay", "0.9"]
-    straight = text_args(tmp_path, text_file, *common, "--checkpoint-precision", "float32",
-                         "--out", str(tmp_path / "a.safetensors"))
-    resumed = text_args(tmp_path, text_file, *common, "--resume", "--checkpoint-precision", "compact",
-                        "--out", str(tmp_path / "b.safetensors"))
+    straight = text_args(
+        tmp_path, text_file, *common, "--checkpoint-precision", "float32", "--out", str(tmp_path / "a.safetensors")
+    )
+    resumed = text_args(
+        tmp_path,
+        text_file,
+        *common,
+        "--resume",
+        "--checkpoint-precision",
+        "compact",
+        "--out",
+        str(tmp_path / "b.safetensors"),
+    )
     train.train(straight)
     train.train(resumed, stop_after=12)
     dtypes = read_safetensors_dtypes_by_name(tmp_path / "checkpoints" / "b.ckpt")
     assert {dtypes[k] for k in dtypes if k.startswith("model.")} == {"I8"}
     halfway = batch_loss(tmp_path / "b.safetensors", text_file)
     train.train(resumed)
-    uninterrupted, after_resume = batch_loss(tmp_path / "a.safetensors", text_file), batch_loss(tmp_path / "b.safetensors", text_file)
+    uninterrupted, after_resume = (
+        batch_loss(tmp_path / "a.safetensors", text_file),
+        batch_loss(tmp_path / "b.safetensors", text_file),
+    )
     assert halfway - uninterrupted > 0.1
     assert abs(after_resume - uninterrupted) < 1e-3, (after_resume, uninterrupted)
 
@@ -232,14 +292,17 @@ def batch_loss(path: Path, text_file: Path) -> float:
 
 def read_safetensors_dtypes_by_name(path: Path) -> dict[str, str]:
     raw = path.read_bytes()
-    header = json.loads(raw[8: 8 + int.from_bytes(raw[:8], "little")])
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
     return {k: v["dtype"] for k, v in header.items() if k != "__metadata__"}
 
 
 def test_checkpoint_stores_32_bit_weights_and_16_bit_moments(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    model = build_model(ModelConfig(attention="linformer", task="mnist", d_model=32, n_layers=2, n_heads=2, d_ff=64,
-                                    max_len=784, linformer_k=16))
+    model = build_model(
+        ModelConfig(
+            attention="linformer", task="mnist", d_model=32, n_layers=2, n_heads=2, d_ff=64, max_len=784, linformer_k=16
+        )
+    )
     opt = train.make_optimizer(model, 1e-3, 0.01)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
@@ -260,8 +323,11 @@ def trained_model_with_average(seed: int) -> tuple[Transformer, torch.optim.Opti
     """A Linformer after one optimiser step, and a moving average about 1% away from its weights (a long run's
     average trails its weights by a small fraction of their size)."""
     torch.manual_seed(seed)
-    model = build_model(ModelConfig(attention="linformer", task="mnist", d_model=32, n_layers=2, n_heads=2, d_ff=64,
-                                    max_len=784, linformer_k=16))
+    model = build_model(
+        ModelConfig(
+            attention="linformer", task="mnist", d_model=32, n_layers=2, n_heads=2, d_ff=64, max_len=784, linformer_k=16
+        )
+    )
     opt = train.make_optimizer(model, 1e-3, 0.01)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
@@ -299,8 +365,17 @@ def test_out_must_be_a_safetensors_file(tmp_path: Path, text_file: Path) -> None
 
 
 def test_compact_checkpoint_without_an_average_is_refused(tmp_path: Path, text_file: Path) -> None:
-    args = text_args(tmp_path, text_file, "--steps", "2", "--no-eval", "--checkpoint-precision", "compact",
-                     "--out", str(tmp_path / "m.safetensors"))
+    args = text_args(
+        tmp_path,
+        text_file,
+        "--steps",
+        "2",
+        "--no-eval",
+        "--checkpoint-precision",
+        "compact",
+        "--out",
+        str(tmp_path / "m.safetensors"),
+    )
     with pytest.raises(train.TrainError, match="compact.*--ema-decay"):
         train.train(args)
     assert not (tmp_path / "checkpoints").exists()
@@ -320,15 +395,32 @@ def test_default_checkpoint_is_kept_under_weights_and_serve_does_not_load_it(tmp
 def test_resume_refuses_a_checkpoint_of_another_architecture(tmp_path: Path, text_file: Path) -> None:
     ckpt = str(tmp_path / "c.ckpt")
     train.train(text_args(tmp_path, text_file, "--steps", "2", "--no-eval", "--checkpoint", ckpt))
-    other = text_args(tmp_path, text_file, "--steps", "4", "--no-eval", "--checkpoint", ckpt, "--resume", "--layers", "3")
+    other = text_args(
+        tmp_path, text_file, "--steps", "4", "--no-eval", "--checkpoint", ckpt, "--resume", "--layers", "3"
+    )
     with pytest.raises(train.TrainError, match="use the same architecture flags"):
         train.train(other)
     with pytest.raises(train.TrainError, match="checkpoint has n_layers=2; this run builds n_layers=3"):
         train.train(other)
-    another = text_args(tmp_path, text_file, "--steps", "2", "--no-eval", "--checkpoint", ckpt, "--resume",
-                        "--attention", "softmax", "--d-model", "64")
-    with pytest.raises(train.TrainError, match=r"checkpoint has attention=linear, d_model=32; "
-                                               r"this run builds attention=softmax, d_model=64"):
+    another = text_args(
+        tmp_path,
+        text_file,
+        "--steps",
+        "2",
+        "--no-eval",
+        "--checkpoint",
+        ckpt,
+        "--resume",
+        "--attention",
+        "softmax",
+        "--d-model",
+        "64",
+    )
+    with pytest.raises(
+        train.TrainError,
+        match=r"checkpoint has attention=linear, d_model=32; "
+        r"this run builds attention=softmax, d_model=64",
+    ):
         train.train(another)
 
 
@@ -339,9 +431,14 @@ def test_resume_with_another_horizon_needs_extend(tmp_path: Path, text_file: Pat
     longer = text_args(tmp_path, text_file, "--steps", "6", "--resume", *first)
     with pytest.raises(train.TrainError, match=r"steps 4 -> 6\); resume with the same flags .* or add --extend"):
         train.train(longer)
-    smaller_batches = text_args(tmp_path, text_file, "--steps", "6", "--batch-size", "4", "--resume", "--extend", *first)
-    with pytest.raises(train.TrainError, match=r"batch_size 8 -> 4\); resume with the same flags to continue "
-                                               r"the same schedule and data order$"):
+    smaller_batches = text_args(
+        tmp_path, text_file, "--steps", "6", "--batch-size", "4", "--resume", "--extend", *first
+    )
+    with pytest.raises(
+        train.TrainError,
+        match=r"batch_size 8 -> 4\); resume with the same flags to continue "
+        r"the same schedule and data order$",
+    ):
         train.train(smaller_batches)
     assert read_checkpoint(Path(ckpt)).progress.step == 4  # refused runs change nothing
     info = train.train(text_args(tmp_path, text_file, "--steps", "6", "--resume", "--extend", *first))
@@ -354,9 +451,15 @@ def test_damaged_checkpoints_are_named_as_such(tmp_path: Path, text_file: Path, 
     train.train(text_args(tmp_path, text_file, "--steps", "2", "--no-eval", "--checkpoint", str(good)))
     raw = good.read_bytes()
     cases = {
-        "cut.ckpt": (raw[: len(raw) // 2], rf"truncated checkpoint: {len(raw) // 2} bytes, but its header describes {len(raw)} bytes"),
+        "cut.ckpt": (
+            raw[: len(raw) // 2],
+            rf"truncated checkpoint: {len(raw) // 2} bytes, but its header describes {len(raw)} bytes",
+        ),
         "noise.ckpt": (bytes(range(256)) * 4, "corrupt or truncated checkpoint"),
-        "legacy-cut.ckpt": (legacy_blob_bytes(tmp_path, good)[:3000], r"corrupt or truncated checkpoint \(older torch.save format"),
+        "legacy-cut.ckpt": (
+            legacy_blob_bytes(tmp_path, good)[:3000],
+            r"corrupt or truncated checkpoint \(older torch.save format",
+        ),
     }
     for name, (content, message) in cases.items():
         (tmp_path / name).write_bytes(content)
@@ -368,12 +471,17 @@ def test_damaged_checkpoints_are_named_as_such(tmp_path: Path, text_file: Path, 
         read_checkpoint(model_file)
     with safe_open(str(good), framework="pt") as f:
         tensors, header = {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()[checkpoint.METADATA_KEY])
-    save_file(tensors, str(tmp_path / "future.ckpt"),
-              metadata={checkpoint.METADATA_KEY: json.dumps(header | {"format": checkpoint.FORMAT + 1})})
+    save_file(
+        tensors,
+        str(tmp_path / "future.ckpt"),
+        metadata={checkpoint.METADATA_KEY: json.dumps(header | {"format": checkpoint.FORMAT + 1})},
+    )
     with pytest.raises(train.TrainError, match=rf"checkpoint format {checkpoint.FORMAT + 1} is newer than this"):
         read_checkpoint(tmp_path / "future.ckpt")
     # Through the command line: exit status 2, one line naming the file and the problem.
-    args = text_args(tmp_path, text_file, "--steps", "4", "--no-eval", "--checkpoint", str(tmp_path / "cut.ckpt"), "--resume")
+    args = text_args(
+        tmp_path, text_file, "--steps", "4", "--no-eval", "--checkpoint", str(tmp_path / "cut.ckpt"), "--resume"
+    )
     assert train.run(args) == 2
     assert f"{tmp_path / 'cut.ckpt'}: truncated checkpoint" in capsys.readouterr().err
 
@@ -391,9 +499,15 @@ def write_legacy_checkpoint(path: Path, ckpt: Checkpoint) -> None:
     opt = train.make_optimizer(model, 1e-3, 0.01)
     generator = torch.Generator()
     checkpoint.restore(path, ckpt, model, opt, generator)
-    blob = {"config": model.config.to_json(), "model": model.state_dict(), "optimizer": opt.state_dict(),
-            "progress": vars(ckpt.progress).copy(), "data_rng": generator.get_state(),
-            "torch_rng": torch.get_rng_state(), "cuda_rng": None}
+    blob = {
+        "config": model.config.to_json(),
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "progress": vars(ckpt.progress).copy(),
+        "data_rng": generator.get_state(),
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": None,
+    }
     torch.save(blob, path)
 
 
@@ -411,9 +525,12 @@ def test_older_torch_save_checkpoints_still_resume_bit_for_bit(tmp_path: Path, t
     assert_same_training_state(read_checkpoint(tmp_path / "a.ckpt"), resumed)
 
 
-@pytest.mark.parametrize("failure", [OSError("No space left on device"), KeyboardInterrupt()], ids=["oserror", "interrupt"])
-def test_an_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path: Path, text_file: Path,
-                                                                failure: BaseException) -> None:
+@pytest.mark.parametrize(
+    "failure", [OSError("No space left on device"), KeyboardInterrupt()], ids=["oserror", "interrupt"]
+)
+def test_an_interrupted_checkpoint_write_keeps_the_previous_one(
+    tmp_path: Path, text_file: Path, failure: BaseException
+) -> None:
     ckpt = tmp_path / "w.ckpt"
     train.train(text_args(tmp_path, text_file, "--steps", "2", "--no-eval", "--checkpoint", str(ckpt)))
     before = ckpt.read_bytes()
@@ -432,12 +549,43 @@ def test_an_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path: Path, 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
 def test_a_signal_stops_training_with_a_checkpoint_to_resume_from(tmp_path: Path, text_file: Path, signum: int) -> None:
     ckpt = tmp_path / "s.ckpt"
-    argv = ["--task", "text", "--attention", "linear", "--data", str(text_file), "--preset", "tiny", "--context", "16",
-            "--dropout", "0.1", "--device", "cpu", "--threads", "1", "--no-progress", "--no-eval", "--steps", "100000",
-            "--checkpoint-every", "4", "--checkpoint-precision", "float32", "--checkpoint", str(ckpt),
-            "--out", str(tmp_path / "s.safetensors")]
-    proc = subprocess.Popen([sys.executable, "-m", "rnnserve_cli", "train", *argv], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    argv = [
+        "--task",
+        "text",
+        "--attention",
+        "linear",
+        "--data",
+        str(text_file),
+        "--preset",
+        "tiny",
+        "--context",
+        "16",
+        "--dropout",
+        "0.1",
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--no-eval",
+        "--steps",
+        "100000",
+        "--checkpoint-every",
+        "4",
+        "--checkpoint-precision",
+        "float32",
+        "--checkpoint",
+        str(ckpt),
+        "--out",
+        str(tmp_path / "s.safetensors"),
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rnnserve_cli", "train", *argv],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for_file(ckpt, proc, timeout_s=180)  # a few steps done
         proc.send_signal(signum)
@@ -474,8 +622,23 @@ def test_train_without_a_horizon_is_a_clear_error(tmp_path: Path, text_file: Pat
 
 def test_mnist_training_records_data_and_eval_in_the_file(tmp_path: Path, mnist_dir: Path) -> None:
     out = tmp_path / "d.safetensors"
-    argv = ["--task", "mnist", "--attention", "softmax", "--data", str(mnist_dir), "--preset", "tiny",
-            "--steps", "3", "--device", "cpu", "--no-progress", "--out", str(out)]
+    argv = [
+        "--task",
+        "mnist",
+        "--attention",
+        "softmax",
+        "--data",
+        str(mnist_dir),
+        "--preset",
+        "tiny",
+        "--steps",
+        "3",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
     assert train.run(parse("train", argv)) == 0
     cfg, info = read_metadata(out)
     assert cfg.max_len == 784 and cfg.task == "mnist"
@@ -496,7 +659,7 @@ def test_mnist_batches_shift_each_digit_by_at_most_max_shift() -> None:
         batch = batches.next().view(64, 28, 28)  # (B, 28, 28)
         assert batch.dtype == torch.int64
         for digit in batch:
-            (row, col), = digit.nonzero().tolist()  # each digit still holds its one pixel
+            ((row, col),) = digit.nonzero().tolist()  # each digit still holds its one pixel
             offsets.add((row - 14, col - 14))
     assert offsets == {(r, c) for r in (-1, 0, 1) for c in (-1, 0, 1)}  # every shift of up to 1, no more
     unshifted = train.Batches(images.view(50, 784), 784, 64, torch.Generator().manual_seed(0))
@@ -505,8 +668,26 @@ def test_mnist_batches_shift_each_digit_by_at_most_max_shift() -> None:
 
 def test_max_shift_may_change_only_with_extend_and_is_recorded(tmp_path: Path, mnist_dir: Path, capsys) -> None:
     out, ckpt = tmp_path / "s.safetensors", tmp_path / "s.ckpt"
-    common = ["--task", "mnist", "--attention", "linear", "--data", str(mnist_dir), "--preset", "tiny", "--threads", "1",
-              "--device", "cpu", "--no-progress", "--no-eval", "--checkpoint", str(ckpt), "--out", str(out)]
+    common = [
+        "--task",
+        "mnist",
+        "--attention",
+        "linear",
+        "--data",
+        str(mnist_dir),
+        "--preset",
+        "tiny",
+        "--threads",
+        "1",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--no-eval",
+        "--checkpoint",
+        str(ckpt),
+        "--out",
+        str(out),
+    ]
     train.train(parse("train", [*common, "--steps", "2"]))
     with pytest.raises(train.TrainError, match=r"max_shift 0 -> 1\); resume with the same flags .* or add --extend"):
         train.train(parse("train", [*common, "--steps", "4", "--resume", "--max-shift", "1"]))
@@ -520,12 +701,44 @@ def test_a_shifted_mnist_run_with_a_weight_average_resumes_bit_for_bit(tmp_path:
     # The shifts draw from the batch sampler's generator and the average is carried in the checkpoint: both must
     # continue as if the run had never stopped.
     def args(name: str, *extra: str) -> argparse.Namespace:
-        return parse("train", ["--task", "mnist", "--attention", "linear", "--data", str(mnist_dir), "--preset", "tiny",
-                               "--threads", "1", "--device", "cpu", "--no-progress", "--no-eval", "--steps", "6",
-                               "--checkpoint-every", "3", "--checkpoint-precision", "float32", "--save-dtype", "float32",
-                               "--max-shift", "2", "--ema-decay", "0.9", "--dropout", "0.1",
-                               "--checkpoint", str(tmp_path / f"{name}.ckpt"), "--out", str(tmp_path / f"{name}.safetensors"),
-                               *extra])
+        return parse(
+            "train",
+            [
+                "--task",
+                "mnist",
+                "--attention",
+                "linear",
+                "--data",
+                str(mnist_dir),
+                "--preset",
+                "tiny",
+                "--threads",
+                "1",
+                "--device",
+                "cpu",
+                "--no-progress",
+                "--no-eval",
+                "--steps",
+                "6",
+                "--checkpoint-every",
+                "3",
+                "--checkpoint-precision",
+                "float32",
+                "--save-dtype",
+                "float32",
+                "--max-shift",
+                "2",
+                "--ema-decay",
+                "0.9",
+                "--dropout",
+                "0.1",
+                "--checkpoint",
+                str(tmp_path / f"{name}.ckpt"),
+                "--out",
+                str(tmp_path / f"{name}.safetensors"),
+                *extra,
+            ],
+        )
 
     train.train(args("a"))
     train.train(args("b", "--resume"), stop_after=3)
@@ -538,14 +751,28 @@ def test_a_shifted_mnist_run_with_a_weight_average_resumes_bit_for_bit(tmp_path:
     assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
 
 
-def test_init_from_starts_a_new_run_from_trained_weights_under_another_hashing(tmp_path: Path, text_file: Path,
-                                                                               capsys) -> None:
+def test_init_from_starts_a_new_run_from_trained_weights_under_another_hashing(
+    tmp_path: Path, text_file: Path, capsys
+) -> None:
     source = tmp_path / "src.safetensors"
     reformer = ["--attention", "reformer", "--no-eval", "--save-dtype", "float32"]
     train.train(text_args(tmp_path, text_file, *reformer, "--steps", "40", "--out", str(source)))
     trained, _ = load_model(source)
-    warm = text_args(tmp_path, text_file, *reformer, "--steps", "1", "--lr", "1e-12", "--reformer-buckets", "8",
-                     "--init-from", str(source), "--out", str(tmp_path / "warm.safetensors"))
+    warm = text_args(
+        tmp_path,
+        text_file,
+        *reformer,
+        "--steps",
+        "1",
+        "--lr",
+        "1e-12",
+        "--reformer-buckets",
+        "8",
+        "--init-from",
+        str(source),
+        "--out",
+        str(tmp_path / "warm.safetensors"),
+    )
     info = train.train(warm)
     assert "initialised from" in capsys.readouterr().err and info["init_from"] == str(source) and info["steps"] == 1
     warmed, _ = load_model(tmp_path / "warm.safetensors")
@@ -555,8 +782,19 @@ def test_init_from_starts_a_new_run_from_trained_weights_under_another_hashing(t
         assert torch.allclose(value, params[name], atol=1e-6), name
     rotations = [name for name, _ in warmed.named_buffers() if name.endswith("rotations")]
     assert rotations and all(warmed.get_buffer(n).shape[-1] == 4 for n in rotations)  # drawn for 8 buckets
-    cold = text_args(tmp_path, text_file, *reformer, "--steps", "1", "--lr", "1e-12", "--reformer-buckets", "8",
-                     "--out", str(tmp_path / "cold.safetensors"))
+    cold = text_args(
+        tmp_path,
+        text_file,
+        *reformer,
+        "--steps",
+        "1",
+        "--lr",
+        "1e-12",
+        "--reformer-buckets",
+        "8",
+        "--out",
+        str(tmp_path / "cold.safetensors"),
+    )
     assert info["final_train_loss_nats"] < train.train(cold)["final_train_loss_nats"] - 1.0
 
 
@@ -564,8 +802,11 @@ def test_init_from_names_the_fields_that_would_change_parameters(tmp_path: Path,
     source = tmp_path / "src.safetensors"
     train.train(text_args(tmp_path, text_file, "--steps", "1", "--no-eval", "--out", str(source)))
     wider = text_args(tmp_path, text_file, "--steps", "1", "--no-eval", "--d-model", "64", "--init-from", str(source))
-    with pytest.raises(train.TrainError, match=r"the file has d_model=32; this run builds d_model=64; only dropout, "
-                                               r"reformer_buckets, reformer_local_window, reformer_rounds may differ"):
+    with pytest.raises(
+        train.TrainError,
+        match=r"the file has d_model=32; this run builds d_model=64; only dropout, "
+        r"reformer_buckets, reformer_local_window, reformer_rounds may differ",
+    ):
         train.train(wider)
     missing = text_args(tmp_path, text_file, "--steps", "1", "--init-from", str(tmp_path / "none.safetensors"))
     with pytest.raises(train.TrainError, match=r"none\.safetensors: no such file; expected a \.safetensors model"):
@@ -587,23 +828,51 @@ def test_init_from_grows_the_model_by_blocks_that_start_as_identities(tmp_path: 
     with torch.no_grad():  # the grown model computes what the file's did
         assert torch.allclose(grown.eval().next_token_log_probs(tokens), small.next_token_log_probs(tokens), atol=1e-5)
     out = tmp_path / "grown.safetensors"
-    train.train(text_args(tmp_path, text_file, *float32, "--steps", "3", "--layers", str(small.config.n_layers + 1),
-                          "--init-from", str(source), "--out", str(out)))
+    train.train(
+        text_args(
+            tmp_path,
+            text_file,
+            *float32,
+            "--steps",
+            "3",
+            "--layers",
+            str(small.config.n_layers + 1),
+            "--init-from",
+            str(source),
+            "--out",
+            str(out),
+        )
+    )
     trained, _ = load_model(out)
     top = trained.blocks[-1]
     assert trained.config.n_layers == small.config.n_layers + 1
     assert top.attn.proj.weight.abs().sum() > 0 and top.ff.down.weight.abs().sum() > 0  # the new block learns
     fewer = text_args(tmp_path, text_file, "--steps", "1", "--layers", "1", "--init-from", str(source))
-    with pytest.raises(train.TrainError, match=r"the file has n_layers=2; this run builds n_layers=1: a warm start may "
-                                               r"add layers .*, not drop them"):
+    with pytest.raises(
+        train.TrainError,
+        match=r"the file has n_layers=2; this run builds n_layers=1: a warm start may "
+        r"add layers .*, not drop them",
+    ):
         train.train(fewer)
 
 
 def test_a_stopped_warm_start_resumes_from_its_checkpoint(tmp_path: Path, text_file: Path, capsys) -> None:
     source, ckpt = tmp_path / "src.safetensors", str(tmp_path / "w.ckpt")
     train.train(text_args(tmp_path, text_file, "--steps", "2", "--no-eval", "--out", str(source)))
-    warm = text_args(tmp_path, text_file, "--steps", "4", "--no-eval", "--checkpoint", ckpt, "--checkpoint-every", "2",
-                     "--resume", "--init-from", str(source))
+    warm = text_args(
+        tmp_path,
+        text_file,
+        "--steps",
+        "4",
+        "--no-eval",
+        "--checkpoint",
+        ckpt,
+        "--checkpoint-every",
+        "2",
+        "--resume",
+        "--init-from",
+        str(source),
+    )
     train.train(warm, stop_after=2)
     assert "initialised from" in capsys.readouterr().err
     info = train.train(warm)  # the same command: the checkpoint wins, the file is not loaded again
@@ -612,8 +881,9 @@ def test_a_stopped_warm_start_resumes_from_its_checkpoint(tmp_path: Path, text_f
 
 
 def test_weight_average_follows_each_step_and_swaps_in_and_out() -> None:
-    model = build_model(ModelConfig(attention="linear", task="text", n_layers=1, d_model=8, n_heads=2, d_ff=16,
-                                    max_len=8))
+    model = build_model(
+        ModelConfig(attention="linear", task="text", n_layers=1, d_model=8, n_heads=2, d_ff=16, max_len=8)
+    )
     first = {name: p.detach().clone() for name, p in model.named_parameters()}
     average = WeightAverage.start(model, 0.75)
     with torch.no_grad():
@@ -630,13 +900,33 @@ def test_weight_average_follows_each_step_and_swaps_in_and_out() -> None:
 
 
 def test_ema_run_saves_the_average_and_resumes_it_bit_for_bit(tmp_path: Path, text_file: Path) -> None:
-    common = ["--steps", "6", "--checkpoint-every", "3", "--no-eval", "--ema-decay", "0.9",
-              "--checkpoint-precision", "float32", "--save-dtype", "float32"]
-    straight = text_args(tmp_path, text_file, *common, "--checkpoint", str(tmp_path / "a.ckpt"),
-                         "--out", str(tmp_path / "a.safetensors"))
+    common = [
+        "--steps",
+        "6",
+        "--checkpoint-every",
+        "3",
+        "--no-eval",
+        "--ema-decay",
+        "0.9",
+        "--checkpoint-precision",
+        "float32",
+        "--save-dtype",
+        "float32",
+    ]
+    straight = text_args(
+        tmp_path, text_file, *common, "--checkpoint", str(tmp_path / "a.ckpt"), "--out", str(tmp_path / "a.safetensors")
+    )
     info = train.train(straight)
-    resumed = text_args(tmp_path, text_file, *common, "--checkpoint", str(tmp_path / "b.ckpt"), "--resume",
-                        "--out", str(tmp_path / "b.safetensors"))
+    resumed = text_args(
+        tmp_path,
+        text_file,
+        *common,
+        "--checkpoint",
+        str(tmp_path / "b.ckpt"),
+        "--resume",
+        "--out",
+        str(tmp_path / "b.safetensors"),
+    )
     train.train(resumed, stop_after=3)
     train.train(resumed)
     a, b = read_checkpoint(tmp_path / "a.ckpt"), read_checkpoint(tmp_path / "b.ckpt")
@@ -659,8 +949,11 @@ def test_ema_can_be_turned_on_at_a_resume_with_extend(tmp_path: Path, text_file:
         train.train(text_args(tmp_path, text_file, *common, "--steps", "2", "--resume", "--ema-decay", "0.5"))
     train.train(text_args(tmp_path, text_file, *common, "--steps", "4", "--resume", "--extend", "--ema-decay", "0.5"))
     ckpt = read_checkpoint(tmp_path / "c.ckpt")
-    assert ckpt.run.ema_decay == 0.5 and ckpt.average is not None and ckpt.average.keys() == {
-        name for name, _ in build_model(ckpt.config).named_parameters()}
+    assert (
+        ckpt.run.ema_decay == 0.5
+        and ckpt.average is not None
+        and ckpt.average.keys() == {name for name, _ in build_model(ckpt.config).named_parameters()}
+    )
 
 
 def test_a_checkpoint_whose_average_lacks_a_parameter_is_a_clear_error(tmp_path: Path, text_file: Path) -> None:
@@ -670,18 +963,28 @@ def test_a_checkpoint_whose_average_lacks_a_parameter_is_a_clear_error(tmp_path:
         metadata = f.metadata()
         tensors = {k: f.get_tensor(k) for k in f.keys() if k != "average.head.bias"}
     save_file(tensors, tmp_path / "d.ckpt", metadata=metadata)
-    with pytest.raises(train.TrainError, match=r"weight average does not match .*missing: head\.bias; not in the model: none"):
+    with pytest.raises(
+        train.TrainError, match=r"weight average does not match .*missing: head\.bias; not in the model: none"
+    ):
         train.train(text_args(tmp_path, text_file, *common, "--steps", "4", "--resume", "--extend"))
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--max-shift", "5"], r"--max-shift must be in 0\.\.4 pixels, got 5"),
-    (["--max-shift", "-1"], r"--max-shift must be in 0\.\.4 pixels, got -1"),
-    (["--max-shift", "1", "--task", "text"], "--max-shift shifts MNIST digits; --task text has no images to shift"),
-    (["--ema-decay", "1"], r"--ema-decay must be in \[0, 1\) \(0: no average; 0\.999 averages about the last 1,000 "
-                           r"steps\), got 1\.0"),
-])
-def test_bad_max_shift_or_ema_decay_is_a_clear_error(tmp_path: Path, text_file: Path, flags: list[str], message: str) -> None:
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-shift", "5"], r"--max-shift must be in 0\.\.4 pixels, got 5"),
+        (["--max-shift", "-1"], r"--max-shift must be in 0\.\.4 pixels, got -1"),
+        (["--max-shift", "1", "--task", "text"], "--max-shift shifts MNIST digits; --task text has no images to shift"),
+        (
+            ["--ema-decay", "1"],
+            r"--ema-decay must be in \[0, 1\) \(0: no average; 0\.999 averages about the last 1,000 "
+            r"steps\), got 1\.0",
+        ),
+    ],
+)
+def test_bad_max_shift_or_ema_decay_is_a_clear_error(
+    tmp_path: Path, text_file: Path, flags: list[str], message: str
+) -> None:
     with pytest.raises(train.TrainError, match=message):
         train.train(text_args(tmp_path, text_file, "--steps", "1", *flags))
 
@@ -689,7 +992,7 @@ def test_bad_max_shift_or_ema_decay_is_a_clear_error(tmp_path: Path, text_file: 
 def read_safetensors_dtypes(path: Path) -> set[str]:
     """Tensor dtypes as the file's own JSON header lists them."""
     raw = path.read_bytes()
-    header = json.loads(raw[8: 8 + int.from_bytes(raw[:8], "little")])
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
     return {v["dtype"] for k, v in header.items() if k != "__metadata__"}
 
 
@@ -730,16 +1033,23 @@ def test_text_loss_covers_every_validation_byte_once(tmp_path: Path) -> None:
     valid = torch.randint(0, 256, (21,), dtype=torch.uint8)  # two full windows of 8 and a tail of 5
     pieces = [valid[:8], valid[8:16], valid[16:]]
     with torch.no_grad():
-        nats = sum(float(-torch.log_softmax(model(with_bos(p[None].long()))[0][0].double(), -1)
-                         .gather(-1, p.long()[:, None]).sum()) for p in pieces)
+        nats = sum(
+            float(
+                -torch.log_softmax(model(with_bos(p[None].long()))[0][0].double(), -1)
+                .gather(-1, p.long()[:, None])
+                .sum()
+            )
+            for p in pieces
+        )
     result = evaluate.evaluate_text(model, valid, batch_size=1)
     assert result["bytes"] == 21
     assert result["loss_nats_per_byte"] == pytest.approx(nats / 21, abs=1e-5)
     assert result["bits_per_byte"] == pytest.approx(nats / 21 / math.log(2), abs=1e-5)
 
 
-def test_eval_store_writes_the_result_into_the_file_and_keeps_its_tensors(tmp_path: Path, mnist_dir: Path,
-                                                                         capsys) -> None:
+def test_eval_store_writes_the_result_into_the_file_and_keeps_its_tensors(
+    tmp_path: Path, mnist_dir: Path, capsys
+) -> None:
     torch.manual_seed(0)
     cfg = ModelConfig(attention="linear", task="mnist", d_model=32, n_layers=1, n_heads=2, d_ff=32, max_len=784)
     path = tmp_path / "s.safetensors"
@@ -769,10 +1079,28 @@ def test_pictures_draws_one_column_per_model(tmp_path: Path, mnist_dir: Path) ->
 
     torch.manual_seed(0)
     model_path = tmp_path / "g.safetensors"
-    save_model(build_model(ModelConfig(task="mnist", d_model=32, n_layers=1, n_heads=2, d_ff=32, max_len=784)), model_path)
+    save_model(
+        build_model(ModelConfig(task="mnist", d_model=32, n_layers=1, n_heads=2, d_ff=32, max_len=784)), model_path
+    )
     out = tmp_path / "p.png"
-    args = parse("pictures", ["--models", str(model_path), str(model_path), "--data", str(mnist_dir), "--out", str(out),
-                              "--digits", "2", "--scale", "1", "--device", "cpu"])
+    args = parse(
+        "pictures",
+        [
+            "--models",
+            str(model_path),
+            str(model_path),
+            "--data",
+            str(mnist_dir),
+            "--out",
+            str(out),
+            "--digits",
+            "2",
+            "--scale",
+            "1",
+            "--device",
+            "cpu",
+        ],
+    )
     assert pictures.run(args) == 0
     width, height = Image.open(out).size
     assert width == 4 * (28 + pictures.GAP) + pictures.GAP  # original, occluded, two models
@@ -785,11 +1113,20 @@ def test_the_training_curve_survives_a_resume_and_is_drawn(tmp_path: Path, text_
     from training import curves
 
     common = ["--steps", "110", "--checkpoint-every", "60", "--no-eval", "--checkpoint-precision", "float32"]
-    straight = text_args(tmp_path, text_file, *common, "--checkpoint", str(tmp_path / "a.ckpt"),
-                         "--out", str(tmp_path / "a.safetensors"))
+    straight = text_args(
+        tmp_path, text_file, *common, "--checkpoint", str(tmp_path / "a.ckpt"), "--out", str(tmp_path / "a.safetensors")
+    )
     train.train(straight)
-    resumed = text_args(tmp_path, text_file, *common, "--checkpoint", str(tmp_path / "b.ckpt"), "--resume",
-                        "--out", str(tmp_path / "b.safetensors"))
+    resumed = text_args(
+        tmp_path,
+        text_file,
+        *common,
+        "--checkpoint",
+        str(tmp_path / "b.ckpt"),
+        "--resume",
+        "--out",
+        str(tmp_path / "b.safetensors"),
+    )
     train.train(resumed, stop_after=60)
     assert [p[0] for p in read_checkpoint(tmp_path / "b.ckpt").progress.curve] == [50]
     train.train(resumed)
@@ -806,21 +1143,26 @@ def test_the_training_curve_survives_a_resume_and_is_drawn(tmp_path: Path, text_
     assert Image.open(out).format == "PNG"
 
 
-def test_a_run_from_another_files_weights_keeps_its_runs_and_curves_draws_them_all(tmp_path: Path, text_file: Path,
-                                                                                     capsys) -> None:
+def test_a_run_from_another_files_weights_keeps_its_runs_and_curves_draws_them_all(
+    tmp_path: Path, text_file: Path, capsys
+) -> None:
     from training import curves
 
     def run(name: str, steps: int, *extra: str) -> dict:
-        return train.train(text_args(tmp_path, text_file, "--steps", str(steps), "--out", str(tmp_path / name),
-                                     *extra))
+        return train.train(text_args(tmp_path, text_file, "--steps", str(steps), "--out", str(tmp_path / name), *extra))
 
     first = run("first.safetensors", 60)
     second = run("second.safetensors", 50, "--init-from", str(tmp_path / "first.safetensors"), "--no-eval")
     third = run("third.safetensors", 50, "--init-from", str(tmp_path / "second.safetensors"), "--no-eval")
-    assert second["lineage"] == [{"command": first["command"], "examples_seen": first["examples_seen"],
-                                  "wall_time_s": first["wall_time_s"],
-                                  "held_out": first["eval"]["loss_nats_per_byte"],
-                                  "points": first["curve"]["points"]}]
+    assert second["lineage"] == [
+        {
+            "command": first["command"],
+            "examples_seen": first["examples_seen"],
+            "wall_time_s": first["wall_time_s"],
+            "held_out": first["eval"]["loss_nats_per_byte"],
+            "points": first["curve"]["points"],
+        }
+    ]
     assert [r["examples_seen"] for r in third["lineage"]] == [first["examples_seen"], second["examples_seen"]]
     assert third["lineage"][1]["held_out"] is None  # --no-eval: no result, the run still counts
     assert read_metadata(tmp_path / "third.safetensors")[1]["lineage"] == third["lineage"]
@@ -842,12 +1184,23 @@ def test_a_run_from_another_files_weights_keeps_its_runs_and_curves_draws_them_a
 def test_a_resumed_run_keeps_the_lineage_it_started_with(tmp_path: Path, text_file: Path) -> None:
     # A continued run's command may name the file it ships to as --init-from: by its resume that file is newer.
     def run(name: str, *extra: str, stop_after: int | None = None) -> dict:
-        return train.train(text_args(tmp_path, text_file, "--steps", "40", "--no-eval", "--out", str(tmp_path / name),
-                                     *extra), stop_after=stop_after)
+        return train.train(
+            text_args(tmp_path, text_file, "--steps", "40", "--no-eval", "--out", str(tmp_path / name), *extra),
+            stop_after=stop_after,
+        )
 
     parent = run("parent.safetensors")
-    child = ["--init-from", str(tmp_path / "parent.safetensors"), "--checkpoint", str(tmp_path / "child.ckpt"),
-             "--checkpoint-every", "30", "--resume", "--steps", "60"]
+    child = [
+        "--init-from",
+        str(tmp_path / "parent.safetensors"),
+        "--checkpoint",
+        str(tmp_path / "child.ckpt"),
+        "--checkpoint-every",
+        "30",
+        "--resume",
+        "--steps",
+        "60",
+    ]
     run("child.safetensors", *child, stop_after=30)
     assert read_checkpoint(tmp_path / "child.ckpt").progress.lineage[0]["points"] == parent["curve"]["points"]
     run("other.safetensors", "--seed", "9", "--steps", "30")
@@ -908,7 +1261,9 @@ COMMITTED_CHECKPOINTS = sorted((WEIGHTS / "checkpoints").glob("*.ckpt"))
 @pytest.mark.skipif(not COMMITTED_CHECKPOINTS, reason="no checkpoints in weights/checkpoints/ yet")
 @pytest.mark.parametrize("path", COMMITTED_CHECKPOINTS, ids=[p.stem for p in COMMITTED_CHECKPOINTS])
 def test_committed_checkpoint_is_at_most_10_mb_and_continues_the_shipped_file(path: Path) -> None:
-    assert path.stat().st_size <= 10_000_000, f"{path.name}: {path.stat().st_size:,} bytes (the checkpoint target: about 10 MB)"
+    assert path.stat().st_size <= 10_000_000, (
+        f"{path.name}: {path.stat().st_size:,} bytes (the checkpoint target: about 10 MB)"
+    )
     ckpt = read_checkpoint(path)
     saved = ckpt.average if ckpt.average is not None else ckpt.model  # what the run's --out file holds
     shipped = load_file(WEIGHTS / f"{path.stem}.safetensors")
@@ -923,9 +1278,24 @@ def test_pictures_refuses_a_text_model_naming_what_it_needs(tmp_path: Path, mnis
     text_model = tmp_path / "words.safetensors"
     config = ModelConfig(task="text", d_model=32, n_layers=1, n_heads=2, d_ff=32, max_len=16)
     save_model(build_model(config), text_model)
-    args = parse("pictures", ["--models", str(text_model), "--data", str(mnist_dir), "--out", str(tmp_path / "p.png"),
-                              "--digits", "1", "--device", "cpu"])
+    args = parse(
+        "pictures",
+        [
+            "--models",
+            str(text_model),
+            "--data",
+            str(mnist_dir),
+            "--out",
+            str(tmp_path / "p.png"),
+            "--digits",
+            "1",
+            "--device",
+            "cpu",
+        ],
+    )
     assert pictures.run(args) == 2
-    assert capsys.readouterr().err == (f"rnnserve pictures: error: {text_model}: this is a text model; "
-                                       "`rnnserve pictures` draws digits, so --models takes MNIST models "
-                                       "(trained with --task mnist)\n")
+    assert capsys.readouterr().err == (
+        f"rnnserve pictures: error: {text_model}: this is a text model; "
+        "`rnnserve pictures` draws digits, so --models takes MNIST models "
+        "(trained with --task mnist)\n"
+    )

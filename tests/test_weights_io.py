@@ -17,8 +17,13 @@ from model.weights_io import CONFIG_KEY, INFO_KEY, WeightsError, load_model, rea
 
 from conftest import make_tiny_config, make_tiny_model, make_tokens
 
-INFO = {"data": "mnist train 60k", "examples_seen": 1234, "wall_time_s": 5.5, "device": "cpu",
-        "eval": {"bits_per_dim": 3.21}}
+INFO = {
+    "data": "mnist train 60k",
+    "examples_seen": 1234,
+    "wall_time_s": 5.5,
+    "device": "cpu",
+    "eval": {"bits_per_dim": 3.21},
+}
 
 
 def good_tensors_and_metadata(kind: str = "linear"):
@@ -46,6 +51,7 @@ def assert_weights_error(path, *phrases: str) -> WeightsError:
 
 # ---------------------------------------------------------------- round trips
 
+
 def test_save_then_load_is_bitwise_identical(kind, tmp_path):
     model = make_tiny_model(kind)
     path = tmp_path / f"{kind}.safetensors"
@@ -67,8 +73,11 @@ def test_save_then_load_is_bitwise_identical(kind, tmp_path):
 def test_read_metadata_gives_config_and_info_without_tensors(tmp_path):
     cfg = make_tiny_config("linformer", linformer_sharing="kv", task="mnist", max_len=784, extra={"note": "x"})
     path = tmp_path / "m.safetensors"
-    save_model(make_tiny_model("linformer", linformer_sharing="kv", task="mnist", max_len=784, extra={"note": "x"}),
-               path, info=INFO)
+    save_model(
+        make_tiny_model("linformer", linformer_sharing="kv", task="mnist", max_len=784, extra={"note": "x"}),
+        path,
+        info=INFO,
+    )
     assert read_metadata(path) == (cfg, INFO)
 
 
@@ -105,13 +114,16 @@ def test_save_leaves_no_temporary_file(tmp_path):
 
 # ---------------------------------------------------------------- bad files
 
+
 def test_missing_file(tmp_path):
     assert_weights_error(tmp_path / "nope.safetensors", "no such file")
 
 
 def test_random_bytes_are_not_safetensors(tmp_path):
     path = tmp_path / "random.safetensors"
-    path.write_bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0)).to(torch.uint8).numpy().tobytes())
+    path.write_bytes(
+        torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0)).to(torch.uint8).numpy().tobytes()
+    )
     assert_weights_error(path, "not a valid safetensors file")
 
 
@@ -124,7 +136,7 @@ def test_text_file_is_not_safetensors(tmp_path):
 @pytest.mark.parametrize("keep", [0.5, 0.999])
 def test_truncated_file(tmp_path, keep):
     tensors, metadata = good_tensors_and_metadata()
-    whole = (tmp_path / "whole.safetensors")
+    whole = tmp_path / "whole.safetensors"
     write(whole, tensors, metadata)
     data = whole.read_bytes()
     path = tmp_path / "cut.safetensors"

@@ -35,9 +35,11 @@ class WeightAverage:
         params = dict(model.named_parameters())
         if saved is not None and saved.keys() != params.keys():
             missing, extra = sorted(params.keys() - saved.keys()), sorted(saved.keys() - params.keys())
-            raise TrainError(f"the checkpoint's weight average does not match the model's parameters "
-                             f"(missing: {', '.join(missing) or 'none'}; not in the model: {', '.join(extra) or 'none'}): "
-                             f"a damaged checkpoint; resume from another one, or start a new run with --init-from")
+            raise TrainError(
+                f"the checkpoint's weight average does not match the model's parameters "
+                f"(missing: {', '.join(missing) or 'none'}; not in the model: {', '.join(extra) or 'none'}): "
+                f"a damaged checkpoint; resume from another one, or start a new run with --init-from"
+            )
         source = saved if saved is not None else {name: p.detach() for name, p in params.items()}
         return cls(decay, {name: source[name].to(params[name].device, torch.float32).clone() for name in params})
 

@@ -157,10 +157,17 @@ class CheckpointWriter:
     precision: str  # a key of PRECISIONS
     run: RunSettings
 
-    def save(self, model: Transformer, opt: torch.optim.Optimizer, prog: Progress, generator: torch.Generator,
-             average: dict[str, torch.Tensor] | None = None) -> None:
-        tensors, metadata = encode(model, opt, prog, RngStates.capture(generator), self.run, self.precision,
-                                   average or {})
+    def save(
+        self,
+        model: Transformer,
+        opt: torch.optim.Optimizer,
+        prog: Progress,
+        generator: torch.Generator,
+        average: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        tensors, metadata = encode(
+            model, opt, prog, RngStates.capture(generator), self.run, self.precision, average or {}
+        )
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(self.path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
@@ -174,15 +181,27 @@ def optimizer_param_names(model: Transformer, opt: torch.optim.Optimizer) -> lis
     return [names[id(p)] for group in opt.param_groups for p in group["params"]]
 
 
-def encode(model: Transformer, opt: torch.optim.Optimizer, prog: Progress, rng: RngStates, run: RunSettings,
-           precision: str, average: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def encode(
+    model: Transformer,
+    opt: torch.optim.Optimizer,
+    prog: Progress,
+    rng: RngStates,
+    run: RunSettings,
+    precision: str,
+    average: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors and metadata of a checkpoint file."""
     names = optimizer_param_names(model, opt)
     state = opt.state_dict()
-    stored_average = {f"average.{k}": v.detach().to(PRECISIONS[precision]).cpu().contiguous() for k, v in average.items()}
+    stored_average = {
+        f"average.{k}": v.detach().to(PRECISIONS[precision]).cpu().contiguous() for k, v in average.items()
+    }
     as_steps = precision == "compact" and bool(average)
-    tensors = encode_weights(model, stored_average) if as_steps else \
-        {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    tensors = (
+        encode_weights(model, stored_average)
+        if as_steps
+        else {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    )
     steps: dict[str, float] = {}
     keys: set[str] = set()
     for index, entries in state["state"].items():
@@ -192,11 +211,18 @@ def encode(model: Transformer, opt: torch.optim.Optimizer, prog: Progress, rng: 
             else:
                 keys.add(key)
                 tensors[f"optim.{key}.{names[index]}"] = value.detach().to(PRECISIONS[precision]).cpu().contiguous()
-    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [names[i] for i in g["params"]]}
-              for g in state["param_groups"]]
-    header = {"format": FORMAT, "config": json.loads(model.config.to_json()), "progress": dataclasses.asdict(prog),
-              "optimizer": {"steps": steps, "keys": sorted(keys), "param_groups": groups}, "run": dataclasses.asdict(run),
-              "precision": precision}
+    groups = [
+        {k: v for k, v in g.items() if k != "params"} | {"params": [names[i] for i in g["params"]]}
+        for g in state["param_groups"]
+    ]
+    header = {
+        "format": FORMAT,
+        "config": json.loads(model.config.to_json()),
+        "progress": dataclasses.asdict(prog),
+        "optimizer": {"steps": steps, "keys": sorted(keys), "param_groups": groups},
+        "run": dataclasses.asdict(run),
+        "precision": precision,
+    }
     return tensors | stored_average | rng.tensors(), {METADATA_KEY: json.dumps(header)}
 
 
@@ -283,8 +309,10 @@ def read_checkpoint(path: Path) -> Checkpoint:
     except (SafetensorError, OSError, ValueError) as exc:
         raise TrainError(f"{path}: corrupt checkpoint ({exc}); expected a .ckpt written by rnnserve train") from exc
     if header is None:
-        raise TrainError(f"{path}: not a training checkpoint (no '{METADATA_KEY}' metadata; a model .safetensors "
-                         "file holds no optimiser state); expected a .ckpt written by rnnserve train")
+        raise TrainError(
+            f"{path}: not a training checkpoint (no '{METADATA_KEY}' metadata; a model .safetensors "
+            "file holds no optimiser state); expected a .ckpt written by rnnserve train"
+        )
     try:
         return decode(path, json.loads(header), tensors)
     except TrainError:
@@ -304,12 +332,16 @@ def check_complete(path: Path) -> None:
         header = json.loads(raw)
         data_end = max((e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"), default=0)
     except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-        raise TrainError(f"{path}: corrupt or truncated checkpoint ({size} bytes, no readable safetensors header); "
-                         "expected a .ckpt written by rnnserve train") from None
+        raise TrainError(
+            f"{path}: corrupt or truncated checkpoint ({size} bytes, no readable safetensors header); "
+            "expected a .ckpt written by rnnserve train"
+        ) from None
     expected = 8 + header_len + int(data_end)
     if size < expected:
-        raise TrainError(f"{path}: truncated checkpoint: {size} bytes, but its header describes {expected} bytes "
-                         "(an interrupted copy?)")
+        raise TrainError(
+            f"{path}: truncated checkpoint: {size} bytes, but its header describes {expected} bytes "
+            "(an interrupted copy?)"
+        )
 
 
 def decode(path: Path, header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Checkpoint:
@@ -321,8 +353,10 @@ def decode(path: Path, header: dict[str, Any], tensors: dict[str, torch.Tensor])
     groups, start = [], 0
     for group in saved["param_groups"]:
         count = len(group["params"])
-        groups.append({k: tuple(v) if isinstance(v, list) else v for k, v in group.items()}
-                      | {"params": list(range(start, start + count))})
+        groups.append(
+            {k: tuple(v) if isinstance(v, list) else v for k, v in group.items()}
+            | {"params": list(range(start, start + count))}
+        )
         start += count
     cuda = [tensors[f"rng.cuda.{i}"] for i in range(sum(k.startswith("rng.cuda.") for k in tensors))]
     return Checkpoint(
@@ -349,12 +383,16 @@ def model_of(path: Path, device: torch.device) -> tuple[Transformer, dict[str, A
     if ckpt.average is not None:  # the resume's check: the average must cover every parameter
         WeightAverage.start(model, 0.0, ckpt.average).swap_into(model)
     weights = "moving average of the weights" if ckpt.average is not None else "last step's weights"
-    return model.to(device).eval(), {"step": ckpt.progress.step, "examples_seen": ckpt.progress.examples,
-                                     "weights": weights}
+    return model.to(device).eval(), {
+        "step": ckpt.progress.step,
+        "examples_seen": ckpt.progress.examples,
+        "weights": weights,
+    }
 
 
-def optimizer_entries(tensors: dict[str, torch.Tensor], name: str, keys: list[str],
-                      steps: dict[str, float]) -> dict[str, Any]:
+def optimizer_entries(
+    tensors: dict[str, torch.Tensor], name: str, keys: list[str], steps: dict[str, float]
+) -> dict[str, Any]:
     """One parameter's optimiser state: its step and moments (empty if it never had a gradient)."""
     entries: dict[str, Any] = {key: tensors[f"optim.{key}.{name}"] for key in keys if f"optim.{key}.{name}" in tensors}
     if name in steps:
@@ -372,9 +410,14 @@ def read_legacy(path: Path) -> Checkpoint:
     if missing:
         raise TrainError(f"{path}: not an rnnserve checkpoint: missing {', '.join(missing)}")
     return Checkpoint(
-        config=parse_config(path, blob["config"]), model=blob["model"], optimizer=blob["optimizer"],
-        param_names=None, progress=Progress(**blob["progress"]),
-        rng=RngStates(blob["data_rng"], blob["torch_rng"], blob["cuda_rng"]), run=None, precision="float32",
+        config=parse_config(path, blob["config"]),
+        model=blob["model"],
+        optimizer=blob["optimizer"],
+        param_names=None,
+        progress=Progress(**blob["progress"]),
+        rng=RngStates(blob["data_rng"], blob["torch_rng"], blob["cuda_rng"]),
+        run=None,
+        precision="float32",
     )
 
 
@@ -388,8 +431,9 @@ def parse_config(path: Path, text: str) -> ModelConfig:
 # ---------------------------------------------------------------- resuming
 
 
-def restore(path: Path, ckpt: Checkpoint, model: Transformer, opt: torch.optim.Optimizer,
-            generator: torch.Generator) -> Progress:
+def restore(
+    path: Path, ckpt: Checkpoint, model: Transformer, opt: torch.optim.Optimizer, generator: torch.Generator
+) -> Progress:
     """Load weights, optimiser state and RNG states into this run; returns the progress to continue from."""
     check_config(path, ckpt.config, model.config)
     if ckpt.param_names is not None and ckpt.param_names != optimizer_param_names(model, opt):
@@ -417,13 +461,18 @@ def check_config(path: Path, saved: ModelConfig, built: ModelConfig) -> None:
     """Name every architecture field that differs, e.g. 'attention=linear; this run builds attention=softmax'."""
     differences = config_differences(saved, built)
     if differences:
-        raise TrainError(f"{path}: checkpoint has {differences}; use the same architecture flags as the run that wrote it")
+        raise TrainError(
+            f"{path}: checkpoint has {differences}; use the same architecture flags as the run that wrote it"
+        )
 
 
 def run_changes(saved: RunSettings, now: RunSettings) -> dict[str, tuple[Any, Any]]:
     """Settings that differ: name -> (checkpoint's value, this run's)."""
-    return {f.name: (getattr(saved, f.name), getattr(now, f.name)) for f in dataclasses.fields(saved)
-            if getattr(saved, f.name) != getattr(now, f.name)}
+    return {
+        f.name: (getattr(saved, f.name), getattr(now, f.name))
+        for f in dataclasses.fields(saved)
+        if getattr(saved, f.name) != getattr(now, f.name)
+    }
 
 
 # ---------------------------------------------------------------- stopping
@@ -442,8 +491,9 @@ class TrainingStopped(Exception):
     def __init__(self, signum: int, step: int, checkpoint: Path | None):
         name = signal.Signals(signum).name
         saved = f"checkpoint {checkpoint} written" if checkpoint else "no checkpoint (--checkpoint-every 0)"
-        super().__init__(f"stopped by {name} after step {step}; {saved}; "
-                         "run the same command with --resume to continue")
+        super().__init__(
+            f"stopped by {name} after step {step}; {saved}; run the same command with --resume to continue"
+        )
         self.signum = signum
 
 

@@ -63,8 +63,12 @@ class DigitClassifier(nn.Module):
             layers += [nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
         self.features = nn.Sequential(*layers)
         side = MNIST_SIDE >> len(cfg.channels)  # each pool halves, rounding down
-        self.head = nn.Sequential(nn.Flatten(), nn.Linear(cfg.channels[-1] * side * side, cfg.hidden), nn.ReLU(),
-                                  nn.Linear(cfg.hidden, DIGITS))
+        self.head = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(cfg.channels[-1] * side * side, cfg.hidden),
+            nn.ReLU(),
+            nn.Linear(cfg.hidden, DIGITS),
+        )
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         x = pixels.float().view(-1, 1, MNIST_SIDE, MNIST_SIDE) / 255.0  # (B, 1, 28, 28)
@@ -77,7 +81,7 @@ class DigitClassifier(nn.Module):
 @torch.inference_mode()
 def classify(classifier: DigitClassifier, images: torch.Tensor, batch_size: int = 500) -> torch.Tensor:
     """(N, 784) grey levels -> (N,) predicted digits."""
-    out = [classifier(images[i:i + batch_size]).argmax(dim=-1) for i in range(0, images.shape[0], batch_size)]
+    out = [classifier(images[i : i + batch_size]).argmax(dim=-1) for i in range(0, images.shape[0], batch_size)]
     return torch.cat(out) if out else torch.empty(0, dtype=torch.long)
 
 
@@ -96,8 +100,9 @@ class TrainSettings:
     seed: int = 0
 
 
-def train_classifier(train: LabeledMnist, settings: TrainSettings,
-                     cfg: ClassifierConfig = ClassifierConfig()) -> DigitClassifier:
+def train_classifier(
+    train: LabeledMnist, settings: TrainSettings, cfg: ClassifierConfig = ClassifierConfig()
+) -> DigitClassifier:
     """AdamW with a cosine learning rate over `epochs` passes of shifted, shuffled digits."""
     torch.manual_seed(settings.seed)
     classifier = DigitClassifier(cfg)
@@ -110,7 +115,7 @@ def train_classifier(train: LabeledMnist, settings: TrainSettings,
     for step in range(total):
         if step % steps_per_epoch == 0:
             order = torch.randperm(n, generator=gen)
-        rows = order[(step % steps_per_epoch) * settings.batch_size:][:settings.batch_size]
+        rows = order[(step % steps_per_epoch) * settings.batch_size :][: settings.batch_size]
         for group in opt.param_groups:
             group["lr"] = settings.lr * 0.5 * (1 + math.cos(math.pi * step / total))
         images = random_shift(train.images[rows], settings.max_shift, gen)
@@ -133,18 +138,26 @@ def save_classifier(classifier: DigitClassifier, path: str | os.PathLike, info: 
 def load_classifier(path: str | os.PathLike) -> tuple[DigitClassifier, dict[str, Any]]:
     """A classifier file -> (eval-mode classifier, info); WeightsError says what is wrong."""
     if not Path(path).is_file():
-        raise WeightsError(path, f"no digit classifier here; train one with `{TRAIN_COMMAND}` "
-                                 "(from the repository root), or pass --classifier PATH")
+        raise WeightsError(
+            path,
+            f"no digit classifier here; train one with `{TRAIN_COMMAND}` "
+            "(from the repository root), or pass --classifier PATH",
+        )
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except (SafetensorError, OSError, ValueError) as exc:
-        raise WeightsError(path, f"not a valid safetensors file ({exc}); expected a digit classifier "
-                                 "written by `rnnserve train-classifier`") from exc
+        raise WeightsError(
+            path,
+            f"not a valid safetensors file ({exc}); expected a digit classifier written by `rnnserve train-classifier`",
+        ) from exc
     if CLASSIFIER_KEY not in metadata:
-        raise WeightsError(path, f"metadata has no '{CLASSIFIER_KEY}' entry: this is not a digit classifier "
-                                 "(a generative model file?); expected one written by `rnnserve train-classifier`")
+        raise WeightsError(
+            path,
+            f"metadata has no '{CLASSIFIER_KEY}' entry: this is not a digit classifier "
+            "(a generative model file?); expected one written by `rnnserve train-classifier`",
+        )
     classifier = DigitClassifier(ClassifierConfig.from_json(metadata[CLASSIFIER_KEY]))
     try:
         classifier.load_state_dict(tensors, strict=True)
@@ -182,22 +195,34 @@ def run(args: argparse.Namespace) -> int:
     except (DataError, WeightsError) as exc:
         print(f"rnnserve train-classifier: error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out}: {info['parameters']:,} parameters, trained in {seconds:.0f} s on "
-          f"{info['train_images']:,} digits; test accuracy {info['test_accuracy']:.4f} "
-          f"on {info['test_images']:,} test digits")
+    print(
+        f"wrote {args.out}: {info['parameters']:,} parameters, trained in {seconds:.0f} s on "
+        f"{info['train_images']:,} digits; test accuracy {info['test_accuracy']:.4f} "
+        f"on {info['test_images']:,} test digits"
+    )
     return 0
 
 
-def classifier_info(classifier: DigitClassifier, train: LabeledMnist, test: LabeledMnist,
-                    settings: TrainSettings, seconds: float, command: str | None) -> dict[str, Any]:
+def classifier_info(
+    classifier: DigitClassifier,
+    train: LabeledMnist,
+    test: LabeledMnist,
+    settings: TrainSettings,
+    seconds: float,
+    command: str | None,
+) -> dict[str, Any]:
     """What the file records about itself: its test accuracy and how it was made."""
     return {
         "kind": "digit classifier",
         "test_accuracy": accuracy(classifier, test.images, test.labels),
-        "test_images": int(test.images.shape[0]), "test_data": test.path,
+        "test_images": int(test.images.shape[0]),
+        "test_data": test.path,
         "train_accuracy": accuracy(classifier, train.images, train.labels),
-        "train_images": int(train.images.shape[0]), "train_data": train.path,
-        "parameters": classifier.num_parameters(), "training": asdict(settings),
-        "seconds": round(seconds, 1), "threads": torch.get_num_threads(),
+        "train_images": int(train.images.shape[0]),
+        "train_data": train.path,
+        "parameters": classifier.num_parameters(),
+        "training": asdict(settings),
+        "seconds": round(seconds, 1),
+        "threads": torch.get_num_threads(),
         "command": command,
     }

@@ -62,9 +62,9 @@ def occlusion_mask(name: str) -> torch.Tensor:
     """A named occlusion -> (784,) bool, True where the pixel is unknown."""
     unknown = torch.zeros(MNIST_SIDE, MNIST_SIDE, dtype=torch.bool)
     if name == "bottom-half":
-        unknown[MNIST_SIDE // 2:] = True
+        unknown[MNIST_SIDE // 2 :] = True
     elif name == "right-half":
-        unknown[:, MNIST_SIDE // 2:] = True
+        unknown[:, MNIST_SIDE // 2 :] = True
     elif name == "centre-box":
         unknown[CENTRE_BOX, CENTRE_BOX] = True
     else:
@@ -84,8 +84,10 @@ def mask_from_file(path: str | Path, read_mask: MaskReader | None) -> torch.Tens
     except ValueError as exc:
         raise DataError(f"--mask {path}: {exc}") from None
     if not unknown.any():
-        raise DataError(f"--mask {path}: no pixel is white (>= 128) or transparent, so nothing is unknown; "
-                        "expected a 28x28 PNG, white where pixels are unknown")
+        raise DataError(
+            f"--mask {path}: no pixel is white (>= 128) or transparent, so nothing is unknown; "
+            "expected a 28x28 PNG, white where pixels are unknown"
+        )
     return torch.from_numpy(unknown.reshape(-1).copy())
 
 
@@ -114,37 +116,45 @@ def choose_occlusion(name: str | None, mask_path: str | None, read_mask: MaskRea
     return Occlusion(name, occlusion_mask(name))
 
 
-def complete_batch(model: Transformer, images: torch.Tensor, occlusion: Occlusion, seeds: torch.Tensor,
-                   temperature: float) -> torch.Tensor:
+def complete_batch(
+    model: Transformer, images: torch.Tensor, occlusion: Occlusion, seeds: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """(B, 784) digits -> (B, 784) uint8 with the unknown pixels sampled; seeds (B,) one per digit."""
     device = model.device
     params = [SamplingParams(temperature=temperature, seed=int(s)) for s in seeds]
     forced = occlusion.forced(images).to(device)  # (B, 784)
-    prompt = forced[:, :occlusion.first_unknown]  # (B, P): all known
+    prompt = forced[:, : occlusion.first_unknown]  # (B, P): all known
     tokens = generate(model, prompt, MNIST_PIXELS, BatchSampling.from_params(params, device), forced=forced)
     return tokens.cpu().to(torch.uint8)
 
 
-def complete_digits(model: Transformer, images: torch.Tensor, occlusion: Occlusion, seed: int = 0,
-                    temperature: float = 1.0, batch_size: int = DEFAULT_BATCH,
-                    show_progress: bool = False) -> torch.Tensor:
+def complete_digits(
+    model: Transformer,
+    images: torch.Tensor,
+    occlusion: Occlusion,
+    seed: int = 0,
+    temperature: float = 1.0,
+    batch_size: int = DEFAULT_BATCH,
+    show_progress: bool = False,
+) -> torch.Tensor:
     """(N, 784) digits -> (N, 784) completions; digit i draws its noise from seed * SEED_STRIDE + i."""
     out = []
     starts = range(0, images.shape[0], batch_size)
     for start in tqdm(starts, desc="completions", disable=not show_progress, mininterval=2.0):
-        batch = images[start:start + batch_size]
+        batch = images[start : start + batch_size]
         seeds = seed * SEED_STRIDE + torch.arange(start, start + batch.shape[0])
         out.append(complete_batch(model, batch, occlusion, seeds, temperature))
     return torch.cat(out)
 
 
 @torch.inference_mode()
-def unknown_bits_per_dim(model: Transformer, images: torch.Tensor, unknown: torch.Tensor,
-                         batch_size: int = 32) -> float:
+def unknown_bits_per_dim(
+    model: Transformer, images: torch.Tensor, unknown: torch.Tensor, batch_size: int = 32
+) -> float:
     """Mean -log2 p(true pixel | true pixels before it) over the unknown pixels of every image."""
     total = 0.0
     for start in range(0, images.shape[0], batch_size):
-        tokens = images[start:start + batch_size].long().to(model.device)  # (B, 784)
+        tokens = images[start : start + batch_size].long().to(model.device)  # (B, 784)
         total -= float(model.token_log_probs(tokens)[:, unknown.to(model.device)].double().sum())
     return total / (images.shape[0] * int(unknown.sum()) * math.log(2))
 
@@ -201,42 +211,61 @@ def evaluate_completions(path: str | Path, run: CompletionRun, device: torch.dev
     classifier, classifier_info = load_classifier(run.classifier)
     model = load_completion_model(path, device)
     test = load_labeled_mnist(run.data, "test")
-    images, labels = test.images[:run.limit], test.labels[:run.limit]
+    images, labels = test.images[: run.limit], test.labels[: run.limit]
     sampling_start = time.perf_counter()
     resamplings = None
     if run.particles is None:
-        completed = complete_digits(model, images, run.occlusion, run.seed, run.temperature, run.batch_size,
-                                    run.show_progress)
+        completed = complete_digits(
+            model, images, run.occlusion, run.seed, run.temperature, run.batch_size, run.show_progress
+        )
     else:
         if run.complete_with_particles is None:
             raise DataError("--particles needs the server's particle sampler: run it as `rnnserve eval`")
         seeds = [run.seed * SEED_STRIDE + i for i in range(len(images))]
-        done = run.complete_with_particles(model, run.occlusion.forced(images), run.occlusion.first_unknown, seeds,
-                                       run.temperature, run.particles, run.batch_size)
+        done = run.complete_with_particles(
+            model,
+            run.occlusion.forced(images),
+            run.occlusion.first_unknown,
+            seeds,
+            run.temperature,
+            run.particles,
+            run.batch_size,
+        )
         completed, resamplings = done.images, round(done.mean_resamplings, 2)
     sampling_s = time.perf_counter() - sampling_start
     reads = shares_read_as_true(classifier, labels, completed, run.occlusion.hide(images), images)
     return CompletionResult(
-        run.occlusion.name, int(run.occlusion.unknown.sum()), int(images.shape[0]), *reads,
+        run.occlusion.name,
+        int(run.occlusion.unknown.sum()),
+        int(images.shape[0]),
+        *reads,
         bits_per_dim_unknown=unknown_bits_per_dim(model, images, run.occlusion.unknown),
-        images_per_s=round(images.shape[0] / sampling_s, 3), seconds=round(time.perf_counter() - start, 1),
-        seed=run.seed, temperature=run.temperature, batch_size=run.batch_size, device=describe(device),
+        images_per_s=round(images.shape[0] / sampling_s, 3),
+        seconds=round(time.perf_counter() - start, 1),
+        seed=run.seed,
+        temperature=run.temperature,
+        batch_size=run.batch_size,
+        device=describe(device),
         data=test.path + (f" (first {len(images)} images)" if len(images) < len(test.images) else ""),
         classifier=str(run.classifier),
-        classifier_test_accuracy=classifier_info.get("test_accuracy"), particles=run.particles,
-        mean_resamplings=resamplings)
+        classifier_test_accuracy=classifier_info.get("test_accuracy"),
+        particles=run.particles,
+        mean_resamplings=resamplings,
+    )
 
 
 def load_completion_model(path: str | Path, device: torch.device) -> Transformer:
     model, _ = load_evaluated(path, device)
     if model.config.task != "mnist":
-        raise WeightsError(path, f"this is a {model.config.task} model; --completions needs an MNIST model "
-                                 "(trained with --task mnist)")
+        raise WeightsError(
+            path, f"this is a {model.config.task} model; --completions needs an MNIST model (trained with --task mnist)"
+        )
     return model
 
 
-def shares_read_as_true(classifier: DigitClassifier, labels: torch.Tensor,
-                        *image_sets: torch.Tensor) -> tuple[float, ...]:
+def shares_read_as_true(
+    classifier: DigitClassifier, labels: torch.Tensor, *image_sets: torch.Tensor
+) -> tuple[float, ...]:
     """For each (N, 784) set, the share of images the classifier reads as their label."""
     return tuple(accuracy(classifier, images, labels) for images in image_sets)
 
@@ -256,12 +285,21 @@ def store_result(path: str | Path, result: CompletionResult) -> None:
 def print_table(rows: list[tuple[str, CompletionResult]], file=sys.stdout) -> None:
     first = rows[0][1]
     sampler = "plain sampler" if first.particles is None else f"{first.particles} particles per digit"
-    print(f"{first.occlusion} ({first.unknown_pixels} unknown pixels), {sampler}, {first.digits} test digits, "
-          f"temperature {first.temperature:g}, seed {first.seed}; classifier {first.classifier} "
-          f"(test accuracy {first.classifier_test_accuracy})", file=file)  # as stored: None if it has none
+    print(
+        f"{first.occlusion} ({first.unknown_pixels} unknown pixels), {sampler}, {first.digits} test digits, "
+        f"temperature {first.temperature:g}, seed {first.seed}; classifier {first.classifier} "
+        f"(test accuracy {first.classifier_test_accuracy})",
+        file=file,
+    )  # as stored: None if it has none
     width = max(len(name) for name, _ in rows)
-    print(f"{'model':<{width}}  {'completed':>9}  {'occluded':>8}  {'original':>8}  {'bits/dim unknown':>16}  "
-          f"{'images/s':>8}", file=file)
+    print(
+        f"{'model':<{width}}  {'completed':>9}  {'occluded':>8}  {'original':>8}  {'bits/dim unknown':>16}  "
+        f"{'images/s':>8}",
+        file=file,
+    )
     for name, r in rows:
-        print(f"{name:<{width}}  {r.read_as_true_completed:>9.1%}  {r.read_as_true_occluded:>8.1%}  "
-              f"{r.read_as_true_original:>8.1%}  {r.bits_per_dim_unknown:>16.4f}  {r.images_per_s:>8.2f}", file=file)
+        print(
+            f"{name:<{width}}  {r.read_as_true_completed:>9.1%}  {r.read_as_true_occluded:>8.1%}  "
+            f"{r.read_as_true_original:>8.1%}  {r.bits_per_dim_unknown:>16.4f}  {r.images_per_s:>8.2f}",
+            file=file,
+        )

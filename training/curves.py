@@ -50,7 +50,7 @@ class Curve:
 
     def last_quarter_change(self) -> float:
         """The file's own run: loss at its end minus loss a quarter of its examples earlier (negative: still falling)."""
-        xs, ys = self.examples[self.own_start:], self.loss[self.own_start:]
+        xs, ys = self.examples[self.own_start :], self.loss[self.own_start :]
         start = self.run_ends[-1][0] if self.run_ends else 0
         cut = xs[-1] - 0.25 * (xs[-1] - start)
         earlier = min(range(len(xs)), key=lambda i: abs(xs[i] - cut))
@@ -79,11 +79,12 @@ def read_curve(path: str) -> Curve:
     return _curve(path, config.task, info.get("curve", {}).get("points", []), held_out, info.get("lineage", []))
 
 
-def _curve(path: str, task: str, points: list[list[float]], held_out: float | None,
-           lineage: list[dict]) -> Curve:
+def _curve(path: str, task: str, points: list[list[float]], held_out: float | None, lineage: list[dict]) -> Curve:
     if not points:
-        raise CurveError(f"{path}: no training curve stored; `rnnserve train` records one (a point every 50 steps "
-                         "and the last step) since curves were introduced, so older files and checkpoints have none")
+        raise CurveError(
+            f"{path}: no training curve stored; `rnnserve train` records one (a point every 50 steps "
+            "and the last step) since curves were introduced, so older files and checkpoints have none"
+        )
     scale = SCALE[task]
     examples, loss, run_ends, done, seconds = [], [], [], 0, 0.0  # done: examples of the runs so far
     for run in lineage:  # oldest first; a run from before curves has none, but its examples and time still count
@@ -95,8 +96,16 @@ def _curve(path: str, task: str, points: list[list[float]], held_out: float | No
     own_start = len(examples)
     examples += [done + int(p[1]) for p in points]
     loss += [p[3] * scale for p in points]
-    return Curve(label=Path(path).name, task=task, examples=examples, loss=loss,
-                 hours=(seconds + points[-1][2]) / 3600, held_out=held_out, run_ends=run_ends, own_start=own_start)
+    return Curve(
+        label=Path(path).name,
+        task=task,
+        examples=examples,
+        loss=loss,
+        hours=(seconds + points[-1][2]) / 3600,
+        held_out=held_out,
+        run_ends=run_ends,
+        own_start=own_start,
+    )
 
 
 def draw(curves: list[Curve], out: str, targets: list[float], title: str | None) -> None:
@@ -118,8 +127,7 @@ def draw(curves: list[Curve], out: str, targets: list[float], title: str | None)
 
 
 def _draw_one(ax, curve: Curve, targets: list[float]) -> None:
-    line, = ax.plot(curve.examples, curve.loss, ".-" if len(curve.loss) < 20 else "-", linewidth=1,
-                    label="training")
+    (line,) = ax.plot(curve.examples, curve.loss, ".-" if len(curve.loss) < 20 else "-", linewidth=1, label="training")
     stars = [(x, held) for x, held in curve.run_ends if held is not None]
     for x, _ in curve.run_ends:
         ax.axvline(x, linestyle=":", color="grey", linewidth=0.8)
@@ -129,13 +137,16 @@ def _draw_one(ax, curve: Curve, targets: list[float]) -> None:
         ax.plot(*zip(*stars), "*", markersize=9, color=line.get_color(), label="held-out at each run's end")
     for target in targets:
         ax.axhline(target, linestyle="--", color="grey", linewidth=1)
-        ax.annotate(f"target {target:g}", (0, target), xycoords=("axes fraction", "data"), fontsize=7,
-                    va="bottom", color="grey")
-    shown = curve.loss[len(curve.loss) // 20:] + [held for _, held in stars] + targets  # the first steps fall far
+        ax.annotate(
+            f"target {target:g}", (0, target), xycoords=("axes fraction", "data"), fontsize=7, va="bottom", color="grey"
+        )
+    shown = curve.loss[len(curve.loss) // 20 :] + [held for _, held in stars] + targets  # the first steps fall far
     ax.set_ylim(min(shown) - 0.02, max(shown) + 0.02)
     runs = len(curve.run_ends) + 1
-    ax.set_title(f"{curve.label}: {runs} run{'s' if runs > 1 else ''}, {curve.examples[-1]:,} examples, "
-                 f"{curve.hours:.1f} h", fontsize=9)
+    ax.set_title(
+        f"{curve.label}: {runs} run{'s' if runs > 1 else ''}, {curve.examples[-1]:,} examples, {curve.hours:.1f} h",
+        fontsize=9,
+    )
     ax.set_ylabel(UNITS[curve.task], fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper right")
@@ -143,8 +154,10 @@ def _draw_one(ax, curve: Curve, targets: list[float]) -> None:
 
 def summary_line(curve: Curve, targets: list[float]) -> str:
     unit = UNITS[curve.task]
-    line = (f"{curve.label}: {curve.examples[-1]:,} examples, {curve.hours:.2f} h, training loss {curve.loss[-1]:.3f} "
-            f"{unit}, last quarter {curve.last_quarter_change():+.3f}")
+    line = (
+        f"{curve.label}: {curve.examples[-1]:,} examples, {curve.hours:.2f} h, training loss {curve.loss[-1]:.3f} "
+        f"{unit}, last quarter {curve.last_quarter_change():+.3f}"
+    )
     if curve.run_ends:
         line += f" (its own run, after {len(curve.run_ends)} earlier)"
     if curve.held_out is not None:
@@ -162,8 +175,10 @@ def run(args: argparse.Namespace) -> int:
         curves = [read_curve(path) for path in args.files]
         tasks = {c.task for c in curves}
         if len(tasks) > 1:
-            raise CurveError(f"the files are of different tasks ({', '.join(sorted(tasks))}); "
-                             "draw one task per picture, its losses share a unit")
+            raise CurveError(
+                f"the files are of different tasks ({', '.join(sorted(tasks))}); "
+                "draw one task per picture, its losses share a unit"
+            )
     except CurveError as exc:
         print(f"rnnserve curves: error: {exc}", file=sys.stderr)
         return 2

@@ -82,8 +82,10 @@ def read_idx_labels(path: str | Path) -> torch.Tensor:
     """One IDX1 labels file -> (N,) uint8 digits 0-9. Checks magic, size and range."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"{path}: no such file; expected the IDX labels file that goes with the images "
-                        "(e.g. t10k-labels-idx1-ubyte.gz beside t10k-images-idx3-ubyte.gz)")
+        raise DataError(
+            f"{path}: no such file; expected the IDX labels file that goes with the images "
+            "(e.g. t10k-labels-idx1-ubyte.gz beside t10k-images-idx3-ubyte.gz)"
+        )
     raw = _read_bytes(path)
     if len(raw) < 8:
         raise DataError(f"{path}: {len(raw)} bytes is too short for an IDX labels header (8 bytes)")
@@ -108,8 +110,10 @@ def labels_file_for(images_file: str | Path) -> Path:
     """The labels file beside an images file: `X-images-idx3-ubyte[.gz]` -> `X-labels-idx1-ubyte[.gz]`."""
     images_file = Path(images_file)
     if "-images-idx3-ubyte" not in images_file.name:
-        raise DataError(f"{images_file}: cannot tell its labels file; expected a name like "
-                        "t10k-images-idx3-ubyte.gz with t10k-labels-idx1-ubyte.gz beside it")
+        raise DataError(
+            f"{images_file}: cannot tell its labels file; expected a name like "
+            "t10k-images-idx3-ubyte.gz with t10k-labels-idx1-ubyte.gz beside it"
+        )
     return images_file.with_name(images_file.name.replace("-images-idx3-ubyte", "-labels-idx1-ubyte"))
 
 
@@ -132,15 +136,17 @@ def find_images_file(folder: str | Path, split: str) -> Path:
     if not folder.is_dir():
         raise DataError(f"{folder}: no such file or folder; expected a folder holding MNIST IDX files")
     prefixes = ("train",) if split == "train" else ("t10k", "test")
-    found = sorted(p for pre in prefixes for p in folder.glob(f"{pre}*-images-idx3-ubyte*")
-                   if p.suffix in ("", ".gz"))
+    found = sorted(p for pre in prefixes for p in folder.glob(f"{pre}*-images-idx3-ubyte*") if p.suffix in ("", ".gz"))
     if not found:
         names = ", ".join(sorted(p.name for p in folder.iterdir())[:10]) or "nothing"
-        raise DataError(f"{folder}: no {split} images file; expected e.g. "
-                        f"{prefixes[0]}-images-idx3-ubyte.gz (found: {names})")
+        raise DataError(
+            f"{folder}: no {split} images file; expected e.g. {prefixes[0]}-images-idx3-ubyte.gz (found: {names})"
+        )
     if len(found) > 1:
-        raise DataError(f"{folder}: several {split} images files ({', '.join(p.name for p in found)}); "
-                        f"pass the one to use as --data")
+        raise DataError(
+            f"{folder}: several {split} images files ({', '.join(p.name for p in found)}); "
+            f"pass the one to use as --data"
+        )
     return found[0]
 
 
@@ -158,8 +164,10 @@ def load_labeled_mnist(path: str | Path, split: str) -> LabeledMnist:
     labels_path = labels_file_for(images.path)
     labels = read_idx_labels(labels_path)
     if labels.shape[0] != images.images.shape[0]:
-        raise DataError(f"{labels_path}: {labels.shape[0]} labels for {images.images.shape[0]} images in "
-                        f"{images.path}; expected one label per image")
+        raise DataError(
+            f"{labels_path}: {labels.shape[0]} labels for {images.images.shape[0]} images in "
+            f"{images.path}; expected one label per image"
+        )
     return LabeledMnist(images.images, labels, images.path)
 
 

@@ -60,8 +60,12 @@ class Distillation:
     @torch.no_grad()
     def probs(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, T) tokens -> (B, T, V) float32: the mixture's distribution of each token given those before it."""
-        log_probs = torch.stack([model.next_token_log_probs(tokens).float() + math.log(share)
-                                 for model, share in zip(self.models, self.shares)])  # (M, B, T, V)
+        log_probs = torch.stack(
+            [
+                model.next_token_log_probs(tokens).float() + math.log(share)
+                for model, share in zip(self.models, self.shares)
+            ]
+        )  # (M, B, T, V)
         return torch.logsumexp(log_probs, dim=0).exp()
 
     def loss(self, model: Transformer, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,8 +79,12 @@ class Distillation:
     def describe(self) -> dict[str, Any]:
         """What the training info stores: each teacher by file name, file digest and weights digest, and the weight."""
         teachers = zip(self.files, self.file_digests, self.digests, self.shares)
-        return {"weight": self.weight, "teachers": [{"file": Path(f).name, "sha256": fd, "weights_sha256": d, "share": s}
-                                                    for f, fd, d, s in teachers]}
+        return {
+            "weight": self.weight,
+            "teachers": [
+                {"file": Path(f).name, "sha256": fd, "weights_sha256": d, "share": s} for f, fd, d, s in teachers
+            ],
+        }
 
 
 def file_digest(path: str | Path) -> str:
@@ -102,8 +110,10 @@ def accept_file_digests(saved: RunSettings, now: RunSettings, teachers: list[str
         return saved
     if len(saved.teacher_digests) != len(teachers) or saved.teacher_digests != tuple(map(file_digest, teachers)):
         return saved
-    print("the checkpoint names its teachers by file digest; they match these files: now named by weights digest",
-          file=sys.stderr)
+    print(
+        "the checkpoint names its teachers by file digest; they match these files: now named by weights digest",
+        file=sys.stderr,
+    )
     return dataclasses.replace(saved, teacher_digests=now.teacher_digests)
 
 
@@ -114,14 +124,17 @@ def check_teacher_shares(shares: list[float] | None, teachers: list[str]) -> Non
     if not teachers:
         raise TrainError("--teacher-shares weighs the teachers in their mixture: add --teacher FILE")
     if len(shares) != len(teachers):
-        raise TrainError(f"--teacher-shares has {len(shares)} shares for {len(teachers)} --teacher files; "
-                         f"expected one share per teacher, in the order of the --teacher flags")
+        raise TrainError(
+            f"--teacher-shares has {len(shares)} shares for {len(teachers)} --teacher files; "
+            f"expected one share per teacher, in the order of the --teacher flags"
+        )
     if not all(math.isfinite(s) and s > 0 for s in shares):
         raise TrainError(f"--teacher-shares must be positive numbers, got {' '.join(map(str, shares))}")
 
 
-def load_distillation(paths: list[str], weight: float, student: ModelConfig, device: torch.device,
-                      shares: list[float] | None = None) -> Distillation:
+def load_distillation(
+    paths: list[str], weight: float, student: ModelConfig, device: torch.device, shares: list[float] | None = None
+) -> Distillation:
     """Load and check every teacher: each must predict the student's tokens over the student's lengths.
     `shares` (one per teacher, positive) have been checked with the other flags (check_teacher_shares)."""
     models = []
@@ -135,14 +148,19 @@ def load_distillation(paths: list[str], weight: float, student: ModelConfig, dev
         check_teacher(path, model.config, student)
         models.append(model.float().eval().requires_grad_(False))
     given = tuple(s / sum(shares) for s in shares) if shares else ()
-    return Distillation(tuple(models), tuple(paths), tuple(map(weights_digest, paths)), tuple(map(file_digest, paths)),
-                        weight, given)
+    return Distillation(
+        tuple(models), tuple(paths), tuple(map(weights_digest, paths)), tuple(map(file_digest, paths)), weight, given
+    )
 
 
 def check_teacher(path: str, teacher: ModelConfig, student: ModelConfig) -> None:
     if teacher.task != student.task or teacher.vocab_out != student.vocab_out:
-        raise TrainError(f"--teacher {path}: a {teacher.task} model with {teacher.vocab_out} classes cannot teach "
-                         f"this {student.task} model with {student.vocab_out}; expected a model of the same task")
+        raise TrainError(
+            f"--teacher {path}: a {teacher.task} model with {teacher.vocab_out} classes cannot teach "
+            f"this {student.task} model with {student.vocab_out}; expected a model of the same task"
+        )
     if teacher.max_len < student.max_len:
-        raise TrainError(f"--teacher {path}: it reads up to {teacher.max_len} tokens, this run trains on "
-                         f"{student.max_len}; expected a teacher at least as long")
+        raise TrainError(
+            f"--teacher {path}: it reads up to {teacher.max_len} tokens, this run trains on "
+            f"{student.max_len}; expected a teacher at least as long"
+        )

@@ -56,30 +56,36 @@ def sum_nll(model: Transformer, tokens: torch.Tensor) -> float:
 def _batches(rows: torch.Tensor, batch_size: int, show_progress: bool, what: str):
     starts = range(0, rows.shape[0], batch_size)
     for start in tqdm(starts, desc=what, disable=not show_progress, mininterval=2.0):
-        yield rows[start:start + batch_size]
+        yield rows[start : start + batch_size]
 
 
 @torch.inference_mode()
-def evaluate_mnist(model: Transformer, images: torch.Tensor, batch_size: int = 32,
-                   show_progress: bool = False) -> dict[str, Any]:
+def evaluate_mnist(
+    model: Transformer, images: torch.Tensor, batch_size: int = 32, show_progress: bool = False
+) -> dict[str, Any]:
     """images (N, 784) uint8 -> bits/dim and nats/dim over all N*784 pixels."""
     total = 0.0
     for batch in _batches(images, batch_size, show_progress, "eval images"):
         total += sum_nll(model, batch.long().to(model.device))
     nats = total / images.numel()
-    return {"metric": "bits/dim", "bits_per_dim": nats / math.log(2), "nats_per_dim": nats,
-            "images": int(images.shape[0])}
+    return {
+        "metric": "bits/dim",
+        "bits_per_dim": nats / math.log(2),
+        "nats_per_dim": nats,
+        "images": int(images.shape[0]),
+    }
 
 
 def text_windows(data: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(N,) bytes -> full windows (W, length) and the leftover tail (R,)."""
     full = data.shape[0] // length
-    return data[: full * length].view(full, length), data[full * length:]
+    return data[: full * length].view(full, length), data[full * length :]
 
 
 @torch.inference_mode()
-def evaluate_text(model: Transformer, valid: torch.Tensor, batch_size: int = 32, limit: int | None = None,
-                  show_progress: bool = False) -> dict[str, Any]:
+def evaluate_text(
+    model: Transformer, valid: torch.Tensor, batch_size: int = 32, limit: int | None = None, show_progress: bool = False
+) -> dict[str, Any]:
     """Mean -ln p(byte) over the validation bytes (or the first `limit` windows)."""
     windows, tail = text_windows(valid, model.config.max_len)
     if limit is not None:
@@ -94,23 +100,31 @@ def evaluate_text(model: Transformer, valid: torch.Tensor, batch_size: int = 32,
     return {"metric": "val loss", "loss_nats_per_byte": nats, "bits_per_byte": nats / math.log(2), "bytes": count}
 
 
-def evaluate_file(path: str | Path, data: str | Path, device: torch.device, limit: int | None = None,
-                  batch_size: int = 32, show_progress: bool = False) -> dict[str, Any]:
+def evaluate_file(
+    path: str | Path,
+    data: str | Path,
+    device: torch.device,
+    limit: int | None = None,
+    batch_size: int = 32,
+    show_progress: bool = False,
+) -> dict[str, Any]:
     """Load a weights file or checkpoint (float32 compute) and evaluate it on its task's held-out data."""
     model, checkpoint = load_evaluated(path, device)
     try:
         result = _evaluate_on_task(model, data, limit, batch_size, show_progress)
     except DataError as exc:  # say which kind of data this model needed
-        raise DataError(f"{path} is a {model.config.task} model, so --data must be "
-                        f"{TASK_DATA[model.config.task]}: {exc}") from exc
+        raise DataError(
+            f"{path} is a {model.config.task} model, so --data must be {TASK_DATA[model.config.task]}: {exc}"
+        ) from exc
     result.update(attention=model.config.attention, task=model.config.task, parameters=model.num_parameters())
     if checkpoint is not None:
         result["checkpoint"] = checkpoint
     return result
 
 
-def _evaluate_on_task(model: Transformer, data: str | Path, limit: int | None, batch_size: int,
-                      show_progress: bool) -> dict[str, Any]:
+def _evaluate_on_task(
+    model: Transformer, data: str | Path, limit: int | None, batch_size: int, show_progress: bool
+) -> dict[str, Any]:
     if model.config.task == "mnist":
         split = load_mnist(data, "test")
         result = evaluate_mnist(model, split.images[:limit] if limit else split.images, batch_size, show_progress)
@@ -125,8 +139,10 @@ def format_metric(result: dict[str, Any]) -> str:
     if result["metric"] == "bits/dim":
         text = f"{result['bits_per_dim']:.4f} bits/dim over {result['images']} images"
     else:
-        text = (f"{result['loss_nats_per_byte']:.4f} nats/byte ({result['bits_per_byte']:.4f} bits/byte) "
-                f"over {result['bytes']} bytes")
+        text = (
+            f"{result['loss_nats_per_byte']:.4f} nats/byte ({result['bits_per_byte']:.4f} bits/byte) "
+            f"over {result['bytes']} bytes"
+        )
     checkpoint = result.get("checkpoint")
     return text + (f" (step {checkpoint['step']:,}, {checkpoint['weights']})" if checkpoint else "")
 
@@ -144,8 +160,20 @@ def run(args: argparse.Namespace, parts: EvalParts = EvalParts()) -> int:
         device = resolve_device(args.device)
         if args.completions:
             return run_completions(args, device, parts)
-        rows = [(m, evaluate_file(m, args.data, device, args.limit, args.batch_size or 32,
-                                  show_progress=not args.no_progress and not args.json)) for m in args.models]
+        rows = [
+            (
+                m,
+                evaluate_file(
+                    m,
+                    args.data,
+                    device,
+                    args.limit,
+                    args.batch_size or 32,
+                    show_progress=not args.no_progress and not args.json,
+                ),
+            )
+            for m in args.models
+        ]
         if args.store:
             for path, result in rows:
                 store_eval(path, result)
@@ -181,8 +209,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise DataError(f"--particles must be in 1..256, got {args.particles}")
     checkpoints = [m for m in args.models if is_checkpoint(m)]
     if args.store and checkpoints:
-        raise DataError(f"--store writes into a .safetensors file's metadata; {checkpoints[0]} is a training "
-                        "checkpoint (evaluate it without --store)")
+        raise DataError(
+            f"--store writes into a .safetensors file's metadata; {checkpoints[0]} is a training "
+            "checkpoint (evaluate it without --store)"
+        )
 
 
 def store_eval(path: str | Path, result: dict[str, Any]) -> None:
@@ -193,10 +223,18 @@ def store_eval(path: str | Path, result: dict[str, Any]) -> None:
 
 def run_completions(args: argparse.Namespace, device: torch.device, parts: EvalParts) -> int:
     """`eval --completions`: every model on the same digits, occlusion and seed."""
-    run = CompletionRun(args.data, args.classifier, choose_occlusion(args.occlusion, args.mask, parts.read_mask),
-                        args.limit, args.seed, args.temperature, args.batch_size or DEFAULT_BATCH,
-                        show_progress=not args.no_progress and not args.json, particles=args.particles,
-                        complete_with_particles=parts.complete_with_particles)
+    run = CompletionRun(
+        args.data,
+        args.classifier,
+        choose_occlusion(args.occlusion, args.mask, parts.read_mask),
+        args.limit,
+        args.seed,
+        args.temperature,
+        args.batch_size or DEFAULT_BATCH,
+        show_progress=not args.no_progress and not args.json,
+        particles=args.particles,
+        complete_with_particles=parts.complete_with_particles,
+    )
     rows = [(m, evaluate_completions(m, run, device)) for m in args.models]
     if args.store:
         for path, result in rows:

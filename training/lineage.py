@@ -19,10 +19,13 @@ from model.weights_io import read_metadata
 def run_record(info: dict[str, Any]) -> dict[str, Any]:
     """One finished run, as a later run's lineage keeps it."""
     evaluation = info.get("eval") or {}
-    return {"command": info.get("command"), "examples_seen": info.get("examples_seen", 0),
-            "wall_time_s": info.get("wall_time_s", 0.0),
-            "held_out": evaluation.get("bits_per_dim", evaluation.get("loss_nats_per_byte")),
-            "points": (info.get("curve") or {}).get("points", [])}
+    return {
+        "command": info.get("command"),
+        "examples_seen": info.get("examples_seen", 0),
+        "wall_time_s": info.get("wall_time_s", 0.0),
+        "held_out": evaluation.get("bits_per_dim", evaluation.get("loss_nats_per_byte")),
+        "points": (info.get("curve") or {}).get("points", []),
+    }
 
 
 def inherited_lineage(init_from: str | None) -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ from model.weights_io import WeightsError, read_metadata
 from .arguments import add_train_arguments
 from .train import run as run_training
 
+
 class LinearizeError(ValueError):
     """FILE cannot be linearized."""
 
@@ -30,17 +31,26 @@ def train_arguments(args: argparse.Namespace) -> argparse.Namespace:
     except (WeightsError, OSError) as exc:
         raise LinearizeError(f"{args.model}: {exc}") from exc
     if config.attention != "softmax":
-        raise LinearizeError(f"{args.model} is a {config.attention} model; linearize turns a softmax model into a "
-                             "linear one")
+        raise LinearizeError(
+            f"{args.model} is a {config.attention} model; linearize turns a softmax model into a linear one"
+        )
     parser = argparse.ArgumentParser()
     add_train_arguments(parser)
     train = parser.parse_args(["--task", config.task, "--attention", "linear", "--data", args.data, "--out", args.out])
     for name, value in vars(args).items():
         if hasattr(train, name):  # data, out, eval data, and train's fine-tuning and run flags
             setattr(train, name, value)
-    architecture = {"layers": config.n_layers, "d_model": config.d_model, "heads": config.n_heads,
-                    "d_ff": config.d_ff, "context": config.max_len, "dropout": config.dropout,
-                    "pos_encoding": config.pos_encoding, "output_head": config.output_head, "mixtures": config.mixtures}
+    architecture = {
+        "layers": config.n_layers,
+        "d_model": config.d_model,
+        "heads": config.n_heads,
+        "d_ff": config.d_ff,
+        "context": config.max_len,
+        "dropout": config.dropout,
+        "pos_encoding": config.pos_encoding,
+        "output_head": config.output_head,
+        "mixtures": config.mixtures,
+    }
     vars(train).update(architecture)
     linear_options = ATTENTION_KINDS["linear"].option_keys  # train's defaults, bar the two below
     vars(train).update({key: value for key, value in config.options.items() if key not in linear_options})

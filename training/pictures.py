@@ -33,12 +33,17 @@ def pick_digits(images: torch.Tensor, count: int, seed: int) -> torch.Tensor:
     return images[order[:count]]
 
 
-def complete(path: str, prompts: torch.Tensor, device: torch.device, seed: int, temperature: float) -> tuple[torch.Tensor, str]:
+def complete(
+    path: str, prompts: torch.Tensor, device: torch.device, seed: int, temperature: float
+) -> tuple[torch.Tensor, str]:
     """Sample the rest of each (B, P) prompt to 784 pixels with one model; returns (B, 784) and its label."""
     model, _ = load_model(path, device=device)
     if model.config.task != "mnist":
-        raise WeightsError(path, f"this is a {model.config.task} model; `rnnserve pictures` draws digits, so "
-                                 "--models takes MNIST models (trained with --task mnist)")
+        raise WeightsError(
+            path,
+            f"this is a {model.config.task} model; `rnnserve pictures` draws digits, so "
+            "--models takes MNIST models (trained with --task mnist)",
+        )
     params = [SamplingParams(temperature=temperature, seed=seed + row) for row in range(prompts.shape[0])]
     tokens = generate(model, prompts.to(device), MNIST_PIXELS, BatchSampling.from_params(params, device))
     return tokens.cpu(), model.config.attention
@@ -72,8 +77,10 @@ def draw_completions(args: argparse.Namespace) -> Image.Image:
     digits = pick_digits(load_mnist(args.data, "test").images, args.digits, args.seed)  # (N, 784)
     keep = args.keep_rows * MNIST_SIDE
     prompts = digits[:, :keep].long()  # (N, keep): the visible top rows
-    columns = [("original", [to_rgb(d, args.scale) for d in digits]),
-               ("occluded", [to_rgb(d, args.scale, hidden_from=keep) for d in digits])]
+    columns = [
+        ("original", [to_rgb(d, args.scale) for d in digits]),
+        ("occluded", [to_rgb(d, args.scale, hidden_from=keep) for d in digits]),
+    ]
     for path in args.models:
         completed, label = complete(path, prompts, device, args.seed, args.temperature)
         columns.append((label, [to_rgb(d, args.scale) for d in completed]))

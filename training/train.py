@@ -36,11 +36,27 @@ from model.weights_io import save_model, update_info
 
 from .arguments import SAVE_DTYPE_NAMES
 from .averaging import WeightAverage
-from .checkpoint import (CURVE_COLUMNS, CheckpointWriter, Progress, RunSettings, StopRequest, TrainingStopped,
-                         check_config, read_checkpoint, restore, run_changes, stop_on_signals)
+from .checkpoint import (
+    CURVE_COLUMNS,
+    CheckpointWriter,
+    Progress,
+    RunSettings,
+    StopRequest,
+    TrainingStopped,
+    check_config,
+    read_checkpoint,
+    restore,
+    run_changes,
+    stop_on_signals,
+)
 from .data import MNIST_PIXELS, DataError, load_mnist, load_text, random_shift
-from .distillation import (DEFAULT_DISTILL_WEIGHT, Distillation, accept_file_digests, check_teacher_shares,
-                           load_distillation)
+from .distillation import (
+    DEFAULT_DISTILL_WEIGHT,
+    Distillation,
+    accept_file_digests,
+    check_teacher_shares,
+    load_distillation,
+)
 from .errors import TrainError
 from .evaluate import device_description, evaluate_file, print_table, resolve_device
 from .lineage import inherited_lineage
@@ -50,8 +66,6 @@ from .warm_start import init_from
 SAVE_DTYPES = {name: getattr(torch, name) for name in SAVE_DTYPE_NAMES}
 MIN_LR_FRACTION = 0.1  # the cosine ends at 10% of the peak rate
 MAX_SHIFT = 4  # pixels: a 28x28 digit has a blank border about this wide
-
-
 
 
 @dataclass
@@ -99,8 +113,9 @@ def load_training_data(args: argparse.Namespace) -> tuple[torch.Tensor, str]:
         return split.images, split.path
     text = load_text(args.data)
     if text.train.shape[0] <= args.context:
-        raise DataError(f"{args.data}: training split has {text.train.shape[0]} bytes, "
-                        f"need more than --context {args.context}")
+        raise DataError(
+            f"{args.data}: training split has {text.train.shape[0]} bytes, need more than --context {args.context}"
+        )
     return text.train, text.path
 
 
@@ -141,8 +156,9 @@ def resume_path(args: argparse.Namespace) -> Path | None:
     return None
 
 
-def resume(args: argparse.Namespace, writer: CheckpointWriter, model: Transformer, opt: torch.optim.Optimizer,
-           batches: Batches) -> tuple[Progress, dict[str, torch.Tensor] | None]:
+def resume(
+    args: argparse.Namespace, writer: CheckpointWriter, model: Transformer, opt: torch.optim.Optimizer, batches: Batches
+) -> tuple[Progress, dict[str, torch.Tensor] | None]:
     """Progress and weight average of the checkpoint this run continues, after loading it (fresh if there is none)."""
     path = resume_path(args)
     if path is None:
@@ -167,12 +183,17 @@ def check_same_run(path: Path, saved: RunSettings, now: RunSettings, extend: boo
     listed = "; ".join(f"{name} {old} -> {new}" for name, (old, new) in changes.items())
     if fixed or not extend:
         hint = "" if fixed else ", or add --extend to continue over the new horizon"
-        raise TrainError(f"{path}: this run differs from the checkpoint's ({listed}); resume with the same "
-                         f"flags to continue the same schedule and data order{hint}")
+        raise TrainError(
+            f"{path}: this run differs from the checkpoint's ({listed}); resume with the same "
+            f"flags to continue the same schedule and data order{hint}"
+        )
     was_lr = learning_rate(saved.lr, prog.step, saved.warmup_steps, run_progress(prog, saved.steps, saved.minutes))
     now_lr = learning_rate(now.lr, prog.step, now.warmup_steps, run_progress(prog, now.steps, now.minutes))
-    print(f"--extend: {listed}; the cosine schedule is recomputed over the new horizon: at step {prog.step} the "
-          f"learning rate goes from {was_lr:.3g} to {now_lr:.3g}", file=sys.stderr)
+    print(
+        f"--extend: {listed}; the cosine schedule is recomputed over the new horizon: at step {prog.step} the "
+        f"learning rate goes from {was_lr:.3g} to {now_lr:.3g}",
+        file=sys.stderr,
+    )
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -185,20 +206,28 @@ def check_args(args: argparse.Namespace) -> None:
     if not Path(args.out).parent.is_dir():
         raise TrainError(f"--out {args.out}: folder {Path(args.out).parent} does not exist")
     if Path(args.out).suffix != ".safetensors":
-        raise TrainError(f"--out {args.out}: name the model file NAME.safetensors (rnnserve serve loads "
-                         "weights/*.safetensors; the checkpoint takes NAME.ckpt)")
+        raise TrainError(
+            f"--out {args.out}: name the model file NAME.safetensors (rnnserve serve loads "
+            "weights/*.safetensors; the checkpoint takes NAME.ckpt)"
+        )
     if args.checkpoint and not Path(args.checkpoint).parent.is_dir():
         raise TrainError(f"--checkpoint {args.checkpoint}: folder {Path(args.checkpoint).parent} does not exist")
     if args.init_from and not Path(args.init_from).is_file():
-        raise TrainError(f"--init-from {args.init_from}: no such file; expected a .safetensors model written by rnnserve")
+        raise TrainError(
+            f"--init-from {args.init_from}: no such file; expected a .safetensors model written by rnnserve"
+        )
     if args.extend and not args.resume:
         raise TrainError("--extend changes the horizon of a resumed run: add --resume")
     if not 0 <= args.ema_decay < 1:
-        raise TrainError(f"--ema-decay must be in [0, 1) (0: no average; 0.999 averages about the last 1,000 steps), "
-                         f"got {args.ema_decay}")
+        raise TrainError(
+            f"--ema-decay must be in [0, 1) (0: no average; 0.999 averages about the last 1,000 steps), "
+            f"got {args.ema_decay}"
+        )
     if args.checkpoint_precision == "compact" and not args.ema_decay:
-        raise TrainError("--checkpoint-precision compact stores the weights as steps from their moving average: "
-                         "add --ema-decay (e.g. 0.999), or use bfloat16")
+        raise TrainError(
+            "--checkpoint-precision compact stores the weights as steps from their moving average: "
+            "add --ema-decay (e.g. 0.999), or use bfloat16"
+        )
     if not 0 <= args.max_shift <= MAX_SHIFT:
         raise TrainError(f"--max-shift must be in 0..{MAX_SHIFT} pixels, got {args.max_shift}")
     if args.max_shift and args.task != "mnist":
@@ -206,7 +235,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.distill_weight is not None and not args.teacher:
         raise TrainError("--distill-weight weighs the teachers' targets: add --teacher FILE")
     if args.distill_weight is not None and not 0 < args.distill_weight <= 1:
-        raise TrainError(f"--distill-weight must be in (0, 1] (the teachers' share of the loss), got {args.distill_weight}")
+        raise TrainError(
+            f"--distill-weight must be in (0, 1] (the teachers' share of the loss), got {args.distill_weight}"
+        )
     check_teacher_shares(args.teacher_shares, args.teacher or [])
 
 
@@ -218,8 +249,13 @@ def make_optimizer(model: Transformer, lr: float, weight_decay: float) -> torch.
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
 
-def optimizer_step(model: Transformer, opt: torch.optim.Optimizer, tokens: torch.Tensor, autocast,
-                   distillation: Distillation | None = None) -> float:
+def optimizer_step(
+    model: Transformer,
+    opt: torch.optim.Optimizer,
+    tokens: torch.Tensor,
+    autocast,
+    distillation: Distillation | None = None,
+) -> float:
     """One AdamW step on a (B, T) batch, gradients clipped to norm 1; returns the data's loss (nats/token),
     which a distilled run reports too, so that its curve compares with other runs'."""
     with autocast:
@@ -254,15 +290,24 @@ def autocast_context(device: torch.device, choice: str):
     return nullcontext()
 
 
-def train_steps(model: Transformer, opt: torch.optim.Optimizer, batches: Batches, prog: Progress,
-                args: argparse.Namespace, writer: CheckpointWriter, stop: StopRequest,
-                average: WeightAverage | None, distillation: Distillation | None = None,
-                stop_after: int | None = None) -> None:
+def train_steps(
+    model: Transformer,
+    opt: torch.optim.Optimizer,
+    batches: Batches,
+    prog: Progress,
+    args: argparse.Namespace,
+    writer: CheckpointWriter,
+    stop: StopRequest,
+    average: WeightAverage | None,
+    distillation: Distillation | None = None,
+    stop_after: int | None = None,
+) -> None:
     """The loop: until the horizon, a stop request, or `stop_after` steps (to simulate an interruption)."""
     device = model.device
     autocast = autocast_context(device, args.autocast)
-    bar = tqdm(total=args.steps, initial=prog.step, disable=args.no_progress, unit="step",
-               mininterval=2.0, dynamic_ncols=True)
+    bar = tqdm(
+        total=args.steps, initial=prog.step, disable=args.no_progress, unit="step", mininterval=2.0, dynamic_ncols=True
+    )
     t_start = time.perf_counter() - prog.elapsed_s
     model.train()
     while run_progress(prog, args.steps, args.minutes) < 1.0 and stop.signum is None:
@@ -283,13 +328,20 @@ def train_steps(model: Transformer, opt: torch.optim.Optimizer, batches: Batches
         prog.loss_ema = value if math.isnan(prog.loss_ema) else 0.98 * prog.loss_ema + 0.02 * value
         prog.record_curve()
         bar.update(1)
-        bar.set_postfix(loss=f"{prog.loss_ema:.4f}", ex_s=f"{prog.examples / prog.elapsed_s:.1f}",
-                        lr=f"{rate:.2e}", min=f"{prog.elapsed_s / 60:.1f}", refresh=False)
+        bar.set_postfix(
+            loss=f"{prog.loss_ema:.4f}",
+            ex_s=f"{prog.examples / prog.elapsed_s:.1f}",
+            lr=f"{rate:.2e}",
+            min=f"{prog.elapsed_s / 60:.1f}",
+            refresh=False,
+        )
         if args.checkpoint_every and prog.step % args.checkpoint_every == 0:
             writer.save(model, opt, prog, batches.generator, average_of(average))
             if args.no_progress:
-                print(f"step {prog.step} loss {prog.loss_ema:.4f} examples {prog.examples} "
-                      f"{prog.elapsed_s / 60:.1f} min", flush=True)
+                print(
+                    f"step {prog.step} loss {prog.loss_ema:.4f} examples {prog.examples} {prog.elapsed_s / 60:.1f} min",
+                    flush=True,
+                )
     bar.close()
 
 
@@ -302,8 +354,15 @@ def eval_data_path(args: argparse.Namespace) -> str:
     return args.data
 
 
-def training_info(args: argparse.Namespace, data_path: str, prog: Progress, device: torch.device,
-                  batch_size: int, lr: float, distillation: Distillation | None) -> dict[str, Any]:
+def training_info(
+    args: argparse.Namespace,
+    data_path: str,
+    prog: Progress,
+    device: torch.device,
+    batch_size: int,
+    lr: float,
+    distillation: Distillation | None,
+) -> dict[str, Any]:
     return {
         "task": args.task,
         "data": {"train": data_path, "eval": eval_data_path(args)},
@@ -345,12 +404,25 @@ def train(args: argparse.Namespace, stop_after: int | None = None) -> dict[str, 
     model = build_model(cfg).to(device)
     opt = make_optimizer(model, lr, args.weight_decay)
     batches = Batches(data, cfg.max_len, batch_size, torch.Generator().manual_seed(args.seed), args.max_shift)
-    distillation = load_distillation(args.teacher, args.distill_weight or DEFAULT_DISTILL_WEIGHT, cfg,
-                                     device, args.teacher_shares) if args.teacher else None
-    run = RunSettings(args.steps, args.minutes, batch_size, lr, args.warmup_steps, args.weight_decay, data.shape[0],
-                      args.max_shift, args.ema_decay, distillation.digests if distillation else (),
-                      distillation.weight if distillation else 0.0,
-                      distillation.given_shares if distillation else ())
+    distillation = (
+        load_distillation(args.teacher, args.distill_weight or DEFAULT_DISTILL_WEIGHT, cfg, device, args.teacher_shares)
+        if args.teacher
+        else None
+    )
+    run = RunSettings(
+        args.steps,
+        args.minutes,
+        batch_size,
+        lr,
+        args.warmup_steps,
+        args.weight_decay,
+        data.shape[0],
+        args.max_shift,
+        args.ema_decay,
+        distillation.digests if distillation else (),
+        distillation.weight if distillation else 0.0,
+        distillation.given_shares if distillation else (),
+    )
     writer = CheckpointWriter(checkpoint_path(args), args.checkpoint_precision, run)
     prog, saved_average = resume(args, writer, model, opt, batches) if args.resume else (Progress(), None)
     if prog.step == 0:  # a new run; a resumed one keeps the weights and lineage of its checkpoint
@@ -358,8 +430,11 @@ def train(args: argparse.Namespace, stop_after: int | None = None) -> dict[str, 
             init_from(args.init_from, model)
         prog.lineage = inherited_lineage(args.init_from)
     average = WeightAverage.start(model, args.ema_decay, saved_average) if args.ema_decay else None
-    print(f"{cfg.attention} {cfg.task}: {model.num_parameters():,} parameters, batch {batch_size}, "
-          f"lr {lr}, device {device_description(device)}", file=sys.stderr)
+    print(
+        f"{cfg.attention} {cfg.task}: {model.num_parameters():,} parameters, batch {batch_size}, "
+        f"lr {lr}, device {device_description(device)}",
+        file=sys.stderr,
+    )
     with stop_on_signals() as stop:
         train_steps(model, opt, batches, prog, args, writer, stop, average, distillation, stop_after)
         if args.checkpoint_every:
@@ -381,8 +456,14 @@ def save_and_evaluate(model: Transformer, args: argparse.Namespace, info: dict[s
     save_model(model, args.out, info, dtype=SAVE_DTYPES[args.save_dtype])
     if args.no_eval:
         return
-    info["eval"] = evaluate_file(args.out, eval_data_path(args), device,
-                                 args.eval_limit, args.eval_batch_size, show_progress=not args.no_progress)
+    info["eval"] = evaluate_file(
+        args.out,
+        eval_data_path(args),
+        device,
+        args.eval_limit,
+        args.eval_batch_size,
+        show_progress=not args.no_progress,
+    )
     update_info(args.out, {"eval": info["eval"]})  # the evaluated tensors stay as written
     print_table([(args.out, info["eval"])])
 

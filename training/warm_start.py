@@ -28,6 +28,7 @@ from model.weights_io import WeightsError, load_model
 from .checkpoint import config_differences
 from .errors import TrainError
 
+
 def parameter_free_fields() -> frozenset[str]:
     """Config fields that size no parameter, so a warm start may change them: dropout and the attention options
     declared so (model/kinds.py)."""
@@ -40,16 +41,24 @@ def check_warm_start_config(path: str, saved: ModelConfig, built: ModelConfig) -
     all fit the new kind's, and neither kind's own options are compared."""
     free = parameter_free_fields()
     if saved.attention != built.attention:
-        free |= {"attention", *ATTENTION_KINDS[saved.attention].option_keys, *ATTENTION_KINDS[built.attention].option_keys}
+        free |= {
+            "attention",
+            *ATTENTION_KINDS[saved.attention].option_keys,
+            *ATTENTION_KINDS[built.attention].option_keys,
+        }
     differences = config_differences(saved, built, free | {"n_layers"})
     if differences:
         allowed = ", ".join(sorted(free))
-        raise TrainError(f"--init-from {path}: the file has {differences}; only {allowed} may differ from the "
-                         "file's (they own no parameters), and n_layers may grow")
+        raise TrainError(
+            f"--init-from {path}: the file has {differences}; only {allowed} may differ from the "
+            "file's (they own no parameters), and n_layers may grow"
+        )
     if built.n_layers < saved.n_layers:
-        raise TrainError(f"--init-from {path}: the file has n_layers={saved.n_layers}; this run builds "
-                         f"n_layers={built.n_layers}: a warm start may add layers (they start as identities), "
-                         "not drop them")
+        raise TrainError(
+            f"--init-from {path}: the file has n_layers={saved.n_layers}; this run builds "
+            f"n_layers={built.n_layers}: a warm start may add layers (they start as identities), "
+            "not drop them"
+        )
 
 
 def check_parameters_fit(path: str, source: Transformer, model: Transformer) -> None:
@@ -58,10 +67,12 @@ def check_parameters_fit(path: str, source: Transformer, model: Transformer) -> 
     shapes = {name: tensor.shape for name, tensor in model.named_parameters()}
     misfit = [name for name, tensor in source.named_parameters() if shapes.get(name) != tensor.shape]
     if misfit:
-        raise TrainError(f"--init-from {path}: the file's {source.config.attention} parameter {misfit[0]} has no "
-                         f"place of its shape in a {model.config.attention} model ({len(misfit)} such); a warm start "
-                         "may change the attention kind only to one that holds every parameter of the file's "
-                         "(softmax -> linear)")
+        raise TrainError(
+            f"--init-from {path}: the file's {source.config.attention} parameter {misfit[0]} has no "
+            f"place of its shape in a {model.config.attention} model ({len(misfit)} such); a warm start "
+            "may change the attention kind only to one that holds every parameter of the file's "
+            "(softmax -> linear)"
+        )
 
 
 def init_from(path: str, model: Transformer) -> list[str]:
@@ -83,11 +94,14 @@ def init_from(path: str, model: Transformer) -> list[str]:
                 kept.append(name)
                 continue
             target.copy_(state[name].to(target.dtype))
-    added = model.blocks[source.config.n_layers:]
+    added = model.blocks[source.config.n_layers :]
     for block in added:
         block.start_as_identity()
-    changed = {name: (getattr(source.config, name), getattr(model.config, name)) for name in sorted(parameter_free_fields())
-               if getattr(source.config, name) != getattr(model.config, name)}
+    changed = {
+        name: (getattr(source.config, name), getattr(model.config, name))
+        for name in sorted(parameter_free_fields())
+        if getattr(source.config, name) != getattr(model.config, name)
+    }
     if source.config.attention != model.config.attention:
         changed["attention"] = (source.config.attention, model.config.attention)
     if added:

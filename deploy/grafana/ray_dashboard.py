@@ -22,15 +22,24 @@ FILTERS = 'model=~"$model", attention=~"$attention", replica=~"$replica"'
 REPLICA_MATCHER = 'replica=~"$replica"'
 # (title, description, unit, expr) of the panels only the variant has
 PER_REPLICA = (
-    ("Tokens/s by replica", "Generated tokens per second of each replica: how evenly the proxy spreads the load.",
-     "suffix: tok/s", f"sum by (replica) (rate(ray_rnnserve_generated_tokens_total{{{FILTERS}}}[$__rate_interval]))"),
-    ("Running sequences by replica", "Sequences holding a decode slot in each replica.",
-     "short", f"sum by (replica) (ray_rnnserve_running_sequences{{{FILTERS}}})"),
+    (
+        "Tokens/s by replica",
+        "Generated tokens per second of each replica: how evenly the proxy spreads the load.",
+        "suffix: tok/s",
+        f"sum by (replica) (rate(ray_rnnserve_generated_tokens_total{{{FILTERS}}}[$__rate_interval]))",
+    ),
+    (
+        "Running sequences by replica",
+        "Sequences holding a decode slot in each replica.",
+        "short",
+        f"sum by (replica) (ray_rnnserve_running_sequences{{{FILTERS}}})",
+    ),
 )
 
 
 def under_ray(expr: str) -> str:
     """Rename every rnnserve_ metric to ray_rnnserve_ and filter it by the replica variable."""
+
     def rename(match: re.Match) -> str:
         matchers = [m for m in (match.group(3) or "").split(", ") if m] + [REPLICA_MATCHER]
         return "ray_rnnserve_" + match.group(1) + "{" + ", ".join(matchers) + "}"
@@ -40,8 +49,11 @@ def under_ray(expr: str) -> str:
 
 def variant(dashboard: dict) -> dict:
     out = copy.deepcopy(dashboard)
-    out.update(uid="rnnserve-ray", title="rnnserve on Ray Serve",
-               description=dashboard["description"] + " Every replica's series, from Ray's metrics export (ray_ prefix).")
+    out.update(
+        uid="rnnserve-ray",
+        title="rnnserve on Ray Serve",
+        description=dashboard["description"] + " Every replica's series, from Ray's metrics export (ray_ prefix).",
+    )
     for panel in out["panels"]:
         for target in panel.get("targets", []):
             target["expr"] = under_ray(target["expr"])
@@ -49,8 +61,9 @@ def variant(dashboard: dict) -> dict:
     for variable in variables:
         variable["query"] = variable["definition"] = variable["query"].replace("rnnserve_", "ray_rnnserve_")
     replica = copy.deepcopy(variables[0])
-    replica.update(name="replica", label="replica",
-                   query='label_values(ray_rnnserve_running_sequences{model=~"$model"}, replica)')
+    replica.update(
+        name="replica", label="replica", query='label_values(ray_rnnserve_running_sequences{model=~"$model"}, replica)'
+    )
     replica["definition"] = replica["query"]
     variables.append(replica)
     out["panels"] += per_replica_panels(out["panels"])

@@ -116,8 +116,11 @@ def bucket_rounds(q, k, v, buckets, sizes, m: int) -> tuple[torch.Tensor, torch.
 
     def to_buckets(x):  # (B, H, T, D) -> (B, H, R, n, M, D), zero padding
         xs = x[:, :, None].expand(b, h, r, t, d).gather(3, order[..., None].expand(b, h, r, t, d))
-        return x.new_zeros(b, h, r, n_buckets * m, d).scatter(3, padded_index[..., None].expand(b, h, r, t, d), xs) \
+        return (
+            x.new_zeros(b, h, r, n_buckets * m, d)
+            .scatter(3, padded_index[..., None].expand(b, h, r, t, d), xs)
             .view(b, h, r, n_buckets, m, d)
+        )
 
     # Every slot of a padded bucket shares the bucket: the candidates are the earlier slots.
     candidates = earlier(slot_pos[..., :, None], slot_pos[..., None, :])  # (B, H, R, n, M, M)

@@ -44,7 +44,7 @@ def attend_causal(q, k, v, buckets, n_buckets: int, window: int = 0) -> torch.Te
     rest_out, rest_lse = _rest_round(q, k, v, buckets[:, :, 0], n_buckets, window)
     qx, kx, vx = _coded_inputs(q, k, v, buckets[:, :, 0], n_buckets, rest_lse / scale, scale)
     out = F.scaled_dot_product_attention(qx, kx, vx, is_causal=True, scale=scale)  # (B, H, T, width)
-    return torch.addcmul(out[..., :d], out[..., d:d + 1], rest_out)  # hashed share + sink weight * rest output
+    return torch.addcmul(out[..., :d], out[..., d : d + 1], rest_out)  # hashed share + sink weight * rest output
 
 
 def _rest_round(q, k, v, buckets, n_buckets: int, window: int):

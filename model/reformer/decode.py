@@ -36,8 +36,16 @@ class LSHCache(RowState):
         return int(lengths.sum()) * per_position + counts.numel() * counts.element_size()
 
 
-def new_cache(batch: int, heads: int, rounds: int, n_buckets: int, max_len: int, d_head: int,
-              device: torch.device, dtype: torch.dtype) -> LSHCache:
+def new_cache(
+    batch: int,
+    heads: int,
+    rounds: int,
+    n_buckets: int,
+    max_len: int,
+    d_head: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> LSHCache:
     idx = torch.int16 if max_len <= torch.iinfo(torch.int16).max else torch.int32
     return LSHCache(
         k=torch.zeros(batch, heads, max_len, d_head, device=device, dtype=dtype),

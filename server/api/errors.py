@@ -46,8 +46,14 @@ class FieldError(ValueError):
 class APIError(Exception):
     """An error answer: status, a message saying what to fix, and the field at fault."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -72,16 +78,26 @@ class AsciiJSONResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     return AsciiJSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 MAX_ERRORS_SHOWN = 3  # per field: a 28x28 grid of bad pixels is one line, not 784
-JSON_KINDS = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
-             float: "a number", type(None): "null"}
-BODY_EXAMPLES = {"/v1/completions": '{"prompt": "Once upon a time", "max_tokens": 16}',
-                 "/v1/images/completions": '{"image": "<base64 28x28 PNG>", "keep_rows": 14}'}
+JSON_KINDS = {
+    dict: "an object",
+    list: "an array",
+    str: "a string",
+    bool: "a boolean",
+    int: "a number",
+    float: "a number",
+    type(None): "null",
+}
+BODY_EXAMPLES = {
+    "/v1/completions": '{"prompt": "Once upon a time", "max_tokens": 16}',
+    "/v1/images/completions": '{"image": "<base64 28x28 PNG>", "keep_rows": 14}',
+}
 JITER_DEPTH = 200  # pydantic's JSON parser (the image route's) refuses deeper nesting
 NESTING_NEEDED = 3  # the deepest a valid body nests: {"prompt": [[1, 2]]}, {"pixels": [[0, ...], ...]}
 
@@ -91,8 +107,10 @@ def not_utf8(body: bytes) -> str | None:
     try:
         body.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return (f"the body is not UTF-8: byte 0x{body[exc.start]:02x} at offset {exc.start} ({exc.reason}); "
-                "JSON bodies must be UTF-8 encoded")
+        return (
+            f"the body is not UTF-8: byte 0x{body[exc.start]:02x} at offset {exc.start} ({exc.reason}); "
+            "JSON bodies must be UTF-8 encoded"
+        )
     return None
 
 
@@ -187,9 +205,13 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     label_named_model(request, getattr(exc, "body", None))
     if _not_json(request, exc):
-        return error_response(415, f"send the body as JSON with Content-Type: application/json "
-                              f"(got {request.headers.get('content-type') or 'no content type'})", None,
-                              "unsupported_media_type")
+        return error_response(
+            415,
+            f"send the body as JSON with Content-Type: application/json "
+            f"(got {request.headers.get('content-type') or 'no content type'})",
+            None,
+            "unsupported_media_type",
+        )
     errors = list(exc.errors())
     if _is_empty_body(errors, getattr(exc, "body", None)):
         return error_response(400, empty_body(request.url.path), None, "invalid_json")
@@ -248,14 +270,18 @@ def _unparsed_body(cause: BaseException | None) -> str | None:
     if isinstance(cause, RecursionError):  # Python's json parser: as deep as the recursion limit, which others move
         return too_deep(None)
     if isinstance(cause, ValueError) and "digits" in str(cause):  # Python's cap on an integer's length
-        return (f"the body is not valid JSON for this server: an integer has more than {sys.get_int_max_str_digits()} "
-                "digits; no field takes a number that long")
+        return (
+            f"the body is not valid JSON for this server: an integer has more than {sys.get_int_max_str_digits()} "
+            "digits; no field takes a number that long"
+        )
     return None
 
 
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     # Starlette re-raises after this answer, so uvicorn logs the traceback once.
-    return error_response(500, f"internal server error ({type(exc).__name__}); the request was not completed", None, "internal_error")
+    return error_response(
+        500, f"internal server error ({type(exc).__name__}); the request was not completed", None, "internal_error"
+    )
 
 
 def install(app: FastAPI) -> None:

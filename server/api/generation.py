@@ -33,8 +33,13 @@ def engine_refusals(engine: EngineHandle) -> Iterator[None]:
     try:
         yield
     except QueueFull as exc:
-        raise APIError(429, f"{exc} (the server queues at most --max-waiting requests per model)", None,
-                       "queue_full", {"Retry-After": "1"}) from None
+        raise APIError(
+            429,
+            f"{exc} (the server queues at most --max-waiting requests per model)",
+            None,
+            "queue_full",
+            {"Retry-After": "1"},
+        ) from None
     except InvalidRequest as exc:
         raise invalid_request(str(exc), exc.param, exc.code) from None
     except EngineFailure as exc:  # e.g. a score waiting when the engine shut down
@@ -140,7 +145,9 @@ def sse_error(exc: Exception) -> str:
     return sse(error_body(500, f"internal server error ({type(exc).__name__})", None, "internal_error"))
 
 
-async def sse_stream(request: Request, chunks: AsyncIterator[str], streams: list[GenerationStream]) -> AsyncIterator[str]:
+async def sse_stream(
+    request: Request, chunks: AsyncIterator[str], streams: list[GenerationStream]
+) -> AsyncIterator[str]:
     """Frame a handler's SSE chunks: an error after the status line goes in-band, the generation
     is cancelled if the client leaves (its slots are freed), and the stream always ends with [DONE]."""
     finished = False

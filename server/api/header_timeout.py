@@ -18,11 +18,19 @@ HEADER_TIMEOUT_CODE = "header_timeout"
 
 
 def timeout_answer(seconds: float) -> bytes:
-    body = json.dumps(error_body(408, f"the request's headers did not all arrive within {seconds:g} s "
-                                      "(--header-timeout); send the whole request line and headers at once",
-                                 None, HEADER_TIMEOUT_CODE)).encode()
-    head = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n")
+    body = json.dumps(
+        error_body(
+            408,
+            f"the request's headers did not all arrive within {seconds:g} s "
+            "(--header-timeout); send the whole request line and headers at once",
+            None,
+            HEADER_TIMEOUT_CODE,
+        )
+    ).encode()
+    head = (
+        b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\n\r\n"
+    )
     return head + body
 
 

@@ -21,20 +21,25 @@ Grid = list[list[Int()]]
 
 
 class ImageOptions(SamplingOptions):
-    model: str | None = Field(None, description="an mnist model from GET /v1/models; may be left out when only one is loaded")
+    model: str | None = Field(
+        None, description="an mnist model from GET /v1/models; may be left out when only one is loaded"
+    )
     stream: OrDefault(bool, False, description="send rows as server-sent events as they complete")
     keep_rows: Int(ge=0, le=SIDE) | None = Field(None, description="rows 0..k-1 known, the rest unknown")
     particles: Int(ge=1, le=MAX_PARTICLES) | None = Field(
-        None, description="particles per sample (sequential Monte Carlo, weighed by the known pixels that follow "
-                          f"unknown ones); n x particles must fit --max-batch. Default: {DEFAULT_PARTICLES} (fewer "
-                          "if they do not fit) when a known pixel follows an unknown one, else 1")
+        None,
+        description="particles per sample (sequential Monte Carlo, weighed by the known pixels that follow "
+        f"unknown ones); n x particles must fit --max-batch. Default: {DEFAULT_PARTICLES} (fewer "
+        "if they do not fit) when a known pixel follows an unknown one, else 1",
+    )
 
 
 class ImageCompletionRequest(ImageOptions):
     image: str | None = Field(None, description="base64 PNG, 28x28; alpha 0 marks unknown pixels")
     pixels: Grid | None = Field(None, description="28 rows of 28 grey levels 0-255")
-    mask: str | Grid | None = Field(None, description="base64 PNG (white = unknown) or 28x28 of 0/1 or "
-                                                      "false/true (1, true = unknown)")
+    mask: str | Grid | None = Field(
+        None, description="base64 PNG (white = unknown) or 28x28 of 0/1 or false/true (1, true = unknown)"
+    )
 
     @field_validator("mask", mode="before")
     @classmethod
@@ -43,15 +48,18 @@ class ImageCompletionRequest(ImageOptions):
         if mask is None or isinstance(mask, str):
             return mask
         if not isinstance(mask, list) or not all(isinstance(row, list) for row in mask):
-            raise FieldError(f"mask must be a base64 PNG string or {SIDE} rows of {SIDE} values 0/1 or false/true, "
-                             f"got {mask!r:.60}", "mask")
+            raise FieldError(
+                f"mask must be a base64 PNG string or {SIDE} rows of {SIDE} values 0/1 or false/true, got {mask!r:.60}",
+                "mask",
+            )
         return [[int(v) if isinstance(v, bool) else v for v in row] for row in mask]
 
     @model_validator(mode="after")
     def _one_image(self) -> "ImageCompletionRequest":
         if (self.image is None) == (self.pixels is None):
-            raise FieldError("give the digit as exactly one of `image` (base64 PNG) or `pixels` (28x28 grey levels)",
-                             "image")
+            raise FieldError(
+                "give the digit as exactly one of `image` (base64 PNG) or `pixels` (28x28 grey levels)", "image"
+            )
         return self
 
 
@@ -96,9 +104,11 @@ def _multipart_schema() -> dict[str, Any]:
     """The form fields: every option as in JSON, the digit as a file (or `pixels` as JSON text), a mask file.
     A form cannot send null: a field is left out instead, so no option is nullable here."""
     options = {name: _not_null(field) for name, field in ImageOptions.model_json_schema()["properties"].items()}
-    files = {"image": {"type": "string", "format": "binary", "description": "28x28 PNG; alpha 0 marks unknown pixels"},
-             "mask": {"type": "string", "format": "binary", "description": "28x28 PNG, white = unknown"},
-             "pixels": {"type": "string", "description": "instead of `image`: 28x28 grey levels as JSON text"}}
+    files = {
+        "image": {"type": "string", "format": "binary", "description": "28x28 PNG; alpha 0 marks unknown pixels"},
+        "mask": {"type": "string", "format": "binary", "description": "28x28 PNG, white = unknown"},
+        "pixels": {"type": "string", "description": "instead of `image`: 28x28 grey levels as JSON text"},
+    }
     return {"type": "object", "properties": {**files, **options}, "required": ["image"]}
 
 
@@ -111,15 +121,20 @@ def _not_null(field: dict[str, Any]) -> dict[str, Any]:
     return {**branches[0], **rest}
 
 
-IMAGE_REQUEST_BODY = {"required": True, "content": {
-    "application/json": {"schema": ImageCompletionRequest.model_json_schema()},
-    "multipart/form-data": {"schema": _multipart_schema()},
-}}
+IMAGE_REQUEST_BODY = {
+    "required": True,
+    "content": {
+        "application/json": {"schema": ImageCompletionRequest.model_json_schema()},
+        "multipart/form-data": {"schema": _multipart_schema()},
+    },
+}
 
 IMAGE_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"model": ImageCompletionResponse,
-          "description": "the completions as JSON; one PNG strip with `Accept: image/png`; rows as server-sent "
-                         "events with `stream: true`",
-          "content": {"image/png": {"schema": {"type": "string", "format": "binary"}}, **SSE}},
+    200: {
+        "model": ImageCompletionResponse,
+        "description": "the completions as JSON; one PNG strip with `Accept: image/png`; rows as server-sent "
+        "events with `stream: true`",
+        "content": {"image/png": {"schema": {"type": "string", "format": "binary"}}, **SSE},
+    },
     **GENERATION_ERRORS,
 }

@@ -22,8 +22,9 @@ from server.engine.types import ParticleSummary
 
 DEFAULT_PARTICLES = 16
 MAX_PARTICLES = 256
-PREFIX_ONLY = ("every known pixel comes before the first unknown one, so the prompt conditions exactly "
-               "and one particle is used")
+PREFIX_ONLY = (
+    "every known pixel comes before the first unknown one, so the prompt conditions exactly and one particle is used"
+)
 NOTHING_KNOWN = "no pixel is known, so the completion is an unconditional sample and one particle is used"
 
 
@@ -33,7 +34,9 @@ class ParticlePlan:
     note: str | None = None  # why the count differs from what was asked, when it does
 
 
-def plan_particles(asked: int | None, occluded: OccludedImage, n: int, max_batch: int, temperature: float) -> ParticlePlan:
+def plan_particles(
+    asked: int | None, occluded: OccludedImage, n: int, max_batch: int, temperature: float
+) -> ParticlePlan:
     """The particles per sample for this image; a 400 when the ask cannot be met."""
     weighed = bool(occluded.forced())
     if asked is not None and asked > 1:
@@ -48,19 +51,29 @@ def plan_particles(asked: int | None, occluded: OccludedImage, n: int, max_batch
 
 def _check_asked(asked: int, occluded: OccludedImage, temperature: float) -> None:
     if occluded.unknown.all():
-        raise invalid_request(f"particles={asked} needs known pixels to weigh completions by, and the mask marks "
-                              "every pixel unknown; leave particles out or keep some pixels", "particles")
+        raise invalid_request(
+            f"particles={asked} needs known pixels to weigh completions by, and the mask marks "
+            "every pixel unknown; leave particles out or keep some pixels",
+            "particles",
+        )
     if temperature == 0:
-        raise invalid_request(f"particles={asked} needs temperature > 0: greedy decoding gives every particle "
-                              "the same pixels", "particles")
+        raise invalid_request(
+            f"particles={asked} needs temperature > 0: greedy decoding gives every particle the same pixels",
+            "particles",
+        )
 
 
 def entry_report(summary: ParticleSummary | None) -> dict[str, Any]:
     """One completion's particle figures, for its entry in the answer."""
     if summary is None:
         return {}
-    return {"particles": {"resamplings": summary.resamplings, "effective_sample_size": summary.effective_sample_size,
-                          "known_log_likelihood": _finite(summary.known_log_likelihood)}}
+    return {
+        "particles": {
+            "resamplings": summary.resamplings,
+            "effective_sample_size": summary.effective_sample_size,
+            "known_log_likelihood": _finite(summary.known_log_likelihood),
+        }
+    }
 
 
 def usage_report(plan: ParticlePlan, summaries: list[ParticleSummary]) -> dict[str, Any]:

@@ -23,9 +23,9 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MASK_THRESHOLD = 128  # mask PNG grey level at or above which a pixel is unknown
 HOW_TO_MARK = {  # per field the digit came in: a PNG has alpha, grey levels have no way to say "unknown"
     "image": "mark unknown pixels with alpha 0 in the PNG, a `mask` (PNG: white = unknown; 28x28 lists: "
-             "1 = unknown), or `keep_rows` < 28",
+    "1 = unknown), or `keep_rows` < 28",
     "pixels": "with `pixels`, mark unknown pixels with a `mask` (28x28 lists: 1 = unknown; PNG: white = unknown) "
-              "or `keep_rows` < 28 (rows 0..k-1 known), as grey levels cannot mark them",
+    "or `keep_rows` < 28 (rows 0..k-1 known), as grey levels cannot mark them",
 }
 
 
@@ -91,14 +91,18 @@ def _load(data: bytes, param: str) -> Image.Image:
     try:
         img = Image.open(io.BytesIO(data))
     except damaged as exc:
-        raise ImageError(f"{param} is a damaged PNG ({_reason(exc)}); expected a valid 28x28 PNG image", param) from None
+        raise ImageError(
+            f"{param} is a damaged PNG ({_reason(exc)}); expected a valid 28x28 PNG image", param
+        ) from None
     if img.size != (SIDE, SIDE):  # from the header, before decoding any pixel
         w, h = img.size
         raise ImageError(f"{param} is {w}x{h} pixels; expected {SIDE}x{SIDE}", param)
     try:
         img.load()
     except damaged as exc:
-        raise ImageError(f"{param} is a damaged PNG ({_reason(exc)}); expected a valid 28x28 PNG image", param) from None
+        raise ImageError(
+            f"{param} is a damaged PNG ({_reason(exc)}); expected a valid 28x28 PNG image", param
+        ) from None
     return img
 
 
@@ -140,8 +144,9 @@ def grid_from_lists(rows: list[list[int]], param: str, low: int = 0, high: int =
     try:
         grid = np.asarray(rows, dtype=np.int64)
     except OverflowError:
-        raise ImageError(f"{param} holds an integer too large for a grey level; expected values in {low}..{high}",
-                         param) from None
+        raise ImageError(
+            f"{param} holds an integer too large for a grey level; expected values in {low}..{high}", param
+        ) from None
     bad = (grid < low) | (grid > high)
     if bad.any():
         r, c = map(int, np.argwhere(bad)[0])
@@ -161,13 +166,15 @@ def mask_from_keep_rows(keep_rows: int) -> np.ndarray:
     return unknown
 
 
-def choose_unknown(transparent: np.ndarray | None, mask: np.ndarray | None,
-                   keep_rows: int | None, digit: str = "image") -> tuple[np.ndarray | None, str]:
+def choose_unknown(
+    transparent: np.ndarray | None, mask: np.ndarray | None, keep_rows: int | None, digit: str = "image"
+) -> tuple[np.ndarray | None, str]:
     """Which pixels are unknown: an explicit mask or keep_rows wins over the digit's own (a PNG's alpha channel;
     `pixels` have none). Returns them and the field that marked them."""
     if mask is not None and keep_rows is not None:
-        raise ImageError("give either `mask` or `keep_rows` to mark the unknown pixels, not both", "keep_rows",
-                         "invalid_value")
+        raise ImageError(
+            "give either `mask` or `keep_rows` to mark the unknown pixels, not both", "keep_rows", "invalid_value"
+        )
     if mask is not None:
         return mask, "mask"
     if keep_rows is not None:
@@ -179,8 +186,9 @@ def occlude(pixels: np.ndarray, unknown: np.ndarray | None, source: str, digit: 
     """Pair pixels with their unknown mask, refusing a mask with nothing to complete. `digit` is the field the
     pixels came in (`image` or `pixels`): the hint names only the ways that field's requests can mark pixels."""
     if unknown is None or not unknown.any():
-        raise ImageError(f"{source} marks no unknown pixel, so there is nothing to complete; {HOW_TO_MARK[digit]}",
-                         source)
+        raise ImageError(
+            f"{source} marks no unknown pixel, so there is nothing to complete; {HOW_TO_MARK[digit]}", source
+        )
     return OccludedImage(pixels, unknown)
 
 

@@ -17,7 +17,9 @@ from server.api.routes_playground import PAGE_PATHS, STATIC_PREFIX
 
 # Probes, scrapers, the API's own documentation and the playground page need no key
 # (the page asks for the key and sends it with its API calls).
-OPEN_PATHS = frozenset({"/health", "/metrics", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect", *PAGE_PATHS})
+OPEN_PATHS = frozenset(
+    {"/health", "/metrics", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect", *PAGE_PATHS}
+)
 OPEN_PREFIXES = ("/static-offline-docs/", STATIC_PREFIX + "/")
 TOO_LARGE = object()
 
@@ -33,8 +35,13 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or is_open(scope.get("path", "")) or self._authorized(scope):
             await self.app(scope, receive, send)
             return
-        response = error_response(401, "missing or wrong API key; send the header 'Authorization: Bearer YOUR_KEY'",
-                                  None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+        response = error_response(
+            401,
+            "missing or wrong API key; send the header 'Authorization: Bearer YOUR_KEY'",
+            None,
+            "invalid_api_key",
+            {"WWW-Authenticate": "Bearer"},
+        )
         await response(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
@@ -96,16 +103,24 @@ class BodyLimitMiddleware:
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send, declared: int | None) -> None:
         size = f"{declared} bytes" if declared is not None else "more than that"
-        response = error_response(413, f"request body is {size}; the limit is {self.limit} bytes (--max-body-bytes)",
-                                  None, "request_too_large")
+        response = error_response(
+            413,
+            f"request body is {size}; the limit is {self.limit} bytes (--max-body-bytes)",
+            None,
+            "request_too_large",
+        )
         await response(scope, receive, send)
-
 
     async def _timed_out(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope.setdefault("state", {})["outcome"] = "timeout"
         # Connection: close, so the server drops the half-sent request instead of waiting for the rest.
-        response = error_response(408, f"the request body did not arrive within {self.timeout:g} s (--body-timeout)",
-                                  None, "body_timeout", {"Connection": "close"})
+        response = error_response(
+            408,
+            f"the request body did not arrive within {self.timeout:g} s (--body-timeout)",
+            None,
+            "body_timeout",
+            {"Connection": "close"},
+        )
         await response(scope, receive, send)
 
 
@@ -152,7 +167,9 @@ class RequestMetricsMiddleware:
         finally:
             state = scope.get("state", {})
             outcome = state.get("outcome") or outcome_of(status)
-            self.metrics.request(self._endpoint(scope), outcome, state.get("model", "none"), state.get("attention", "none"))
+            self.metrics.request(
+                self._endpoint(scope), outcome, state.get("model", "none"), state.get("attention", "none")
+            )
 
     def _endpoint(self, scope: Scope) -> str:
         route = scope.get("route")
@@ -164,4 +181,5 @@ def outcome_of(status: int) -> str:
     if status < 400:
         return "ok"
     return {401: "unauthorized", 404: "not_found", 408: "timeout", 413: "too_large", 429: "rejected"}.get(
-        status, "invalid" if status < 500 else "error")
+        status, "invalid" if status < 500 else "error"
+    )

@@ -41,8 +41,12 @@ def choose(accept: str | None, offered: list[str], stream: bool = False) -> str:
     chosen = next((media_type for media_type in offered if allows(ranges, media_type)), None)
     if chosen is None:
         how = " with stream=true" if stream else ""
-        raise APIError(406, f"this endpoint answers{how} with {' or '.join(offered)}; Accept: {accept} allows "
-                            "none of them", None, "not_acceptable")
+        raise APIError(
+            406,
+            f"this endpoint answers{how} with {' or '.join(offered)}; Accept: {accept} allows none of them",
+            None,
+            "not_acceptable",
+        )
     return chosen
 
 

@@ -44,9 +44,16 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 GENERATION_ERRORS = errors(400, 401, 404, 406, 413, 415, 429, 500, 503)
 # Each server-sent event: `data:` holds one JSON chunk; the last event's data is [DONE].
-SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
-    "data": {"type": "string", "description": "one JSON chunk, or [DONE] to end the stream"},
-    "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
+SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {"type": "string", "description": "one JSON chunk, or [DONE] to end the stream"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+}
 SSE = {"text/event-stream": {"schema": SSE_EVENT}}
 
 COMPLETION_RESPONSES: dict[int | str, dict[str, Any]] = {

@@ -84,7 +84,7 @@ class Canvases:
 
     def fill(self, result: SampleResult) -> None:
         """Place a whole sample's generated pixels at once."""
-        self.images[result.sample, result.start:result.start + len(result.tokens)] = result.tokens
+        self.images[result.sample, result.start : result.start + len(result.tokens)] = result.tokens
 
     def rows_after(self, result: SampleResult) -> range:
         """The image rows a whole sample's pixels reach into."""
@@ -114,9 +114,12 @@ class ImageJob:
     def usage(self) -> dict[str, Any]:
         seconds = time.monotonic() - self.started
         pixels = self.canvases.n * self.canvases.occluded.unknown_count
-        return {"pixels_generated": pixels, "seconds": round(seconds, 4),
-                "pixels_per_second": round(pixels / seconds, 1) if seconds > 0 else None,
-                **usage_report(self.plan, [self.summaries[i] for i in sorted(self.summaries)])}
+        return {
+            "pixels_generated": pixels,
+            "seconds": round(seconds, 4),
+            "pixels_per_second": round(pixels / seconds, 1) if seconds > 0 else None,
+            **usage_report(self.plan, [self.summaries[i] for i in sorted(self.summaries)]),
+        }
 
     def entry(self, sample: int) -> dict[str, Any]:
         return {**self.canvases.entry(sample), **entry_report(self.summaries.get(sample))}
@@ -126,8 +129,12 @@ class ImageJob:
         self.engine.metrics.images_completed(self.canvases.n)
 
 
-@router.post("/v1/images/completions", response_model=None, responses=IMAGE_RESPONSES,
-             openapi_extra={"requestBody": IMAGE_REQUEST_BODY})
+@router.post(
+    "/v1/images/completions",
+    response_model=None,
+    responses=IMAGE_RESPONSES,
+    openapi_extra={"requestBody": IMAGE_REQUEST_BODY},
+)
 async def complete_image(request: Request, server: ServerState = Depends(get_server)) -> Response:
     server.engines.label(request, await named_model(request))
     try:
@@ -142,8 +149,9 @@ async def complete_image(request: Request, server: ServerState = Depends(get_ser
     job = ImageJob(f"imgcmpl-{uuid.uuid4().hex}", engine, Canvases(occluded, options.n), plan)
     stream = await submit(engine, generation_request(job, options), each_event=options.stream)
     if options.stream:
-        return StreamingResponse(sse_stream(request, row_events(job, stream), [stream]), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+        return StreamingResponse(
+            sse_stream(request, row_events(job, stream), [stream]), media_type="text/event-stream", headers=SSE_HEADERS
+        )
     try:
         results = await collect(request, stream)
     except ClientGone:
@@ -153,14 +161,30 @@ async def complete_image(request: Request, server: ServerState = Depends(get_ser
         job.canvases.fill(result)
         job.finished(result.sample, result.particles)
     job.record()
+    return finished_image_response(job, answer, options.n)
+
+
+def finished_image_response(job: ImageJob, answer: str, n: int) -> Response:
+    """The finished job's n completions: one PNG strip, or JSON."""
     usage = job.usage()
     if answer == "image/png":
-        strip = imaging.encode_strip([job.canvases.image(i) for i in range(options.n)])
-        return Response(strip, media_type="image/png", headers={"X-Pixels-Generated": str(usage["pixels_generated"]),
-                                                                 "X-Seconds": str(usage["seconds"])})
+        strip = imaging.encode_strip([job.canvases.image(i) for i in range(n)])
+        return Response(
+            strip,
+            media_type="image/png",
+            headers={"X-Pixels-Generated": str(usage["pixels_generated"]), "X-Seconds": str(usage["seconds"])},
+        )
     # A JSONResponse skips FastAPI's jsonable_encoder, which would walk the 784 pixels one by one.
-    return JSONResponse({"id": job.id, "object": "image.completion", "created": int(time.time()), "model": engine.name,
-                         "data": [job.entry(i) for i in range(options.n)], "usage": usage})
+    return JSONResponse(
+        {
+            "id": job.id,
+            "object": "image.completion",
+            "created": int(time.time()),
+            "model": job.engine.name,
+            "data": [job.entry(i) for i in range(n)],
+            "usage": usage,
+        }
+    )
 
 
 def image_answer_type(accept: str | None, stream: bool) -> str:
@@ -176,9 +200,15 @@ def generation_request(job: ImageJob, options: ImageOptions) -> GenerationReques
     """The engine validates it: n against --max-batch, the image against the model's max_len."""
     occluded = job.canvases.occluded
     prompt = occluded.prompt()
-    return GenerationRequest(request_id=job.id, prompt=prompt, max_new_tokens=PIXELS - len(prompt),
-                             sampling=options.sampling(), n=options.n, forced=occluded.forced(),
-                             particles=job.plan.count)
+    return GenerationRequest(
+        request_id=job.id,
+        prompt=prompt,
+        max_new_tokens=PIXELS - len(prompt),
+        sampling=options.sampling(),
+        n=options.n,
+        forced=occluded.forced(),
+        particles=job.plan.count,
+    )
 
 
 async def named_model(request: Request) -> object:
@@ -205,8 +235,12 @@ async def read_input(request: Request) -> ImageInput:
     if content_type.startswith("application/json"):
         return await _from_json(request)
     sent = f"content type '{content_type}' is not supported" if content_type else "the body has no content type"
-    raise APIError(415, f"{sent}; send Content-Type: application/json "
-                   "or multipart/form-data with an `image` file", None, "unsupported_media_type")
+    raise APIError(
+        415,
+        f"{sent}; send Content-Type: application/json or multipart/form-data with an `image` file",
+        None,
+        "unsupported_media_type",
+    )
 
 
 async def _from_json(request: Request) -> ImageInput:
@@ -224,12 +258,18 @@ async def _from_form(request: Request) -> ImageInput:
     try:
         form = await request.form()
     except StarletteHTTPException as exc:  # Starlette's multipart parser: a bad boundary, a part without a name
-        raise APIError(400, f"the multipart body cannot be read: {exc.detail}; send multipart/form-data with the "
-                       "boundary its Content-Type names and an `image` file part", None, "invalid_multipart") from None
+        raise APIError(
+            400,
+            f"the multipart body cannot be read: {exc.detail}; send multipart/form-data with the "
+            "boundary its Content-Type names and an `image` file part",
+            None,
+            "invalid_multipart",
+        ) from None
     repeated = [name for name in FILE_FIELDS if len(form.getlist(name)) > 1]
     if repeated:
-        raise invalid_request(f"the form has {len(form.getlist(repeated[0]))} `{repeated[0]}` parts; "
-                              f"give at most one", repeated[0])
+        raise invalid_request(
+            f"the form has {len(form.getlist(repeated[0]))} `{repeated[0]}` parts; give at most one", repeated[0]
+        )
     scalars = {k: v for k, v in form.multi_items() if k not in FILE_FIELDS}
     try:
         options = ImageOptions.model_validate({k: v for k, v in scalars.items() if v != ""}, strict=False)
@@ -238,8 +278,10 @@ async def _from_form(request: Request) -> ImageInput:
     # An empty form field is an absent one, as for the options above.
     image, mask, pixels = (form.get(name) or None for name in FILE_FIELDS)
     if (image is None) == (pixels is None):
-        raise invalid_request("give the digit as exactly one of an `image` file (PNG) or a `pixels` field "
-                              "(JSON, 28x28 grey levels)", "image")
+        raise invalid_request(
+            "give the digit as exactly one of an `image` file (PNG) or a `pixels` field (JSON, 28x28 grey levels)",
+            "image",
+        )
     return _form_input(options, image, mask, pixels, await _read_files(image, mask))
 
 
@@ -248,8 +290,11 @@ async def _read_files(*parts: Any) -> dict[int, bytes]:
 
 
 def _form_input(options: ImageOptions, image: Any, mask: Any, pixels: Any, files: dict[int, bytes]) -> ImageInput:
-    png = files[id(image)] if isinstance(image, UploadFile) else (
-        imaging.decode_base64(image, "image") if image is not None else None)
+    png = (
+        files[id(image)]
+        if isinstance(image, UploadFile)
+        else (imaging.decode_base64(image, "image") if image is not None else None)
+    )
     grid = _json_grid(pixels, "pixels") if pixels is not None else None
     given = ImageInput(options, png, grid)
     if isinstance(mask, UploadFile):
@@ -298,5 +343,12 @@ def _fixed_rows(job: ImageJob, event: Generation | SampleResult) -> list[dict[st
     else:
         row = job.canvases.add(event)
         rows = [] if row is None else [row]
-    return [{"object": "image.completion.row", "index": event.sample, "row": r,
-             "pixels": job.canvases.image(event.sample)[r].tolist()} for r in rows]
+    return [
+        {
+            "object": "image.completion.row",
+            "index": event.sample,
+            "row": r,
+            "pixels": job.canvases.image(event.sample)[r].tolist(),
+        }
+        for r in rows
+    ]

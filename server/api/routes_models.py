@@ -29,13 +29,18 @@ class ModelCard(BaseModel):
     device: str
     dtype: str
     cuda_graphs: bool
-    compiled_decode: bool = Field(description="decode steps run through torch.compile graphs on the CPU "
-                                              "(false until the background compile is done)")
-    threads: int = Field(description="intra-op CPU threads this model's steps run on: an equal share of the CPUs the "
-                                     "server may use (affinity and cgroup quota), or --threads")
+    compiled_decode: bool = Field(
+        description="decode steps run through torch.compile graphs on the CPU "
+        "(false until the background compile is done)"
+    )
+    threads: int = Field(
+        description="intra-op CPU threads this model's steps run on: an equal share of the CPUs the "
+        "server may use (affinity and cgroup quota), or --threads"
+    )
     state_bytes_per_sequence: int = Field(description="decode state of one sequence at max_len")
-    state_bytes_allocated: int = Field(description="decode state preallocated for all slots "
-                                                   "(the gauge rnnserve_decode_state_allocated_bytes)")
+    state_bytes_allocated: int = Field(
+        description="decode state preallocated for all slots (the gauge rnnserve_decode_state_allocated_bytes)"
+    )
     metrics: dict[str, Any] = Field(description="evaluation results stored in the weights file")
     config: dict[str, Any]
     ready: bool
@@ -51,7 +56,9 @@ class Health(BaseModel):
     models: dict[str, str]
 
 
-PROMETHEUS_TEXT = {200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}
+PROMETHEUS_TEXT = {
+    200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}
+}
 
 
 def describe(engine: EngineHandle, created: int) -> dict[str, Any]:
@@ -74,7 +81,12 @@ def describe(engine: EngineHandle, created: int) -> dict[str, Any]:
         "state_bytes_per_sequence": engine.state_bytes_per_sequence,  # one sequence at max_len
         "state_bytes_allocated": engine.state_bytes_allocated,  # = rnnserve_decode_state_allocated_bytes
         "metrics": eval_metrics(engine.info),
-        "config": {"d_model": cfg.d_model, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "pos_encoding": cfg.pos_encoding},
+        "config": {
+            "d_model": cfg.d_model,
+            "n_layers": cfg.n_layers,
+            "n_heads": cfg.n_heads,
+            "pos_encoding": cfg.pos_encoding,
+        },
         "ready": engine.ready,
     }
 
@@ -88,8 +100,12 @@ async def list_models(server: ServerState = Depends(get_server)) -> dict[str, An
 async def get_model(model_id: str, server: ServerState = Depends(get_server)) -> dict[str, Any]:
     engine = server.engines.engines.get(model_id)
     if engine is None:
-        raise APIError(404, f"model '{model_id}' is not loaded; loaded models: {', '.join(server.engines.engines)}",
-                       "model", "model_not_found")
+        raise APIError(
+            404,
+            f"model '{model_id}' is not loaded; loaded models: {', '.join(server.engines.engines)}",
+            "model",
+            "model_not_found",
+        )
     return describe(engine, server.engines.created.get(model_id, 0))
 
 

@@ -17,8 +17,10 @@ STATIC_DIR = Path(__file__).parents[1] / "playground"  # server/playground
 STATIC_PREFIX = "/playground/static"  # index.html links its assets relative to the root: playground/static/...
 PAGE_PATHS = ("/", "/playground")
 # Only this server: the page must work offline and send the API key nowhere else.
-PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; object-src 'none'",
-                "Cache-Control": "no-cache"}
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; object-src 'none'",
+    "Cache-Control": "no-cache",
+}
 
 router = APIRouter()
 

@@ -18,8 +18,17 @@ from server.engine.base import EngineHandle
 from server.engine.streams import GenerationStream
 from server.api.responses import COMPLETION_RESPONSES
 from server.api.negotiation import choose, stream_type
-from server.api.generation import (SSE_HEADERS, ClientGone, collect_all, engine_refusals, merged_events, score, sse, sse_stream,
-                        submit)
+from server.api.generation import (
+    SSE_HEADERS,
+    ClientGone,
+    collect_all,
+    engine_refusals,
+    merged_events,
+    score,
+    sse,
+    sse_stream,
+    submit,
+)
 from server.api.text_api import CompletionRequest, CompletionResponse, TextCompletion
 from server.engine.types import GenerationRequest, PromptScores
 
@@ -27,8 +36,9 @@ router = APIRouter()
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=COMPLETION_RESPONSES)
-async def create_completion(body: CompletionRequest, request: Request,
-                            server: ServerState = Depends(get_server)) -> Response | dict[str, Any]:
+async def create_completion(
+    body: CompletionRequest, request: Request, server: ServerState = Depends(get_server)
+) -> Response | dict[str, Any]:
     server.engines.label(request, body.model)
     accept = request.headers.get("accept")
     stream_type(accept) if body.stream else choose(accept, ["application/json"])  # a 406 before any work
@@ -43,8 +53,11 @@ async def create_completion(body: CompletionRequest, request: Request,
             stream.cancel()
         raise
     if body.stream:
-        return StreamingResponse(sse_stream(request, stream_events(completion, streams, engine), streams),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+        return StreamingResponse(
+            sse_stream(request, stream_events(completion, streams, engine), streams),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
     try:
         results = await collect_all(request, streams)
     except ClientGone:
@@ -58,7 +71,9 @@ async def create_completion(body: CompletionRequest, request: Request,
     return {**completion.envelope(completion.final_choices()), "usage": completion.usage()}
 
 
-async def start_generations(engine: EngineHandle, body: CompletionRequest, completion: TextCompletion) -> list[GenerationStream]:
+async def start_generations(
+    engine: EngineHandle, body: CompletionRequest, completion: TextCompletion
+) -> list[GenerationStream]:
     """Queue one generation per prompt (the engine validates each); none when max_tokens is 0,
     but each prompt must still fit. A refusal cancels those already queued."""
     streams: list[GenerationStream] = []
@@ -68,7 +83,9 @@ async def start_generations(engine: EngineHandle, body: CompletionRequest, compl
                 with engine_refusals(engine):
                     engine.check_prompt(list(prompt), body.samples)
             else:
-                streams.append(await submit(engine, generation_request(body, prompt, f"{completion.id}-{i}"), body.stream))
+                streams.append(
+                    await submit(engine, generation_request(body, prompt, f"{completion.id}-{i}"), body.stream)
+                )
     except BaseException:
         for stream in streams:
             stream.cancel()
@@ -77,12 +94,20 @@ async def start_generations(engine: EngineHandle, body: CompletionRequest, compl
 
 
 def generation_request(body: CompletionRequest, prompt: bytes, request_id: str) -> GenerationRequest:
-    sampling = body.sampling(frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
-                             logit_bias=body.bias())
+    sampling = body.sampling(
+        frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty, logit_bias=body.bias()
+    )
     ranks = body.samples > body.n  # best_of ranks samples by their log-probabilities
-    return GenerationRequest(request_id=request_id, prompt=list(prompt), max_new_tokens=body.max_tokens,
-                             sampling=sampling, n=body.samples, stop=body.stop_bytes(),
-                             logprobs=body.logprobs is not None or ranks, top_logprobs=body.logprobs or 0)
+    return GenerationRequest(
+        request_id=request_id,
+        prompt=list(prompt),
+        max_new_tokens=body.max_tokens,
+        sampling=sampling,
+        n=body.samples,
+        stop=body.stop_bytes(),
+        logprobs=body.logprobs is not None or ranks,
+        top_logprobs=body.logprobs or 0,
+    )
 
 
 async def prompt_scores(engine: EngineHandle, body: CompletionRequest, prompt: bytes) -> PromptScores | None:
@@ -99,7 +124,9 @@ def finish_without_generating(completion: TextCompletion) -> None:
             part.finish = ["length"] * len(part.finish)
 
 
-async def stream_events(completion: TextCompletion, streams: list[GenerationStream], engine: EngineHandle) -> AsyncIterator[str]:
+async def stream_events(
+    completion: TextCompletion, streams: list[GenerationStream], engine: EngineHandle
+) -> AsyncIterator[str]:
     """SSE chunks as text becomes safe to show, then usage (if asked)."""
     if completion.body.echo:
         for p, part in enumerate(completion.parts):

@@ -55,8 +55,10 @@ class SamplingOptions(BaseModel):
             for name, value in data.items():
                 bad = _lone_surrogate(value)
                 if bad is not None:
-                    raise FieldError(f"{name} contains a lone UTF-16 surrogate (U+{ord(bad):04X}); "
-                                     "send valid Unicode text", str(name))
+                    raise FieldError(
+                        f"{name} contains a lone UTF-16 surrogate (U+{ord(bad):04X}); send valid Unicode text",
+                        str(name),
+                    )
         return data
 
     def sampling(self, **extra: Any) -> SamplingParams:

@@ -31,12 +31,19 @@ class StreamOptions(BaseModel):
 
 
 class CompletionRequest(SamplingOptions):
-    model: str | None = Field(None, description="a text model from GET /v1/models; may be left out when only one is loaded")
+    model: str | None = Field(
+        None, description="a text model from GET /v1/models; may be left out when only one is loaded"
+    )
     prompt: str | list[str] | list[Byte] | list[list[Byte]] = Field(
-        "", description=f"text (sent as UTF-8 bytes), byte tokens 0-255, or a list of up to {MAX_PROMPTS} of either")
-    suffix: str | None = Field(None, description="not supported (these models cannot insert text): leave it out or empty")
+        "", description=f"text (sent as UTF-8 bytes), byte tokens 0-255, or a list of up to {MAX_PROMPTS} of either"
+    )
+    suffix: str | None = Field(
+        None, description="not supported (these models cannot insert text): leave it out or empty"
+    )
     max_tokens: OrDefault(Int(ge=0), 16, description="bytes to generate per sample; 0 with echo scores the prompt")
-    stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOPS} sequences that end a sample (not included)")
+    stop: str | list[str] | None = Field(
+        None, description=f"up to {MAX_STOPS} sequences that end a sample (not included)"
+    )
     stream: OrDefault(bool, False)
     stream_options: StreamOptions | None = None
     logprobs: Int(ge=0, le=5) | None = Field(None, description="log-probability of each token and of the N most likely")
@@ -44,8 +51,11 @@ class CompletionRequest(SamplingOptions):
     frequency_penalty: OrDefault(Penalty, 0.0, description="minus this times how often a token was generated so far")
     presence_penalty: OrDefault(Penalty, 0.0, description="minus this once a token has been generated")
     logit_bias: dict[str, Float(ge=-100, le=100)] | None = Field(
-        None, description="token id (0-255, as a string) -> bias added to its logit")
-    best_of: Int(ge=1, le=MAX_N) | None = Field(None, description="draw this many, return the n most likely (not with stream)")
+        None, description="token id (0-255, as a string) -> bias added to its logit"
+    )
+    best_of: Int(ge=1, le=MAX_N) | None = Field(
+        None, description="draw this many, return the n most likely (not with stream)"
+    )
     user: str | None = Field(None, description="accepted and ignored")
 
     @field_validator("prompt", mode="before")
@@ -55,12 +65,19 @@ class CompletionRequest(SamplingOptions):
         items = prompt if isinstance(prompt, list) else [prompt]
         kinds = {str if isinstance(i, str) else list if isinstance(i, list) else "token" for i in items}
         if not isinstance(prompt, (str, list)) or len(kinds) > 1:
-            raise FieldError("prompt must be a string, a list of byte tokens 0-255, or a list of strings "
-                             "or of token lists", "prompt")
+            raise FieldError(
+                "prompt must be a string, a list of byte tokens 0-255, or a list of strings or of token lists", "prompt"
+            )
         for i, item in enumerate(items):
             tokens = item if isinstance(item, list) else [] if isinstance(item, str) else [item]
-            bad = next((t for t in map(integral, tokens) if isinstance(t, bool) or not isinstance(t, int)
-                        or not 0 <= t <= 255), None)
+            bad = next(
+                (
+                    t
+                    for t in map(integral, tokens)
+                    if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= 255
+                ),
+                None,
+            )
             if bad is not None:
                 raise FieldError(f"prompt[{i}] holds {bad!r}; byte tokens are integers 0-255", "prompt")
         return prompt
@@ -94,11 +111,15 @@ class CompletionRequest(SamplingOptions):
     @model_validator(mode="after")
     def _check_combinations(self) -> "CompletionRequest":
         if isinstance(self.prompt, list) and not self.prompt:
-            raise FieldError("prompt is an empty list; send a string, byte tokens, or a non-empty list of either", "prompt")
+            raise FieldError(
+                "prompt is an empty list; send a string, byte tokens, or a non-empty list of either", "prompt"
+            )
         if isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list)) and len(self.prompt) > MAX_PROMPTS:
             raise FieldError(f"at most {MAX_PROMPTS} prompts in one request, got {len(self.prompt)}", "prompt")
         if self.suffix:
-            raise FieldError("suffix is not supported: these models generate left to right and cannot insert text", "suffix")
+            raise FieldError(
+                "suffix is not supported: these models generate left to right and cannot insert text", "suffix"
+            )
         if self.best_of is not None and self.best_of < self.n:
             raise FieldError(f"best_of ({self.best_of}) must be at least n ({self.n})", "best_of")
         if self.best_of not in (None, 1) and self.stream:
@@ -181,7 +202,9 @@ class TextCompletion:
         echo = self.body.echo
         prefix, logprobs = (prompt, scores.logprobs if scores else []) if echo else (b"", [])
         tops = (scores.top_logprobs or []) if echo and scores else []
-        texts = [SampleText(self.body.stop_bytes(), prefix, list(logprobs), list(tops)) for _ in range(self.body.samples)]
+        texts = [
+            SampleText(self.body.stop_bytes(), prefix, list(logprobs), list(tops)) for _ in range(self.body.samples)
+        ]
         self.parts.append(PromptSamples(prompt, scores, texts, [None] * self.body.samples))
 
     def add(self, part: int, event: Generation) -> None:
@@ -194,7 +217,9 @@ class TextCompletion:
         """A whole sample at once (non-streamed)."""
         text = self.parts[part].texts[result.sample]
         count = len(result.tokens)
-        for token, logprob, top in zip(result.tokens, result.logprobs or [None] * count, result.top_logprobs or [None] * count):
+        for token, logprob, top in zip(
+            result.tokens, result.logprobs or [None] * count, result.top_logprobs or [None] * count
+        ):
             text.push(token, logprob, top)
         self.generated_tokens += count
         self._end(part, result.sample, result.finish_reason, result.matched_stop)
@@ -207,8 +232,12 @@ class TextCompletion:
         return part * self.body.n + sample
 
     def choice(self, index: int, part: int, sample: int, chunk: TextChunk) -> dict[str, Any]:
-        return {"text": chunk.text, "index": index, "logprobs": self._logprobs(chunk),
-                "finish_reason": self.parts[part].finish[sample]}
+        return {
+            "text": chunk.text,
+            "index": index,
+            "logprobs": self._logprobs(chunk),
+            "finish_reason": self.parts[part].finish[sample],
+        }
 
     def final_choices(self) -> list[dict[str, Any]]:
         """Every choice whole: with best_of, each prompt's n most likely samples, best first."""
@@ -222,24 +251,36 @@ class TextCompletion:
         samples = range(len(part.texts))
         if self.body.samples == self.body.n:
             return list(samples)
-        return sorted(samples, key=lambda s: -part.texts[s].generated_logprob())[:self.body.n]
+        return sorted(samples, key=lambda s: -part.texts[s].generated_logprob())[: self.body.n]
 
     def _logprobs(self, chunk: TextChunk) -> dict[str, Any] | None:
         wanted = self.body.logprobs
         if wanted is None:
             return None
         tops = [_top_dict(t, lp, top, wanted) for t, lp, top in zip(chunk.tokens, chunk.logprobs, chunk.top_logprobs)]
-        return {"tokens": [token_text(t) for t in chunk.tokens], "token_logprobs": chunk.logprobs,
-                "top_logprobs": tops, "text_offset": chunk.offsets}
+        return {
+            "tokens": [token_text(t) for t in chunk.tokens],
+            "token_logprobs": chunk.logprobs,
+            "top_logprobs": tops,
+            "text_offset": chunk.offsets,
+        }
 
     def envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": choices}
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
     def usage(self) -> dict[str, int]:
         prompt = sum(len(part.prompt) for part in self.parts)
-        return {"prompt_tokens": prompt, "completion_tokens": self.generated_tokens,
-                "total_tokens": prompt + self.generated_tokens}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.generated_tokens,
+            "total_tokens": prompt + self.generated_tokens,
+        }
 
 
 def _top_dict(token: int, logprob: float | None, top, wanted: int) -> dict[str, float] | None:

@@ -23,8 +23,17 @@ from server.engine import messages as msg
 from server.engine.output import record_gauges
 from server.engine.process import EngineSpec, rebuild_error, serve_engine
 from server.metrics import Metrics
-from server.engine.streams import (ENGINE_RESTARTING, SHUTTING_DOWN, EngineFailure, GenerationStream, LoopSink, call_in_loop,
-                      hand_over, is_terminal, settle)
+from server.engine.streams import (
+    ENGINE_RESTARTING,
+    SHUTTING_DOWN,
+    EngineFailure,
+    GenerationStream,
+    LoopSink,
+    call_in_loop,
+    hand_over,
+    is_terminal,
+    settle,
+)
 from server.engine.types import GenerationError, GenerationRequest, PromptScores
 from server.engine.validation import check_generation, check_scoring
 
@@ -52,8 +61,16 @@ class RemoteStream(GenerationStream):
 class EngineClient(EngineFacts):
     """The API process's side of an engine process: what handlers use in place of an `Engine`."""
 
-    def __init__(self, name: str, model: Transformer, info: dict, limits: EngineLimits, metrics: Metrics,
-                 threads: int | None = None, compile_gate: CompileGate | None = None):
+    def __init__(
+        self,
+        name: str,
+        model: Transformer,
+        info: dict,
+        limits: EngineLimits,
+        metrics: Metrics,
+        threads: int | None = None,
+        compile_gate: CompileGate | None = None,
+    ):
         self.name, self.model, self.info, self.limits = name, model.eval(), info, limits
         self.state_bytes_per_sequence = model.state_bytes_per_sequence()  # at max_len
         self.state_bytes_allocated = 0  # known once started
@@ -101,8 +118,15 @@ class EngineClient(EngineFacts):
         self.compiled_decode, self._compiled = False, threading.Event()  # a new process compiles anew
         context = torch.multiprocessing.get_context("spawn")  # fork would copy a process with threads running
         ours, theirs = context.Pipe()
-        spec = EngineSpec(self.name, self.model, self.info, self.limits, self.threads,
-                          logging.getLogger("rnnserve").getEffectiveLevel(), self._compile_gate)
+        spec = EngineSpec(
+            self.name,
+            self.model,
+            self.info,
+            self.limits,
+            self.threads,
+            logging.getLogger("rnnserve").getEffectiveLevel(),
+            self._compile_gate,
+        )
         self._process = context.Process(target=serve_engine, args=(theirs, spec), name=f"engine-{self.name}")
         self._process.start()
         theirs.close()
@@ -114,8 +138,9 @@ class EngineClient(EngineFacts):
             self.restarts += 1
             self.metrics.engine_restarted()
         self._alive = True
-        self._reader = threading.Thread(target=self._read, args=(self._conn, self._process),
-                                        name=f"engine-{self.name}-reader", daemon=True)
+        self._reader = threading.Thread(
+            target=self._read, args=(self._conn, self._process), name=f"engine-{self.name}-reader", daemon=True
+        )
         self._reader.start()
         log.info("model %s: engine process %d started", self.name, self._process.pid)
 
@@ -254,13 +279,20 @@ class EngineClient(EngineFacts):
         if self._stopping:
             self._fail_everything(f"model {self.name!r}: the server is shutting down", SHUTTING_DOWN)
             return
-        log.error("model %s: its engine process %d died (%s) with %d request(s) in flight; they fail with 503 "
-                  "engine_restarting and the engine restarts", self.name, process.pid, describe_exit(code),
-                  len(self._streams) + len(self._pending))
+        log.error(
+            "model %s: its engine process %d died (%s) with %d request(s) in flight; they fail with 503 "
+            "engine_restarting and the engine restarts",
+            self.name,
+            process.pid,
+            describe_exit(code),
+            len(self._streams) + len(self._pending),
+        )
         self.metrics.engine_gone()  # before the clients hear of it: they find the gauges at zero
         self.state_bytes_allocated = 0
-        self._fail_everything(f"model {self.name!r}: its engine process died ({describe_exit(code)}); it is "
-                              "restarting, retry shortly", ENGINE_RESTARTING)
+        self._fail_everything(
+            f"model {self.name!r}: its engine process died ({describe_exit(code)}); it is restarting, retry shortly",
+            ENGINE_RESTARTING,
+        )
         threading.Thread(target=self._restart, name=f"engine-{self.name}-restart", daemon=True).start()
 
     def _dispatch(self, message: object) -> None:

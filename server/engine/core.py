@@ -44,8 +44,18 @@ from server.engine.runner import ModelRunner
 from server.engine.scheduler import Placement, QueueFull, Scheduler
 from server.engine.output import EngineOutput, Gauges
 from server.engine.step_events import sample_reads, step_events
-from server.engine.streams import (ENGINE_ERROR, SHUTTING_DOWN, EngineFailure, EventSink, GenerationStream, LoopSink, ScoreJob, ScoreReply, finish,
-                      reply_in_loop)
+from server.engine.streams import (
+    ENGINE_ERROR,
+    SHUTTING_DOWN,
+    EngineFailure,
+    EventSink,
+    GenerationStream,
+    LoopSink,
+    ScoreJob,
+    ScoreReply,
+    finish,
+    reply_in_loop,
+)
 from server.engine.types import GenerationRequest, PromptScores
 from server.engine.validation import check_generation, check_scoring
 
@@ -61,8 +71,16 @@ IDLE_WAKEUP_SECONDS = 1.0  # refresh rate gauges while idle
 class Engine(EngineFacts):
     """Continuous batching for one model on a worker thread of its own (see the module's docstring)."""
 
-    def __init__(self, name: str, model: Transformer, info: dict, limits: EngineLimits, output: EngineOutput,
-                 compile_gate: CompileGate | None = None, threads: int | None = None):
+    def __init__(
+        self,
+        name: str,
+        model: Transformer,
+        info: dict,
+        limits: EngineLimits,
+        output: EngineOutput,
+        compile_gate: CompileGate | None = None,
+        threads: int | None = None,
+    ):
         """output: where each pass's figures and events go (server/engine/output.py). compile_gate: a lock the server's engines share, so their background compiles take turns.
         threads: intra-op CPU threads for this engine's steps (server/engine/cpu_budget.py); None: the process's count."""
         self.name = name
@@ -120,8 +138,10 @@ class Engine(EngineFacts):
         self._ready.wait()
         if self._start_error is not None:
             self._thread.join()
-            raise EngineFailure(f"model {self.name!r}: cannot allocate {self.limits.max_batch} decode slots "
-                                f"({self._start_error}); lower --max-batch")
+            raise EngineFailure(
+                f"model {self.name!r}: cannot allocate {self.limits.max_batch} decode slots "
+                f"({self._start_error}); lower --max-batch"
+            )
 
     def stop(self) -> None:
         self._stopping = True
@@ -129,8 +149,14 @@ class Engine(EngineFacts):
         if self._thread is not None:
             self._thread.join()
 
-    def submit(self, request: GenerationRequest, each_event: bool = True, sink: EventSink | None = None,
-               checked: bool = False, report_gauges: bool = True) -> GenerationStream:
+    def submit(
+        self,
+        request: GenerationRequest,
+        each_event: bool = True,
+        sink: EventSink | None = None,
+        checked: bool = False,
+        report_gauges: bool = True,
+    ) -> GenerationStream:
         """Queue a request (thread-safe); each_event=False hands its events over only once it has finished.
         Its events go to `sink`, by default the calling event loop. checked: the request was validated already
         (by the API process, for an engine process), so it is not checked again. report_gauges=False: the
@@ -261,8 +287,9 @@ class Engine(EngineFacts):
         self.runner.move_rows(self.scheduler.compact(update.outcome.finished), drawn.last)
         live = self.scheduler.running
         seconds, self._forward_seconds = time.monotonic() - drawn.started + self._forward_seconds, 0.0
-        stats = self.scheduler.make_stats(update.outcome, self.runner.state_bytes(live), update.resamplings,
-                                          drawn.steps, seconds)
+        stats = self.scheduler.make_stats(
+            update.outcome, self.runner.state_bytes(live), update.resamplings, drawn.steps, seconds
+        )
         self.output.step(stats, outbox)  # figures first: a client that has its answer finds the step counted
         forward_started = time.monotonic()
         self._costs.observe_boundary(forward_started - boundary_started)

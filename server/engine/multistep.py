@@ -30,8 +30,9 @@ class PassCosts:
 
     def observe_steps(self, seconds: float, steps: int) -> None:
         per_step = seconds / steps
-        self.step_seconds = per_step if not self.step_seconds else (
-            self.step_seconds + self.weight * (per_step - self.step_seconds))
+        self.step_seconds = (
+            per_step if not self.step_seconds else (self.step_seconds + self.weight * (per_step - self.step_seconds))
+        )
 
 
 def joinable_rows(scheduler: Scheduler) -> int:

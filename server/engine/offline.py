@@ -33,11 +33,23 @@ class ParticleCompletions:
         return sum(s.resamplings for s in self.summaries) / len(self.summaries)
 
 
-def complete_with_particles(model: Transformer, forced: torch.Tensor, first_unknown: int, seeds: list[int],
-                            temperature: float, particles: int, rows: int) -> ParticleCompletions:
+def complete_with_particles(
+    model: Transformer,
+    forced: torch.Tensor,
+    first_unknown: int,
+    seeds: list[int],
+    temperature: float,
+    particles: int,
+    rows: int,
+) -> ParticleCompletions:
     """(N, 784) known grey levels (-1 unknown) -> completions; `rows` decode slots (>= particles)."""
-    engine = Engine("eval", model, {}, EngineLimits(max_batch=max(rows, particles), max_waiting=len(seeds),
-                                                    cuda_graphs=False), LocalOutput())
+    engine = Engine(
+        "eval",
+        model,
+        {},
+        EngineLimits(max_batch=max(rows, particles), max_waiting=len(seeds), cuda_graphs=False),
+        LocalOutput(),
+    )
     engine.start()
     try:
         results = asyncio.run(_complete(engine, forced, first_unknown, seeds, temperature, particles))
@@ -47,10 +59,13 @@ def complete_with_particles(model: Transformer, forced: torch.Tensor, first_unkn
     return ParticleCompletions(images, [r[1] for r in results])
 
 
-async def _complete(engine: Engine, forced: torch.Tensor, first_unknown: int, seeds: list[int],
-                    temperature: float, particles: int) -> list[tuple[list[int], ParticleSummary]]:
-    streams = [engine.submit(_request(i, row, first_unknown, seed, temperature, particles), each_event=False)
-               for i, (row, seed) in enumerate(zip(forced.tolist(), seeds))]
+async def _complete(
+    engine: Engine, forced: torch.Tensor, first_unknown: int, seeds: list[int], temperature: float, particles: int
+) -> list[tuple[list[int], ParticleSummary]]:
+    streams = [
+        engine.submit(_request(i, row, first_unknown, seed, temperature, particles), each_event=False)
+        for i, (row, seed) in enumerate(zip(forced.tolist(), seeds))
+    ]
     done = []
     for row, stream in zip(forced.tolist(), streams):
         (result,) = [r async for r in stream]
@@ -58,9 +73,15 @@ async def _complete(engine: Engine, forced: torch.Tensor, first_unknown: int, se
     return done
 
 
-def _request(i: int, row: list[int], first_unknown: int, seed: int, temperature: float,
-             particles: int) -> GenerationRequest:
+def _request(
+    i: int, row: list[int], first_unknown: int, seed: int, temperature: float, particles: int
+) -> GenerationRequest:
     known_after = {p: v for p, v in enumerate(row) if p > first_unknown and v >= 0}
-    return GenerationRequest(f"digit-{i}", row[:first_unknown], len(row) - first_unknown,
-                             SamplingParams(temperature=temperature, seed=seed), forced=known_after,
-                             particles=particles)
+    return GenerationRequest(
+        f"digit-{i}",
+        row[:first_unknown],
+        len(row) - first_unknown,
+        SamplingParams(temperature=temperature, seed=seed),
+        forced=known_after,
+        particles=particles,
+    )

@@ -18,7 +18,6 @@ from server.settings import Settings, SettingsError
 log = logging.getLogger("rnnserve.registry")
 
 
-
 @dataclass
 class LoadedModel:
     name: str  # file stem: what requests pass as `model`
@@ -34,11 +33,15 @@ def check_model_files(settings: Settings) -> list[Path]:
     for path in paths:
         config, _ = read_metadata(path)  # raises WeightsError naming the file and the problem
         if config.vocab_size != BYTE_VOCAB:
-            raise SettingsError(f"{path}: a model with a {config.vocab_size}-token vocabulary (imported with its "
-                                f"tokenizer); the server serves byte models ({BYTE_VOCAB} tokens) only for now")
+            raise SettingsError(
+                f"{path}: a model with a {config.vocab_size}-token vocabulary (imported with its "
+                f"tokenizer); the server serves byte models ({BYTE_VOCAB} tokens) only for now"
+            )
         if path.stem in names:
-            raise SettingsError(f"two model files are both named '{path.stem}': {names[path.stem]} and {path}; "
-                                "model names come from file names, so rename one")
+            raise SettingsError(
+                f"two model files are both named '{path.stem}': {names[path.stem]} and {path}; "
+                "model names come from file names, so rename one"
+            )
         names[path.stem] = path
     return paths
 
@@ -49,8 +52,15 @@ def load_models(settings: Settings) -> list[LoadedModel]:
     loaded = []
     for path in check_model_files(settings):
         model, info = load_model(path, device=device, dtype=dtype)
-        log.info("loaded %s (%s %s, %d parameters) on %s in %s", path, model.config.attention, model.config.task,
-                 model.num_parameters(), device, dtype)
+        log.info(
+            "loaded %s (%s %s, %d parameters) on %s in %s",
+            path,
+            model.config.attention,
+            model.config.task,
+            model.num_parameters(),
+            device,
+            dtype,
+        )
         loaded.append(LoadedModel(path.stem, path, model, info))
     return loaded
 
@@ -63,8 +73,14 @@ def eval_metrics(info: dict[str, Any]) -> dict[str, Any]:
 def data_by_file_name(metrics: dict[str, Any]) -> dict[str, Any]:
     """The metrics with each evaluation data set named by its file name: the stored path is the one on the
     machine that ran the evaluation (e.g. ../shared/data/mnist/t10k-images-idx3-ubyte.gz), not the server's."""
-    return {key: Path(value).name if key == "data" and isinstance(value, str)
-            else data_by_file_name(value) if isinstance(value, dict) else value for key, value in metrics.items()}
+    return {
+        key: Path(value).name
+        if key == "data" and isinstance(value, str)
+        else data_by_file_name(value)
+        if isinstance(value, dict)
+        else value
+        for key, value in metrics.items()
+    }
 
 
 class EngineRegistry:
@@ -96,10 +112,17 @@ class EngineRegistry:
             return self.only(task)
         engine = self.engines.get(name)
         if engine is None:
-            raise APIError(404, f"model '{name}' is not loaded; loaded models: {self._names()}", "model", "model_not_found")
+            raise APIError(
+                404, f"model '{name}' is not loaded; loaded models: {self._names()}", "model", "model_not_found"
+            )
         if engine.config.task != task:
-            raise APIError(400, f"model '{name}' is a {engine.config.task} model and cannot serve {task} requests; "
-                           f"{task} models loaded: {self._names(task)}", "model", "wrong_model_task")
+            raise APIError(
+                400,
+                f"model '{name}' is a {engine.config.task} model and cannot serve {task} requests; "
+                f"{task} models loaded: {self._names(task)}",
+                "model",
+                "wrong_model_task",
+            )
         return engine
 
     def only(self, task: str) -> EngineHandle:
@@ -108,9 +131,15 @@ class EngineRegistry:
         if len(candidates) == 1:
             return candidates[0]
         if not candidates:
-            raise APIError(404, f"no {task} model is loaded; loaded models: {self._names()}", "model", "model_not_found")
-        raise APIError(400, f"`model` is required: {len(candidates)} {task} models are loaded: {self._names(task)}",
-                       "model", "model_required")
+            raise APIError(
+                404, f"no {task} model is loaded; loaded models: {self._names()}", "model", "model_not_found"
+            )
+        raise APIError(
+            400,
+            f"`model` is required: {len(candidates)} {task} models are loaded: {self._names(task)}",
+            "model",
+            "model_required",
+        )
 
     def _names(self, task: str | None = None) -> str:
         names = [n for n, e in self.engines.items() if task is None or e.config.task == task]

@@ -63,20 +63,44 @@ class Slots:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
         top = (rows, cfg.max_len, MAX_TOP_LOGPROBS)
-        sampling = BatchSampling(zeros(rows) + 1, zeros(rows, dtype=torch.long), zeros(rows) + 1,
-                                 zeros(rows, dtype=torch.long))
-        return cls(logits=zeros(rows, cfg.vocab_out), position=zeros(rows, dtype=torch.long),
-                   forced=zeros(rows, cfg.max_len, dtype=torch.long) - 1,
-                   generated=zeros(rows, cfg.max_len, dtype=torch.long), logprobs=zeros(rows, cfg.max_len),
-                   top_ids=zeros(*top, dtype=torch.long), top_values=zeros(*top),
-                   counts=zeros(rows, cfg.vocab_out), bias=zeros(rows, cfg.vocab_out),
-                   frequency=zeros(rows), presence=zeros(rows), sampling=sampling, state=model.new_state(rows))
+        sampling = BatchSampling(
+            zeros(rows) + 1, zeros(rows, dtype=torch.long), zeros(rows) + 1, zeros(rows, dtype=torch.long)
+        )
+        return cls(
+            logits=zeros(rows, cfg.vocab_out),
+            position=zeros(rows, dtype=torch.long),
+            forced=zeros(rows, cfg.max_len, dtype=torch.long) - 1,
+            generated=zeros(rows, cfg.max_len, dtype=torch.long),
+            logprobs=zeros(rows, cfg.max_len),
+            top_ids=zeros(*top, dtype=torch.long),
+            top_values=zeros(*top),
+            counts=zeros(rows, cfg.vocab_out),
+            bias=zeros(rows, cfg.vocab_out),
+            frequency=zeros(rows),
+            presence=zeros(rows),
+            sampling=sampling,
+            state=model.new_state(rows),
+        )
 
     def row_tensors(self) -> list[torch.Tensor]:
         s = self.sampling
-        return [self.logits, self.position, self.forced, self.generated, self.logprobs, self.top_ids,
-                self.top_values, self.counts, self.bias, self.frequency, self.presence,
-                s.temperature, s.top_k, s.top_p, s.seed]
+        return [
+            self.logits,
+            self.position,
+            self.forced,
+            self.generated,
+            self.logprobs,
+            self.top_ids,
+            self.top_values,
+            self.counts,
+            self.bias,
+            self.frequency,
+            self.presence,
+            s.temperature,
+            s.top_k,
+            s.top_p,
+            s.seed,
+        ]
 
     def copy_rows(self, src: list[int], dst: list[int]) -> None:
         """Many copies in one indexed write per tensor; no row may be both a source and a destination."""
@@ -107,8 +131,14 @@ class Drawn:
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, rows: int, cuda_graphs: bool, compile_decode: bool = False,
-                 compile_gate: CompileGate | None = None):
+    def __init__(
+        self,
+        model: Transformer,
+        rows: int,
+        cuda_graphs: bool,
+        compile_decode: bool = False,
+        compile_gate: CompileGate | None = None,
+    ):
         self.model = model.eval()
         self.rows = rows
         self.cuda_graphs = cuda_graphs
@@ -135,16 +165,19 @@ class ModelRunner:
         self.slots.logits[rows] = logits[:, -1].float()
         for row, request in enumerate(requests, start=first):
             self._fill_row(row, request)
-        return [prompt_log_likelihood(logits[i, :-1], r) if r.particles is not None and r.prompt else 0.0
-                for i, r in enumerate(requests)]
+        return [
+            prompt_log_likelihood(logits[i, :-1], r) if r.particles is not None and r.prompt else 0.0
+            for i, r in enumerate(requests)
+        ]
 
     def place_copies(self, places: list[Placement]) -> None:
         """Further samples and particles of a prompt copy its prefilled row, with their own seeds."""
         copies = [place for place in places if place.copy_of is not None]
         if copies:
             self.slots.copy_rows([p.copy_of for p in copies], [p.row for p in copies])
-            self.slots.sampling.seed[[p.row for p in copies]] = torch.tensor([p.seed for p in copies],
-                                                                             device=self.slots.position.device)
+            self.slots.sampling.seed[[p.row for p in copies]] = torch.tensor(
+                [p.seed for p in copies], device=self.slots.position.device
+            )
 
     def _run_prompts(self, requests: list[GenerationRequest], row_state: ModelState) -> torch.Tensor:
         """Prefill one row per request with BOS + its prompt -> (count, P + 1, V) logits.
@@ -183,7 +216,9 @@ class ModelRunner:
             slots.bias[row, list(ids)] = torch.tensor(values, device=slots.bias.device)
 
     # -- a step -----------------------------------------------------------------
-    def execute(self, plan: SchedulerOutput, ends_early: Callable[[int], bool] = lambda steps_left: False) -> RunnerOutput:
+    def execute(
+        self, plan: SchedulerOutput, ends_early: Callable[[int], bool] = lambda steps_left: False
+    ) -> RunnerOutput:
         """Run a pass: up to plan.steps - 1 unwatched steps (draw and feed; `ends_early(steps_left)` may stop
         them), then the watched one: the known tokens' weights, then the draw. Its tokens are fed later
         (`decode`), once finished rows have left."""
@@ -196,8 +231,16 @@ class ModelRunner:
         weights = self.known_logprobs(plan.known, plan.needs) if plan.known else []  # before sampling counts them
         drawn = self.sample(plan.rows, plan.needs)
         per_row = torch.stack([*earlier, drawn.tokens], dim=1) if earlier else drawn.tokens[:, None]  # (n, steps)
-        return RunnerOutput(per_row.tolist(), drawn.tokens, _host(drawn.logprobs), _host(drawn.top_ids),
-                            _host(drawn.top_values), weights, started, ahead)
+        return RunnerOutput(
+            per_row.tolist(),
+            drawn.tokens,
+            _host(drawn.logprobs),
+            _host(drawn.top_ids),
+            _host(drawn.top_values),
+            weights,
+            started,
+            ahead,
+        )
 
     def read_samples(self, reads: dict[int, tuple[int, int, GenerationRequest]]) -> dict[int, SampleRead]:
         """Finished rows' whole samples: row -> (start, end, request) in, row -> its read out."""
@@ -208,7 +251,9 @@ class ModelRunner:
         slots = self.slots
         position = slots.position[:n]
         source = slots.penalized(n) if needs.adjust else slots.logits[:n]
-        tokens = self.decoder.sample(source, slots.batch_sampling(n, needs.filters), position)  # compiled draw, once ready
+        tokens = self.decoder.sample(
+            source, slots.batch_sampling(n, needs.filters), position
+        )  # compiled draw, once ready
         if needs.forced:
             tokens = force_tokens(tokens, slots.forced[:n].gather(1, position[:, None])[:, 0])
         slots.generated[:n].scatter_(1, position[:, None], tokens[:, None])
@@ -261,9 +306,11 @@ class ModelRunner:
     def decode(self, tokens: torch.Tensor) -> None:
         """Feed rows [0, len(tokens)) their drawn tokens: their next logits go to the slots."""
         if len(tokens):
-            self.slots.logits[:len(tokens)] = self.decoder(tokens)
+            self.slots.logits[: len(tokens)] = self.decoder(tokens)
 
-    def read_sample(self, row: int, start: int, end: int, request: GenerationRequest) -> tuple[list[int], list[float] | None, list[TopLogprobs] | None]:
+    def read_sample(
+        self, row: int, start: int, end: int, request: GenerationRequest
+    ) -> tuple[list[int], list[float] | None, list[TopLogprobs] | None]:
         """A row's tokens at positions [start, end), with the log-probabilities it asked for, in one read."""
         logprobs = self.slots.logprobs[row, start:end].tolist() if request.wants_logprobs else None
         top = None

@@ -158,8 +158,14 @@ class Scheduler:
             stopping = StoppingCriteria(tuple(req.stop), req.max_new_tokens)
             seq = Sequence(place.owner, place.sample, len(req.prompt), stopping, particle=place.particle)
             if req.particles is not None:
-                seq.group = groups.setdefault((place.owner, place.sample), ParticleGroup(
-                    req.sampling.seed + place.sample, req.particles, (prompt_log_likelihood or {}).get(place.owner, 0.0)))
+                seq.group = groups.setdefault(
+                    (place.owner, place.sample),
+                    ParticleGroup(
+                        req.sampling.seed + place.sample,
+                        req.particles,
+                        (prompt_log_likelihood or {}).get(place.owner, 0.0),
+                    ),
+                )
             self.rows.append(seq)
             self._live[place.owner] = req.rows
         self._needs = None
@@ -175,7 +181,9 @@ class Scheduler:
     def plan_step(self, limit: int) -> SchedulerOutput:
         """The next pass: the live rows, how many steps they may run (at most `limit`), what they need."""
         needs = self.needs()
-        return SchedulerOutput(self.running, self.steps_ahead(limit), needs, known_rows(self.rows) if needs.weigh else [])
+        return SchedulerOutput(
+            self.running, self.steps_ahead(limit), needs, known_rows(self.rows) if needs.weigh else []
+        )
 
     def update(self, plan: SchedulerOutput, output: RunnerOutput, now: float) -> StepUpdate:
         """A pass's tokens: weigh the particles at their known tokens (resampling where they must; the runner
@@ -243,14 +251,23 @@ class Scheduler:
             self._needs = StepNeeds.of(self._live)
         return self._needs
 
-    def make_stats(self, outcome: StepOutcome, state_bytes: int, resamplings: int = 0, steps: int = 1,
-                   seconds: float = 0.0) -> StepStats:
+    def make_stats(
+        self, outcome: StepOutcome, state_bytes: int, resamplings: int = 0, steps: int = 1, seconds: float = 0.0
+    ) -> StepStats:
         """The figures of the `steps` steps since the last update (which took `seconds`) for the metrics,
         once finished rows have left."""
-        return StepStats(batch=len(outcome.reasons), steps=steps, tokens=outcome.tokens, running=self.running,
-                         waiting=self.waiting_sequences, state_bytes=state_bytes,
-                         first_token_seconds=outcome.first_token_seconds, token_gaps=outcome.token_gaps,
-                         resamplings=resamplings, seconds=seconds)
+        return StepStats(
+            batch=len(outcome.reasons),
+            steps=steps,
+            tokens=outcome.tokens,
+            running=self.running,
+            waiting=self.waiting_sequences,
+            state_bytes=state_bytes,
+            first_token_seconds=outcome.first_token_seconds,
+            token_gaps=outcome.token_gaps,
+            resamplings=resamplings,
+            seconds=seconds,
+        )
 
 
 def _advance(seq: Sequence, tokens: list[int], now: float, started: float, outcome: StepOutcome) -> str | None:

@@ -1,11 +1,11 @@
 """The data one engine step passes along, as vLLM's engine core does: plain objects, each made by one part.
 
-    Scheduler.plan_step()   -> SchedulerOutput   which rows run, how many steps, what they ask for
-    ModelRunner.execute()   -> RunnerOutput      the drawn tokens (host lists) and the known tokens' weights
-    Scheduler.update()      -> StepUpdate        rows advanced, finished, resampled; what to read and move
-    ModelRunner.read_samples() -> finished rows' whole samples (host lists)
-    step_events()           -> the events per request (pure)
-    Scheduler.make_stats()  -> StepStats         the figures, recorded where the events arrive (server/engine/output.py)
+Scheduler.plan_step()   -> SchedulerOutput   which rows run, how many steps, what they ask for
+ModelRunner.execute()   -> RunnerOutput      the drawn tokens (host lists) and the known tokens' weights
+Scheduler.update()      -> StepUpdate        rows advanced, finished, resampled; what to read and move
+ModelRunner.read_samples() -> finished rows' whole samples (host lists)
+step_events()           -> the events per request (pure)
+Scheduler.make_stats()  -> StepStats         the figures, recorded where the events arrive (server/engine/output.py)
 """
 
 from __future__ import annotations
@@ -50,11 +50,15 @@ class StepNeeds:
     def of(cls, owners) -> "StepNeeds":
         owners = list(owners)
         requests = [o.request for o in owners]
-        return cls(logprobs=any(r.wants_logprobs for r in requests), top=any(r.top_logprobs for r in requests),
-                   adjust=any(r.sampling.adjusts_logits for r in requests),
-                   weigh=any(r.weighs_known for r in requests), filters=any(r.sampling.filters for r in requests),
-                   forced=any(r.forced for r in requests),
-                   each_step=any(o.each_event or o.request.steps_each for o in owners))
+        return cls(
+            logprobs=any(r.wants_logprobs for r in requests),
+            top=any(r.top_logprobs for r in requests),
+            adjust=any(r.sampling.adjusts_logits for r in requests),
+            weigh=any(r.weighs_known for r in requests),
+            filters=any(r.sampling.filters for r in requests),
+            forced=any(r.forced for r in requests),
+            each_step=any(o.each_event or o.request.steps_each for o in owners),
+        )
 
 
 @dataclass(frozen=True)

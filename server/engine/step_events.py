@@ -29,8 +29,9 @@ def sample_reads(rows: list[Sequence], outcome: StepOutcome) -> dict[int, tuple[
     return reads
 
 
-def step_events(rows: list[Sequence], outcome: StepOutcome, output: RunnerOutput,
-                samples: dict[int, SampleRead]) -> Outbox:
+def step_events(
+    rows: list[Sequence], outcome: StepOutcome, output: RunnerOutput, samples: dict[int, SampleRead]
+) -> Outbox:
     """The step's events per request, DONE for each request that completed. `samples`: what the runner read
     of the rows `sample_reads` named. A pure function of the step's data: rows have not moved yet."""
     outbox: Outbox = defaultdict(list)
@@ -60,8 +61,17 @@ def _particle_event(outbox: Outbox, seq: Sequence, reason: str | None, read: Sam
 def sample_result(seq: Sequence, reason: str, read: SampleRead) -> SampleResult:
     """A finished row's whole sample."""
     tokens, logprobs, top = read
-    return SampleResult(seq.owner.request.request_id, seq.sample, seq.start, tokens, logprobs, reason,
-                        seq.stopping.matched, top, _summary(seq))
+    return SampleResult(
+        seq.owner.request.request_id,
+        seq.sample,
+        seq.start,
+        tokens,
+        logprobs,
+        reason,
+        seq.stopping.matched,
+        top,
+        _summary(seq),
+    )
 
 
 def generation(output: RunnerOutput, i: int, seq: Sequence, reason: str | None) -> Generation:
@@ -69,9 +79,17 @@ def generation(output: RunnerOutput, i: int, seq: Sequence, reason: str | None) 
     request = seq.owner.request
     k = request.top_logprobs
     top = list(zip(output.top_ids[i][:k], output.top_values[i][:k])) if k else None
-    return Generation(request.request_id, seq.sample, seq.position - 1, output.tokens[i][-1],
-                      output.logprobs[i] if request.wants_logprobs else None, reason,
-                      seq.stopping.matched if reason else None, top, _summary(seq) if reason else None)
+    return Generation(
+        request.request_id,
+        seq.sample,
+        seq.position - 1,
+        output.tokens[i][-1],
+        output.logprobs[i] if request.wants_logprobs else None,
+        reason,
+        seq.stopping.matched if reason else None,
+        top,
+        _summary(seq) if reason else None,
+    )
 
 
 def _summary(seq: Sequence) -> ParticleSummary | None:

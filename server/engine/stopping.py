@@ -30,7 +30,7 @@ class StoppingCriteria:
         """Record one generated token; the finish reason if it ends the sample, else None."""
         self.generated += 1
         if self._longest:
-            self._tail = (self._tail + bytes((token,)))[-self._longest:]
+            self._tail = (self._tail + bytes((token,)))[-self._longest :]
             hits = [s for s in self.stops if self._tail.endswith(s)]
             if hits:
                 self.matched = max(hits, key=len)

@@ -125,4 +125,6 @@ class StepStats:
     first_token_seconds: list[float] = field(default_factory=list)  # submission -> first token, per new sequence
     token_gaps: dict[float, int] = field(default_factory=dict)  # seconds since a sequence's previous token -> count
     resamplings: int = 0  # particle resamplings the step made
-    seconds: float = 0.0  # wall time of the update's steps: draws, forwards (the previous update's closing one) and bookkeeping
+    seconds: float = (
+        0.0  # wall time of the update's steps: draws, forwards (the previous update's closing one) and bookkeeping
+    )

@@ -28,15 +28,19 @@ def check_generation(request: GenerationRequest, model_name: str, max_len: int, 
     check_fits(request.prompt, request.max_new_tokens, model_name, max_len)
     check_samples(request.n, max_batch)
     if request.particles is not None and not 1 <= request.rows <= max_batch:
-        raise InvalidRequest(f"n ({request.n}) x particles ({request.particles}) = {request.rows} decode slots; "
-                             f"this server has {max_batch} per model (--max-batch); lower n or particles", "particles")
+        raise InvalidRequest(
+            f"n ({request.n}) x particles ({request.particles}) = {request.rows} decode slots; "
+            f"this server has {max_batch} per model (--max-batch); lower n or particles",
+            "particles",
+        )
 
 
 def check_samples(n: int, max_batch: int) -> None:
     """n samples of one prompt fit this server's decode slots (also for a request that generates nothing)."""
     if not 1 <= n <= max_batch:
-        raise InvalidRequest(f"n is {n}; this server decodes at most {max_batch} sequences per model "
-                             "at once (--max-batch)", "n")
+        raise InvalidRequest(
+            f"n is {n}; this server decodes at most {max_batch} sequences per model at once (--max-batch)", "n"
+        )
 
 
 def check_fits(prompt: list[int], max_new_tokens: int, model_name: str, max_len: int) -> None:
@@ -45,16 +49,22 @@ def check_fits(prompt: list[int], max_new_tokens: int, model_name: str, max_len:
     total = len(prompt) + max_new_tokens
     if total > max_len:
         at_fault = "prompt" if len(prompt) >= max_len else "max_tokens"  # a prompt that leaves no room is the fault
-        raise InvalidRequest(f"prompt ({len(prompt)} tokens) plus max_tokens ({max_new_tokens}) is "
-                             f"{total}; model '{model_name}' handles at most {max_len} tokens",
-                             at_fault, "context_length_exceeded")
+        raise InvalidRequest(
+            f"prompt ({len(prompt)} tokens) plus max_tokens ({max_new_tokens}) is "
+            f"{total}; model '{model_name}' handles at most {max_len} tokens",
+            at_fault,
+            "context_length_exceeded",
+        )
 
 
 def check_scoring(tokens: list[int], model_name: str, max_len: int) -> None:
     check_tokens(tokens)
     if not 1 <= len(tokens) <= max_len:
-        raise InvalidRequest(f"can score 1 to {max_len} tokens with model '{model_name}', got {len(tokens)}", "prompt",
-                             "context_length_exceeded" if tokens else "invalid_value")
+        raise InvalidRequest(
+            f"can score 1 to {max_len} tokens with model '{model_name}', got {len(tokens)}",
+            "prompt",
+            "context_length_exceeded" if tokens else "invalid_value",
+        )
 
 
 def check_tokens(tokens: list[int]) -> None:

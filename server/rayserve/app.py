@@ -67,12 +67,16 @@ def settings_for_serve(args: dict[str, Any] | None) -> Settings:
 
 def check_settings(settings: Settings) -> None:
     if settings.device == "cuda" and settings.gpus_per_replica == 0:
-        raise SettingsError("--device cuda needs --gpus-per-replica above 0: Ray hides GPUs from replicas that reserve none")
+        raise SettingsError(
+            "--device cuda needs --gpus-per-replica above 0: Ray hides GPUs from replicas that reserve none"
+        )
 
 
 def application(settings: Settings, drain_flag=None) -> serve.Application:
     """One deployment of `settings`' replicas; `drain_flag` (a DrainFlag actor) lets its starter drain them."""
-    deployment = serve.deployment(name=DEPLOYMENT_NAME, **deployment_options(settings))(serve.ingress()(RnnserveReplica))
+    deployment = serve.deployment(name=DEPLOYMENT_NAME, **deployment_options(settings))(
+        serve.ingress()(RnnserveReplica)
+    )
     return deployment.bind(settings, drain_flag)
 
 
@@ -87,11 +91,13 @@ def deployment_options(settings: Settings) -> dict[str, Any]:
         "logging_config": {"log_level": settings.log_level.upper()},
     }
     if settings.autoscaling():
-        options["autoscaling_config"] = {"min_replicas": 1 if settings.min_replicas is None else settings.min_replicas,
-                                         "max_replicas": settings.max_replicas,
-                                         "target_ongoing_requests": settings.target_ongoing_requests,
-                                         "downscale_delay_s": settings.downscale_delay,
-                                         "upscale_delay_s": settings.upscale_delay}
+        options["autoscaling_config"] = {
+            "min_replicas": 1 if settings.min_replicas is None else settings.min_replicas,
+            "max_replicas": settings.max_replicas,
+            "target_ongoing_requests": settings.target_ongoing_requests,
+            "downscale_delay_s": settings.downscale_delay,
+            "upscale_delay_s": settings.upscale_delay,
+        }
     else:
         options["num_replicas"] = settings.replicas
     return options
@@ -215,6 +221,11 @@ class ReplicaMiddleware:
 
 
 def metrics_not_routed():
-    return error_response(404, "under Ray Serve, /metrics through the proxy would show one replica at random; "
-                          "every replica's series are on each Ray node's metrics export port as ray_rnnserve_* "
-                          "(see deploy/ray/README.md)", None, "metrics_not_routed")
+    return error_response(
+        404,
+        "under Ray Serve, /metrics through the proxy would show one replica at random; "
+        "every replica's series are on each Ray node's metrics export port as ray_rnnserve_* "
+        "(see deploy/ray/README.md)",
+        None,
+        "metrics_not_routed",
+    )

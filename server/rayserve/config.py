@@ -99,7 +99,10 @@ def main(argv: list[str]) -> int:
     try:
         import ray.serve.schema  # noqa: F401  (the schema every config is checked against)
     except ImportError:
-        print("server.rayserve.config needs Ray Serve, which is not installed: pip install 'rnnserve[ray]'", file=sys.stderr)
+        print(
+            "server.rayserve.config needs Ray Serve, which is not installed: pip install 'rnnserve[ray]'",
+            file=sys.stderr,
+        )
         return 2
     failed = False
     for name in argv:

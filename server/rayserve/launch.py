@@ -44,8 +44,12 @@ def serve_on_ray(settings: Settings) -> int:
     # serve.start; a busy small machine misses that while the replicas load. The user's value wins.
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(PROXY_READY_SECONDS))
     try:
-        ray.init(address="local", include_dashboard=False, num_cpus=os.cpu_count(),
-                 _metrics_export_port=settings.ray_metrics_port)
+        ray.init(
+            address="local",
+            include_dashboard=False,
+            num_cpus=os.cpu_count(),
+            _metrics_export_port=settings.ray_metrics_port,
+        )
     except Exception as exc:  # Ray's own start-up failed (ports, temp dir, ...): its message, one line
         return fail(f"Ray could not start: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
     try:
@@ -73,8 +77,9 @@ def check_ray_installed() -> None:
 
 def with_absolute_paths(settings: Settings) -> Settings:
     """Replicas may start in another directory: give them absolute weight paths."""
-    return settings.model_copy(update={"weights": Path(settings.weights).resolve(),
-                                       "models": [Path(p).resolve() for p in settings.models]})
+    return settings.model_copy(
+        update={"weights": Path(settings.weights).resolve(), "models": [Path(p).resolve() for p in settings.models]}
+    )
 
 
 def check_before_start(settings: Settings) -> None:
@@ -99,12 +104,16 @@ def check_capacity(settings: Settings, cpus: int, gpus: int) -> None:
     flag = "--max-replicas" if settings.autoscaling() else "--replicas"
     needed = replicas * settings.cpus_per_replica
     if needed > cpus:
-        raise SettingsError(f"{flag} {replicas} x --cpus-per-replica {settings.cpus_per_replica:g} needs {needed:g} CPUs "
-                            f"and this machine has {cpus}; lower one of them")
+        raise SettingsError(
+            f"{flag} {replicas} x --cpus-per-replica {settings.cpus_per_replica:g} needs {needed:g} CPUs "
+            f"and this machine has {cpus}; lower one of them"
+        )
     needed = replicas * settings.gpus_per_replica
     if needed > gpus and settings.gpus_per_replica > 0:
-        raise SettingsError(f"{flag} {replicas} x --gpus-per-replica {settings.gpus_per_replica:g} needs {needed:g} GPUs "
-                            f"and this machine has {gpus}; lower one of them")
+        raise SettingsError(
+            f"{flag} {replicas} x --gpus-per-replica {settings.gpus_per_replica:g} needs {needed:g} GPUs "
+            f"and this machine has {gpus}; lower one of them"
+        )
 
 
 def gpu_count() -> int:
@@ -134,10 +143,17 @@ def start_application(settings: Settings):
     flag = DrainFlag.remote()
     serve.start(http_options={"host": settings.host, "port": settings.port})
     serve.run(application(settings, flag), name=APP_NAME, route_prefix="/")
-    count = f"{settings.min_replicas or 1}-{settings.max_replicas} autoscaled" if settings.autoscaling() else str(settings.replicas)
-    print(f"rnnserve: serving through Ray Serve at http://{settings.host}:{settings.port} on {count} replica(s); "
-          f"every replica's metrics at http://127.0.0.1:{settings.ray_metrics_port}/metrics (ray_rnnserve_*)",
-          file=sys.stderr, flush=True)
+    count = (
+        f"{settings.min_replicas or 1}-{settings.max_replicas} autoscaled"
+        if settings.autoscaling()
+        else str(settings.replicas)
+    )
+    print(
+        f"rnnserve: serving through Ray Serve at http://{settings.host}:{settings.port} on {count} replica(s); "
+        f"every replica's metrics at http://127.0.0.1:{settings.ray_metrics_port}/metrics (ray_rnnserve_*)",
+        file=sys.stderr,
+        flush=True,
+    )
     return flag
 
 
@@ -149,7 +165,9 @@ def drain_replicas(flag, settings: Settings) -> None:
 
     replicas = running_replicas()
     ray.get(flag.begin.remote())
-    print(f"rnnserve: draining {replicas} replica(s) for up to {settings.drain_seconds:g} s", file=sys.stderr, flush=True)
+    print(
+        f"rnnserve: draining {replicas} replica(s) for up to {settings.drain_seconds:g} s", file=sys.stderr, flush=True
+    )
     deadline = time.monotonic() + settings.drain_seconds + ANSWER_SECONDS + DRAIN_MARGIN_SECONDS
     try:
         while ray.get(flag.drained_replicas.remote()) < replicas and time.monotonic() < deadline:

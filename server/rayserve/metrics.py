@@ -75,8 +75,9 @@ class RaySeries:
         metric = serve_metrics.Histogram(name, documentation, boundaries=list(buckets), tag_keys=labels)
         return _Family(metric, labels)
 
-    def counted_histogram(self, name: str, documentation: str, labels: tuple[str, ...],
-                          buckets: tuple[float, ...]) -> _CountedHistogram:
+    def counted_histogram(
+        self, name: str, documentation: str, labels: tuple[str, ...], buckets: tuple[float, ...]
+    ) -> _CountedHistogram:
         return _CountedHistogram(self.histogram(name, documentation, labels, buckets).metric, labels)
 
     @staticmethod

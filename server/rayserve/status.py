@@ -16,9 +16,12 @@ from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--address", default="auto",
-                        help="the Ray cluster: 'auto' (default) finds the one started on this machine "
-                             "(set RAY_TMPDIR as the server had it, if it had one), or HOST:PORT of its head")
+    parser.add_argument(
+        "--address",
+        default="auto",
+        help="the Ray cluster: 'auto' (default) finds the one started on this machine "
+        "(set RAY_TMPDIR as the server had it, if it had one), or HOST:PORT of its head",
+    )
     parser.add_argument("--json", action="store_true", help="print the status as one JSON object")
 
 
@@ -33,8 +36,11 @@ def run(args: argparse.Namespace) -> int:
         ray.init(address=args.address, logging_level=logging.ERROR, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"rnnserve ray-status: no Ray cluster at {args.address!r} ({first}); is `rnnserve serve --ray` "
-              "running on this machine?", file=sys.stderr)
+        print(
+            f"rnnserve ray-status: no Ray cluster at {args.address!r} ({first}); is `rnnserve serve --ray` "
+            "running on this machine?",
+            file=sys.stderr,
+        )
         return 2
     try:
         status = summary(serve.status())
@@ -46,12 +52,23 @@ def run(args: argparse.Namespace) -> int:
 
 def summary(status: Any) -> dict:
     """Serve's status as plain data: applications, their deployments, replicas counted by state."""
-    return {"applications": {
-        name: {"status": _plain(app.status), "message": app.message,
-               "deployments": {d_name: {"status": _plain(d.status), "message": d.message,
-                                        "replicas": {_plain(state): count for state, count in d.replica_states.items()}}
-                               for d_name, d in app.deployments.items()}}
-        for name, app in status.applications.items()}}
+    return {
+        "applications": {
+            name: {
+                "status": _plain(app.status),
+                "message": app.message,
+                "deployments": {
+                    d_name: {
+                        "status": _plain(d.status),
+                        "message": d.message,
+                        "replicas": {_plain(state): count for state, count in d.replica_states.items()},
+                    }
+                    for d_name, d in app.deployments.items()
+                },
+            }
+            for name, app in status.applications.items()
+        }
+    }
 
 
 def _plain(value: Any) -> str:
@@ -67,6 +84,8 @@ def lines(status: dict) -> list[str]:
         out.append(f"application {name}: {app['status']}" + (f" ({app['message']})" if app["message"] else ""))
         for d_name, d in app["deployments"].items():
             replicas = ", ".join(f"{count} {state}" for state, count in d["replicas"].items()) or "no replicas"
-            out.append(f"  deployment {d_name}: {d['status']}, replicas: {replicas}"
-                       + (f" ({d['message']})" if d["message"] else ""))
+            out.append(
+                f"  deployment {d_name}: {d['status']}, replicas: {replicas}"
+                + (f" ({d['message']})" if d["message"] else "")
+            )
     return out

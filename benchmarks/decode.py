@@ -38,7 +38,7 @@ import torch
 
 from model.config import BOS_TOKEN, ModelConfig
 from model.cpu_features import read_cpu_features
-from model.cpu_kernels import turn_off_cpu_kernels
+from model.cpu_kernels import cpu_route, packed_linear_wins, turn_off_cpu_kernels
 from model.step_decoders import EagerDecoder
 from model.decoders import make_decoder
 from model.generate import generate
@@ -686,6 +686,8 @@ def environment(settings: DecodeSettings) -> dict:
         "processor": _cpu_name(),
         "cpu_class": cpu.cpu_class,  # the kernels' route and the benchmarks' tables go by it
         "vector_features": cpu.vector_features,
+        "cpu_route": cpu_route(),  # the kernels' route (RNNSERVE_CPU_ROUTE forces one)
+        "packed_linear": packed_linear_wins(),  # whether the compiled steps' linear layers run the packed kernel
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "device": settings.device,

@@ -154,7 +154,9 @@ def full_report(report: DecodeReport) -> str:
     s = report.settings
     parts = [
         f"Machine: {env['processor']} ({env.get('cpu_class', 'CPU class not recorded')}: "
-        f"{', '.join(env.get('vector_features', [])) or 'no vector features recorded'}), {env['cpu_count']} CPUs, "
+        f"{', '.join(env.get('vector_features', [])) or 'no vector features recorded'}; kernels' route "
+        f"{env.get('cpu_route', 'not recorded')}, linear layers on "
+        f"{'the packed kernel' if env.get('packed_linear') else 'PyTorch'}), {env['cpu_count']} CPUs, "
         f"torch {env['torch']} "
         f"({env['torch_threads']} threads), device {env['device']}. Times: best of {s['repeats']} run(s), "
         "kinds taking turns.",

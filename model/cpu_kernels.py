@@ -23,6 +23,7 @@ import fcntl
 import functools
 import hashlib
 import logging
+import os
 import sys
 import threading
 import time
@@ -32,6 +33,8 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+
+from .cpu_features import read_cpu_features
 
 log = logging.getLogger("rnnserve.cpu_kernels")
 
@@ -47,22 +50,54 @@ class KernelBuild:
     ok: bool
     seconds: float
     error: str | None = None
+    route: str | None = None  # the route the library was built for (cpu_route), once it loaded
+
+
+ROUTE_VARIABLE = "RNNSERVE_CPU_ROUTE"
+# Route -> the compiler flags its kernels build with. avx512 and avx2 use the intrinsics of those instruction
+# sets; generic uses the compiler's vector extensions (8-float vectors: NEON on ARM, SSE/AVX on x86), which
+# any GCC or Clang target builds; scalar uses none.
+ROUTE_FLAGS = {
+    "avx512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+    "avx2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma"],
+    "generic": ["-DRNNSERVE_GENERIC_VECTORS", "-ffp-contract=fast"],
+    "scalar": [],
+}
+# Where the packed linear kernel beats PyTorch's products (benchmarks/README.md, "CPU routes"): elsewhere the
+# decode twin keeps PyTorch's linear layers, unless the route is forced. The generic route is slower than MKL at
+# 64 rows on x86 (which takes the avx2 route anyway) and unmeasured on ARM, so it stays opt-in.
+PACKED_LINEAR_ROUTES = frozenset({"avx512", "avx2"})
+
+
+def cpu_route() -> str:
+    """The kernels' route: RNNSERVE_CPU_ROUTE when set (so that a route can be forced and tested on any CPU that
+    runs it), else the one this CPU's class takes."""
+    forced = os.environ.get(ROUTE_VARIABLE, "").strip().lower()
+    if forced and forced != "auto":
+        if forced not in ROUTE_FLAGS:
+            raise ValueError(f"{ROUTE_VARIABLE}={forced!r}: expected one of auto, {', '.join(ROUTE_FLAGS)}")
+        return forced
+    return {"AVX-512": "avx512", "AVX2": "avx2", "ARM NEON": "generic"}.get(read_cpu_features().cpu_class, "scalar")
+
+
+def route_forced() -> bool:
+    return os.environ.get(ROUTE_VARIABLE, "auto").strip().lower() not in ("", "auto")
 
 
 def vector_flags() -> list[str]:
-    """Compiler flags for the widest vector instructions torch's inductor uses on this CPU (none: scalar loops)."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-    isa = pick_vec_isa()
-    if not isa:
-        return []
-    return [f"-D{macro}" for macro in isa.build_macro()] + isa.build_arch_flags().split()
+    """Compiler flags for this process's route (see `cpu_route`); on x86 the generic route also gets the
+    CPU's AVX2 and FMA, as a compiler targeting the machine would."""
+    route = cpu_route()
+    flags = list(ROUTE_FLAGS[route])
+    if route == "generic" and {"avx2", "fma"} <= read_cpu_features().flags:
+        flags += ["-mavx2", "-mfma"]
+    return flags
 
 
 def packed_linear_wins() -> bool:
-    """Whether the kernels build with AVX-512, where the packed linear kernel beats PyTorch's products (measured
-    in benchmarks/README.md); with AVX2 or none it is correct but slower than MKL, so it is not used."""
-    return "-DCPU_CAPABILITY_AVX512" in vector_flags()
+    """Whether the decode twin's linear layers run the packed kernel: on the routes where it beats PyTorch's
+    products (measured in benchmarks/README.md), or on any route that is forced."""
+    return route_forced() or cpu_route() in PACKED_LINEAR_ROUTES
 
 
 def load_kernels(build: bool = True) -> KernelBuild:
@@ -108,8 +143,8 @@ def _load_once(build: bool) -> KernelBuild:
             error,
         )
         return KernelBuild(False, time.perf_counter() - start, error)
-    result = KernelBuild(True, time.perf_counter() - start)
-    log.info("CPU decode kernels ready in %.1f s", result.seconds)
+    result = KernelBuild(True, time.perf_counter() - start, route=cpu_route())
+    log.info("CPU decode kernels (%s route) ready in %.1f s", result.route, result.seconds)
     return result
 
 

@@ -183,7 +183,10 @@ def test_models_of_one_shape_each_decode_with_their_own_weights():
         assert (torch.log_softmax(got, -1) - torch.log_softmax(want, -1)).abs().max() < LOGPROB_TOLERANCE
 
 
-@pytest.mark.skipif(not packed_linear_wins(), reason="the packed linear kernel is used only with AVX-512")
+@pytest.mark.skipif(
+    not packed_linear_wins(),
+    reason="the packed linear kernel is used on the avx512 and avx2 routes only (model/cpu_kernels.py)",
+)
 def test_compiled_steps_run_a_twin_whose_linear_layers_are_packed_and_which_shares_the_rest():
     model = make_tiny_model("linear", seed=4)
     with torch.inference_mode():

@@ -5,6 +5,7 @@ Built once per machine by the first test that needs it (about 20 s here), then f
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from model import cpu_kernels
+from model.cpu_features import read_cpu_features
 from model.cpu_kernels import load_kernels, use_cpu_kernels
 from model.heads import split_heads
 from model.softmax_attention import SoftmaxAttention, attend_one_query
@@ -231,3 +233,74 @@ def test_a_server_loads_kernels_built_ahead_and_builds_none_itself(tmp_path):
     assert missing.stdout.split() == ["False"], missing.stderr[-2000:]
     assert "rnnserve build-kernels" in missing.stderr
     assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.o"))  # no compiler ran
+
+
+# ---------------------------------------------------------------- routes (RNNSERVE_CPU_ROUTE)
+
+ROUTE_CHECK = """
+import json, torch
+import torch.nn.functional as F
+from model.cpu_kernels import cpu_route, load_kernels, packed_linear_wins
+torch.manual_seed(0)
+build = load_kernels(build=True)
+errors = []
+for m, k, n in [(1, 128, 384), (3, 128, 130), (64, 128, 512), (7, 512, 128), (64, 96, 257)]:
+    x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
+    got = torch.ops.rnnserve.packed_linear(x, torch.ops.rnnserve.pack_linear_weight(w), b, n)
+    errors.append(float((got - F.linear(x, w, b)).abs().max()))
+q, kv = torch.randn(5, 4, 1, 24), torch.randn(2, 5, 4, 30, 24)
+last = torch.tensor([0, 7, 29, 12, 3])
+got = torch.ops.rnnserve.softmax_decode_attention(q, kv[0], kv[1], last)
+mask = torch.arange(30)[None, :] <= last[:, None]
+want = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask[:, None, None, :])
+errors.append(float((got - want).abs().max()))
+print(json.dumps({"ok": build.ok, "route": build.route, "here": cpu_route(), "packed": packed_linear_wins(),
+                  "max_error": max(errors)}))
+"""
+
+
+def runnable_routes() -> list:
+    flags = read_cpu_features().flags
+    can = {"avx512": "avx512f" in flags, "avx2": {"avx2", "fma"} <= flags, "generic": True}
+    here = cpu_kernels.cpu_route()
+    return [
+        pytest.param(
+            route,
+            marks=pytest.mark.skipif(
+                not can[route] or route == here,
+                reason=f"this CPU cannot run the {route} route"
+                if not can[route]
+                else f"{route} is this CPU's own route: the tests above run it",
+            ),
+        )
+        for route in ("avx512", "avx2", "generic")
+    ]
+
+
+@pytest.mark.parametrize("route", runnable_routes())
+def test_a_forced_route_builds_its_own_kernels_and_computes_what_pytorch_does(route, tmp_path):
+    env = {**os.environ, "RNNSERVE_CPU_ROUTE": route, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", ROUTE_CHECK],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["ok"] and seen["route"] == seen["here"] == route and seen["packed"]  # forced: the kernel is used
+    assert seen["max_error"] < 1e-4, seen
+
+
+def test_an_unknown_route_is_refused_with_the_ones_there_are(monkeypatch):
+    monkeypatch.setenv("RNNSERVE_CPU_ROUTE", "sve2")
+    with pytest.raises(
+        ValueError,
+        match=r"RNNSERVE_CPU_ROUTE='sve2': expected one of auto, avx512, avx2, generic, "
+        r"scalar",
+    ):
+        cpu_kernels.cpu_route()
+    monkeypatch.setenv("RNNSERVE_CPU_ROUTE", "auto")
+    assert cpu_kernels.cpu_route() in cpu_kernels.ROUTE_FLAGS and not cpu_kernels.route_forced()

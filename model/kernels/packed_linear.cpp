@@ -1,10 +1,12 @@
 // A linear layer for decode steps on the CPU: out = x W^T + b for a few dozen rows, float32.
 //
 // Why a kernel: a decode step's products are small (64 rows by 128-512 columns), where MKL's sgemm runs its
-// AVX2 code on AMD CPUs (about 100 GFLOP/s on one core here) and oneDNN's AVX-512 one costs some 10 us a call
-// before any arithmetic (17 calls a step). W is packed once into panels of one vector of output columns,
-// P[N / L][K][L] (L = 16 floats with AVX-512, 8 with AVX2, 1 without; zeros past N), so a block of up to 8 rows by two
-// panels keeps 16 accumulators in registers and reads each panel once per 8 rows. Built by model/cpu_kernels.py.
+// AVX2 code on AMD CPUs and oneDNN's AVX-512 one pays a fixed cost per call before any arithmetic (17 calls a
+// step; benchmarks/README.md has the figures). W is packed once into panels of one vector of output columns,
+// P[N / L][K][L] (L = 16 floats with AVX-512, 8 with AVX2 or the generic route, 1 in scalar code; zeros past N),
+// so a block of up to kRows rows (as many as the route's registers hold accumulators for) by two
+// panels keeps its accumulators in registers and reads each panel once per block. Built by model/cpu_kernels.py,
+// with the flags of the route it picks (RNNSERVE_CPU_ROUTE forces one).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -19,9 +21,19 @@ namespace {
 
 // Raw vector types, not at::vec::Vectorized: GCC keeps a 2-D array of these in registers, which it did not do
 // for Vectorized's (three times slower here).
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(RNNSERVE_GENERIC_VECTORS)
+// The compiler's vector extensions: any GCC or Clang target (NEON on ARM, SSE or AVX on x86) builds them.
+using V = float __attribute__((vector_size(32)));
+constexpr int64_t kLanes = 8;
+constexpr int64_t kRows = 4;  // 4 x 2 accumulators of two 128-bit registers each where vectors are that wide
+inline V vload(const float* p) { V v; __builtin_memcpy(&v, p, sizeof(V)); return v; }
+inline void vstore(float* p, V v) { __builtin_memcpy(p, &v, sizeof(V)); }
+inline V vbroadcast(float x) { return V{} + x; }
+inline V vfma(V a, V b, V c) { return a * b + c; }  // fused where the target has FMA (-ffp-contract=fast)
+#elif defined(CPU_CAPABILITY_AVX512)
 using V = __m512;
 constexpr int64_t kLanes = 16;
+constexpr int64_t kRows = 8;  // 8 x 2 accumulators, 2 panel vectors and a broadcast: 19 of the 32 registers
 inline V vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
 inline V vbroadcast(float x) { return _mm512_set1_ps(x); }
@@ -29,6 +41,7 @@ inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 #elif defined(CPU_CAPABILITY_AVX2)
 using V = __m256;
 constexpr int64_t kLanes = 8;
+constexpr int64_t kRows = 6;  // 6 x 2 accumulators, 2 panel vectors and a broadcast: 15 of the 16 registers
 inline V vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
 inline V vbroadcast(float x) { return _mm256_set1_ps(x); }
@@ -36,12 +49,12 @@ inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 #else
 using V = float;
 constexpr int64_t kLanes = 1;
+constexpr int64_t kRows = 8;
 inline V vload(const float* p) { return *p; }
 inline void vstore(float* p, V v) { *p = v; }
 inline V vbroadcast(float x) { return x; }
 inline V vfma(V a, V b, V c) { return a * b + c; }
 #endif
-constexpr int64_t kRows = 8;  // rows per block: 8 x 2 accumulators, 2 panel vectors and a broadcast in registers
 
 struct Problem {
   const float* x;  // (M, K)

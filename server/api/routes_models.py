@@ -13,6 +13,7 @@ from server.engine.base import EngineHandle
 from server.api.errors import APIError, error_response
 from server.engine.registry import eval_metrics
 from server.api.responses import errors
+from model.cpu_kernels import cpu_route, packed_linear_wins
 
 router = APIRouter()
 
@@ -36,6 +37,10 @@ class ModelCard(BaseModel):
     threads: int = Field(
         description="intra-op CPU threads this model's steps run on: an equal share of the CPUs the "
         "server may use (affinity and cgroup quota), or --threads"
+    )
+    cpu_route: str | None = Field(
+        description="on the CPU, the vector route its C++ kernels are built for (avx512, avx2, generic, "
+        "scalar: from the CPU's features, or RNNSERVE_CPU_ROUTE) and what its linear layers run on; null on a GPU"
     )
     state_bytes_per_sequence: int = Field(description="decode state of one sequence at max_len")
     state_bytes_allocated: int = Field(
@@ -61,6 +66,12 @@ PROMETHEUS_TEXT = {
 }
 
 
+def describe_cpu_route() -> str:
+    """E.g. 'avx512: compiled steps' linear layers on the packed kernel'."""
+    layers = "the packed kernel" if packed_linear_wins() else "PyTorch's products"
+    return f"{cpu_route()}: compiled steps' linear layers on {layers}"
+
+
 def describe(engine: EngineHandle, created: int) -> dict[str, Any]:
     """One OpenAI model entry plus what a client needs to pick a model."""
     cfg = engine.config
@@ -78,6 +89,7 @@ def describe(engine: EngineHandle, created: int) -> dict[str, Any]:
         "cuda_graphs": engine.cuda_graphs,
         "compiled_decode": engine.compiled_decode,
         "threads": engine.threads,
+        "cpu_route": describe_cpu_route() if engine.model.device.type == "cpu" else None,
         "state_bytes_per_sequence": engine.state_bytes_per_sequence,  # one sequence at max_len
         "state_bytes_allocated": engine.state_bytes_allocated,  # = rnnserve_decode_state_allocated_bytes
         "metrics": eval_metrics(engine.info),

@@ -250,6 +250,20 @@ def test_a_teacher_is_named_by_its_weights_not_by_its_stored_info(
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_the_weights_digest_stays_when_a_newer_rnnserve_gains_config_keys(teachers: list[Path], monkeypatch) -> None:
+    """A teacher file is the same teacher after an upgrade that adds config keys (a kind's new option here), so a
+    distilled run written before the upgrade resumes after it."""
+    from model.kinds import ATTENTION_KINDS, AttentionKind, KindOption
+
+    before = weights_digest(teachers[0])
+    linear = ATTENTION_KINDS["linear"]
+    monkeypatch.setitem(
+        ATTENTION_KINDS, "linear", AttentionKind(linear.cls, (*linear.options, KindOption("linear_new", 1, "new")))
+    )
+    assert '"linear_new": 1' in load_model(teachers[0])[0].config.to_json()  # the config reads differently now
+    assert weights_digest(teachers[0]) == before
+
+
 def test_the_weights_digest_changes_with_any_number(tmp_path: Path, teachers: list[Path]) -> None:
     model, info = load_model(teachers[0])
     with torch.no_grad():

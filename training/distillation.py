@@ -33,7 +33,7 @@ from safetensors import safe_open
 
 from model import Transformer
 from model.config import ModelConfig
-from model.weights_io import WeightsError, load_model, read_metadata
+from model.weights_io import CONFIG_KEY, WeightsError, load_model, read_metadata
 
 from .checkpoint import RunSettings
 from .errors import TrainError
@@ -92,10 +92,12 @@ def file_digest(path: str | Path) -> str:
 
 
 def weights_digest(path: str | Path) -> str:
-    """sha256 of a model file's config and tensors (names, dtypes, shapes, bytes), blind to its stored info."""
-    config, _ = read_metadata(path)
-    digest = hashlib.sha256(config.to_json().encode())
+    """sha256 of a model file's config and tensors (names, dtypes, shapes, bytes), blind to its stored info. The
+    config as the file stores it: re-serialised by this version, it would gain the keys added since the file
+    was written, and a run distilled from the file could no longer resume after an upgrade."""
+    read_metadata(path)  # a valid model file, or WeightsError naming the problem
     with safe_open(str(path), framework="pt") as f:
+        digest = hashlib.sha256(f.metadata()[CONFIG_KEY].encode())
         for name in sorted(f.keys()):
             tensor = f.get_tensor(name).contiguous()
             digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())

@@ -46,6 +46,28 @@ def process_tree(root: int) -> list[tuple[int, str]]:
     return found
 
 
+# Inductor runs `g++ --version` in every process that loads its graphs (to name the compiler in its cache keys):
+# a query, not a compile. A compile names its output or input: one of these flags or a source or object file.
+COMPILE_FLAGS = frozenset({"-c", "-o", "-E", "-S"})
+COMPILED_SUFFIXES = (".c", ".cc", ".cpp", ".cxx", ".s", ".o", ".so")
+
+
+def compiling(root: int) -> set[str]:
+    """Names of the compiler processes in `root`'s tree that compile (not version queries). A process gone before
+    its command line is read lived too short to be a compile (those take seconds: a later look finds them)."""
+    found = set()
+    for pid, name in process_tree(root):
+        if name not in COMPILERS:
+            continue
+        try:
+            args = (Path("/proc") / str(pid) / "cmdline").read_bytes().decode(errors="replace").split("\0")[1:]
+        except OSError:
+            continue
+        if any(a in COMPILE_FLAGS or a.endswith(COMPILED_SUFFIXES) for a in args):
+            found.add(name)
+    return found
+
+
 def image_request(url: str, model: str, example: Path) -> float:
     started = time.monotonic()
     with example.open("rb") as image:
@@ -71,7 +93,7 @@ def watch(args: argparse.Namespace) -> dict:
         deadline = started + args.seconds
         while time.monotonic() < deadline:
             now = time.monotonic() - started
-            seen = {name for _, name in process_tree(server.pid) if name in COMPILERS}
+            seen = compiling(server.pid)
             if ready_at is not None:
                 compilers_after_ready |= seen
             try:

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.start_to_compiled import COMPILERS, process_tree
+from benchmarks.start_to_compiled import compiling
 from server_support import free_port, save_tiny_model, stop_process, wait_healthy
 
 RNNSERVE = str(Path(sys.executable).parent / "rnnserve")
@@ -67,7 +67,7 @@ def test_a_server_after_build_kernels_compiles_nothing_itself(tmp_path):
         deadline, compilers = time.monotonic() + 300, set()
         while not httpx.get(f"{url}/v1/models/words").json()["compiled_decode"]:
             assert time.monotonic() < deadline, log.read_text()
-            compilers |= {name for _, name in process_tree(server.pid) if name in COMPILERS}
+            compilers |= compiling(server.pid)
             time.sleep(0.05)
         answer = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "max_tokens": 4, "seed": 1}, timeout=60)
         assert answer.status_code == 200
@@ -83,3 +83,25 @@ def test_build_kernels_names_a_weights_folder_that_is_not_there(tmp_path):
         [RNNSERVE, "build-kernels", "--weights", str(tmp_path / "nothing")], capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 2 and "is not a directory" in done.stderr
+
+
+def test_a_compiler_s_version_query_is_not_counted_as_a_compile(tmp_path):
+    """Inductor asks `g++ --version` in every process that loads its graphs (to name the compiler in its cache
+    keys); only a compiler that compiles counts. Both here are stand-ins named g++ that wait, as long as a look needs."""
+    stand_in = tmp_path / "g++"
+    stand_in.write_text("#!/bin/sh\nsleep 5\n")
+    stand_in.chmod(0o755)
+    query = subprocess.Popen([str(stand_in), "--version"])
+    try:
+        time.sleep(0.3)
+        assert compiling(os.getpid()) == set()
+        compile_ = subprocess.Popen([str(stand_in), "-c", "x.cpp", "-o", "x.o"])
+        try:
+            time.sleep(0.3)
+            assert compiling(os.getpid()) == {"g++"}
+        finally:
+            compile_.kill()
+            compile_.wait()
+    finally:
+        query.kill()
+        query.wait()

@@ -6,6 +6,7 @@ names what the benchmarks' tables are kept per: AVX-512, AVX2 (with FMA), ARM NE
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,8 +33,10 @@ class CpuFeatures:
         return "scalar"
 
 
+@functools.cache
 def read_cpu_features(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuFeatures:
-    """This machine's flags (x86 `flags`, ARM `Features`); none where /proc/cpuinfo cannot be read."""
+    """This machine's flags (x86 `flags`, ARM `Features`); none where /proc/cpuinfo cannot be read. Read once per
+    process: the route is asked for per linear layer when a decode twin is made, and per /v1/models answer."""
     try:
         text = cpuinfo.read_text()
     except OSError:

@@ -48,6 +48,7 @@ class ModelConfig:
     # The token every sequence starts from: -1 is one more input token after the vocabulary (rnnserve's own
     # models); an imported model names one of its own (GPT-2: <|endoftext|>).
     bos_token: int = -1
+    eos_token: int = -1  # a token that ends a generated text (GPT-2: <|endoftext|>); -1: none, byte models
     tied_head: bool = False  # the output layer is the input embedding, without a bias (GPT-2)
     gelu: str = "exact"
     ln_eps: float = 1e-5
@@ -106,6 +107,10 @@ class ModelConfig:
             raise ConfigError(
                 f"bos_token must be -1 (a token of its own) or a token below vocab_size "
                 f"({self.vocab_size}), got {self.bos_token}"
+            )
+        if not -1 <= self.eos_token < self.vocab_size:
+            raise ConfigError(
+                f"eos_token must be -1 (none) or a token below vocab_size ({self.vocab_size}), got {self.eos_token}"
             )
         if self.tied_head and self.bos_token < 0:
             raise ConfigError(

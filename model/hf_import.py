@@ -25,6 +25,9 @@ class HFImportError(ValueError):
     """The folder cannot be imported; the message says what is wrong and what is expected."""
 
 
+GPT2_END_OF_TEXT = "<|endoftext|>"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("format", choices=("hf",), help="hf: a Hugging Face model folder (GPT-2 family)")
     parser.add_argument("folder", type=Path, help="the folder: config.json, the weights and the tokenizer files")
@@ -99,6 +102,7 @@ def gpt2_config(hf: dict[str, Any]):
             max_len=hf.get("n_positions", 1024),
             vocab_size=hf.get("vocab_size", 50257),
             bos_token=hf.get("bos_token_id", 50256),
+            eos_token=hf.get("eos_token_id", 50256),
             tied_head=True,
             gelu=GPT2_ACTIVATIONS[activation],
             ln_eps=hf.get("layer_norm_epsilon", 1e-5),
@@ -181,4 +185,6 @@ def read_tokenizer(folder: Path) -> str:
     tokenizer = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
+    if tokenizer.token_to_id(GPT2_END_OF_TEXT) is not None:  # special in GPT2Tokenizer: never split, not text
+        tokenizer.add_special_tokens([GPT2_END_OF_TEXT])
     return tokenizer.to_str()

@@ -208,9 +208,11 @@ def make_engine(
     """The model's engine, with `threads` intra-op CPU threads: on a worker thread of this process, or
     (--engine-process) in a process of its own."""
     if settings.engine_process:
-        return EngineClient(loaded.name, loaded.model, loaded.info, limits, metrics, threads, compile_gate)
+        return EngineClient(
+            loaded.name, loaded.model, loaded.info, limits, metrics, threads, compile_gate, loaded.vocabulary
+        )
     output = LocalOutput.recording(metrics, loaded.name, loaded.model)
-    return Engine(loaded.name, loaded.model, loaded.info, limits, output, compile_gate, threads)
+    return Engine(loaded.name, loaded.model, loaded.info, limits, output, compile_gate, threads, loaded.vocabulary)
 
 
 def log_thread_shares(budget: CpuBudget, engines: list[EngineHandle], override: int | None) -> None:

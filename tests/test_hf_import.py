@@ -19,64 +19,9 @@ transformers = pytest.importorskip(
 )
 tokenizers = pytest.importorskip("tokenizers")
 
-UNICODE = "Grüße, 世界! naïve café: ∑ x² — 🙂 ok"
-CORPUS = [
-    "To be, or not to be, that is the question.",
-    "Grüße aus Köln, naïve café, 世界 and 🙂 again.",
-    "Whether 'tis nobler in the mind to suffer the slings and arrows.",
-] * 20
+from hf_support import UNICODE, gpt2_folder, imported  # noqa: E402  (fixtures; after the skip)
 
-
-def byte_level_tokenizer(vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tokenizer.train_from_iterator(CORPUS, trainer)
-    return tokenizer
-
-
-@pytest.fixture(scope="module")
-def gpt2_folder(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("gpt2")
-    tokenizer = transformers.GPT2TokenizerFast(
-        tokenizer_object=byte_level_tokenizer(400),
-        eos_token="<|endoftext|>",
-        bos_token="<|endoftext|>",
-        unk_token="<|endoftext|>",
-    )
-    end = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    config = transformers.GPT2Config(
-        vocab_size=len(tokenizer),
-        n_positions=128,
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        bos_token_id=end,
-        eos_token_id=end,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).eval()
-    with torch.no_grad():  # weights at a scale where every layer matters to the logits
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def imported(gpt2_folder, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("imported") / "gpt2-tiny.safetensors"
-    assert main(["import", "hf", str(gpt2_folder), "--out", str(out)]) == 0
-    return out
+__all__ = ["gpt2_folder", "imported"]
 
 
 def hf_model(folder: Path):
@@ -169,11 +114,3 @@ def test_a_folder_that_cannot_be_imported_is_one_line_and_exit_2(gpt2_folder, tm
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("rnnserve import: error: ") and message in line
     assert not (tmp_path / "x.safetensors").exists()
-
-
-def test_the_server_refuses_a_tokenizer_model_in_one_line_for_now(imported):
-    from server.engine.registry import check_model_files
-    from server.settings import Settings, SettingsError
-
-    with pytest.raises(SettingsError, match=r"a model with a \d+-token vocabulary .*serves byte models \(256 tokens\)"):
-        check_model_files(Settings(weights=imported.parent))

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
 from server.engine.stopping import StoppingCriteria
-from server.api.textcodec import SampleText, char_offsets, incomplete_utf8_suffix, longest_stop_prefix, token_text
+from model.vocabulary import Vocabulary, byte_vocabulary, shown_bytes
+from server.api.textcodec import SampleText, char_offsets, incomplete_utf8_suffix, longest_stop_prefix
 from server_support import (
     KINDS,
     TEXT_MAX_LEN,
@@ -75,9 +76,10 @@ def test_char_offsets_point_at_the_character_of_each_byte():
     assert char_offsets(b"xy", start=5) == [5, 6]
 
 
-def test_token_text_uses_openai_bytes_form():
-    assert token_text(ord("a")) == "a"
-    assert token_text(0xE2) == "bytes:\\xe2"
+def test_a_byte_token_is_shown_in_openai_bytes_form():
+    shown = byte_vocabulary().shown
+    assert shown[ord("a")] == "a"
+    assert shown[0xE2] == "bytes:\\xe2"
 
 
 def test_stop_sequence_is_cut_and_its_prefix_held_back():
@@ -118,6 +120,73 @@ def test_incremental_decoder_agrees_on_pending_bytes():
         decoder = codecs.getincrementaldecoder("utf-8")()
         decoder.decode(data)
         assert incomplete_utf8_suffix(data) == len(decoder.getstate()[0])
+
+
+def piece_vocabulary(pieces: list[bytes]) -> Vocabulary:
+    """A tokenizer-like vocabulary whose tokens add these bytes (a token may end inside a character)."""
+    return Vocabulary("test", tuple(pieces), tuple(map(shown_bytes, pieces)), tokenizer_json="{}")
+
+
+PIECES = st.lists(st.binary(min_size=0, max_size=4), min_size=2, max_size=12)
+
+
+@given(PIECES, st.data())
+@hsettings(max_examples=300, deadline=None)
+def test_multi_byte_tokens_chunk_into_the_whole_decode_with_whole_tokens(pieces, data):
+    """Tokens of several bytes: the chunks join to the whole text, every token is shown once, in order, and a
+    chunk never shows a character split between tokens."""
+    vocabulary = piece_vocabulary(pieces)
+    tokens = data.draw(st.lists(st.integers(0, len(pieces) - 1), max_size=30))
+    text, chunks = SampleText(vocabulary=vocabulary), []
+    for token in tokens:
+        text.push(token, -1.0)
+        chunks.append(text.take())
+    chunks.append(text.take(final=True))
+    whole = b"".join(pieces[t] for t in tokens)
+    assert "".join(c.text for c in chunks) == whole.decode("utf-8", errors="replace")
+    assert [t for c in chunks for t in c.tokens] == tokens
+    for chunk in chunks[:-1]:  # each non-final chunk is the exact bytes of its tokens, ending on a whole character
+        assert chunk.text.encode("utf-8", errors="surrogatepass") == b"".join(pieces[t] for t in chunk.tokens) or (
+            "\ufffd" in chunk.text
+        )
+
+
+@given(PIECES, st.binary(min_size=1, max_size=3), st.data())
+@hsettings(max_examples=300, deadline=None)
+def test_a_stop_inside_a_token_ends_the_text_where_it_begins_and_never_shows(pieces, stop, data):
+    vocabulary = piece_vocabulary(pieces)
+    tokens = data.draw(st.lists(st.integers(0, len(pieces) - 1), max_size=30))
+    text = SampleText(stops=[stop], vocabulary=vocabulary)
+    stopping = StoppingCriteria((stop,), max_new_tokens=1000, pieces=vocabulary.pieces)
+    shown, reason = b"", None
+    for token in tokens:
+        text.push(token, -1.0)
+        reason = stopping.push(token)
+        if reason is not None:
+            text.end(stopping.matched)
+        shown += text.take(final=reason is not None).text.encode("utf-8", errors="replace")
+        if reason is not None:
+            break
+    if reason is None:  # the tokens ran out: the sample ends by length
+        shown += text.take(final=True).text.encode("utf-8", errors="replace")
+    generated = b"".join(pieces[t] for t in tokens[: stopping.generated])
+    assert (reason == "stop") == (stop in generated)
+    if reason == "stop":
+        assert stopping.matched == stop and bytes(text.data) == generated[: generated.index(stop)]
+    assert stop not in bytes(text.data) and shown == bytes(text.data).decode("utf-8", errors="replace").encode(
+        "utf-8", errors="replace"
+    )
+
+
+def test_an_end_of_text_token_ends_the_sample_and_adds_no_text():
+    vocabulary = Vocabulary("test", (b"ab", b"", b"c"), ("ab", "<end>", "c"), eos=1, tokenizer_json="{}")
+    stopping = StoppingCriteria((), max_new_tokens=10, pieces=vocabulary.pieces, eos=vocabulary.eos)
+    assert stopping.push_run([0, 2, 1, 0]) == ("stop", 3)
+    text = SampleText(vocabulary=vocabulary)
+    for token in (0, 2, 1):
+        text.push(token, -0.5)
+    chunk = text.take(final=True)
+    assert (chunk.text, chunk.tokens, chunk.offsets) == ("abc", [0, 2, 1], [0, 2, 3])
 
 
 # -- over HTTP ----------------------------------------------------------------

@@ -42,6 +42,10 @@ class ModelCard(BaseModel):
         description="on the CPU, the vector route its C++ kernels are built for (avx512, avx2, generic, "
         "scalar: from the CPU's features, or RNNSERVE_CPU_ROUTE) and what its linear layers run on; null on a GPU"
     )
+    tokenizer: str | None = Field(
+        description="a text model's tokens: 'bytes' (UTF-8, one byte a token), or the tokenizer stored with an "
+        "imported model and its size (e.g. 'BPE (50257 tokens)'); null for image models"
+    )
     state_bytes_per_sequence: int = Field(description="decode state of one sequence at max_len")
     state_bytes_allocated: int = Field(
         description="decode state preallocated for all slots (the gauge rnnserve_decode_state_allocated_bytes)"
@@ -90,6 +94,7 @@ def describe(engine: EngineHandle, created: int) -> dict[str, Any]:
         "compiled_decode": engine.compiled_decode,
         "threads": engine.threads,
         "cpu_route": describe_cpu_route() if engine.model.device.type == "cpu" else None,
+        "tokenizer": engine.vocabulary.name if cfg.task == "text" else None,
         "state_bytes_per_sequence": engine.state_bytes_per_sequence,  # one sequence at max_len
         "state_bytes_allocated": engine.state_bytes_allocated,  # = rnnserve_decode_state_allocated_bytes
         "metrics": eval_metrics(engine.info),

@@ -1,4 +1,4 @@
-"""POST /v1/completions: OpenAI-compatible text completion over byte tokens.
+"""POST /v1/completions: OpenAI-compatible text completion, over bytes or a model's own tokenizer.
 
 Each prompt of a request is one engine request of `best_of` (else `n`)
 samples; their events are merged in arrival order when streaming.
@@ -31,6 +31,7 @@ from server.api.generation import (
 )
 from server.api.text_api import CompletionRequest, CompletionResponse, TextCompletion
 from server.engine.types import GenerationRequest, PromptScores
+from server.engine.validation import check_logit_bias
 
 router = APIRouter()
 
@@ -43,10 +44,13 @@ async def create_completion(
     accept = request.headers.get("accept")
     stream_type(accept) if body.stream else choose(accept, ["application/json"])  # a 406 before any work
     engine = server.engines.for_request(request, body.model, "text")
-    completion = TextCompletion(body, engine.name, f"cmpl-{uuid.uuid4().hex}")
-    streams = await start_generations(engine, body, completion)
+    with engine_refusals(engine):
+        check_logit_bias(body.bias(), engine.name, engine.config.vocab_size)
+    completion = TextCompletion(body, engine.name, f"cmpl-{uuid.uuid4().hex}", engine.vocabulary)
+    prompts = body.prompts(engine.vocabulary)
+    streams = await start_generations(engine, body, prompts, completion)
     try:
-        for prompt in body.prompts():
+        for prompt in prompts:
             completion.add_prompt(prompt, await prompt_scores(engine, body, prompt))
     except BaseException:
         for stream in streams:
@@ -72,16 +76,16 @@ async def create_completion(
 
 
 async def start_generations(
-    engine: EngineHandle, body: CompletionRequest, completion: TextCompletion
+    engine: EngineHandle, body: CompletionRequest, prompts: list[list[int]], completion: TextCompletion
 ) -> list[GenerationStream]:
     """Queue one generation per prompt (the engine validates each); none when max_tokens is 0,
     but each prompt must still fit. A refusal cancels those already queued."""
     streams: list[GenerationStream] = []
     try:
-        for i, prompt in enumerate(body.prompts()):
+        for i, prompt in enumerate(prompts):
             if body.max_tokens == 0:
                 with engine_refusals(engine):
-                    engine.check_prompt(list(prompt), body.samples)
+                    engine.check_prompt(prompt, body.samples)
             else:
                 streams.append(
                     await submit(engine, generation_request(body, prompt, f"{completion.id}-{i}"), body.stream)
@@ -93,14 +97,14 @@ async def start_generations(
     return streams
 
 
-def generation_request(body: CompletionRequest, prompt: bytes, request_id: str) -> GenerationRequest:
+def generation_request(body: CompletionRequest, prompt: list[int], request_id: str) -> GenerationRequest:
     sampling = body.sampling(
         frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty, logit_bias=body.bias()
     )
     ranks = body.samples > body.n  # best_of ranks samples by their log-probabilities
     return GenerationRequest(
         request_id=request_id,
-        prompt=list(prompt),
+        prompt=prompt,
         max_new_tokens=body.max_tokens,
         sampling=sampling,
         n=body.samples,
@@ -110,10 +114,10 @@ def generation_request(body: CompletionRequest, prompt: bytes, request_id: str) 
     )
 
 
-async def prompt_scores(engine: EngineHandle, body: CompletionRequest, prompt: bytes) -> PromptScores | None:
+async def prompt_scores(engine: EngineHandle, body: CompletionRequest, prompt: list[int]) -> PromptScores | None:
     """The prompt's log-probabilities (and top alternatives) when echoed with logprobs, else none."""
     if body.echo and body.logprobs is not None and prompt:
-        return await score(engine, list(prompt), body.logprobs)
+        return await score(engine, prompt, body.logprobs)
     return None
 
 

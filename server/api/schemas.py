@@ -29,6 +29,9 @@ def Float(**constraints: Any) -> Any:
     return Annotated[float, Field(**constraints)]
 
 
+MAX_TOP_K = 1 << 20  # past any vocabulary: a bound only so that the number stays an int64
+
+
 def OrDefault(kind: Any, default: Any, **field: Any) -> Any:
     """`kind`, where JSON null means `default`: OpenAI documents its optional fields as nullable, and clients
     send null for "not set". The schema shows null as allowed; the validated value is never None."""
@@ -44,7 +47,7 @@ class SamplingOptions(BaseModel):
     n: OrDefault(Int(ge=1, le=MAX_N), 1, description="samples to draw (at most --max-batch)")
     temperature: OrDefault(Float(ge=0.0, le=10.0), 1.0, description="0 = greedy")
     top_p: OrDefault(Float(gt=0.0, le=1.0), 1.0)
-    top_k: OrDefault(Int(ge=0, le=256), 0, description="0 = off")
+    top_k: OrDefault(Int(ge=0, le=MAX_TOP_K), 0, description="0 = off; more than the vocabulary keeps every token")
     seed: Int(ge=0, lt=2**62) | None = Field(None, description="sample i uses seed + i; default random")
 
     @model_validator(mode="before")

@@ -1,7 +1,8 @@
 """The completions API's request and response shapes, and how samples become choices.
 
 OpenAI's legacy completions: `prompt` is a string, a list of strings, a list of
-byte tokens or a list of such lists; choice `index` runs prompt by prompt, then
+token ids or a list of such lists (a byte model's tokens are bytes; an imported
+model's are its tokenizer's, model/vocabulary.py); choice `index` runs prompt by prompt, then
 over the `n` samples of each. `best_of` draws more samples and keeps the `n`
 with the highest total log-probability, best first.
 """
@@ -16,12 +17,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from server.api.errors import FieldError
 from server.api.schemas import MAX_N, Float, Int, OrDefault, SamplingOptions, integral
-from server.api.textcodec import SampleText, TextChunk, token_text
+from model.vocabulary import Vocabulary
+from server.api.textcodec import SampleText, TextChunk
 from server.engine.types import Generation, PromptScores, SampleResult
 
 MAX_STOPS = 4
 MAX_PROMPTS = 16
-Byte = Int(ge=0, le=255)
+Token = Int(ge=0)
 Penalty = Float(ge=-2.0, le=2.0)
 
 
@@ -34,13 +36,15 @@ class CompletionRequest(SamplingOptions):
     model: str | None = Field(
         None, description="a text model from GET /v1/models; may be left out when only one is loaded"
     )
-    prompt: str | list[str] | list[Byte] | list[list[Byte]] = Field(
-        "", description=f"text (sent as UTF-8 bytes), byte tokens 0-255, or a list of up to {MAX_PROMPTS} of either"
+    prompt: str | list[str] | list[Token] | list[list[Token]] = Field(
+        "",
+        description="text, token ids (bytes 0-255 for byte models; the tokenizer's for imported models), "
+        f"or a list of up to {MAX_PROMPTS} of either",
     )
     suffix: str | None = Field(
         None, description="not supported (these models cannot insert text): leave it out or empty"
     )
-    max_tokens: OrDefault(Int(ge=0), 16, description="bytes to generate per sample; 0 with echo scores the prompt")
+    max_tokens: OrDefault(Int(ge=0), 16, description="tokens to generate per sample; 0 with echo scores the prompt")
     stop: str | list[str] | None = Field(
         None, description=f"up to {MAX_STOPS} sequences that end a sample (not included)"
     )
@@ -51,7 +55,7 @@ class CompletionRequest(SamplingOptions):
     frequency_penalty: OrDefault(Penalty, 0.0, description="minus this times how often a token was generated so far")
     presence_penalty: OrDefault(Penalty, 0.0, description="minus this once a token has been generated")
     logit_bias: dict[str, Float(ge=-100, le=100)] | None = Field(
-        None, description="token id (0-255, as a string) -> bias added to its logit"
+        None, description="token id (as a string; 0-255 for byte models) -> bias added to its logit"
     )
     best_of: Int(ge=1, le=MAX_N) | None = Field(
         None, description="draw this many, return the n most likely (not with stream)"
@@ -66,20 +70,18 @@ class CompletionRequest(SamplingOptions):
         kinds = {str if isinstance(i, str) else list if isinstance(i, list) else "token" for i in items}
         if not isinstance(prompt, (str, list)) or len(kinds) > 1:
             raise FieldError(
-                "prompt must be a string, a list of byte tokens 0-255, or a list of strings or of token lists", "prompt"
+                "prompt must be a string, a list of token ids, or a list of strings or of token lists", "prompt"
             )
         for i, item in enumerate(items):
             tokens = item if isinstance(item, list) else [] if isinstance(item, str) else [item]
             bad = next(
-                (
-                    t
-                    for t in map(integral, tokens)
-                    if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= 255
-                ),
+                (t for t in map(integral, tokens) if isinstance(t, bool) or not isinstance(t, int) or t < 0),
                 None,
             )
             if bad is not None:
-                raise FieldError(f"prompt[{i}] holds {bad!r}; byte tokens are integers 0-255", "prompt")
+                raise FieldError(
+                    f"prompt[{i}] holds {bad!r}; tokens are integer ids >= 0 (bytes 0-255 for byte models)", "prompt"
+                )
         return prompt
 
     @field_validator("stop", mode="before")
@@ -104,8 +106,10 @@ class CompletionRequest(SamplingOptions):
     @classmethod
     def _check_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         for key in bias or {}:
-            if not (key.isdigit() and 0 <= int(key) <= 255):
-                raise FieldError(f"logit_bias keys are token ids 0-255 written as strings, got {key!r}", "logit_bias")
+            if not (key.isascii() and key.isdigit()):
+                raise FieldError(
+                    f'logit_bias keys are token ids written as strings (e.g. "65"), got {key!r}', "logit_bias"
+                )
         return bias
 
     @model_validator(mode="after")
@@ -126,13 +130,13 @@ class CompletionRequest(SamplingOptions):
             raise FieldError("best_of cannot be used with stream (as in OpenAI's API)", "best_of")
         return self
 
-    def prompts(self) -> list[bytes]:
-        """Each prompt as bytes."""
+    def prompts(self, vocabulary: Vocabulary) -> list[list[int]]:
+        """Each prompt as the model's tokens."""
         if isinstance(self.prompt, str):
-            return [self.prompt.encode("utf-8")]
+            return [vocabulary.encode(self.prompt)]
         if self.prompt and isinstance(self.prompt[0], int):
-            return [bytes(self.prompt)]
-        return [p.encode("utf-8") if isinstance(p, str) else bytes(p) for p in self.prompt]
+            return [list(self.prompt)]
+        return [vocabulary.encode(p) if isinstance(p, str) else list(p) for p in self.prompt]
 
     def stop_bytes(self) -> list[bytes]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -180,7 +184,7 @@ class CompletionResponse(BaseModel):
 class PromptSamples:
     """One prompt's samples as they build up."""
 
-    prompt: bytes
+    prompt: list[int]
     scores: PromptScores | None
     texts: list[SampleText]
     finish: list[str | None]
@@ -193,17 +197,19 @@ class TextCompletion:
     body: CompletionRequest
     model: str
     id: str
+    vocabulary: Vocabulary
     parts: list[PromptSamples] = field(default_factory=list)
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)
     generated_tokens: int = 0
 
-    def add_prompt(self, prompt: bytes, scores: PromptScores | None) -> None:
+    def add_prompt(self, prompt: list[int], scores: PromptScores | None) -> None:
         echo = self.body.echo
-        prefix, logprobs = (prompt, scores.logprobs if scores else []) if echo else (b"", [])
+        prefix, logprobs = (prompt, scores.logprobs if scores else []) if echo else ([], [])
         tops = (scores.top_logprobs or []) if echo and scores else []
         texts = [
-            SampleText(self.body.stop_bytes(), prefix, list(logprobs), list(tops)) for _ in range(self.body.samples)
+            SampleText(self.body.stop_bytes(), prefix, list(logprobs), list(tops), self.vocabulary)
+            for _ in range(self.body.samples)
         ]
         self.parts.append(PromptSamples(prompt, scores, texts, [None] * self.body.samples))
 
@@ -257,9 +263,12 @@ class TextCompletion:
         wanted = self.body.logprobs
         if wanted is None:
             return None
-        tops = [_top_dict(t, lp, top, wanted) for t, lp, top in zip(chunk.tokens, chunk.logprobs, chunk.top_logprobs)]
+        shown = self.vocabulary.shown
+        tops = [
+            _top_dict(shown, t, lp, top, wanted) for t, lp, top in zip(chunk.tokens, chunk.logprobs, chunk.top_logprobs)
+        ]
         return {
-            "tokens": [token_text(t) for t in chunk.tokens],
+            "tokens": [shown[t] for t in chunk.tokens],
             "token_logprobs": chunk.logprobs,
             "top_logprobs": tops,
             "text_offset": chunk.offsets,
@@ -283,10 +292,12 @@ class TextCompletion:
         }
 
 
-def _top_dict(token: int, logprob: float | None, top, wanted: int) -> dict[str, float] | None:
+def _top_dict(shown: tuple[str, ...], token: int, logprob: float | None, top, wanted: int) -> dict[str, float] | None:
     """OpenAI's top_logprobs entry: the `wanted` most likely tokens, plus the chosen one."""
     if logprob is None:
         return None
-    entry = {token_text(t): lp for t, lp in (top or [])[:wanted]}
-    entry.setdefault(token_text(token), logprob)
+    entry: dict[str, float] = {}
+    for t, lp in (top or [])[:wanted]:
+        entry.setdefault(shown[t], lp)  # two tokens may look alike (a special token's name as text): keep the likelier
+    entry.setdefault(shown[token], logprob)
     return entry

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from model.config import ModelConfig
 from model.transformer import Transformer
+from model.vocabulary import Vocabulary
 
 from server.engine.validation import check_fits, check_samples
 
@@ -32,6 +33,7 @@ class EngineFacts:
     name: str
     model: Transformer
     limits: EngineLimits
+    vocabulary: Vocabulary
 
     @property
     def config(self) -> ModelConfig:
@@ -44,7 +46,7 @@ class EngineFacts:
     def check_prompt(self, tokens: list[int], samples: int) -> None:
         """Raise InvalidRequest unless `tokens` are valid and fit this model's context, and `samples` of them
         would fit --max-batch (a request that generates nothing is held to the limits of one that does)."""
-        check_fits(tokens, 0, self.name, self.config.max_len)
+        check_fits(tokens, 0, self.name, self.config)
         check_samples(samples, self.limits.max_batch)
 
 
@@ -56,6 +58,7 @@ class EngineHandle(Protocol):
     model: Transformer
     info: dict
     limits: EngineLimits
+    vocabulary: Vocabulary  # what a text model's tokens stand for: bytes, or its tokenizer's
     threads: int
     metrics: ModelMetrics | None  # the model's series the handlers record into
     state_bytes_per_sequence: int

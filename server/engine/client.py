@@ -17,6 +17,7 @@ import torch
 import torch.multiprocessing
 
 from model.transformer import Transformer
+from model.vocabulary import Vocabulary, byte_vocabulary
 
 from server.engine.core import EngineFacts, EngineLimits
 from server.engine import messages as msg
@@ -70,8 +71,10 @@ class EngineClient(EngineFacts):
         metrics: Metrics,
         threads: int | None = None,
         compile_gate: CompileGate | None = None,
+        vocabulary: Vocabulary | None = None,
     ):
         self.name, self.model, self.info, self.limits = name, model.eval(), info, limits
+        self.vocabulary = vocabulary or byte_vocabulary()
         self.state_bytes_per_sequence = model.state_bytes_per_sequence()  # at max_len
         self.state_bytes_allocated = 0  # known once started
         self.cuda_graphs = False  # known once started
@@ -126,6 +129,7 @@ class EngineClient(EngineFacts):
             self.threads,
             logging.getLogger("rnnserve").getEffectiveLevel(),
             self._compile_gate,
+            self.vocabulary,
         )
         self._process = context.Process(target=serve_engine, args=(theirs, spec), name=f"engine-{self.name}")
         self._process.start()
@@ -209,7 +213,7 @@ class EngineClient(EngineFacts):
     # -- requests (event loop) --------------------------------------------------
     async def enqueue(self, request: GenerationRequest, each_event: bool = True) -> GenerationStream:
         """Queue a request in the engine process; raises QueueFull / InvalidRequest like `Engine.submit`."""
-        check_generation(request, self.name, self.config.max_len, self.limits.max_batch)
+        check_generation(request, self.name, self.config, self.limits.max_batch)
         loop = asyncio.get_running_loop()
         key, future = next(self._keys), loop.create_future()
         stream = RemoteStream(request, LoopSink(loop), self, key)
@@ -226,7 +230,7 @@ class EngineClient(EngineFacts):
         return stream
 
     async def score(self, tokens: list[int], top: int = 0) -> PromptScores:
-        check_scoring(tokens, self.name, self.config.max_len)
+        check_scoring(tokens, self.name, self.config)
         loop = asyncio.get_running_loop()
         key, future = next(self._keys), loop.create_future()
         with self._lock:

@@ -37,6 +37,7 @@ import torch
 
 from model.threads import adopt_process_threads
 from model.transformer import Transformer
+from model.vocabulary import Vocabulary, byte_vocabulary
 
 from server.engine.base import EngineFacts, EngineLimits
 from server.engine.multistep import PassCosts, ends_run_early
@@ -80,6 +81,7 @@ class Engine(EngineFacts):
         output: EngineOutput,
         compile_gate: CompileGate | None = None,
         threads: int | None = None,
+        vocabulary: Vocabulary | None = None,
     ):
         """output: where each pass's figures and events go (server/engine/output.py). compile_gate: a lock the server's engines share, so their background compiles take turns.
         threads: intra-op CPU threads for this engine's steps (server/engine/cpu_budget.py); None: the process's count."""
@@ -88,11 +90,12 @@ class Engine(EngineFacts):
         self.model = model.eval()
         self.info = info
         self.limits = limits
+        self.vocabulary = vocabulary or byte_vocabulary()  # a text model's tokens (stop sequences match bytes)
         self.state_bytes_per_sequence = model.state_bytes_per_sequence()  # at max_len
         self.state_bytes_allocated = 0  # all slots' state, known once started
         self.output = output
         self.metrics = output.metrics  # the model's series, for the handlers (None in an engine process)
-        self.scheduler = Scheduler(limits.max_batch, limits.max_waiting)
+        self.scheduler = Scheduler(limits.max_batch, limits.max_waiting, self.vocabulary)
         self.runner = ModelRunner(model, limits.max_batch, limits.cuda_graphs, limits.compile_decode, compile_gate)
         self._lock = threading.Lock()  # the scheduler's queue: submissions come from the event loop
         self._wakeup = threading.Event()
@@ -162,7 +165,7 @@ class Engine(EngineFacts):
         (by the API process, for an engine process), so it is not checked again. report_gauges=False: the
         caller reports the queue's gauges itself (an engine process, with its answer to the submit)."""
         if not checked:
-            check_generation(request, self.name, self.config.max_len, self.limits.max_batch)
+            check_generation(request, self.name, self.config, self.limits.max_batch)
         stream = GenerationStream(request, sink or LoopSink(asyncio.get_running_loop()), each_event)
         with self._lock:
             try:
@@ -188,7 +191,7 @@ class Engine(EngineFacts):
 
     def queue_score(self, tokens: list[int], top: int, reply: ScoreReply) -> None:
         """Queue a prompt to score (thread-safe); `reply(result, error)` runs on the worker thread."""
-        check_scoring(tokens, self.name, self.config.max_len)
+        check_scoring(tokens, self.name, self.config)
         with self._lock:
             if len(self._scores) >= max(1, self.limits.max_waiting):
                 raise QueueFull(f"model {self.name!r} is scoring {len(self._scores)} prompts, the limit; retry later")

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from model.transformer import Transformer
+from model.vocabulary import Vocabulary
 
 from server.drain import exit_if_compiling
 from server.engine import messages as msg
@@ -52,6 +53,7 @@ class EngineSpec:
     threads: int | None
     log_level: int
     compile_gate: CompileGate | None = None  # server/engine/compile_gate.py: the engines compile in turn
+    vocabulary: Vocabulary | None = None  # a text model's tokens; None: bytes
 
 
 # -- errors across the pipe ---------------------------------------------------
@@ -192,7 +194,9 @@ def serve_engine(conn: Connection, spec: EngineSpec) -> None:
         torch.set_num_threads(spec.threads)
     pipe = Pipe(conn)
     sink = PipeSink(pipe)
-    engine = Engine(spec.name, spec.model, spec.info, spec.limits, sink, spec.compile_gate, spec.threads)
+    engine = Engine(
+        spec.name, spec.model, spec.info, spec.limits, sink, spec.compile_gate, spec.threads, spec.vocabulary
+    )
     try:
         engine.start()
     except EngineFailure as exc:

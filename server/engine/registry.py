@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from model.config import BYTE_VOCAB
 from model.transformer import Transformer
-from model.weights_io import load_model, read_metadata
+from model.vocabulary import Vocabulary, byte_vocabulary, vocabulary_for
+from model.weights_io import load_model, read_metadata, read_tokenizer
 
 from server.engine.base import EngineHandle
 from server.api.errors import APIError
@@ -24,6 +24,7 @@ class LoadedModel:
     path: Path
     model: Transformer
     info: dict[str, Any]
+    vocabulary: Vocabulary = field(default_factory=byte_vocabulary)  # a text model's tokens
 
 
 def check_model_files(settings: Settings) -> list[Path]:
@@ -31,12 +32,7 @@ def check_model_files(settings: Settings) -> list[Path]:
     paths = settings.model_paths()
     names: dict[str, Path] = {}
     for path in paths:
-        config, _ = read_metadata(path)  # raises WeightsError naming the file and the problem
-        if config.vocab_size != BYTE_VOCAB:
-            raise SettingsError(
-                f"{path}: a model with a {config.vocab_size}-token vocabulary (imported with its "
-                f"tokenizer); the server serves byte models ({BYTE_VOCAB} tokens) only for now"
-            )
+        read_metadata(path)  # raises WeightsError naming the file and the problem
         if path.stem in names:
             raise SettingsError(
                 f"two model files are both named '{path.stem}': {names[path.stem]} and {path}; "
@@ -52,16 +48,18 @@ def load_models(settings: Settings) -> list[LoadedModel]:
     loaded = []
     for path in check_model_files(settings):
         model, info = load_model(path, device=device, dtype=dtype)
+        vocabulary = vocabulary_for(model.config, read_tokenizer(path))
         log.info(
-            "loaded %s (%s %s, %d parameters) on %s in %s",
+            "loaded %s (%s %s, %d parameters, vocabulary %s) on %s in %s",
             path,
             model.config.attention,
             model.config.task,
             model.num_parameters(),
+            vocabulary.name,
             device,
             dtype,
         )
-        loaded.append(LoadedModel(path.stem, path, model, info))
+        loaded.append(LoadedModel(path.stem, path, model, info, vocabulary))
     return loaded
 
 

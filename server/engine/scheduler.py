@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from model.particles import ParticleGroup, Resampling, conclude, known_rows, particle_seed, weigh
+from model.vocabulary import Vocabulary
 from server.engine.step import CANCELLED, RunnerOutput, SchedulerOutput, StepNeeds, StepOutcome, StepUpdate
 from server.engine.stopping import StoppingCriteria
 from server.engine.types import GenerationRequest, StepStats
@@ -72,9 +73,13 @@ class Placement:
 
 
 class Scheduler:
-    def __init__(self, max_batch: int, max_waiting: int):
+    def __init__(self, max_batch: int, max_waiting: int, vocabulary: Vocabulary | None = None):
+        """vocabulary: a text model's (its tokens' bytes are what stop sequences match); None: bytes."""
         self.max_batch = max_batch
         self.max_waiting = max_waiting
+        tokenized = vocabulary is not None and vocabulary.tokenizer_json is not None
+        self.pieces = vocabulary.pieces if tokenized else None
+        self.eos = vocabulary.eos if vocabulary is not None else None
         self.waiting: deque[Submission] = deque()
         self.rows: list[Sequence] = []
         self.admitting = 0  # sequences taken off the queue whose rows are not registered yet
@@ -155,7 +160,7 @@ class Scheduler:
         groups: dict[tuple[Submission, int], ParticleGroup] = {}
         for place in places:
             req = place.owner.request
-            stopping = StoppingCriteria(tuple(req.stop), req.max_new_tokens)
+            stopping = StoppingCriteria(tuple(req.stop), req.max_new_tokens, self.pieces, self.eos)
             seq = Sequence(place.owner, place.sample, len(req.prompt), stopping, particle=place.particle)
             if req.particles is not None:
                 seq.group = groups.setdefault(

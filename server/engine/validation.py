@@ -8,7 +8,7 @@ the API's parameters.
 
 from __future__ import annotations
 
-from model.config import BOS_TOKEN
+from model.config import ModelConfig
 
 from server.engine.types import GenerationRequest
 
@@ -22,10 +22,10 @@ class InvalidRequest(ValueError):
         self.code = code
 
 
-def check_generation(request: GenerationRequest, model_name: str, max_len: int, max_batch: int) -> None:
+def check_generation(request: GenerationRequest, model_name: str, config: ModelConfig, max_batch: int) -> None:
     if request.max_new_tokens < 1:
         raise InvalidRequest(f"max_tokens must be at least 1 to generate, got {request.max_new_tokens}", "max_tokens")
-    check_fits(request.prompt, request.max_new_tokens, model_name, max_len)
+    check_fits(request.prompt, request.max_new_tokens, model_name, config)
     check_samples(request.n, max_batch)
     if request.particles is not None and not 1 <= request.rows <= max_batch:
         raise InvalidRequest(
@@ -43,9 +43,10 @@ def check_samples(n: int, max_batch: int) -> None:
         )
 
 
-def check_fits(prompt: list[int], max_new_tokens: int, model_name: str, max_len: int) -> None:
+def check_fits(prompt: list[int], max_new_tokens: int, model_name: str, config: ModelConfig) -> None:
     """The prompt's tokens are valid and, with `max_new_tokens` more, fit the model's context."""
-    check_tokens(prompt)
+    check_tokens(prompt, model_name, config.vocab_size)
+    max_len = config.max_len
     total = len(prompt) + max_new_tokens
     if total > max_len:
         at_fault = "prompt" if len(prompt) >= max_len else "max_tokens"  # a prompt that leaves no room is the fault
@@ -57,8 +58,9 @@ def check_fits(prompt: list[int], max_new_tokens: int, model_name: str, max_len:
         )
 
 
-def check_scoring(tokens: list[int], model_name: str, max_len: int) -> None:
-    check_tokens(tokens)
+def check_scoring(tokens: list[int], model_name: str, config: ModelConfig) -> None:
+    check_tokens(tokens, model_name, config.vocab_size)
+    max_len = config.max_len
     if not 1 <= len(tokens) <= max_len:
         raise InvalidRequest(
             f"can score 1 to {max_len} tokens with model '{model_name}', got {len(tokens)}",
@@ -67,6 +69,15 @@ def check_scoring(tokens: list[int], model_name: str, max_len: int) -> None:
         )
 
 
-def check_tokens(tokens: list[int]) -> None:
-    if any(not 0 <= t < BOS_TOKEN for t in tokens):
-        raise InvalidRequest(f"prompt tokens must be in 0..{BOS_TOKEN - 1}", "prompt")
+def check_tokens(tokens: list[int], model_name: str, vocab_size: int) -> None:
+    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"prompt holds token {bad}; model '{model_name}' has tokens 0..{vocab_size - 1}", "prompt")
+
+
+def check_logit_bias(bias: dict[int, float], model_name: str, vocab_size: int) -> None:
+    bad = next((t for t in bias if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(
+            f"logit_bias names token {bad}; model '{model_name}' has tokens 0..{vocab_size - 1}", "logit_bias"
+        )

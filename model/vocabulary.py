@@ -1,0 +1,127 @@
+"""What a text model's token ids stand for: bytes (rnnserve's own models) or a tokenizer's tokens.
+
+Every token is seen as the bytes it adds to the text (its *piece*): one byte
+for byte models; for a byte-level BPE (GPT-2) the bytes its symbols map back
+to, so a token may end in the middle of a UTF-8 character. Stop sequences,
+incremental decoding and text offsets all work on those bytes, the same way
+for both. Special tokens (GPT-2's <|endoftext|>) add no bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import BYTE_VOCAB, ModelConfig
+
+BYTES_NAME = "bytes"
+
+
+@dataclass(frozen=True, eq=False)
+class Vocabulary:
+    name: str  # what /v1/models reports: "bytes", or the tokenizer's model type and size
+    pieces: tuple[bytes, ...]  # (vocab_size,) the bytes each token adds to the text
+    shown: tuple[str, ...]  # (vocab_size,) how logprobs name each token
+    eos: int | None = None  # a generated end-of-text token ends the sample
+    tokenizer_json: str | None = field(default=None, repr=False)  # None: a byte model
+
+    @property
+    def size(self) -> int:
+        return len(self.pieces)
+
+    def encode(self, text: str) -> list[int]:
+        """The model's tokens for `text` (special tokens written out, e.g. <|endoftext|>, are recognised)."""
+        if self.tokenizer_json is None:
+            return list(text.encode("utf-8"))
+        return _tokenizer(self.tokenizer_json).encode(text, add_special_tokens=False).ids
+
+    def decode(self, tokens: list[int]) -> str:
+        return b"".join(self.pieces[t] for t in tokens).decode("utf-8", errors="replace")
+
+
+def shown_bytes(piece: bytes) -> str:
+    """A token as logprobs show it: its text when that is whole UTF-8, else OpenAI's `bytes:\\xNN...` form."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
+
+
+@functools.cache
+def byte_vocabulary() -> Vocabulary:
+    pieces = tuple(bytes((b,)) for b in range(BYTE_VOCAB))
+    return Vocabulary(BYTES_NAME, pieces, tuple(map(shown_bytes, pieces)))
+
+
+def vocabulary_for(config: ModelConfig, tokenizer_json: str | None) -> Vocabulary:
+    """The vocabulary of a model: its stored tokenizer's, else bytes."""
+    if tokenizer_json is None:
+        return byte_vocabulary()
+    return _tokenizer_vocabulary(tokenizer_json, config.vocab_size, config.eos_token if config.eos_token >= 0 else None)
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer(tokenizer_json: str):
+    from tokenizers import Tokenizer  # only models with a tokenizer need the library loaded
+
+    return Tokenizer.from_str(tokenizer_json)
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_vocabulary(tokenizer_json: str, size: int, eos: int | None) -> Vocabulary:
+    tokenizer = _tokenizer(tokenizer_json)
+    spec = json.loads(tokenizer_json)
+    special = {i for i, added in tokenizer.get_added_tokens_decoder().items() if added.special}
+    if eos is not None:
+        special.add(eos)
+    to_bytes = _byte_level_piece if _is_byte_level(spec) else _decoded_piece(tokenizer)
+    pieces, shown = [], []
+    for token in range(size):
+        symbol = tokenizer.id_to_token(token)
+        if symbol is None:  # a model's vocabulary may be padded past its tokenizer's
+            pieces.append(b"")
+            shown.append(f"<unused {token}>")
+        elif token in special:
+            pieces.append(b"")
+            shown.append(symbol)
+        else:
+            piece = to_bytes(symbol, token)
+            pieces.append(piece)
+            shown.append(shown_bytes(piece))
+    kind = (spec.get("model") or {}).get("type") or "tokenizer"
+    return Vocabulary(f"{kind} ({size} tokens)", tuple(pieces), tuple(shown), eos, tokenizer_json)
+
+
+def _is_byte_level(spec: dict[str, Any]) -> bool:
+    """GPT-2's scheme: each byte is written as one printable symbol (decoder ByteLevel)."""
+    decoder = spec.get("decoder") or {}
+    kinds = [d.get("type") for d in decoder.get("decoders", [])] if decoder.get("type") == "Sequence" else []
+    return decoder.get("type") == "ByteLevel" or "ByteLevel" in kinds
+
+
+@functools.cache
+def _symbol_bytes() -> dict[str, int]:
+    """Byte-level BPE's alphabet: printable bytes stand for themselves, the others for 256 + n, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    symbols = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in set(printable)]
+    symbols.update({chr(256 + n): b for n, b in enumerate(others)})
+    return symbols
+
+
+def _byte_level_piece(symbol: str, token: int) -> bytes:
+    table = _symbol_bytes()
+    if any(ch not in table for ch in symbol):  # an added, non-special token written as plain text
+        return symbol.encode("utf-8")
+    return bytes(table[ch] for ch in symbol)
+
+
+def _decoded_piece(tokenizer):
+    """Other tokenizers: a token's bytes as the tokenizer decodes it alone (exact for whole characters)."""
+
+    def piece(symbol: str, token: int) -> bytes:
+        return tokenizer.decode([token], skip_special_tokens=False).encode("utf-8")
+
+    return piece

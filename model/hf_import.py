@@ -58,6 +58,10 @@ def import_folder(folder: Path, out: Path):
     check_shapes(state, model)
     model.load_state_dict(state, strict=True)
     info = {"imported_from": {"format": "hf", "folder": str(folder), "model_type": hf.get("model_type")}}
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise HFImportError(f"--out {out}: cannot create its folder ({exc.strerror})") from exc
     save_model(model.eval(), out, info, tokenizer=read_tokenizer(folder))
     return config
 

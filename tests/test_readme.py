@@ -6,6 +6,9 @@
   port changed, and its output is checked.
 - Each command of "Train your own" runs on small generated data under the paths the
   README names, with the horizon cut to a step or two.
+- "Bring your own model" runs on a small GPT-2 that Hugging Face's `save_pretrained` wrote
+  where the README looks for one (a Hugging Face cache under a temporary HOME): import,
+  linearize (cut to two steps), serve, and the OpenAI client's script against that server.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from server_support import free_port, sse_payloads, wait_healthy
+from server_support import free_port, sse_payloads, stop_process, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -45,9 +48,9 @@ def commands(block: str) -> list[str]:
     return [line.strip() for line in joined.splitlines() if line.strip() and not line.strip().startswith("#")]
 
 
-def run_bash(command: str, cwd: Path) -> subprocess.CompletedProcess:
+def run_bash(command: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     result = subprocess.run(
-        ["bash", "-c", "set -o pipefail; " + command], cwd=cwd, capture_output=True, timeout=COMMAND_SECONDS
+        ["bash", "-c", "set -o pipefail; " + command], cwd=cwd, capture_output=True, timeout=COMMAND_SECONDS, env=env
     )
     assert result.returncode == 0, f"{command}\nexit {result.returncode}\n{result.stderr.decode()[-3000:]}"
     return result
@@ -191,3 +194,54 @@ def test_train_your_own_commands_run(tmp_path):
         config, info = read_metadata(workdir / "weights" / f"{name}.safetensors")
         assert info["steps"] == 2 and "eval" in info
     assert (config.attention, config.linear_feature_map) == ("linear", "hedgehog")
+
+
+# ---------------------------------------------------------------- "Bring your own model"
+
+
+def python_blocks(section: str) -> list[str]:
+    text = README.read_text()
+    match = re.search(rf"^## {re.escape(section)}\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert match, f"README has no '## {section}' section"
+    return re.findall(r"```python\n(.*?)```", match.group(1), re.S)
+
+
+def test_bring_your_own_model_commands_run(tmp_path):
+    if not (Path(sys.executable).parent / "rnnserve").exists():
+        pytest.skip("the rnnserve console script is not installed in this Python's environment (make test installs it)")
+    pytest.importorskip("transformers", reason="writes the GPT-2 folder (make test installs it)")
+    pytest.importorskip("openai", reason="the README's client (make test installs it)")
+    from hf_support import CORPUS, save_gpt2_folder
+
+    home, workdir = tmp_path / "home", tmp_path / "work"
+    save_gpt2_folder(home / ".cache/huggingface/hub/models--gpt2/snapshots/0123456789abcdef")
+    workdir.mkdir()
+    (workdir / ".venv").symlink_to(Path(sys.executable).parent.parent)
+    (workdir / "my-corpus.txt").write_text("\n".join(CORPUS * 3), encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RNNSERVE_")} | {"HOME": str(home)}
+    imported, linearize, serve = commands(bash_blocks("Bring your own model")[0])
+    run_bash(imported, workdir, env)
+    run_bash(shortened(linearize), workdir, env)
+    port = free_port()
+    log = workdir / "serve.log"
+    with open(log, "wb") as out:
+        flags = f" --port {port} --device cpu --no-compile-decode --log-level warning"
+        proc = subprocess.Popen(
+            ["bash", "-c", serve + flags], cwd=workdir, stdout=out, stderr=subprocess.STDOUT, env=env
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, base, log, SERVER_START_SECONDS)
+        (script,) = python_blocks("Bring your own model")
+        result = subprocess.run(
+            [sys.executable, "-c", script.replace(f"http://{README_PORT}", base)],
+            capture_output=True,
+            timeout=COMMAND_SECONDS,
+            text=True,
+        )
+    finally:
+        stop_process(proc)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["gpt2", "gpt2-hedgehog"]
+    assert all(line.endswith(" 24 tokens") for line in lines), lines

@@ -1,6 +1,7 @@
 """An imported GPT-2 served over real HTTP and spoken to with the OpenAI client: text in, text out through its own
 tokenizer, with Hugging Face's greedy tokens, its token strings in logprobs, usage in its tokens, stop sequences
-that end inside a token, logit_bias on ids past 255, and its end-of-text token ending a sample."""
+that end inside a token, logit_bias on ids past 255, and its end-of-text token ending a sample. Its linearized
+twin (`rnnserve linearize`, fine-tuned on text tokenized by the same tokenizer) is served beside it."""
 
 from __future__ import annotations
 
@@ -13,15 +14,57 @@ transformers = pytest.importorskip(
 )
 openai = pytest.importorskip("openai", reason="the OpenAI client (make test installs it)")
 
-from hf_support import END_OF_TEXT, UNICODE, gpt2_folder, imported  # noqa: E402  (fixtures; after the skip)
+from hf_support import CORPUS, END_OF_TEXT, UNICODE, gpt2_folder, imported  # noqa: E402  (fixtures; after the skip)
 from server_support import make_settings, running_server, save_tiny_model, sse_payloads  # noqa: E402
+
+from model.weights_io import load_model, read_metadata, read_tokenizer  # noqa: E402
+from rnnserve_cli import main  # noqa: E402
+from training.train import INHERITED_FIELDS  # noqa: E402
 
 __all__ = ["gpt2_folder", "imported"]
 MODEL = "gpt2-tiny"
+LINEAR = "gpt2-tiny-hedgehog"
 
 
 @pytest.fixture(scope="module")
-def server(imported):
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("\n".join(CORPUS * 3), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def linearized(imported, corpus):
+    out = imported.parent / f"{LINEAR}.safetensors"
+    flags = ["--feature-map", "hedgehog", "--data", str(corpus), "--steps", "3", "--batch-size", "2"]
+    run = ["--device", "cpu", "--threads", "1", "--no-progress", "--checkpoint", str(out.with_suffix(".ckpt"))]
+    assert main(["linearize", str(imported), "--out", str(out), *flags, *run]) == 0
+    return out
+
+
+def test_the_linearized_model_keeps_the_vocabulary_and_tokenizer(imported, linearized):
+    source, _ = read_metadata(imported)
+    config, info = read_metadata(linearized)
+    assert (config.attention, config.linear_feature_map) == ("linear", "hedgehog")
+    assert {f: getattr(config, f) for f in INHERITED_FIELDS} == {f: getattr(source, f) for f in INHERITED_FIELDS}
+    assert read_tokenizer(linearized) == read_tokenizer(imported)
+    assert read_tokenizer(linearized.with_suffix(".ckpt")) == read_tokenizer(imported)  # rnnserve eval reads it
+
+
+def test_its_loss_is_per_byte_of_the_validation_text(linearized, corpus, hf):
+    _, tokenizer = hf
+    raw = corpus.read_bytes()
+    valid = raw[len(raw) * 9 // 10 :].decode("utf-8", errors="ignore")  # the cut moves to a character's start
+    evaluation = read_metadata(linearized)[1]["eval"]
+    assert evaluation["bytes"] == len(valid.encode()) and evaluation["tokens"] == len(tokenizer.encode(valid))
+    per_byte = evaluation["loss_nats_per_token"] * evaluation["tokens"] / evaluation["bytes"]
+    assert evaluation["loss_nats_per_byte"] == pytest.approx(per_byte)
+    model, _ = load_model(linearized)
+    assert model.config.vocab_size == len(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def server(imported, linearized):
     save_tiny_model(imported.parent, "bytes-text", "linear", "text", seed=1)  # a byte model served beside it
     with running_server(make_settings(weights=imported.parent, max_batch=8)) as (url, _):
         yield url
@@ -54,7 +97,16 @@ def greedy(client, prompt, max_tokens: int = 24, **options):
 def test_models_name_each_model_s_tokenizer(server):
     models = {m["id"]: m for m in httpx.get(f"{server}/v1/models").json()["data"]}
     assert models[MODEL]["tokenizer"].endswith("tokens)") and "BPE" in models[MODEL]["tokenizer"]
-    assert models["bytes-text"]["tokenizer"] == "bytes"
+    assert models[LINEAR]["tokenizer"] == models[MODEL]["tokenizer"]
+    assert (models[LINEAR]["attention"], models["bytes-text"]["tokenizer"]) == ("linear", "bytes")
+
+
+def test_the_linearized_twin_answers_text_through_the_same_tokenizer(client, hf):
+    _, tokenizer = hf
+    answer = client.completions.create(model=LINEAR, prompt=UNICODE, max_tokens=8, temperature=0, logprobs=0)
+    assert answer.usage.prompt_tokens == len(tokenizer.encode(UNICODE)) and answer.usage.completion_tokens == 8
+    shown = {tokenizer.convert_tokens_to_string([t]) for t in tokenizer.convert_ids_to_tokens(range(len(tokenizer)))}
+    assert all(t in shown or t.startswith("bytes:") for t in answer.choices[0].logprobs.tokens)
 
 
 def test_text_in_text_out_is_hugging_face_s_greedy_decode(client, hf):

@@ -44,6 +44,7 @@ from safetensors.torch import save_file
 
 from model import ModelConfig, Transformer, build_model
 from model.config import ConfigError
+from model.weights_io import TOKENIZER_KEY
 
 from .averaging import WeightAverage
 from .errors import TrainError
@@ -156,6 +157,7 @@ class CheckpointWriter:
     path: Path
     precision: str  # a key of PRECISIONS
     run: RunSettings
+    tokenizer: str | None = None  # a model with a tokenizer keeps it in its checkpoints too (rnnserve eval reads it)
 
     def save(
         self,
@@ -168,6 +170,8 @@ class CheckpointWriter:
         tensors, metadata = encode(
             model, opt, prog, RngStates.capture(generator), self.run, self.precision, average or {}
         )
+        if self.tokenizer is not None:
+            metadata[TOKENIZER_KEY] = self.tokenizer
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(self.path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 

@@ -1,4 +1,5 @@
-"""Training data: MNIST in IDX files (gzip or plain) and raw UTF-8 text as bytes.
+"""Training data: MNIST in IDX files (gzip or plain) and raw UTF-8 text as bytes (or, for a model with a
+tokenizer, as its token ids).
 
 Nothing here is global: each loader takes a path and returns uint8 tensors.
 MNIST image sets are found by glob so that both the standard names
@@ -12,6 +13,7 @@ import gzip
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -43,8 +45,8 @@ class LabeledMnist:
 
 @dataclass(frozen=True)
 class TextSplits:
-    train: torch.Tensor  # (N_train,) uint8 bytes
-    valid: torch.Tensor  # (N_valid,) uint8 bytes
+    train: torch.Tensor  # (N_train,) uint8 bytes, or int32 token ids of a model's tokenizer
+    valid: torch.Tensor  # (N_valid,) the same
     path: str
 
 
@@ -171,8 +173,9 @@ def load_labeled_mnist(path: str | Path, split: str) -> LabeledMnist:
     return LabeledMnist(images.images, labels, images.path)
 
 
-def load_text(path: str | Path) -> TextSplits:
-    """A UTF-8 text file as bytes: first 90% train, last 10% validation."""
+def load_text(path: str | Path, encode: Callable[[str], list[int]] | None = None) -> TextSplits:
+    """A UTF-8 text file as bytes, or as the tokens `encode` makes of it: first 90% train, last 10% validation
+    (cut by bytes, at the start of a character when tokenized)."""
     path = Path(path)
     if not path.is_file():
         what = "is a folder" if path.is_dir() else "no such file"
@@ -184,8 +187,15 @@ def load_text(path: str | Path) -> TextSplits:
         raise DataError(f"{path}: not valid UTF-8 at byte {exc.start}; expected a UTF-8 text file") from exc
     if len(raw) < 20:
         raise DataError(f"{path}: only {len(raw)} bytes; need at least 20 to split 90/10 into train and validation")
-    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     cut = int(len(raw) * TEXT_TRAIN_FRACTION)
+    if encode is not None:
+        while cut < len(raw) and raw[cut] & 0xC0 == 0x80:  # a continuation byte: the character began earlier
+            cut += 1
+        train, valid = (
+            torch.tensor(encode(part.decode("utf-8")), dtype=torch.int32) for part in (raw[:cut], raw[cut:])
+        )
+        return TextSplits(train, valid, str(path))
+    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     return TextSplits(data[:cut].clone(), data[cut:].clone(), str(path))
 
 

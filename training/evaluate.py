@@ -23,13 +23,14 @@ import torch
 from tqdm import tqdm
 
 from model import Transformer
+from model.vocabulary import Vocabulary, vocabulary_for
 from model.weights_io import WeightsError, read_metadata, update_info
 
 from .completions import DEFAULT_BATCH, CompletionRun, EvalParts, choose_occlusion, evaluate_completions
 from .completions import print_table as print_completions
 from .completions import store_result
 from .data import DataError, load_mnist, load_text
-from .loading import is_checkpoint, load_evaluated
+from .loading import is_checkpoint, load_evaluated, stored_tokenizer
 
 TASK_DATA = {"mnist": "a folder with t10k-images-idx3-ubyte[.gz] (or that file)", "text": "a UTF-8 text file"}
 
@@ -84,9 +85,15 @@ def text_windows(data: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.T
 
 @torch.inference_mode()
 def evaluate_text(
-    model: Transformer, valid: torch.Tensor, batch_size: int = 32, limit: int | None = None, show_progress: bool = False
+    model: Transformer,
+    valid: torch.Tensor,
+    batch_size: int = 32,
+    limit: int | None = None,
+    show_progress: bool = False,
+    vocabulary: Vocabulary | None = None,
 ) -> dict[str, Any]:
-    """Mean -ln p(byte) over the validation bytes (or the first `limit` windows)."""
+    """Mean -ln p over the validation text (or the first `limit` windows) per byte of text: for a model with a
+    tokenizer (`vocabulary`), its tokens' loss spread over the bytes they stand for, so models compare."""
     windows, tail = text_windows(valid, model.config.max_len)
     if limit is not None:
         windows, tail = windows[:limit], tail[:0]
@@ -95,9 +102,22 @@ def evaluate_text(
         total += sum_nll(model, batch.long().to(model.device))
     if tail.numel():
         total += sum_nll(model, tail[None].long().to(model.device))
-    count = windows.numel() + tail.numel()
+    tokens = windows.numel() + tail.numel()
+    if vocabulary is None or vocabulary.tokenizer_json is None:
+        nats = total / tokens
+        return {"metric": "val loss", "loss_nats_per_byte": nats, "bits_per_byte": nats / math.log(2), "bytes": tokens}
+    lengths = [len(piece) for piece in vocabulary.pieces]
+    count = sum(lengths[t] for t in torch.cat([windows.flatten(), tail]).tolist())
     nats = total / count
-    return {"metric": "val loss", "loss_nats_per_byte": nats, "bits_per_byte": nats / math.log(2), "bytes": count}
+    return {
+        "metric": "val loss",
+        "loss_nats_per_byte": nats,
+        "bits_per_byte": nats / math.log(2),
+        "bytes": count,
+        "loss_nats_per_token": total / tokens,
+        "tokens": tokens,
+        "tokenizer": vocabulary.name,
+    }
 
 
 def evaluate_file(
@@ -111,7 +131,7 @@ def evaluate_file(
     """Load a weights file or checkpoint (float32 compute) and evaluate it on its task's held-out data."""
     model, checkpoint = load_evaluated(path, device)
     try:
-        result = _evaluate_on_task(model, data, limit, batch_size, show_progress)
+        result = _evaluate_on_task(model, data, limit, batch_size, show_progress, stored_tokenizer(path))
     except DataError as exc:  # say which kind of data this model needed
         raise DataError(
             f"{path} is a {model.config.task} model, so --data must be {TASK_DATA[model.config.task]}: {exc}"
@@ -123,14 +143,21 @@ def evaluate_file(
 
 
 def _evaluate_on_task(
-    model: Transformer, data: str | Path, limit: int | None, batch_size: int, show_progress: bool
+    model: Transformer,
+    data: str | Path,
+    limit: int | None,
+    batch_size: int,
+    show_progress: bool,
+    tokenizer: str | None = None,
 ) -> dict[str, Any]:
     if model.config.task == "mnist":
         split = load_mnist(data, "test")
         result = evaluate_mnist(model, split.images[:limit] if limit else split.images, batch_size, show_progress)
         result["data"] = split.path + (f" (first {limit} images)" if limit else "")
     else:
-        result = evaluate_text(model, load_text(data).valid, batch_size, limit, show_progress)
+        vocabulary = vocabulary_for(model.config, tokenizer)
+        splits = load_text(data, vocabulary.encode if vocabulary.tokenizer_json else None)
+        result = evaluate_text(model, splits.valid, batch_size, limit, show_progress, vocabulary)
         result["data"] = f"{data} (last 10%)" + (f", first {limit} windows" if limit else "")
     return result
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from model import Transformer
-from model.weights_io import load_model
+from model.weights_io import WeightsError, load_model, read_tokenizer
 
 from .checkpoint import model_of
 from .data import DataError
@@ -32,3 +32,12 @@ def load_evaluated(path: str | Path, device: torch.device) -> tuple[Transformer,
         return model_of(Path(path), device)
     except TrainError as exc:
         raise DataError(str(exc)) from exc
+
+
+def stored_tokenizer(path: str | Path) -> str | None:
+    """The tokenizer a weights file or checkpoint carries (a model imported with one, or trained from one);
+    None for byte models and for checkpoints of the older format."""
+    try:
+        return read_tokenizer(path)
+    except WeightsError:
+        return None

@@ -32,7 +32,8 @@ from tqdm import tqdm
 from model import ModelConfig, Transformer, build_model
 from model.config import ConfigError
 from model.kinds import kind_options
-from model.weights_io import save_model, update_info
+from model.vocabulary import Vocabulary, vocabulary_for
+from model.weights_io import WeightsError, read_metadata, read_tokenizer, save_model, update_info
 
 from .arguments import SAVE_DTYPE_NAMES
 from .averaging import WeightAverage
@@ -88,9 +89,34 @@ class Batches:
         return self.data[offsets].long()
 
 
-def build_config(args: argparse.Namespace) -> ModelConfig:
+# What a run started from a file keeps of it beyond the flags: its vocabulary and the layer details that come
+# with an imported model (GPT-2's tied output layer, GELU's tanh form, layer-norm epsilon).
+INHERITED_FIELDS = ("vocab_size", "bos_token", "eos_token", "tied_head", "gelu", "ln_eps")
+
+
+@dataclass(frozen=True)
+class Inherited:
+    """What `--init-from FILE` hands a run besides weights: config fields and the tokenizer (None: bytes)."""
+
+    fields: dict[str, Any]
+    tokenizer: str | None = None
+
+
+def inherited_from(args: argparse.Namespace) -> Inherited:
+    if not args.init_from:
+        return Inherited({})
+    try:
+        config, _ = read_metadata(args.init_from)
+        tokenizer = read_tokenizer(args.init_from)
+    except WeightsError as exc:
+        raise TrainError(f"--init-from: {exc}") from exc
+    return Inherited({name: getattr(config, name) for name in INHERITED_FIELDS}, tokenizer)
+
+
+def build_config(args: argparse.Namespace, inherited: Inherited = Inherited({})) -> ModelConfig:
     preset = PRESETS[args.preset]
     return ModelConfig(
+        **inherited.fields,
         attention=args.attention,
         task=args.task,
         n_layers=args.layers or preset.n_layers,
@@ -106,15 +132,15 @@ def build_config(args: argparse.Namespace) -> ModelConfig:
     )
 
 
-def load_training_data(args: argparse.Namespace) -> tuple[torch.Tensor, str]:
-    """Training tokens and the path they came from."""
+def load_training_data(args: argparse.Namespace, vocabulary: Vocabulary) -> tuple[torch.Tensor, str]:
+    """Training tokens (a text's bytes, or its tokens in the model's tokenizer) and the path they came from."""
     if args.task == "mnist":
         split = load_mnist(args.data, "train")
         return split.images, split.path
-    text = load_text(args.data)
+    text = load_text(args.data, vocabulary.encode if vocabulary.tokenizer_json else None)
     if text.train.shape[0] <= args.context:
         raise DataError(
-            f"{args.data}: training split has {text.train.shape[0]} bytes, need more than --context {args.context}"
+            f"{args.data}: training split has {text.train.shape[0]} tokens, need more than --context {args.context}"
         )
     return text.train, text.path
 
@@ -397,8 +423,9 @@ def train(args: argparse.Namespace, stop_after: int | None = None) -> dict[str, 
     else:
         torch.backends.cuda.matmul.allow_tf32 = True
     torch.manual_seed(args.seed)
-    cfg = build_config(args)
-    data, data_path = load_training_data(args)
+    inherited = inherited_from(args)
+    cfg = build_config(args, inherited)
+    data, data_path = load_training_data(args, vocabulary_for(cfg, inherited.tokenizer))
     preset = PRESETS[args.preset]
     batch_size, lr = args.batch_size or preset.batch_size, args.lr or preset.lr
     model = build_model(cfg).to(device)
@@ -423,7 +450,7 @@ def train(args: argparse.Namespace, stop_after: int | None = None) -> dict[str, 
         distillation.weight if distillation else 0.0,
         distillation.given_shares if distillation else (),
     )
-    writer = CheckpointWriter(checkpoint_path(args), args.checkpoint_precision, run)
+    writer = CheckpointWriter(checkpoint_path(args), args.checkpoint_precision, run, inherited.tokenizer)
     prog, saved_average = resume(args, writer, model, opt, batches) if args.resume else (Progress(), None)
     if prog.step == 0:  # a new run; a resumed one keeps the weights and lineage of its checkpoint
         if args.init_from:
@@ -443,7 +470,7 @@ def train(args: argparse.Namespace, stop_after: int | None = None) -> dict[str, 
         raise TrainingStopped(stop.signum, prog.step, writer.path if args.checkpoint_every else None)
     info = training_info(args, data_path, prog, device, batch_size, lr, distillation)
     with average.swapped_in(model) if average is not None else nullcontext():
-        save_and_evaluate(model, args, info, device)
+        save_and_evaluate(model, args, info, device, inherited.tokenizer)
     return info
 
 
@@ -451,9 +478,12 @@ def average_of(average: WeightAverage | None) -> dict[str, torch.Tensor] | None:
     return average.average if average is not None else None
 
 
-def save_and_evaluate(model: Transformer, args: argparse.Namespace, info: dict[str, Any], device: torch.device) -> None:
-    """Save the model; evaluate the saved 16-bit file itself (the numbers describe what ships) and store the result."""
-    save_model(model, args.out, info, dtype=SAVE_DTYPES[args.save_dtype])
+def save_and_evaluate(
+    model: Transformer, args: argparse.Namespace, info: dict[str, Any], device: torch.device, tokenizer: str | None
+) -> None:
+    """Save the model (with its tokenizer, if it has one); evaluate the saved 16-bit file itself (the numbers
+    describe what ships) and store the result."""
+    save_model(model, args.out, info, dtype=SAVE_DTYPES[args.save_dtype], tokenizer=tokenizer)
     if args.no_eval:
         return
     info["eval"] = evaluate_file(

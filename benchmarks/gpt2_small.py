@@ -33,7 +33,7 @@ import torch
 from model.hf_import import import_folder
 from model.sampling import BatchSampling, SamplingParams
 from model.transformer import Transformer, build_model
-from model.weights_io import load_model, save_model
+from model.weights_io import load_model, read_tokenizer, save_model
 
 from .decode import DecodeSettings, _timed, _with_decoder, environment, machine_load, measure_positions, step_decoder
 
@@ -237,7 +237,12 @@ def run(s: Gpt2Settings, progress=print) -> dict:
         import_folder(folder, imported)
         softmax, _ = load_model(imported)
         linear = linearized(softmax)
-        save_model(linear, files / "gpt2-small-hedgehog.safetensors", {"linearized_from": imported.name})
+        save_model(
+            linear,
+            files / "gpt2-small-hedgehog.safetensors",
+            {"linearized_from": imported.name},
+            tokenizer=read_tokenizer(imported),
+        )
         models = {"rnnserve softmax (imported)": softmax, "rnnserve linear (linearized)": linear}
         report = {
             "environment": environment(DecodeSettings()) | machine_load(),

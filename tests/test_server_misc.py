@@ -116,6 +116,9 @@ def test_bad_and_duplicate_weight_files(tmp_path):
     junk.write_bytes(b"not weights")
     with pytest.raises(WeightsError, match="junk.safetensors: not a valid safetensors file"):
         check_model_files(make_settings(models=[junk]))
+    untokenized = save_tiny_model(tmp_path, "wide", "linear", "text", vocab_size=1000)
+    with pytest.raises(SettingsError, match=r"wide.safetensors: a text model with a 1000-token vocabulary but no tok"):
+        check_model_files(make_settings(models=[untokenized]))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error when no GPU is present")

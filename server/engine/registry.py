@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from model.config import BYTE_VOCAB
 from model.transformer import Transformer
 from model.vocabulary import Vocabulary, byte_vocabulary, vocabulary_for
 from model.weights_io import load_model, read_metadata, read_tokenizer
@@ -32,7 +33,12 @@ def check_model_files(settings: Settings) -> list[Path]:
     paths = settings.model_paths()
     names: dict[str, Path] = {}
     for path in paths:
-        read_metadata(path)  # raises WeightsError naming the file and the problem
+        config, _ = read_metadata(path)  # raises WeightsError naming the file and the problem
+        if config.task == "text" and config.vocab_size != BYTE_VOCAB and read_tokenizer(path) is None:
+            raise SettingsError(
+                f"{path}: a text model with a {config.vocab_size}-token vocabulary but no tokenizer in the file; "
+                f"expected a byte model ({BYTE_VOCAB} tokens) or one imported with its tokenizer (rnnserve import hf)"
+            )
         if path.stem in names:
             raise SettingsError(
                 f"two model files are both named '{path.stem}': {names[path.stem]} and {path}; "

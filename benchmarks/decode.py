@@ -237,7 +237,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn, device: torch.device) -> float:
+def timed(fn, device: torch.device) -> float:
     _sync(device)
     start = time.perf_counter()
     fn()
@@ -277,13 +277,13 @@ def _timed_run(contestant: Contestant, batch: int, tokens: int, device: torch.de
     """(wall, CPU) seconds of one checked generation of `tokens` tokens in every row."""
     out: list[torch.Tensor] = []
     cpu = time.process_time()
-    wall = _timed(lambda: out.append(contestant.generate(tokens)), device)
+    wall = timed(lambda: out.append(contestant.generate(tokens)), device)
     cpu = time.process_time() - cpu
     check_generated(contestant.name, out[0], batch, tokens)
     return wall, cpu
 
 
-def _with_decoder(decoder: EagerDecoder, sampling: BatchSampling, tokens: int) -> torch.Tensor:
+def with_decoder(decoder: EagerDecoder, sampling: BatchSampling, tokens: int) -> torch.Tensor:
     prompt = torch.zeros(decoder.state.batch_size, 0, dtype=torch.long, device=decoder.model.device)  # (B, 0)
     return generate(decoder.model, prompt, tokens, sampling, decoder=decoder)
 
@@ -311,12 +311,12 @@ def rnnserve_contestants(
             )
         out.append(
             Contestant(
-                kind, kind, "rnnserve", partial(_with_decoder, decoder, sampling), decoder.compiled, decoder.graphed
+                kind, kind, "rnnserve", partial(with_decoder, decoder, sampling), decoder.compiled, decoder.graphed
             )
         )
         if decoder.compiled and settings.eager_too:
             eager = EagerDecoder(pytorch_operators_only(model), model.new_state(batch))
-            out.append(Contestant(f"{kind} (eager)", kind, "eager", partial(_with_decoder, eager, sampling)))
+            out.append(Contestant(f"{kind} (eager)", kind, "eager", partial(with_decoder, eager, sampling)))
     return out
 
 
@@ -398,11 +398,11 @@ def measure_no_cache(model: Transformer, batch: int, settings: DecodeSettings) -
     def step(pos: int) -> None:
         tokens[:, pos] = _no_cache_step(model, tokens, pos, sampling)
 
-    first = [_timed(lambda p=pos: step(p), device) for pos in range(measured)]
+    first = [timed(lambda p=pos: step(p), device) for pos in range(measured)]
     gen = torch.Generator().manual_seed(settings.seed)
     tokens[:, measured:] = torch.randint(0, 256, (batch, total - measured), generator=gen).to(device)
     sampled = [
-        {"position": pos, "seconds": _timed(lambda p=pos: _no_cache_step(model, tokens, p, sampling), device)}
+        {"position": pos, "seconds": timed(lambda p=pos: _no_cache_step(model, tokens, p, sampling), device)}
         for pos in _later_positions(measured, total, settings.nocache_samples)
     ]
     rest = _interpolated_sum(first, sampled, measured, total)
@@ -538,7 +538,7 @@ def measure_flatness(
 
 def _time_steps(decoder: EagerDecoder, steps: int) -> list[float]:
     token = torch.zeros(decoder.state.batch_size, dtype=torch.long, device=decoder.model.device)  # (B,)
-    return [_timed(lambda: decoder(token), decoder.model.device) for _ in range(steps)]
+    return [timed(lambda: decoder(token), decoder.model.device) for _ in range(steps)]
 
 
 # ---------------------------------------------------------------- the whole run

@@ -35,7 +35,8 @@ from model.sampling import BatchSampling, SamplingParams
 from model.transformer import Transformer, build_model
 from model.weights_io import load_model, read_tokenizer, save_model
 
-from .decode import DecodeSettings, _timed, _with_decoder, environment, machine_load, measure_positions, step_decoder
+from .peers import hf_generate
+from .decode import DecodeSettings, timed, with_decoder, environment, machine_load, measure_positions, step_decoder
 
 GPT2_SMALL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "n_positions": 1024, "vocab_size": 50257}
 TINY = {"n_layer": 2, "n_embd": 64, "n_head": 4, "n_positions": 256, "vocab_size": 1000}  # --tiny: a smoke run
@@ -95,28 +96,13 @@ def hf_contestant(folder: Path, batch: int, tokens: int):
     from transformers import GPT2LMHeadModel
 
     model = GPT2LMHeadModel.from_pretrained(folder).eval()
-    start = torch.full((batch, 1), model.config.bos_token_id)
-
-    def run() -> torch.Tensor:
-        out = model.generate(
-            start,
-            attention_mask=torch.ones_like(start),
-            max_new_tokens=tokens,
-            min_new_tokens=tokens,
-            do_sample=True,
-            top_k=0,
-            cache_implementation="static",
-            pad_token_id=model.config.bos_token_id,
-        )
-        return out[:, 1:]
-
-    return run
+    return lambda: hf_generate(model, batch, tokens, cache_implementation="static")
 
 
 def rnnserve_contestant(model: Transformer, batch: int, tokens: int):
     decoder = step_decoder(model, DecodeSettings(compiled=True), batch)
     sampling = BatchSampling.from_params([SamplingParams(temperature=1.0, seed=i) for i in range(batch)])
-    return lambda: _with_decoder(decoder, sampling, tokens), decoder.compiled
+    return lambda: with_decoder(decoder, sampling, tokens), decoder.compiled
 
 
 @torch.inference_mode()
@@ -134,7 +120,7 @@ def measure_throughput(models: dict[str, Transformer], folder: Path, s: Gpt2Sett
             order = list(runs) if r % 2 == 0 else list(reversed(runs))
             for name in order:
                 out: list[torch.Tensor] = []
-                seconds[name].append(_timed(lambda: out.append(runs[name]()), torch.device("cpu")))
+                seconds[name].append(timed(lambda: out.append(runs[name]()), torch.device("cpu")))
                 assert tuple(out[0].shape) == (batch, s.new_tokens), (name, out[0].shape)
         for name, times in seconds.items():
             best = min(times)

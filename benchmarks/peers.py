@@ -204,7 +204,7 @@ def _plain_recurrence(sizes: dict, max_len: int, dtype: torch.dtype):
 # ---------------------------------------------------------------- Hugging Face generate()
 
 
-def _hf_generate(model, batch: int, tokens: int, **options) -> torch.Tensor:
+def hf_generate(model, batch: int, tokens: int, **options) -> torch.Tensor:
     bos = torch.full((batch, 1), BOS_TOKEN)
     out = model.generate(
         bos,
@@ -244,12 +244,12 @@ def _gpt2(sizes: dict, max_len: int, dtype: torch.dtype):
 
 def _gpt2_static(sizes: dict, max_len: int, dtype: torch.dtype):
     model = _gpt2(sizes, max_len, dtype)
-    return model, lambda batch, tokens: _hf_generate(model, batch, tokens, cache_implementation="static")
+    return model, lambda batch, tokens: hf_generate(model, batch, tokens, cache_implementation="static")
 
 
 def _gpt2_dynamic(sizes: dict, max_len: int, dtype: torch.dtype):
     model = _gpt2(sizes, max_len, dtype)
-    return model, lambda batch, tokens: _hf_generate(model, batch, tokens)
+    return model, lambda batch, tokens: hf_generate(model, batch, tokens)
 
 
 def _reformer(sizes: dict, max_len: int, dtype: torch.dtype):
@@ -280,7 +280,7 @@ def _reformer(sizes: dict, max_len: int, dtype: torch.dtype):
         pad_token_id=0,
     )
     model = ReformerModelWithLMHead(cfg).to(dtype).eval()
-    return model, lambda batch, tokens: _quiet(_hf_generate, model, batch, tokens)
+    return model, lambda batch, tokens: _quiet(hf_generate, model, batch, tokens)
 
 
 def _quiet(fn: Callable, *args) -> torch.Tensor:

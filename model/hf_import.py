@@ -176,13 +176,21 @@ def read_tokenizer(folder: Path) -> str:
     vocab.json and merges.txt."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+    from .vocabulary import is_byte_level
+
     if (folder / "tokenizer.json").is_file():
         try:
-            return Tokenizer.from_file(str(folder / "tokenizer.json")).to_str()
+            stored = Tokenizer.from_file(str(folder / "tokenizer.json")).to_str()
         except Exception as exc:  # the library's own parse error, whatever its type
             raise HFImportError(
                 f"{folder / 'tokenizer.json'}: not a tokenizer the tokenizers library reads ({exc})"
             ) from exc
+        if not is_byte_level(json.loads(stored)):
+            raise HFImportError(
+                f"{folder / 'tokenizer.json'}: not a byte-level BPE (its decoder is not ByteLevel); "
+                "expected GPT-2's kind of tokenizer"
+            )
+        return stored
     vocab, merges = folder / "vocab.json", folder / "merges.txt"
     if not (vocab.is_file() and merges.is_file()):
         raise HFImportError(f"{folder}: no tokenizer; expected tokenizer.json, or vocab.json and merges.txt")

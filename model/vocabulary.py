@@ -76,7 +76,8 @@ def _tokenizer_vocabulary(tokenizer_json: str, size: int, eos: int | None) -> Vo
     special = {i for i, added in tokenizer.get_added_tokens_decoder().items() if added.special}
     if eos is not None:
         special.add(eos)
-    to_bytes = _byte_level_piece if _is_byte_level(spec) else _decoded_piece(tokenizer)
+    if not is_byte_level(spec):
+        raise ValueError("the stored tokenizer is not a byte-level BPE (GPT-2's kind): its tokens' bytes are unknown")
     pieces, shown = [], []
     for token in range(size):
         symbol = tokenizer.id_to_token(token)
@@ -87,14 +88,14 @@ def _tokenizer_vocabulary(tokenizer_json: str, size: int, eos: int | None) -> Vo
             pieces.append(b"")
             shown.append(symbol)
         else:
-            piece = to_bytes(symbol, token)
+            piece = _byte_level_piece(symbol)
             pieces.append(piece)
             shown.append(shown_bytes(piece))
     kind = (spec.get("model") or {}).get("type") or "tokenizer"
     return Vocabulary(f"{kind} ({size} tokens)", tuple(pieces), tuple(shown), eos, tokenizer_json)
 
 
-def _is_byte_level(spec: dict[str, Any]) -> bool:
+def is_byte_level(spec: dict[str, Any]) -> bool:
     """GPT-2's scheme: each byte is written as one printable symbol (decoder ByteLevel)."""
     decoder = spec.get("decoder") or {}
     kinds = [d.get("type") for d in decoder.get("decoders", [])] if decoder.get("type") == "Sequence" else []
@@ -111,17 +112,8 @@ def _symbol_bytes() -> dict[str, int]:
     return symbols
 
 
-def _byte_level_piece(symbol: str, token: int) -> bytes:
+def _byte_level_piece(symbol: str) -> bytes:
     table = _symbol_bytes()
     if any(ch not in table for ch in symbol):  # an added, non-special token written as plain text
         return symbol.encode("utf-8")
     return bytes(table[ch] for ch in symbol)
-
-
-def _decoded_piece(tokenizer):
-    """Other tokenizers: a token's bytes as the tokenizer decodes it alone (exact for whole characters)."""
-
-    def piece(symbol: str, token: int) -> bytes:
-        return tokenizer.decode([token], skip_special_tokens=False).encode("utf-8")
-
-    return piece

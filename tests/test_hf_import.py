@@ -82,6 +82,11 @@ def test_a_folder_built_from_vocab_and_merges_tokenizes_the_same(gpt2_folder, im
     assert a.encode(text).ids == b.encode(text).ids
 
 
+def word_level_tokenizer():
+    """A tokenizer whose tokens are words, not bytes: what a token stands for in the text is not known."""
+    return tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+
+
 @pytest.mark.parametrize(
     "damage, message",
     [
@@ -101,6 +106,10 @@ def test_a_folder_built_from_vocab_and_merges_tokenizes_the_same(gpt2_folder, im
                 json.dumps({**json.loads((f / "config.json").read_text()), "n_embd": 32})
             ),
             "tensor tok_emb.weight has shape",
+        ),
+        (
+            lambda f: word_level_tokenizer().save(str(f / "tokenizer.json")),
+            "not a byte-level BPE (its decoder is not ByteLevel); expected GPT-2's kind of tokenizer",
         ),
     ],
 )

@@ -34,7 +34,12 @@ def check_model_files(settings: Settings) -> list[Path]:
     names: dict[str, Path] = {}
     for path in paths:
         config, _ = read_metadata(path)  # raises WeightsError naming the file and the problem
-        if config.task == "text" and config.vocab_size != BYTE_VOCAB and read_tokenizer(path) is None:
+        tokenizer = read_tokenizer(path)
+        try:
+            vocabulary_for(config, tokenizer)
+        except ValueError as exc:  # a stored tokenizer that cannot be served
+            raise SettingsError(f"{path}: {exc}") from exc
+        if config.task == "text" and config.vocab_size != BYTE_VOCAB and tokenizer is None:
             raise SettingsError(
                 f"{path}: a text model with a {config.vocab_size}-token vocabulary but no tokenizer in the file; "
                 f"expected a byte model ({BYTE_VOCAB} tokens) or one imported with its tokenizer (rnnserve import hf)"

@@ -5,6 +5,8 @@ twin (`rnnserve linearize`, fine-tuned on text tokenized by the same tokenizer) 
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import torch
@@ -200,3 +202,27 @@ def test_a_byte_model_beside_it_keeps_its_byte_tokens(server):
         "".join(p["choices"][0]["text"] for p in sse_payloads(stream.text) if p["choices"])
         == (answer["choices"][0]["text"])
     )
+
+
+def test_tokenize_and_detokenize_use_each_model_s_tokens(server, hf):
+    _, tokenizer = hf
+    ours = httpx.post(f"{server}/tokenize", json={"model": MODEL, "prompt": UNICODE}).json()
+    assert ours["tokens"] == tokenizer.encode(UNICODE) and ours["count"] == len(ours["tokens"])
+    assert ours["max_model_len"] == 128 and len(ours["token_strings"]) == ours["count"]
+    back = httpx.post(f"{server}/detokenize", json={"model": MODEL, "tokens": ours["tokens"]}).json()
+    assert back["prompt"] == UNICODE
+    as_bytes = httpx.post(f"{server}/tokenize", json={"model": "bytes-text", "prompt": "é"}).json()
+    assert (as_bytes["tokens"], as_bytes["token_strings"]) == ([0xC3, 0xA9], ["bytes:\\xc3", "bytes:\\xa9"])
+
+
+def test_tokenize_refusals_name_the_field(server):
+    cases = [
+        ("/detokenize", {"model": MODEL, "tokens": [10**6]}, "tokens", "0.."),
+        ("/detokenize", {"model": MODEL, "tokens": [-1]}, "tokens", ""),
+        ("/tokenize", {"model": MODEL, "prompt": "\ud800"}, "prompt", "lone UTF-16 surrogate"),
+        ("/tokenize", {"model": "nope", "prompt": "x"}, "model", "not loaded"),
+    ]
+    for path, body, param, words in cases:
+        answer = httpx.post(f"{server}{path}", content=json.dumps(body), headers={"Content-Type": "application/json"})
+        assert answer.status_code in (400, 404) and answer.json()["error"]["param"] == param, (path, answer.text)
+        assert words in answer.json()["error"]["message"]

@@ -1,4 +1,5 @@
-"""POST /v1/completions: OpenAI-compatible text completion, over bytes or a model's own tokenizer.
+"""POST /v1/completions: OpenAI-compatible text completion, over bytes or a model's own tokenizer; POST /tokenize
+and /detokenize: its tokens for a text and back.
 
 Each prompt of a request is one engine request of `best_of` (else `n`)
 samples; their events are merged in arrival order when streaming.
@@ -29,7 +30,10 @@ from server.api.generation import (
     sse_stream,
     submit,
 )
+from server.api.errors import invalid_request
+from server.api.responses import errors
 from server.api.text_api import CompletionRequest, CompletionResponse, TextCompletion
+from server.api.tokenize_api import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from server.engine.types import GenerationRequest, PromptScores
 from server.engine.validation import check_logit_bias
 
@@ -150,3 +154,26 @@ async def stream_events(
     engine.metrics.request_latency(time.monotonic() - completion.started)
     if completion.body.stream_options and completion.body.stream_options.include_usage:
         yield sse({**completion.envelope([]), "usage": completion.usage()})
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, responses=errors(400, 401, 404, 413, 415))
+async def tokenize(body: TokenizeRequest, request: Request, server: ServerState = Depends(get_server)) -> dict:
+    engine = server.engines.for_request(request, body.model, "text")
+    vocabulary = engine.vocabulary
+    tokens = vocabulary.encode(body.prompt)
+    return {
+        "tokens": tokens,
+        "token_strings": [vocabulary.shown[t] for t in tokens],
+        "count": len(tokens),
+        "max_model_len": engine.config.max_len,
+    }
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=errors(400, 401, 404, 413, 415))
+async def detokenize(body: DetokenizeRequest, request: Request, server: ServerState = Depends(get_server)) -> dict:
+    engine = server.engines.for_request(request, body.model, "text")
+    size = engine.vocabulary.size
+    bad = next((t for t in body.tokens if t >= size), None)
+    if bad is not None:
+        raise invalid_request(f"tokens holds {bad}; model '{engine.name}' has tokens 0..{size - 1}", "tokens")
+    return {"prompt": engine.vocabulary.decode(body.tokens)}

@@ -52,11 +52,11 @@ class SamplingOptions(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _no_lone_surrogates(cls, data: Any) -> Any:
+    def _nolone_surrogates(cls, data: Any) -> Any:
         """JSON may carry lone UTF-16 surrogates (\\ud800); no text can be encoded from them."""
         if isinstance(data, dict):
             for name, value in data.items():
-                bad = _lone_surrogate(value)
+                bad = lone_surrogate(value)
                 if bad is not None:
                     raise FieldError(
                         f"{name} contains a lone UTF-16 surrogate (U+{ord(bad):04X}); send valid Unicode text",
@@ -70,10 +70,10 @@ class SamplingOptions(BaseModel):
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed, **extra)
 
 
-def _lone_surrogate(value: Any) -> str | None:
+def lone_surrogate(value: Any) -> str | None:
     """The first lone surrogate in a string, or in the strings of a list (nested), if any."""
     if isinstance(value, str):
         return next((ch for ch in value if "\ud800" <= ch <= "\udfff"), None)
     if isinstance(value, list):
-        return next((bad for item in value if (bad := _lone_surrogate(item)) is not None), None)
+        return next((bad for item in value if (bad := lone_surrogate(item)) is not None), None)
     return None

@@ -11,7 +11,7 @@ import torch
 
 from model.config import ModelConfig
 from model.transformer import build_model
-from model.weights_io import load_model, save_model
+from model.weights_io import load_model, read_metadata, save_model
 from rnnserve_cli import main
 from training.errors import TrainError
 from training.warm_start import init_from
@@ -191,3 +191,65 @@ def test_the_new_options_keep_older_files_loading_as_they_were():
         del old[key]  # a file written before the learned maps
     config = ModelConfig.from_dict(old)
     assert (config.linear_feature_map, config.linear_features) == ("elu", 0)
+
+
+def test_attention_transfer_teaches_the_maps_softmax_s_weights(softmax_file, corpus):
+    from training.attention_transfer import teacher_queries_keys, transfer, transfer_loss
+    from training.data import load_text
+
+    teacher, _ = load_model(softmax_file)
+    student = build_model(teacher.config.replace(attention="linear", linear_feature_map="hedgehog"))
+    init_from(str(softmax_file), student)
+    data = load_text(corpus).train
+    gen = torch.Generator().manual_seed(0)
+
+    def batch() -> torch.Tensor:
+        starts = torch.randint(0, data.shape[0] - 16, (8,), generator=gen)
+        return data[starts[:, None] + torch.arange(16)].long()  # (8, 16)
+
+    probe = batch()
+    rows = torch.arange(16)
+
+    pairs = teacher_queries_keys(teacher, probe)
+    entropy = 0.0  # of the teacher's own weights: the cross-entropy's floor
+    for q, k in pairs:
+        logits = (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~torch.ones(16, 16).tril().bool(), -1e9)
+        weights = torch.softmax(logits, -1)
+        entropy += float(-(weights * torch.log(weights + 1e-12)).sum(-1).mean()) / len(pairs)
+
+    def divergence_now() -> float:  # KL(teacher || student), averaged over layers, heads and rows
+        with torch.no_grad():
+            return float(transfer_loss(student, pairs, rows)) - entropy
+
+    frozen = {n: p.clone() for n, p in student.named_parameters() if "feature_map" not in n}
+    before = divergence_now()
+    transfer(student, teacher, batch, 60, 1e-2, gen, log=lambda line: None)
+    assert divergence_now() < 0.5 * before
+    for name, value in student.named_parameters():  # only the maps learned
+        if name in frozen:
+            assert torch.equal(value, frozen[name]), name
+
+
+def test_linearize_with_a_first_stage_fine_tunes_from_it_and_a_rerun_reuses_it(tmp_path, softmax_file, corpus, capsys):
+    out = tmp_path / "staged.safetensors"
+    flags = ["--out", str(out), "--feature-map", "hedgehog", "--transfer-steps", "3"]
+    assert linearize(tmp_path, softmax_file, corpus, *flags) == 0
+    first = tmp_path / "lin.transfer.safetensors"
+    _, stage = read_metadata(first)
+    assert stage["attention_transfer"]["steps"] == 3 and len(stage["lineage"]) == 1  # the softmax model's run
+    _, info = read_metadata(out)
+    assert info["init_from"] == str(first) and len(info["lineage"]) == 2
+    assert info["lineage"][-1]["examples_seen"] == stage["examples_seen"] == 3 * 16
+    assert [t["file"] for t in info["distillation"]["teachers"]] == [softmax_file.name]
+    capsys.readouterr()
+    assert linearize(tmp_path, softmax_file, corpus, *flags) == 0
+    assert f"first stage: {first} exists" in capsys.readouterr().err
+
+
+def test_a_first_stage_needs_a_learned_map(tmp_path, softmax_file, corpus, capsys):
+    out = tmp_path / "elu.safetensors"
+    assert (
+        linearize(tmp_path, softmax_file, corpus, "--out", str(out), "--feature-map", "elu", "--transfer-steps", "2")
+        == 2
+    )
+    assert "elu has none" in capsys.readouterr().err and not out.exists()

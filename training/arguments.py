@@ -185,6 +185,14 @@ def add_linearize_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="fine-tune on the data alone (default: FILE also teaches, as `--teacher FILE`)",
     )
+    parser.add_argument(
+        "--transfer-steps",
+        type=int,
+        default=0,
+        help="first teach the feature maps alone to copy FILE's attention weights for this many steps "
+        "(Hedgehog's first stage; t2r or hedgehog), then fine-tune the whole model (default 0: no first stage)",
+    )
+    parser.add_argument("--transfer-lr", type=float, default=1e-2, help="the first stage's learning rate")
     _add_optimisation_arguments(parser.add_argument_group("fine-tuning (as `rnnserve train`)"))
     _add_run_arguments(parser.add_argument_group("run (as `rnnserve train`)"))
 

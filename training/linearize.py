@@ -5,18 +5,34 @@ same projections); a learned feature map adds its own per-head projection (model
 fine-tuned by `rnnserve train` itself, started from FILE's weights (`--init-from FILE`) and, unless
 --no-teacher, distilled from FILE (`--teacher FILE`): checkpoints, `--resume`, curves, lineage and the
 evaluation at the end are training's. The flags after FILE are train's fine-tuning and run flags.
+
+With `--transfer-steps N` a first stage comes before (training/attention_transfer.py): the feature maps alone
+learn to copy FILE's attention weights, the result is written beside the checkpoint (`NAME.transfer.safetensors`,
+with its own run in the lineage) and the fine-tuning starts from it. A resumed command finds that file and goes
+straight on.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+import torch
 
 from model.kinds import ATTENTION_KINDS
-from model.weights_io import WeightsError, read_metadata
+from model.transformer import build_model
+from model.vocabulary import vocabulary_for
+from model.weights_io import WeightsError, load_model, read_metadata, save_model
 
 from .arguments import add_train_arguments
+from .attention_transfer import transfer
+from .data import DataError
+from .errors import TrainError
+from .lineage import inherited_lineage
+from .train import Batches, build_config, checkpoint_path, inherited_from, load_training_data
 from .train import run as run_training
+from .warm_start import init_from
 
 
 class LinearizeError(ValueError):
@@ -64,7 +80,46 @@ def train_arguments(args: argparse.Namespace) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     try:
         train = train_arguments(args)
-    except LinearizeError as exc:
+        if args.transfer_steps:
+            train.init_from = str(first_stage(args, train))
+    except (LinearizeError, TrainError, DataError) as exc:
         print(f"rnnserve linearize: error: {exc}", file=sys.stderr)
         return 2
     return run_training(train)
+
+
+def first_stage_path(train: argparse.Namespace) -> Path:
+    ckpt = checkpoint_path(train)
+    return ckpt.with_name(ckpt.stem + ".transfer.safetensors")
+
+
+def first_stage(args: argparse.Namespace, train: argparse.Namespace) -> Path:
+    """The linear model with its feature maps taught FILE's attention weights (made once; a resume reuses it)."""
+    path = first_stage_path(train)
+    if path.is_file():
+        print(f"first stage: {path} exists, fine-tuning from it", file=sys.stderr)
+        return path
+    if args.feature_map == "elu":
+        raise LinearizeError("--transfer-steps teaches a learned feature map; elu has none (use hedgehog or t2r)")
+    torch.set_num_threads(train.threads)
+    inherited = inherited_from(train)
+    student = build_model(build_config(train, inherited))
+    init_from(args.model, student)
+    teacher, _ = load_model(args.model)
+    teacher.requires_grad_(False)
+    data, _ = load_training_data(train, vocabulary_for(student.config, inherited.tokenizer))
+    generator = torch.Generator().manual_seed(train.seed)
+    batches = Batches(data, student.config.max_len, train.batch_size or 16, generator, 0)
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    result = transfer(student, teacher, batches.next, args.transfer_steps, args.transfer_lr, generator, log)
+    info = {
+        "command": train.command_line,
+        "attention_transfer": {"steps": result.steps, "first_loss": result.first_loss, "last_loss": result.last_loss},
+        "examples_seen": result.steps * batches.batch_size,
+        "wall_time_s": round(result.seconds, 1),
+        "lineage": inherited_lineage(args.model),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_model(student, path, info, tokenizer=inherited.tokenizer)
+    log(f"first stage: {path} (attention cross-entropy {result.first_loss:.4f} -> {result.last_loss:.4f})")
+    return path

@@ -149,7 +149,7 @@ class SampleText:
         piece = bytes(self.data[self.sent : end])
         text = decode(piece)
         byte_offsets = [*char_offsets(piece, self.chars_sent), self.chars_sent + len(text)]  # (bytes + 1,)
-        starts = [0, *self.ends[:-1]][self.tokens_sent : last]
+        starts = [self.ends[i - 1] if i else 0 for i in range(self.tokens_sent, last)]
         chunk = TextChunk(
             text,
             self.tokens[self.tokens_sent : last],

@@ -572,3 +572,20 @@ def test_gil_contention_flags_say_what_is_expected(args, message, capsys):
     with pytest.raises(SystemExit):
         main(args)
     assert message in capsys.readouterr().err
+
+
+def test_the_gpt2_benchmark_imports_a_save_pretrained_folder_and_linearizes_every_weight(tmp_path):
+    pytest.importorskip("transformers", reason="writes the GPT-2 folder (make test installs it)")
+    from benchmarks.gpt2_small import TINY, linearized, write_gpt2_folder
+    from model.hf_import import import_folder
+    from model.weights_io import load_model
+
+    write_gpt2_folder(tmp_path / "hf", TINY, seed=0)
+    import_folder(tmp_path / "hf", tmp_path / "gpt2.safetensors")
+    softmax, _ = load_model(tmp_path / "gpt2.safetensors")
+    assert (softmax.config.vocab_size, softmax.config.n_layers) == (TINY["vocab_size"], TINY["n_layer"])
+    linear = linearized(softmax)
+    assert (linear.config.attention, linear.config.linear_feature_map) == ("linear", "hedgehog")
+    kept = dict(softmax.named_parameters())
+    for name, value in linear.named_parameters():
+        assert torch.equal(value, kept[name]) if name in kept else "feature_map" in name, name

@@ -31,9 +31,14 @@ class Vocabulary:
     def size(self) -> int:
         return len(self.pieces)
 
+    @property
+    def is_bytes(self) -> bool:
+        """A byte model's: token id = byte, no tokenizer."""
+        return self.tokenizer_json is None
+
     def encode(self, text: str) -> list[int]:
         """The model's tokens for `text` (special tokens written out, e.g. <|endoftext|>, are recognised)."""
-        if self.tokenizer_json is None:
+        if self.is_bytes:
             return list(text.encode("utf-8"))
         return _tokenizer(self.tokenizer_json).encode(text, add_special_tokens=False).ids
 

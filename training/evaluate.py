@@ -103,7 +103,7 @@ def evaluate_text(
     if tail.numel():
         total += sum_nll(model, tail[None].long().to(model.device))
     tokens = windows.numel() + tail.numel()
-    if vocabulary is None or vocabulary.tokenizer_json is None:
+    if vocabulary is None or vocabulary.is_bytes:
         nats = total / tokens
         return {"metric": "val loss", "loss_nats_per_byte": nats, "bits_per_byte": nats / math.log(2), "bytes": tokens}
     lengths = [len(piece) for piece in vocabulary.pieces]
@@ -156,7 +156,7 @@ def _evaluate_on_task(
         result["data"] = split.path + (f" (first {limit} images)" if limit else "")
     else:
         vocabulary = vocabulary_for(model.config, tokenizer)
-        splits = load_text(data, vocabulary.encode if vocabulary.tokenizer_json else None)
+        splits = load_text(data, None if vocabulary.is_bytes else vocabulary.encode)
         result = evaluate_text(model, splits.valid, batch_size, limit, show_progress, vocabulary)
         result["data"] = f"{data} (last 10%)" + (f", first {limit} windows" if limit else "")
     return result

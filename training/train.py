@@ -137,7 +137,7 @@ def load_training_data(args: argparse.Namespace, vocabulary: Vocabulary) -> tupl
     if args.task == "mnist":
         split = load_mnist(args.data, "train")
         return split.images, split.path
-    text = load_text(args.data, vocabulary.encode if vocabulary.tokenizer_json else None)
+    text = load_text(args.data, None if vocabulary.is_bytes else vocabulary.encode)
     if text.train.shape[0] <= args.context:
         raise DataError(
             f"{args.data}: training split has {text.train.shape[0]} tokens, need more than --context {args.context}"

@@ -30,13 +30,18 @@ class LoadedModel:
 
 def check_model_files(settings: Settings) -> list[Path]:
     """Resolve the files to serve and read their headers, so a bad file fails fast."""
-    paths = settings.model_paths()
+    return list(checked_vocabularies(settings))
+
+
+def checked_vocabularies(settings: Settings) -> dict[Path, Vocabulary]:
+    """Each file to serve with its vocabulary, read from its header once; raises SettingsError for a bad file."""
+    vocabularies: dict[Path, Vocabulary] = {}
     names: dict[str, Path] = {}
-    for path in paths:
+    for path in settings.model_paths():
         config, _ = read_metadata(path)  # raises WeightsError naming the file and the problem
         tokenizer = read_tokenizer(path)
         try:
-            vocabulary_for(config, tokenizer)
+            vocabularies[path] = vocabulary_for(config, tokenizer)
         except ValueError as exc:  # a stored tokenizer that cannot be served
             raise SettingsError(f"{path}: {exc}") from exc
         if config.task == "text" and config.vocab_size != BYTE_VOCAB and tokenizer is None:
@@ -50,16 +55,15 @@ def check_model_files(settings: Settings) -> list[Path]:
                 "model names come from file names, so rename one"
             )
         names[path.stem] = path
-    return paths
+    return vocabularies
 
 
 def load_models(settings: Settings) -> list[LoadedModel]:
     device = settings.torch_device()
     dtype = settings.torch_dtype(device)
     loaded = []
-    for path in check_model_files(settings):
+    for path, vocabulary in checked_vocabularies(settings).items():
         model, info = load_model(path, device=device, dtype=dtype)
-        vocabulary = vocabulary_for(model.config, read_tokenizer(path))
         log.info(
             "loaded %s (%s %s, %d parameters, vocabulary %s) on %s in %s",
             path,

@@ -77,7 +77,7 @@ class Scheduler:
         """vocabulary: a text model's (its tokens' bytes are what stop sequences match); None: bytes."""
         self.max_batch = max_batch
         self.max_waiting = max_waiting
-        tokenized = vocabulary is not None and vocabulary.tokenizer_json is not None
+        tokenized = vocabulary is not None and not vocabulary.is_bytes
         self.pieces = vocabulary.pieces if tokenized else None
         self.eos = vocabulary.eos if vocabulary is not None else None
         self.waiting: deque[Submission] = deque()

@@ -676,6 +676,18 @@ def _add_ratios(images: list[ImageResult], no_cache: list[NoCacheResult]) -> Non
             r.vs_no_cache = r.images_per_s / baseline[r.batch]
 
 
+# The variables that cap PyTorch's, inductor's, MKL's and oneDNN's vector code (benchmarks/as_avx2.sh sets them).
+VECTOR_CAPS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+
+
+def measured_class(hardware_class: str) -> str:
+    """The CPU class a run stands for: an AVX-512 CPU capped at AVX2 is an emulated AVX2 one, kept apart from
+    runs on AVX2-only hardware."""
+    if hardware_class == "AVX-512" and os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2":
+        return "AVX2, emulated on an AVX-512 CPU"
+    return hardware_class
+
+
 def environment(settings: DecodeSettings) -> dict:
     cpu = read_cpu_features()
     env = {
@@ -684,8 +696,9 @@ def environment(settings: DecodeSettings) -> dict:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "processor": _cpu_name(),
-        "cpu_class": cpu.cpu_class,  # the kernels' route and the benchmarks' tables go by it
+        "cpu_class": measured_class(cpu.cpu_class),  # the benchmarks' tables are kept per class
         "vector_features": cpu.vector_features,
+        "vector_caps": {name: os.environ[name] for name in VECTOR_CAPS if name in os.environ},
         "cpu_route": cpu_route(),  # the kernels' route (RNNSERVE_CPU_ROUTE forces one)
         "packed_linear": packed_linear_wins(),  # whether the compiled steps' linear layers run the packed kernel
         "cpu_count": os.cpu_count(),

@@ -71,13 +71,29 @@ PACKED_LINEAR_ROUTES = frozenset({"avx512", "avx2"})
 
 def cpu_route() -> str:
     """The kernels' route: RNNSERVE_CPU_ROUTE when set (so that a route can be forced and tested on any CPU that
-    runs it), else the one this CPU's class takes."""
+    runs it), else the one this CPU's class takes, capped as PyTorch's own vector code is (`aten_capped`)."""
     forced = os.environ.get(ROUTE_VARIABLE, "").strip().lower()
     if forced and forced != "auto":
         if forced not in ROUTE_FLAGS:
             raise ValueError(f"{ROUTE_VARIABLE}={forced!r}: expected one of auto, {', '.join(ROUTE_FLAGS)}")
         return forced
-    return {"AVX-512": "avx512", "AVX2": "avx2", "ARM NEON": "generic"}.get(read_cpu_features().cpu_class, "scalar")
+    route = {"AVX-512": "avx512", "AVX2": "avx2", "ARM NEON": "generic"}.get(read_cpu_features().cpu_class, "scalar")
+    return aten_capped(route)
+
+
+ATEN_CAPABILITY_VARIABLE = "ATEN_CPU_CAPABILITY"
+
+
+def aten_capped(route: str) -> str:
+    """PyTorch's ATEN_CPU_CAPABILITY caps its kernels' and inductor's vector instructions (avx2 on an AVX-512 CPU,
+    default for none); the C++ kernels follow it down, never up, so that one variable makes a whole decode step
+    run as it would on the narrower CPU."""
+    capability = os.environ.get(ATEN_CAPABILITY_VARIABLE, "").strip().lower()
+    if capability == "avx2" and route == "avx512":
+        return "avx2"
+    if capability == "default":
+        return "scalar"
+    return route
 
 
 def route_forced() -> bool:

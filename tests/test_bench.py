@@ -589,3 +589,19 @@ def test_the_gpt2_benchmark_imports_a_save_pretrained_folder_and_linearizes_ever
     kept = dict(softmax.named_parameters())
     for name, value in linear.named_parameters():
         assert torch.equal(value, kept[name]) if name in kept else "feature_map" in name, name
+
+
+@pytest.mark.parametrize(
+    "hardware, capability, measured",
+    [
+        ("AVX-512", "avx2", "AVX2, emulated on an AVX-512 CPU"),
+        ("AVX-512", None, "AVX-512"),
+        ("AVX2", "avx2", "AVX2"),  # real AVX2 hardware is not an emulation
+    ],
+)
+def test_a_capped_run_is_kept_apart_from_the_class_it_stands_for(monkeypatch, hardware, capability, measured):
+    if capability is None:
+        monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    else:
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
+    assert decode.measured_class(hardware) == measured

@@ -304,3 +304,25 @@ def test_an_unknown_route_is_refused_with_the_ones_there_are(monkeypatch):
         cpu_kernels.cpu_route()
     monkeypatch.setenv("RNNSERVE_CPU_ROUTE", "auto")
     assert cpu_kernels.cpu_route() in cpu_kernels.ROUTE_FLAGS and not cpu_kernels.route_forced()
+
+
+@pytest.mark.parametrize(
+    "capability, route, capped",
+    [
+        ("avx2", "avx512", "avx2"),  # an AVX-512 CPU asked to run as an AVX2 one
+        ("avx2", "avx2", "avx2"),
+        ("avx2", "generic", "generic"),  # never up: ARM keeps its route
+        ("avx512", "avx2", "avx2"),
+        ("default", "avx512", "scalar"),  # PyTorch's own code without vectors: the kernels too
+        ("", "avx512", "avx512"),
+    ],
+)
+def test_pytorch_s_capability_caps_the_route_down_never_up(monkeypatch, capability, route, capped):
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
+    assert cpu_kernels.aten_capped(route) == capped
+
+
+def test_a_forced_route_wins_over_pytorch_s_capability(monkeypatch):
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    monkeypatch.setenv("RNNSERVE_CPU_ROUTE", "avx2")
+    assert cpu_kernels.cpu_route() == "avx2" and cpu_kernels.route_forced()

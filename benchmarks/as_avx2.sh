@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Runs a command with every vector path capped at AVX2, so that an AVX-512 machine measures what an AVX2-only CPU
+# of the same core would run: PyTorch's kernels and inductor's generated code (ATEN_CPU_CAPABILITY, which
+# rnnserve's C++ kernels follow down to their avx2 route), MKL's products and oneDNN's.
+#
+#   benchmarks/as_avx2.sh .venv/bin/rnnserve bench --peers ...
+#
+# A stand-in, not a second machine: the core, its caches and its memory stay the AVX-512 machine's, and the
+# results say so (`aten_cpu_capability` in the JSON's environment; the tables name the class as emulated).
+set -euo pipefail
+export ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
+exec "$@"

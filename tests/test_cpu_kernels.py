@@ -66,6 +66,21 @@ def test_the_kernel_equals_pytorch_attention_for_rows_of_different_lengths(kerne
     torch.testing.assert_close(got[0, :, 0], v[0, :, 0], atol=KERNEL_TOLERANCE, rtol=0)
 
 
+@pytest.mark.parametrize("direction", [1.0, -1.0])
+def test_scores_that_climb_or_fall_by_hundreds_across_positions_stay_exact(kernel, direction):
+    # The kernel keeps a running maximum over blocks of positions: scores climbing past what exp() can hold
+    # (each later block's maximum far above the last) or falling from the first block must give softmax's answer.
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(3, 2, 1, 32, generator=gen)
+    ramp = direction * torch.linspace(0, 600, 70)[None, None, :, None]  # (1, 1, L, 1)
+    k = q * ramp / q.square().sum(-1, keepdim=True) * 32**0.5 + 0.01 * torch.randn(3, 2, 70, 32, generator=gen)
+    v = torch.randn(3, 2, 70, 32, generator=gen)
+    last = torch.tensor([69, 40, 16])
+    got = kernel(q, k, v, last)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, pytorch_attention(q, k, v, last), atol=KERNEL_TOLERANCE, rtol=0)
+
+
 def test_the_kernel_reads_only_the_positions_each_row_can_see(kernel):
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, 2, n, 32, generator=gen) for n in (1, 30, 30))

@@ -2,8 +2,9 @@
 //
 // Why a kernel: a decode step reads every cached key and value of every row once, so it is bound by memory
 // bandwidth. Inductor lowers this single-query product to loops that read V once per 16 lanes of the head and
-// keep one accumulator chain; this reads K once, then V once with four independent accumulators, and only the
-// positions each row can see (its own length, not the batch's longest). Built by model/cpu_kernels.py.
+// keep one accumulator chain; this reads each row's keys and values side by side in one pass (online softmax,
+// in blocks), with four independent accumulators, fetching ahead into the next row, and only the positions each
+// row can see (its own length, not the batch's longest). Built by model/cpu_kernels.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -30,55 +31,98 @@ float sum_lanes(const Vec& x) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x);
 }
 
-// scores[l] = q . k_l / sqrt(D); returns their maximum.
-float scores_vectorized(const Row& r, float* scores) {
+constexpr int64_t kBlock = 16;  // positions scored, then weighed, together: keys and values stream side by side
+constexpr int64_t kAhead = 32;  // positions fetched into L2 ahead of the one being scored, into the next row's
+
+// Fetches position `p` of this row's keys and values, or of the next row's once past this row's end, so that
+// the memory system is already bringing in what comes next when a row's two short streams end.
+void prefetch_position(const Row& r, const Row* next, int64_t p) {
+  const float *key = nullptr, *value = nullptr;
+  if (p < r.n) {
+    key = r.k + p * r.k_stride, value = r.v + p * r.v_stride;
+  } else if (next != nullptr && p - r.n < next->n) {
+    key = next->k + (p - r.n) * next->k_stride, value = next->v + (p - r.n) * next->v_stride;
+  } else {
+    return;
+  }
+  for (int64_t offset = 0; offset < r.d * static_cast<int64_t>(sizeof(float)); offset += 64) {
+    __builtin_prefetch(reinterpret_cast<const char*>(key) + offset, 0, 2);
+    __builtin_prefetch(reinterpret_cast<const char*>(value) + offset, 0, 2);
+  }
+}
+
+// Scores of positions [from, from + n) into `scores` (q . k_l, q already scaled); returns their maximum.
+float score_block(const Row& r, const Row* next, const Vec* q, int64_t from, int64_t n, float* scores) {
   const int64_t w = Vec::size(), vectors = r.d / w;
-  Vec q[kMaxVectors];
-  const Vec scale(1.0f / std::sqrt(static_cast<float>(r.d)));
-  for (int64_t j = 0; j < vectors; ++j) q[j] = Vec::loadu(r.q + j * w) * scale;
   float most = -std::numeric_limits<float>::infinity();
-  for (int64_t l = 0; l < r.n; ++l) {  // positions are independent: the core overlaps their reductions
-    const float* key = r.k + l * r.k_stride;
+  for (int64_t i = 0; i < n; ++i) {  // positions are independent: the core overlaps their reductions
+    prefetch_position(r, next, from + i + kAhead);
+    const float* key = r.k + (from + i) * r.k_stride;
     Vec acc = Vec::loadu(key) * q[0];
     for (int64_t j = 1; j < vectors; ++j) acc = at::vec::fmadd(Vec::loadu(key + j * w), q[j], acc);
-    scores[l] = sum_lanes(acc);
-    most = std::max(most, scores[l]);
+    scores[i] = sum_lanes(acc);
+    most = std::max(most, scores[i]);
   }
   return most;
 }
 
-// scores <- exp(scores - most); returns their sum.
-float exponentiate(float* scores, int64_t n, float most) {
+// weights <- exp(weights - most) for n of them; returns their sum.
+float exponentiate(float* weights, int64_t n, float most) {
   const int64_t w = Vec::size();
   const Vec shift(most);
   Vec total(0.0f);
-  int64_t l = 0;
-  for (; l + w <= n; l += w) {
-    const Vec e = (Vec::loadu(scores + l) - shift).exp_u20();
-    e.store(scores + l);
+  int64_t i = 0;
+  for (; i + w <= n; i += w) {
+    const Vec e = (Vec::loadu(weights + i) - shift).exp_u20();
+    e.store(weights + i);
     total = total + e;
   }
   float sum = sum_lanes(total);
-  for (; l < n; ++l) sum += scores[l] = std::exp(scores[l] - most);
+  for (; i < n; ++i) sum += weights[i] = std::exp(weights[i] - most);
   return sum;
 }
 
-// out = sum_l weights[l] v_l / total, four positions at a time into four accumulators (no one long chain).
-void weigh_values_vectorized(const Row& r, const float* weights, float total) {
+// acc += sum_i weights[i] v_(from + i), four positions at a time into four accumulators (no one long chain).
+void weigh_block(const Row& r, const float* weights, int64_t from, int64_t n, Vec (*acc)[kMaxVectors]) {
   const int64_t w = Vec::size(), vectors = r.d / w;
-  Vec acc[4][kMaxVectors];
-  for (auto& a : acc)
-    for (int64_t j = 0; j < vectors; ++j) a[j] = Vec(0.0f);
-  int64_t l = 0;
-  for (; l + 4 <= r.n; l += 4)
-    for (int64_t i = 0; i < 4; ++i) {
-      const Vec weight(weights[l + i]);
-      const float* value = r.v + (l + i) * r.v_stride;
-      for (int64_t j = 0; j < vectors; ++j) acc[i][j] = at::vec::fmadd(weight, Vec::loadu(value + j * w), acc[i][j]);
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4)
+    for (int64_t u = 0; u < 4; ++u) {
+      const Vec weight(weights[i + u]);
+      const float* value = r.v + (from + i + u) * r.v_stride;
+      for (int64_t j = 0; j < vectors; ++j) acc[u][j] = at::vec::fmadd(weight, Vec::loadu(value + j * w), acc[u][j]);
     }
-  for (; l < r.n; ++l)
+  for (; i < n; ++i)
     for (int64_t j = 0; j < vectors; ++j)
-      acc[0][j] = at::vec::fmadd(Vec(weights[l]), Vec::loadu(r.v + l * r.v_stride + j * w), acc[0][j]);
+      acc[0][j] = at::vec::fmadd(Vec(weights[i]), Vec::loadu(r.v + (from + i) * r.v_stride + j * w), acc[0][j]);
+}
+
+// One pass over the row in blocks (online softmax): each block's keys, then its values while they are in L1;
+// the sums so far are rescaled whenever a block raises the running maximum.
+void attend_vectorized(const Row& r, const Row* next) {
+  const int64_t w = Vec::size(), vectors = r.d / w;
+  Vec q[kMaxVectors], acc[4][kMaxVectors];
+  const Vec scale(1.0f / std::sqrt(static_cast<float>(r.d)));
+  for (int64_t j = 0; j < vectors; ++j) {
+    q[j] = Vec::loadu(r.q + j * w) * scale;
+    for (auto& a : acc) a[j] = Vec(0.0f);
+  }
+  float most = -std::numeric_limits<float>::infinity(), total = 0.0f;
+  alignas(64) float weights[kBlock];
+  for (int64_t from = 0; from < r.n; from += kBlock) {
+    const int64_t n = std::min(kBlock, r.n - from);
+    const float block_most = score_block(r, next, q, from, n, weights);
+    if (block_most > most) {
+      const float shrink = std::exp(most - block_most);  // 0 on the first block
+      const Vec factor(shrink);
+      for (auto& a : acc)
+        for (int64_t j = 0; j < vectors; ++j) a[j] = a[j] * factor;
+      total *= shrink;
+      most = block_most;
+    }
+    total += exponentiate(weights, n, most);
+    weigh_block(r, weights, from, n, acc);
+  }
   const Vec inverse(1.0f / total);
   for (int64_t j = 0; j < vectors; ++j) (((acc[0][j] + acc[1][j]) + (acc[2][j] + acc[3][j])) * inverse).store(r.out + j * w);
 }
@@ -102,11 +146,10 @@ void attend_scalar(const Row& r, float* scores) {
   }
 }
 
-void attend(const Row& r, float* scores) {
+void attend(const Row& r, const Row* next, float* scores) {
   const int64_t w = Vec::size();
   if (r.d % w != 0 || r.d / w > kMaxVectors) return attend_scalar(r, scores);
-  const float most = scores_vectorized(r, scores);
-  weigh_values_vectorized(r, scores, exponentiate(scores, r.n, most));
+  attend_vectorized(r, next);
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& last) {
@@ -136,13 +179,17 @@ at::Tensor softmax_decode_attention(const at::Tensor& q, const at::Tensor& k, co
   at::Tensor out = at::empty({q.size(0), heads, 1, d}, q.options());
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  auto row_at = [&](int64_t i) {
+    const int64_t b = i / heads, h = i % heads;
+    return Row{qp + b * q.stride(0) + h * q.stride(1), kp + b * k.stride(0) + h * k.stride(1),
+               vp + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2), end[b] + 1, d, op + i * d};
+  };
   at::parallel_for(0, q.size(0) * heads, 1, [&](int64_t begin, int64_t finish) {
-    std::vector<float> scores(max_len);
+    std::vector<float> scores(max_len);  // the scalar path's
     for (int64_t i = begin; i < finish; ++i) {
-      const int64_t b = i / heads, h = i % heads;
-      const Row row{qp + b * q.stride(0) + h * q.stride(1), kp + b * k.stride(0) + h * k.stride(1),
-                    vp + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2), end[b] + 1, d, op + i * d};
-      attend(row, scores.data());
+      const Row row = row_at(i);
+      const Row next = row_at(i + 1 < finish ? i + 1 : i);
+      attend(row, i + 1 < finish ? &next : nullptr, scores.data());
     }
   });
   return out;

@@ -87,6 +87,7 @@ def run_table(name: str, report: dict) -> str:
     lines = [
         f"### {cpu_class(report)}: {env['processor']}, {env['torch_threads']} thread(s), {env['utc']}",
         "",
+        *machine_rates(report),
         f"`{report['command']}` (`benchmarks/results/{name}`; {settings['image_tokens']}-token images at batch "
         f"{batch}; ratios from this one run)",
         "",
@@ -96,6 +97,18 @@ def run_table(name: str, report: dict) -> str:
     ]
     lines += [kind_row(report, kind, batch) for kind in kinds]
     return "\n".join(lines)
+
+
+def machine_rates(report: dict) -> list[str]:
+    """What this run measured the core to do: CPUs of one class differ (512-bit units or 256-bit ones)."""
+    machine = report.get("machine")
+    if not machine:
+        return []
+    return [
+        f"The core in this run: {machine['matmul_flops'] / 1e9:.0f} GFLOP/s on a float32 matrix product "
+        f"({machine['matmul_route']}), {machine['copy_bytes_per_s'] / 1e9:.1f} GB/s copying memory.",
+        "",
+    ]
 
 
 def tables(results: Path = RESULTS) -> str:

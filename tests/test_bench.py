@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -605,3 +606,26 @@ def test_a_capped_run_is_kept_apart_from_the_class_it_stands_for(monkeypatch, ha
     else:
         monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
     assert decode.measured_class(hardware) == measured
+
+
+def test_the_fma_probe_measures_each_vector_width_the_cpu_has():
+    from benchmarks import fma_peak
+    from model.cpu_features import read_cpu_features
+
+    flags = read_cpu_features().flags
+    if not {"avx2", "fma"} <= flags:
+        pytest.skip("the FMA probe is x86-only (AVX2 and FMA)")
+    if not any(shutil.which(c) for c in ("g++", "clang++", "c++")):
+        pytest.skip("no C++ compiler on PATH")
+    result = fma_peak.measure()
+    assert result["avx2_gflops"] > 0
+    assert ("avx512_gflops" in result) == ("avx512f" in flags)
+
+
+def test_the_fma_probe_says_why_it_cannot_run_on_a_cpu_without_avx2(monkeypatch):
+    from benchmarks import fma_peak
+    from model.cpu_features import CpuFeatures
+
+    monkeypatch.setattr(fma_peak, "read_cpu_features", lambda: CpuFeatures(frozenset({"asimd"})))
+    with pytest.raises(SystemExit, match="no AVX2 and FMA .*ARM NEON.*x86-only"):
+        fma_peak.measure()

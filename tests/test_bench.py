@@ -629,3 +629,16 @@ def test_the_fma_probe_says_why_it_cannot_run_on_a_cpu_without_avx2(monkeypatch)
     monkeypatch.setattr(fma_peak, "read_cpu_features", lambda: CpuFeatures(frozenset({"asimd"})))
     with pytest.raises(SystemExit, match="no AVX2 and FMA .*ARM NEON.*x86-only"):
         fma_peak.measure()
+
+
+def test_the_softmax_kernel_benchmark_refuses_to_time_a_wrong_kernel(monkeypatch):
+    from benchmarks import softmax_kernel
+    from model.cpu_kernels import load_kernels
+
+    if not load_kernels().ok:
+        pytest.skip("the CPU kernels do not build here")
+    right = softmax_kernel.measure(position=20, layers=1)
+    assert right["max_error"] < 1e-4 and right["bytes_per_step"] == 2 * 64 * 4 * 21 * 32 * 4  # K and V, 21 positions
+    monkeypatch.setattr(softmax_kernel, "reference_attention", lambda q, k, v, last: torch.zeros_like(q))
+    with pytest.raises(SystemExit, match="from PyTorch's: not timing a wrong result"):
+        softmax_kernel.measure(position=20, layers=1)

@@ -6,7 +6,12 @@
 #   benchmarks/as_avx2.sh .venv/bin/rnnserve bench --peers ...
 #
 # A stand-in, not a second machine: the core, its caches and its memory stay the AVX-512 machine's, and the
-# results say so (`aten_cpu_capability` in the JSON's environment; the tables name the class as emulated).
+# results say so (`environment.vector_caps` in the JSON; the tables name the class as emulated). Build the kernels
+# under it too (`benchmarks/as_avx2.sh .venv/bin/rnnserve build-kernels`): the avx2 route builds apart.
 set -euo pipefail
+if [ "$#" -eq 0 ]; then
+    echo "usage: benchmarks/as_avx2.sh COMMAND [ARGS...]  (runs COMMAND with every vector path capped at AVX2)" >&2
+    exit 2
+fi
 export ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
 exec "$@"

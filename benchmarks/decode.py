@@ -38,7 +38,7 @@ import torch
 
 from model.config import BOS_TOKEN, ModelConfig
 from model.cpu_features import read_cpu_features
-from model.cpu_kernels import cpu_route, packed_linear_wins, turn_off_cpu_kernels
+from model.cpu_kernels import cpu_route, packed_linear_wins, route_forced, turn_off_cpu_kernels
 from model.step_decoders import EagerDecoder
 from model.decoders import make_decoder
 from model.generate import generate
@@ -680,11 +680,15 @@ def _add_ratios(images: list[ImageResult], no_cache: list[NoCacheResult]) -> Non
 VECTOR_CAPS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
 
 
-def measured_class(hardware_class: str) -> str:
-    """The CPU class a run stands for: an AVX-512 CPU capped at AVX2 is an emulated AVX2 one, kept apart from
-    runs on AVX2-only hardware."""
-    if hardware_class == "AVX-512" and os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2":
+def measured_class(hardware_class: str, route: str) -> str:
+    """The CPU class a run stands for, kept apart from runs on other hardware: an AVX-512 CPU whose PyTorch and
+    kernels are both capped at AVX2 is an emulated AVX2 one; any other capped or forced run says so."""
+    caps = {name: os.environ[name] for name in VECTOR_CAPS if name in os.environ}
+    if hardware_class == "AVX-512" and caps.get("ATEN_CPU_CAPABILITY") == "avx2" and route == "avx2":
         return "AVX2, emulated on an AVX-512 CPU"
+    if caps or route_forced():
+        settings = ", ".join(f"{name}={value}" for name, value in caps.items())
+        return f"{hardware_class}, capped or forced ({settings or 'RNNSERVE_CPU_ROUTE'}; kernels' route {route})"
     return hardware_class
 
 
@@ -696,7 +700,7 @@ def environment(settings: DecodeSettings) -> dict:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "processor": _cpu_name(),
-        "cpu_class": measured_class(cpu.cpu_class),  # the benchmarks' tables are kept per class
+        "cpu_class": measured_class(cpu.cpu_class, cpu_route()),  # the benchmarks' tables are kept per class
         "vector_features": cpu.vector_features,
         "vector_caps": {name: os.environ[name] for name in VECTOR_CAPS if name in os.environ},
         "cpu_route": cpu_route(),  # the kernels' route (RNNSERVE_CPU_ROUTE forces one)

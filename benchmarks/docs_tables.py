@@ -106,7 +106,7 @@ def machine_rates(report: dict) -> list[str]:
         return []
     return [
         f"The core in this run: {machine['matmul_flops'] / 1e9:.0f} GFLOP/s on a float32 matrix product "
-        f"({machine['matmul_route']}), {machine['copy_bytes_per_s'] / 1e9:.1f} GB/s copying memory.",
+        f"({machine.get('matmul_route', 'torch.mm')}), {machine['copy_bytes_per_s'] / 1e9:.1f} GB/s copying memory.",
         "",
     ]
 

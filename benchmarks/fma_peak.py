@@ -85,8 +85,12 @@ def measure() -> dict:
         source, binary = Path(tmp, "probe.cpp"), Path(tmp, "probe")
         source.write_text("#include <cstring>\n" + PROBE)
         flags = ["-O2", "-mavx2", "-mfma", *(["-mavx512f", "-DWITH_AVX512"] if wide else [])]
-        subprocess.run([compiler, *flags, "-o", str(binary), str(source)], check=True)
-        done = subprocess.run([str(binary), "0.001"], check=True, capture_output=True, text=True)
+        built = subprocess.run([compiler, *flags, "-o", str(binary), str(source)], capture_output=True, text=True)
+        if built.returncode != 0:
+            raise SystemExit(f"{compiler} could not build the probe:\n{built.stderr[-2000:]}")
+        done = subprocess.run([str(binary), "0.001"], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"the probe failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
     rates = json.loads(done.stdout)
     result = {"cpu_class": cpu.cpu_class, "avx2_gflops": rates["avx2"]}
     if wide:
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     if "avx512_gflops" in result:
         line += (
             f", {result['avx512_gflops']:.1f} with AVX-512 ({result['avx512_over_avx2']:.2f}x: "
-            f"{'512-bit units' if result['avx512_over_avx2'] > 1.5 else '512-bit instructions on 256-bit units'})"
+            f"{'512-bit units' if result['avx512_over_avx2'] > 1.5 else 'AVX-512 no faster than AVX2 on this core'})"
         )
     print(line)
     if args.json_out:

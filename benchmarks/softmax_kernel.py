@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -21,6 +22,8 @@ import torch
 
 from model.cpu_kernels import cpu_route, load_kernels
 from model.cpu_features import read_cpu_features
+
+from .decode import VECTOR_CAPS, measured_class
 
 ROWS, HEADS, HEAD_SIZE, CACHE = 64, 4, 32, 785
 ROUNDS = 5
@@ -65,7 +68,8 @@ def measure(position: int, layers: int) -> dict:
         lambda: [attention(q, k, v, last) for q, k, v in caches], lambda: [(k.sum(), v.sum()) for k, v in visible]
     )
     return {
-        "cpu_class": read_cpu_features().cpu_class,
+        "cpu_class": measured_class(read_cpu_features().cpu_class, cpu_route()),
+        "vector_caps": {name: os.environ[name] for name in VECTOR_CAPS if name in os.environ},
         "cpu_route": cpu_route(),
         "position": position,
         "layers": layers,

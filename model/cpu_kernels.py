@@ -88,7 +88,7 @@ def aten_capped(route: str) -> str:
     """PyTorch's ATEN_CPU_CAPABILITY caps its kernels' and inductor's vector instructions (avx2 on an AVX-512 CPU,
     default for none); the C++ kernels follow it down, never up, so that one variable makes a whole decode step
     run as it would on the narrower CPU."""
-    capability = os.environ.get(ATEN_CAPABILITY_VARIABLE, "").strip().lower()
+    capability = os.environ.get(ATEN_CAPABILITY_VARIABLE, "")  # matched exactly, as PyTorch and inductor match it
     if capability == "avx2" and route == "avx512":
         return "avx2"
     if capability == "default":

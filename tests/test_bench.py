@@ -593,19 +593,40 @@ def test_the_gpt2_benchmark_imports_a_save_pretrained_folder_and_linearizes_ever
 
 
 @pytest.mark.parametrize(
-    "hardware, capability, measured",
+    "hardware, capability, forced, route, measured",
     [
-        ("AVX-512", "avx2", "AVX2, emulated on an AVX-512 CPU"),
-        ("AVX-512", None, "AVX-512"),
-        ("AVX2", "avx2", "AVX2"),  # real AVX2 hardware is not an emulation
+        ("AVX-512", "avx2", None, "avx2", "AVX2, emulated on an AVX-512 CPU"),
+        ("AVX-512", None, None, "avx512", "AVX-512"),
+        # kernels forced past PyTorch's cap: not an AVX2 run, and not a plain AVX-512 one
+        (
+            "AVX-512",
+            "avx2",
+            "avx512",
+            "avx512",
+            "AVX-512, capped or forced (ATEN_CPU_CAPABILITY=avx2; kernels' route avx512)",
+        ),
+        (
+            "AVX-512",
+            "default",
+            None,
+            "scalar",
+            "AVX-512, capped or forced (ATEN_CPU_CAPABILITY=default; kernels' route scalar)",
+        ),
+        ("AVX2", None, "generic", "generic", "AVX2, capped or forced (RNNSERVE_CPU_ROUTE; kernels' route generic)"),
     ],
 )
-def test_a_capped_run_is_kept_apart_from_the_class_it_stands_for(monkeypatch, hardware, capability, measured):
-    if capability is None:
-        monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
-    else:
+def test_a_capped_run_is_kept_apart_from_the_class_it_stands_for(
+    monkeypatch, hardware, capability, forced, route, measured
+):
+    for name in decode.VECTOR_CAPS:
+        monkeypatch.delenv(name, raising=False)
+    if capability is not None:
         monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
-    assert decode.measured_class(hardware) == measured
+    if forced is None:
+        monkeypatch.delenv("RNNSERVE_CPU_ROUTE", raising=False)
+    else:
+        monkeypatch.setenv("RNNSERVE_CPU_ROUTE", forced)
+    assert decode.measured_class(hardware, route) == measured
 
 
 def test_the_fma_probe_measures_each_vector_width_the_cpu_has():

@@ -330,6 +330,7 @@ def test_an_unknown_route_is_refused_with_the_ones_there_are(monkeypatch):
         ("avx512", "avx2", "avx2"),
         ("default", "avx512", "scalar"),  # PyTorch's own code without vectors: the kernels too
         ("", "avx512", "avx512"),
+        ("AVX2", "avx512", "avx512"),  # PyTorch matches the value exactly and ignores this one: so do the kernels
     ],
 )
 def test_pytorch_s_capability_caps_the_route_down_never_up(monkeypatch, capability, route, capped):

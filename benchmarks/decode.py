@@ -38,7 +38,13 @@ import torch
 
 from model.config import BOS_TOKEN, ModelConfig
 from model.cpu_features import read_cpu_features
-from model.cpu_kernels import cpu_route, packed_linear_wins, route_forced, turn_off_cpu_kernels
+from model.cpu_kernels import (
+    ATEN_CAPABILITY_VARIABLE,
+    cpu_route,
+    packed_linear_wins,
+    route_forced,
+    turn_off_cpu_kernels,
+)
 from model.step_decoders import EagerDecoder
 from model.decoders import make_decoder
 from model.generate import generate
@@ -677,14 +683,19 @@ def _add_ratios(images: list[ImageResult], no_cache: list[NoCacheResult]) -> Non
 
 
 # The variables that cap PyTorch's, inductor's, MKL's and oneDNN's vector code (benchmarks/as_avx2.sh sets them).
-VECTOR_CAPS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+VECTOR_CAPS = (ATEN_CAPABILITY_VARIABLE, "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+
+
+def vector_caps() -> dict[str, str]:
+    """The caps set in this process's environment."""
+    return {name: os.environ[name] for name in VECTOR_CAPS if name in os.environ}
 
 
 def measured_class(hardware_class: str, route: str) -> str:
     """The CPU class a run stands for, kept apart from runs on other hardware: an AVX-512 CPU whose PyTorch and
     kernels are both capped at AVX2 is an emulated AVX2 one; any other capped or forced run says so."""
-    caps = {name: os.environ[name] for name in VECTOR_CAPS if name in os.environ}
-    if hardware_class == "AVX-512" and caps.get("ATEN_CPU_CAPABILITY") == "avx2" and route == "avx2":
+    caps = vector_caps()
+    if hardware_class == "AVX-512" and caps.get(ATEN_CAPABILITY_VARIABLE) == "avx2" and route == "avx2":
         return "AVX2, emulated on an AVX-512 CPU"
     if caps or route_forced():
         settings = ", ".join(f"{name}={value}" for name, value in caps.items())
@@ -693,17 +704,17 @@ def measured_class(hardware_class: str, route: str) -> str:
 
 
 def environment(settings: DecodeSettings) -> dict:
-    cpu = read_cpu_features()
+    cpu, route = read_cpu_features(), cpu_route()
     env = {
         "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
         "processor": _cpu_name(),
-        "cpu_class": measured_class(cpu.cpu_class, cpu_route()),  # the benchmarks' tables are kept per class
+        "cpu_class": measured_class(cpu.cpu_class, route),  # the benchmarks' tables are kept per class
         "vector_features": cpu.vector_features,
-        "vector_caps": {name: os.environ[name] for name in VECTOR_CAPS if name in os.environ},
-        "cpu_route": cpu_route(),  # the kernels' route (RNNSERVE_CPU_ROUTE forces one)
+        "vector_caps": vector_caps(),
+        "cpu_route": route,  # the kernels' route (RNNSERVE_CPU_ROUTE forces one)
         "packed_linear": packed_linear_wins(),  # whether the compiled steps' linear layers run the packed kernel
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 from model.cpu_kernels import cpu_route, load_kernels
 from model.cpu_features import read_cpu_features
 
-from .decode import VECTOR_CAPS, measured_class
+from .decode import measured_class, vector_caps
 
 ROWS, HEADS, HEAD_SIZE, CACHE = 64, 4, 32, 785
 ROUNDS = 5
@@ -67,10 +66,11 @@ def measure(position: int, layers: int) -> dict:
     kernel, stream = best_seconds(
         lambda: [attention(q, k, v, last) for q, k, v in caches], lambda: [(k.sum(), v.sum()) for k, v in visible]
     )
+    route = cpu_route()
     return {
-        "cpu_class": measured_class(read_cpu_features().cpu_class, cpu_route()),
-        "vector_caps": {name: os.environ[name] for name in VECTOR_CAPS if name in os.environ},
-        "cpu_route": cpu_route(),
+        "cpu_class": measured_class(read_cpu_features().cpu_class, route),
+        "vector_caps": vector_caps(),
+        "cpu_route": route,
         "position": position,
         "layers": layers,
         "bytes_per_step": nbytes,

@@ -49,7 +49,7 @@ def pytorch_attention(q, k, v, last):
 
 
 # Head sizes the vector path covers (multiples of 8 and 16, up to 8 vectors) and ones it leaves to the scalar loops.
-@pytest.mark.parametrize("head_dim", [8, 16, 24, 32, 48, 200])
+@pytest.mark.parametrize("head_dim", [8, 16, 24, 32, 48, 64, 128, 200])
 def test_the_kernel_equals_pytorch_attention_for_rows_of_different_lengths(kernel, head_dim):
     gen = torch.Generator().manual_seed(head_dim)
     rows, heads, max_len = 5, 3, 40
@@ -263,12 +263,13 @@ for m, k, n in [(1, 128, 384), (3, 128, 130), (64, 128, 512), (7, 512, 128), (64
     x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
     got = torch.ops.rnnserve.packed_linear(x, torch.ops.rnnserve.pack_linear_weight(w), b, n)
     errors.append(float((got - F.linear(x, w, b)).abs().max()))
-q, kv = torch.randn(5, 4, 1, 24), torch.randn(2, 5, 4, 30, 24)
 last = torch.tensor([0, 7, 29, 12, 3])
-got = torch.ops.rnnserve.softmax_decode_attention(q, kv[0], kv[1], last)
 mask = torch.arange(30)[None, :] <= last[:, None]
-want = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask[:, None, None, :])
-errors.append(float((got - want).abs().max()))
+for head_dim in (24, 64, 128):  # 3, 8 and 16 vectors of 8 (AVX2, generic); 4 and 8 of 16 (AVX-512)
+    q, kv = torch.randn(5, 4, 1, head_dim), torch.randn(2, 5, 4, 30, head_dim)
+    got = torch.ops.rnnserve.softmax_decode_attention(q, kv[0], kv[1], last)
+    want = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask[:, None, None, :])
+    errors.append(float((got - want).abs().max()))
 print(json.dumps({"ok": build.ok, "route": build.route, "here": cpu_route(), "packed": packed_linear_wins(),
                   "max_error": max(errors)}))
 """

@@ -17,7 +17,6 @@
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kMaxVectors = 8;  // head sizes up to 8 vectors run vectorized; others take the scalar path
 
 struct Row {
   const float* q;  // (D,)
@@ -36,6 +35,7 @@ constexpr int64_t kAhead = 32;  // positions fetched into L2 ahead of the one be
 
 // Fetches position `p` of this row's keys and values, or of the next row's once past this row's end, so that
 // the memory system is already bringing in what comes next when a row's two short streams end.
+template <int V>
 void prefetch_position(const Row& r, const Row* next, int64_t p) {
   const float *key = nullptr, *value = nullptr;
   if (p < r.n) {
@@ -45,86 +45,101 @@ void prefetch_position(const Row& r, const Row* next, int64_t p) {
   } else {
     return;
   }
-  for (int64_t offset = 0; offset < r.d * static_cast<int64_t>(sizeof(float)); offset += 64) {
+  constexpr int64_t bytes = V * Vec::size() * sizeof(float);
+  for (int64_t offset = 0; offset < bytes; offset += 64) {
     __builtin_prefetch(reinterpret_cast<const char*>(key) + offset, 0, 2);
     __builtin_prefetch(reinterpret_cast<const char*>(value) + offset, 0, 2);
   }
 }
 
+// q . key at one position: a vector of partial sums, one per lane, not yet summed across lanes.
+template <int V>
+Vec partial_score(const Row& r, const Vec* q, int64_t position) {
+  const float* key = r.k + position * r.k_stride;
+  Vec acc = Vec::loadu(key) * q[0];
+  for (int j = 1; j < V; ++j) acc = at::vec::fmadd(Vec::loadu(key + j * Vec::size()), q[j], acc);
+  return acc;
+}
+
 // Scores of positions [from, from + n) into `scores` (q . k_l, q already scaled); returns their maximum.
+template <int V>
 float score_block(const Row& r, const Row* next, const Vec* q, int64_t from, int64_t n, float* scores) {
-  const int64_t w = Vec::size(), vectors = r.d / w;
   float most = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < n; ++i) {  // positions are independent: the core overlaps their reductions
-    prefetch_position(r, next, from + i + kAhead);
-    const float* key = r.k + (from + i) * r.k_stride;
-    Vec acc = Vec::loadu(key) * q[0];
-    for (int64_t j = 1; j < vectors; ++j) acc = at::vec::fmadd(Vec::loadu(key + j * w), q[j], acc);
-    scores[i] = sum_lanes(acc);
+    prefetch_position<V>(r, next, from + i + kAhead);
+    scores[i] = sum_lanes(partial_score<V>(r, q, from + i));
     most = std::max(most, scores[i]);
   }
   return most;
 }
 
-// weights <- exp(weights - most) for n of them; returns their sum.
-float exponentiate(float* weights, int64_t n, float most) {
+// weights <- exp(weights - most) for n of them, added into `total` lane by lane (summed across lanes once, at
+// the row's end); the last vector's lanes past n are exp(-inf) = 0.
+void exponentiate(float* weights, int64_t n, float most, Vec& total) {
   const int64_t w = Vec::size();
+  for (int64_t i = n; i % w != 0; ++i) weights[i] = -std::numeric_limits<float>::infinity();
   const Vec shift(most);
-  Vec total(0.0f);
-  int64_t i = 0;
-  for (; i + w <= n; i += w) {
+  for (int64_t i = 0; i < n; i += w) {
     const Vec e = (Vec::loadu(weights + i) - shift).exp_u20();
     e.store(weights + i);
     total = total + e;
   }
-  float sum = sum_lanes(total);
-  for (; i < n; ++i) sum += weights[i] = std::exp(weights[i] - most);
-  return sum;
 }
 
-// acc += sum_i weights[i] v_(from + i), four positions at a time into four accumulators (no one long chain).
-void weigh_block(const Row& r, const float* weights, int64_t from, int64_t n, Vec (*acc)[kMaxVectors]) {
-  const int64_t w = Vec::size(), vectors = r.d / w;
+// Independent accumulator chains for the weighted sum: as many as the registers hold beside q.
+template <int V>
+constexpr int kChains = V <= 2 ? 4 : (V <= 4 ? 2 : 1);
+
+// acc += sum_i weights[i] v_(from + i), positions dealt round the accumulators (no one long chain).
+template <int V>
+void weigh_block(const Row& r, const float* weights, int64_t from, int64_t n, Vec (&acc)[kChains<V>][V]) {
+  constexpr int64_t w = Vec::size(), chains = kChains<V>;
   int64_t i = 0;
-  for (; i + 4 <= n; i += 4)
-    for (int64_t u = 0; u < 4; ++u) {
+  for (; i + chains <= n; i += chains)
+    for (int64_t u = 0; u < chains; ++u) {
       const Vec weight(weights[i + u]);
       const float* value = r.v + (from + i + u) * r.v_stride;
-      for (int64_t j = 0; j < vectors; ++j) acc[u][j] = at::vec::fmadd(weight, Vec::loadu(value + j * w), acc[u][j]);
+      for (int j = 0; j < V; ++j) acc[u][j] = at::vec::fmadd(weight, Vec::loadu(value + j * w), acc[u][j]);
     }
   for (; i < n; ++i)
-    for (int64_t j = 0; j < vectors; ++j)
+    for (int j = 0; j < V; ++j)
       acc[0][j] = at::vec::fmadd(Vec(weights[i]), Vec::loadu(r.v + (from + i) * r.v_stride + j * w), acc[0][j]);
 }
 
 // One pass over the row in blocks (online softmax): each block's keys, then its values while they are in L1;
-// the sums so far are rescaled whenever a block raises the running maximum.
+// the sums so far are rescaled whenever a block raises the running maximum. V vectors a head, known when
+// compiling, so that q and the sums live in registers.
+template <int V>
 void attend_vectorized(const Row& r, const Row* next) {
-  const int64_t w = Vec::size(), vectors = r.d / w;
-  Vec q[kMaxVectors], acc[4][kMaxVectors];
+  constexpr int64_t w = Vec::size(), chains = kChains<V>;
+  Vec q[V], acc[chains][V];
   const Vec scale(1.0f / std::sqrt(static_cast<float>(r.d)));
-  for (int64_t j = 0; j < vectors; ++j) {
+  for (int j = 0; j < V; ++j) {
     q[j] = Vec::loadu(r.q + j * w) * scale;
     for (auto& a : acc) a[j] = Vec(0.0f);
   }
-  float most = -std::numeric_limits<float>::infinity(), total = 0.0f;
+  float most = -std::numeric_limits<float>::infinity();
+  Vec total(0.0f);
   alignas(64) float weights[kBlock];
   for (int64_t from = 0; from < r.n; from += kBlock) {
     const int64_t n = std::min(kBlock, r.n - from);
-    const float block_most = score_block(r, next, q, from, n, weights);
+    const float block_most = score_block<V>(r, next, q, from, n, weights);
     if (block_most > most) {
-      const float shrink = std::exp(most - block_most);  // 0 on the first block
-      const Vec factor(shrink);
+      const Vec shrink(std::exp(most - block_most));  // 0 on the first block
       for (auto& a : acc)
-        for (int64_t j = 0; j < vectors; ++j) a[j] = a[j] * factor;
-      total *= shrink;
+        for (int j = 0; j < V; ++j) a[j] = a[j] * shrink;
+      total = total * shrink;
       most = block_most;
     }
-    total += exponentiate(weights, n, most);
-    weigh_block(r, weights, from, n, acc);
+    exponentiate(weights, n, most, total);
+    weigh_block<V>(r, weights, from, n, acc);
   }
-  const Vec inverse(1.0f / total);
-  for (int64_t j = 0; j < vectors; ++j) (((acc[0][j] + acc[1][j]) + (acc[2][j] + acc[3][j])) * inverse).store(r.out + j * w);
+  const Vec inverse(1.0f / sum_lanes(total));
+  for (int j = 0; j < V; ++j) {
+    Vec sum = acc[0][j];
+    for (int64_t u = 1; u < chains; ++u) sum = sum + acc[u][j];
+    (sum * inverse).store(r.out + j * w);
+  }
 }
 
 // The same three steps, one number at a time: head sizes the vector path does not cover.
@@ -146,10 +161,20 @@ void attend_scalar(const Row& r, float* scores) {
   }
 }
 
+// Vectorized when the head is a whole number of vectors (up to 8), else one number at a time.
 void attend(const Row& r, const Row* next, float* scores) {
   const int64_t w = Vec::size();
-  if (r.d % w != 0 || r.d / w > kMaxVectors) return attend_scalar(r, scores);
-  attend_vectorized(r, next);
+  switch (r.d % w == 0 ? r.d / w : 0) {
+    case 1: return attend_vectorized<1>(r, next);
+    case 2: return attend_vectorized<2>(r, next);
+    case 3: return attend_vectorized<3>(r, next);
+    case 4: return attend_vectorized<4>(r, next);
+    case 5: return attend_vectorized<5>(r, next);
+    case 6: return attend_vectorized<6>(r, next);
+    case 7: return attend_vectorized<7>(r, next);
+    case 8: return attend_vectorized<8>(r, next);
+    default: return attend_scalar(r, scores);
+  }
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& last) {

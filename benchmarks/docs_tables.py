@@ -1,6 +1,7 @@
 """docs/benchmarks.md's decode tables, generated from the result files in benchmarks/results/.
 
-For each CPU class the results were measured on, the newest `rnnserve bench` run (`cpu-DATE-runN.json`) gives
+For each CPU class the results were measured on, and each thread count (one thread: the cleanest ratios; the
+machine's cores: what a server gets by default), the newest `rnnserve bench` run (`cpu-DATE-runN.json`) gives
 one table: images/s per kind at the run's largest batch and the ratios measured in that same run (against
 softmax with and without its cache, against each kind's eager path and against other implementations), the
 state per sequence and the step time near and far. The tables sit between two markers in the page; the text
@@ -32,18 +33,26 @@ def cpu_class(report: dict) -> str:
     return report["environment"].get("cpu_class") or UNRECORDED_CPU_CLASS
 
 
-def newest_runs(results: Path = RESULTS) -> dict[str, tuple[str, dict]]:
-    """CPU class -> (file name, report) of its newest run, by date then run number."""
+def threads(report: dict) -> int:
+    return report["environment"]["torch_threads"]
+
+
+def newest_runs(results: Path = RESULTS) -> dict[tuple[str, int], tuple[str, dict]]:
+    """(CPU class, threads) -> (file name, report) of its newest run, by date then run number."""
     runs = sorted(
         (tuple(map(int, match.group(1).split("-"))), int(match.group(2)), path)
         for path in results.glob("cpu-*-run*.json")
         if (match := RUN_FILE.fullmatch(path.name))
     )
-    newest: dict[str, tuple[str, dict]] = {}
+    newest: dict[tuple[str, int], tuple[str, dict]] = {}
     for _, _, path in runs:
         report = json.loads(path.read_text())
-        newest[cpu_class(report)] = (path.name, report)
+        newest[cpu_class(report), threads(report)] = (path.name, report)
     return newest
+
+
+def _threads(n: int) -> str:
+    return "one thread" if n == 1 else f"{n} threads"
 
 
 def _ratio(value: float | None) -> str:
@@ -85,7 +94,7 @@ def run_table(name: str, report: dict) -> str:
     batch = max(r["batch"] for r in report["images"])
     kinds = list(dict.fromkeys(r["kind"] for r in report["images"] if r["group"] == "rnnserve"))
     lines = [
-        f"### {cpu_class(report)}: {env['processor']}, {env['torch_threads']} thread(s), {env['utc']}",
+        f"### {cpu_class(report)}, {_threads(threads(report))}: {env['processor']}, {env['utc']}",
         "",
         *machine_rates(report),
         f"`{report['command']}` (`benchmarks/results/{name}`; {settings['image_tokens']}-token images at batch "

@@ -13,7 +13,7 @@ def test_the_page_s_tables_are_the_generated_ones():
 
 
 def test_each_cpu_class_shows_its_newest_run_and_its_own_figures(tmp_path):
-    name, report = newest_runs()["AVX-512"]
+    name, report = newest_runs()["AVX-512", 1]
     shutil.copy(RESULTS / name, tmp_path / name)
     avx2 = json.loads(json.dumps(report))
     avx2["environment"]["cpu_class"] = "AVX2, hardware of its own"
@@ -24,9 +24,22 @@ def test_each_cpu_class_shows_its_newest_run_and_its_own_figures(tmp_path):
     older_same_class["command"] = "an older AVX-512 run"
     (tmp_path / "cpu-2020-01-01-run99.json").write_text(json.dumps(older_same_class))  # not the newest: hidden
     text = tables(tmp_path)
-    assert text.index("### AVX-512") < text.index("### AVX2, hardware of its own")
+    assert text.index("### AVX-512, one thread") < text.index("### AVX2, hardware of its own, one thread")
     assert "| linear (compiled) | 12,345.68 |" in text.split("### AVX2, hardware of its own")[1]
     assert "an older AVX-512 run" not in text and name in text
     # CPUs of one class differ in the width of their units: each table says what its run measured the core to do.
     rate = f"{report['machine']['matmul_flops'] / 1e9:.0f} GFLOP/s on a float32 matrix product"
     assert text.count(rate) == 2
+
+
+def test_each_thread_count_of_a_class_shows_its_own_newest_run(tmp_path):
+    name, report = newest_runs()["AVX-512", 1]
+    shutil.copy(RESULTS / name, tmp_path / name)
+    both_cores = json.loads(json.dumps(report))
+    both_cores["environment"]["torch_threads"] = 2
+    both_cores["command"] = "a run on both cores"
+    (tmp_path / "cpu-2020-01-01-run1.json").write_text(json.dumps(both_cores))  # older, but the only 2-thread run
+    text = tables(tmp_path)
+    one, two = text.split("### AVX-512, 2 threads")
+    assert "### AVX-512, one thread" in one and name in one
+    assert "a run on both cores" in two and name not in two

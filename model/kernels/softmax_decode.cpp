@@ -3,7 +3,7 @@
 // Why a kernel: a decode step reads every cached key and value of every row once, so it is bound by memory
 // bandwidth. Inductor lowers this single-query product to loops that read V once per 16 lanes of the head and
 // keep one accumulator chain; this reads each row's keys and values side by side in one pass (online softmax,
-// in blocks), with four independent accumulators, fetching ahead into the next row, and only the positions each
+// in blocks), with up to four independent accumulators, fetching ahead into the next row, and only the positions each
 // row can see (its own length, not the batch's longest). Built by model/cpu_kernels.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

@@ -51,7 +51,7 @@ def newest_runs(results: Path = RESULTS) -> dict[tuple[str, int], tuple[str, dic
     return newest
 
 
-def _threads(n: int) -> str:
+def _thread_label(n: int) -> str:
     return "one thread" if n == 1 else f"{n} threads"
 
 
@@ -94,7 +94,7 @@ def run_table(name: str, report: dict) -> str:
     batch = max(r["batch"] for r in report["images"])
     kinds = list(dict.fromkeys(r["kind"] for r in report["images"] if r["group"] == "rnnserve"))
     lines = [
-        f"### {cpu_class(report)}, {_threads(threads(report))}: {env['processor']}, {env['utc']}",
+        f"### {cpu_class(report)}, {_thread_label(threads(report))}: {env['processor']}, {env['utc']}",
         "",
         *machine_rates(report),
         f"`{report['command']}` (`benchmarks/results/{name}`; {settings['image_tokens']}-token images at batch "

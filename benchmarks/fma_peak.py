@@ -29,6 +29,7 @@ PROBE = r"""
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #define CHAINS 12
 template <typename V, V (*Set)(float), V (*Fma)(V, V, V), V (*Add)(V, V)>
 double gflops(int lanes, long n, const float* start) {
@@ -83,7 +84,7 @@ def measure() -> dict:
     wide = "avx512f" in cpu.flags
     with tempfile.TemporaryDirectory() as tmp:
         source, binary = Path(tmp, "probe.cpp"), Path(tmp, "probe")
-        source.write_text("#include <cstring>\n" + PROBE)
+        source.write_text(PROBE)
         flags = ["-O2", "-mavx2", "-mfma", *(["-mavx512f", "-DWITH_AVX512"] if wide else [])]
         built = subprocess.run([compiler, *flags, "-o", str(binary), str(source)], capture_output=True, text=True)
         if built.returncode != 0:

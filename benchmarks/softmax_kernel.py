@@ -21,6 +21,7 @@ import torch
 
 from model.cpu_kernels import cpu_route, load_kernels
 from model.cpu_features import read_cpu_features
+from model.softmax_attention import attend_one_query
 
 from .decode import measured_class, vector_caps
 
@@ -43,10 +44,9 @@ def best_seconds(*fns, repeats: int = 5) -> list[float]:
 
 
 def reference_attention(q, k, v, last) -> torch.Tensor:
-    """(B, H, 1, D) softmax attention of each row over its positions [0, last]."""
-    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5  # (B, H, 1, L)
-    hidden = torch.arange(k.shape[2]) > last[:, None, None, None]
-    return torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1) @ v
+    """(B, H, 1, D) softmax attention of each row over its positions [0, last], as the eager decode path does."""
+    visible = (torch.arange(k.shape[2]) <= last[:, None])[:, None, None]  # (B, 1, 1, L)
+    return attend_one_query(q, k, v, visible)
 
 
 def measure(position: int, layers: int) -> dict:

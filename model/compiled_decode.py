@@ -17,7 +17,13 @@ on CPUs with AVX-512, once the kernels are built; otherwise the model as it is.
 
 The batch dimension is compiled symbolically, so one graph serves every
 batch of 2 rows or more, and a second one the single row (torch.compile
-specialises sizes 0 and 1): two compiles per model, whatever --max-batch.
+specialises sizes 0 and 1). Inductor splits a loop over threads only where
+the work it sees when tracing pays for the split, and it sees the row count
+it traced with: a graph traced on 2 rows leaves most of its fused loops on
+one thread, one traced for many rows splits them, which pays at many rows
+and costs at few. So a decoder of `MANY_ROWS.fewest` rows or more compiles a
+third graph, for that many rows or more, traced with that row count as the
+size's hint: two or three compiles per model, whatever --max-batch.
 Softmax's growing prefix is symbolic too. Rows are those of the state the
 decoder was made with, [0, n), as for the eager decoder: no padding needed.
 
@@ -54,9 +60,9 @@ import threading
 import time
 import types
 import uuid
-from typing import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch._inductor.config
@@ -80,15 +86,41 @@ log = logging.getLogger("rnnserve.compiled_decode")
 # over its headers once in every process, so a server would start compilers even with everything built ahead.
 INDUCTOR_OPTIONS = {"realize_opcount_threshold": 2, "cpp_wrapper": True, "cpp_cache_precompile_headers": False}
 # Dynamo: softmax reads `int(lengths.max())` to size its prefix: traced as a symbolic integer, not
-# a graph break. Every model served adds two graphs to the same code: no fallback to eager at 8.
+# a graph break. A generous recompile limit: a step called in another mode (a model in training mode)
+# compiles again rather than falling back to eager.
 DYNAMO_OPTIONS = {"capture_scalar_outputs": True, "recompile_limit": 64, "accumulated_recompile_limit": 4096}
-WARMUP_ROWS = {"2 or more rows": 2, "1 row": 1}  # one compile per shape class, on a scratch state
 # A background compile's niceness above its process's: under load the eager steps get about 90% of a core
 # it shares with them (Linux weighs nice 0 against nice 10 as 1024 to 110); idle, the compile runs at full speed.
 BACKGROUND_COMPILE_NICENESS = 10
 COMPILE_THREAD = "compile-decode"
 # What a background compile holds while it runs, so that a server's models compile in turn (server/engine/compile_gate.py).
 CompileGate = AbstractContextManager
+
+
+@dataclass(frozen=True)
+class RowClass:
+    """Steps of `fewest` rows or more (up to the next class's fewest) run one graph, traced with `fewest` as
+    the row count's size hint, so that its loops are split over threads where that many rows pay for it."""
+
+    fewest: int
+    name: str
+
+    @property
+    def scratch_rows(self) -> int:
+        """Rows of the scratch state it is traced on: a hint stands in for more (no state of that size made)."""
+        return min(self.fewest, 2)
+
+    @property
+    def hinted(self) -> bool:
+        return self.fewest > self.scratch_rows
+
+
+ONE_ROW = RowClass(1, "1 row")
+FEW_ROWS = RowClass(2, "2 or more rows")
+# Fewer rows than this ran slower on a graph traced for many rows (its threads' start and join cost more
+# than the split loops save), more rows faster: benchmarks/README.md, "Row classes".
+MANY_ROWS = RowClass(48, "48 or more rows")
+ROW_CLASSES = (FEW_ROWS, ONE_ROW, MANY_ROWS)  # compile order: the most used first
 
 
 def _memory_format_named(name: str) -> torch.memory_format:
@@ -152,7 +184,7 @@ def code_of_its_own(fn: Callable) -> Callable:
 class CompiledDecoder(EagerDecoder):
     """Decode steps (and draws) on rows [0, n) of a preallocated state through compiled graphs, once ready."""
 
-    def __init__(self, model: Transformer, state: ModelState):
+    def __init__(self, model: Transformer, state: ModelState, row_classes: Sequence[RowClass] = ROW_CLASSES):
         super().__init__(model, state)
         if not model.capabilities.compilable:
             raise ValueError(
@@ -161,12 +193,14 @@ class CompiledDecoder(EagerDecoder):
             )
         if model.device.type != "cpu":
             raise ValueError(f"the compiled decode path is for the CPU, this model is on {model.device}")
-        step, draw = code_of_its_own(_decode_step), code_of_its_own(draw_unfiltered)
-        self._step = torch.compile(step, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS)
-        # Once a row class is warmed up, its steps skip dynamo's per-call guard checks (model/guard_free.py).
-        self._graphs = GuardFreeGraphs(step, self._step)
-        self._draws = GuardFreeGraphs(draw, torch.compile(draw, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS))
-        self.ready: set[int] = set()  # warm-up row counts (1, 2) whose graphs are compiled
+        self.row_classes = [c for c in row_classes if c.fewest <= state.batch_size]
+        # One compiled function per row class and job, each with a code of its own: dynamo keeps a class's
+        # graph apart from the others' (which a call's guards alone could not tell apart). Once a class is
+        # warmed up, its steps skip dynamo's per-call guard checks (model/guard_free.py).
+        self._graphs = {c.fewest: compiled_guard_free(_decode_step) for c in self.row_classes}
+        self._draws = {c.fewest: compiled_guard_free(draw_unfiltered) for c in self.row_classes}
+        self.ready: set[int] = set()  # the `fewest` of the row classes whose graphs are compiled
+        self._class_by_rows: list[int | None] = [None] * (state.batch_size + 1)
         self.log = CompileLog()
         self._finished = threading.Event()  # compile_now has run to its end (compiled or failed)
         with torch.inference_mode(self._inference_tensors):
@@ -187,26 +221,48 @@ class CompiledDecoder(EagerDecoder):
         """Whether steps run compiled: a graph is ready and nothing has failed."""
         return bool(self.ready) and self.log.error is None
 
-    def _use_compiled(self, rows: int) -> bool:
-        return self.log.error is None and min(rows, 2) in self.ready
+    def class_for(self, rows: int) -> int | None:
+        """The `fewest` of the compiled row class that serves `rows` rows: the most rows' class that takes
+        them (while a class is compiling, one of fewer rows takes its steps); None: none ready, or failed."""
+        return self._class_by_rows[rows]
+
+    def _route_rows(self) -> None:
+        """`class_for`'s table, made again whenever a class compiles or a compile fails (a step looks its
+        class up rather than searching for it)."""
+        self._class_by_rows = [self._serving_class(n) for n in range(self.state.batch_size + 1)]
+
+    def _serving_class(self, rows: int) -> int | None:
+        if self.log.error is not None or rows == 0:
+            return None
+        if rows == 1:
+            return 1 if 1 in self.ready else None
+        return max((c for c in self.ready if 2 <= c <= rows), default=None)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[0]
-        if self._use_compiled(n):
+        row_class = self.class_for(n)
+        if row_class is not None:
             try:  # no dynamo config patch per step (entering one is not free): it only matters when compiling, in _warm_up
-                return self._graphs(self._graph_key(n), self._stepped_model, self._tokens(tokens), self._rows(n))
+                step = self._graphs[row_class]
+                return step(self._graph_key(row_class), self._stepped_model, self._tokens(tokens), self._rows(n))
             except Exception as exc:  # a recompile that failed: it stopped before running the step
                 self._fail("decode step", exc)
         return super().__call__(tokens)
 
-    def _graph_key(self, n: int) -> int | None:
-        """The row class whose captured graph serves n rows; None (guarded call) for a model in training mode."""
-        return None if self.model.training else min(n, 2)
+    def _graph_key(self, row_class: int) -> int | None:
+        """The key of the class's captured graph; None (guarded call) for a model in training mode."""
+        return None if self.model.training else row_class
+
+    def captured(self, rows: int) -> bool:
+        """Whether n rows' steps and draws run their class's graphs without guard checks."""
+        row_class = self.class_for(rows)
+        return row_class is not None and all(g[row_class].captured(row_class) for g in (self._graphs, self._draws))
 
     def step_inputs_accepted(self, n: int) -> bool:
         """Whether the graph captured for n rows passes its guards on this decoder's n-row inputs: what its
         guard-free calls assume (the tests check it for every call of a generation)."""
-        return self._graphs.accepts(self._graph_key(n), *self._step_inputs(n))
+        row_class = self.class_for(n)
+        return row_class is not None and self._graphs[row_class].accepts(row_class, *self._step_inputs(n))
 
     def _step_inputs(self, n: int) -> tuple:
         """The arguments an n-row step passes its graph (the token buffer read as it is, not written)."""
@@ -227,17 +283,17 @@ class CompiledDecoder(EagerDecoder):
     def sample(self, logits: torch.Tensor, params: BatchSampling, position: torch.Tensor) -> torch.Tensor:
         """`model.sampling.sample`; once this many rows' graphs are compiled, a batch that asks for no top-k
         or top-p draws through one compiled graph (temperature, noise, Gumbel-max, argmax), guard-free."""
-        n = logits.shape[0]
+        row_class = self.class_for(logits.shape[0])
         # Filtered batches and rows whose graphs are not ready sample eagerly: no layout work for them.
         args = (
             self._draw_inputs(logits, params.temperature, params.seed, position)
-            if params.filters is False and self._use_compiled(n)
+            if params.filters is False and row_class is not None
             else None
         )
         if args is None:
             return sample(logits, params, position)
         try:
-            return self._draws(self._graph_key(n), *args)
+            return self._draws[row_class](self._graph_key(row_class), *args)
         except Exception as exc:  # a failed recompile stops before running: the same draw, eagerly
             self._fail("sampling", exc)
             return draw_unfiltered(*args)
@@ -288,6 +344,7 @@ class CompiledDecoder(EagerDecoder):
             self._compiled_elsewhere.set()
             return
         self.log.error = f"background compile: {error}"
+        self._route_rows()
         log.warning("compiling the %s decode steps failed (%s); decoding eagerly", self.model.config.attention, error)
         self._finished.set()
 
@@ -306,28 +363,37 @@ class CompiledDecoder(EagerDecoder):
         """Compile the shape classes here and now, one log line each; a failure leaves decoding eager."""
         same_cache_keys_in_every_process()
         self.use_kernels()  # first, so that the graphs call them
-        for name, rows in WARMUP_ROWS.items():
-            wanted = rows <= self.state.batch_size if batch is None else rows == min(batch, 2)
-            if not wanted or rows in self.ready or self.log.error is not None:
+        for row_class in self._classes_to_compile(batch):
+            if row_class.fewest in self.ready or self.log.error is not None:
                 continue
             start = time.perf_counter()
             try:
-                self._warm_up(rows)
-                self._capture(rows)
+                self._warm_up(row_class)
+                self._capture(row_class)
             except Exception as exc:  # a missing C++ compiler, an operator it cannot trace
                 self._fail("decode step", exc)
                 break
-            self.log.seconds[name] = time.perf_counter() - start
-            self.ready.add(rows)
+            self.log.seconds[row_class.name] = time.perf_counter() - start
+            self.ready.add(row_class.fewest)
+            self._route_rows()
             log.info(
                 "%s the %s decode step and sampling for %s in %.1f s",
                 verb,
                 self.model.config.attention,
-                name,
-                self.log.seconds[name],
+                row_class.name,
+                self.log.seconds[row_class.name],
             )
         self._finished.set()
         return self.log
+
+    def _classes_to_compile(self, batch: int | None) -> list[RowClass]:
+        """All the decoder's row classes, or the one a fixed batch of `batch` rows runs. With one thread
+        (the caller's, or the compile child's: the same) inductor splits no loop, so a hinted class would
+        compile the 2-row graph again: left out."""
+        classes = [c for c in self.row_classes if not c.hinted or torch.get_num_threads() > 1]
+        if batch is None:
+            return classes
+        return [max((c for c in classes if c.fewest <= max(batch, 1)), key=lambda c: c.fewest)]
 
     def use_kernels(self, build: bool = True) -> None:
         if self.log.kernels is None:
@@ -348,29 +414,39 @@ class CompiledDecoder(EagerDecoder):
 
     def _fail(self, what: str, exc: Exception) -> None:
         self.log.error = f"{what}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        self._route_rows()
         log.warning(
             "compiling the %s %s failed (%s); decoding eagerly", self.model.config.attention, what, self.log.error
         )
 
     @torch.inference_mode()
-    def _capture(self, rows: int) -> None:
+    def _capture(self, row_class: RowClass) -> None:
         """Pick the warmed-up graphs for this decoder's own inputs of that row class (its state views, its
         token buffer; read only, as steps may be running on another thread), and the draw's for inputs laid
-        out as `_draw_inputs` lays them: for 2 or more rows, graphs that take 2, 3 and all the rows."""
-        counts = [1] if rows == 1 else sorted({n for n in (2, 3, self.state.batch_size) if n <= self.state.batch_size})
-        self._graphs.capture(rows, [self._step_inputs(n) for n in counts])
-        self._draws.capture(rows, [self._draw_scratch(n) for n in counts])
+        out as `_draw_inputs` lays them: graphs that take the class's fewest rows, one more, and all the
+        rows (a class of fewer rows serves more while a class of more is compiling)."""
+        fewest, most = row_class.fewest, self.state.batch_size
+        counts = [1] if fewest == 1 else sorted({n for n in (fewest, fewest + 1, most) if n <= most})
+        key = row_class.fewest
+        self._graphs[key].capture(key, [self._step_inputs(n) for n in counts])
+        self._draws[key].capture(key, [self._draw_scratch(n) for n in counts])
 
     @torch.inference_mode()
-    def _warm_up(self, rows: int) -> None:
-        """A compiled step and a compiled draw on a scratch state of `rows` rows, made as the decoder's own
-        state was (inference tensors or not), so that its steps find the graph compiled here."""
+    def _warm_up(self, row_class: RowClass) -> None:
+        """A compiled step and a compiled draw on a scratch state, made as the decoder's own state was
+        (inference tensors or not), so that its steps find the graph compiled here; traced with the class's
+        fewest rows as the row count's size hint."""
+        rows = row_class.scratch_rows
         with torch.inference_mode(self._inference_tensors):
             scratch = self.model.new_state(rows)
             tokens = torch.zeros(rows, dtype=torch.long, device=self.model.device)
+        draw = self._draw_scratch(rows)
+        if row_class.hinted:
+            for t in [tokens, scratch.lengths, *(t for layer in scratch.layers for t in layer.tensors()), *draw]:
+                torch._dynamo.mark_dynamic(t, 0, hint_override=row_class.fewest)
         with torch._dynamo.config.patch(DYNAMO_OPTIONS):
-            self._step(self._stepped_model, tokens, scratch)
-            self._draws(None, *self._draw_scratch(rows))
+            self._graphs[row_class.fewest](None, self._stepped_model, tokens, scratch)
+            self._draws[row_class.fewest](None, *draw)
 
     def _draw_scratch(self, rows: int) -> tuple[torch.Tensor, ...]:
         """Inputs of an unfiltered draw for `rows` rows, laid out as `_draw_inputs` lays a caller's out."""
@@ -381,6 +457,12 @@ class CompiledDecoder(EagerDecoder):
             torch.zeros(rows, dtype=torch.long, device=device),
             torch.zeros(rows, dtype=torch.long, device=device),
         )
+
+
+def compiled_guard_free(fn: Callable) -> GuardFreeGraphs:
+    """torch.compile of a copy of `fn` with a code of its own, and its guard-free calls."""
+    own = code_of_its_own(fn)
+    return GuardFreeGraphs(own, torch.compile(own, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS))
 
 
 def compile_fresh(

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch._inductor.config
 
-from model.compiled_decode import BACKGROUND_COMPILE_NICENESS, CompiledDecoder
+from model.compiled_decode import BACKGROUND_COMPILE_NICENESS, MANY_ROWS, CompiledDecoder
 from model.config import BOS_TOKEN
 from model.step_decoders import EagerDecoder
 from model.decoders import make_decoder
@@ -42,13 +42,15 @@ LOGPROB_TOLERANCE = 1e-4
 REPO = Path(__file__).resolve().parents[1]
 
 
-def compiled_decoder(model, rows: int = ROWS, require_captured: bool = True) -> CompiledDecoder:
+def compiled_decoder(
+    model, rows: int = ROWS, require_captured: bool = True, batch: int | None = None
+) -> CompiledDecoder:
     decoder = make_decoder(model, model.new_state(rows), cuda_graphs=False, compiled=True)
     assert isinstance(decoder, CompiledDecoder)
-    log = decoder.compile_now()
+    log = decoder.compile_now(batch)
     assert log.error is None and decoder.compiled, log
     if require_captured:
-        assert decoder._graphs.captured(1) and decoder._graphs.captured(2), "steps would keep their guard checks"
+        assert all(decoder.captured(c) for c in decoder.ready), "steps would keep their guard checks"
     return decoder
 
 
@@ -64,10 +66,13 @@ def _compare_steps_as_rows_finish_and_join(model) -> None:
     assert set(compiled.log.seconds) == {"1 row", "2 or more rows"}  # two graphs, whatever the batch
     # Every step runs its captured graph directly: a call through the guarded function fails the decoder
     # (it would fall back to eager steps, which the comparisons below could not tell apart).
-    compiled._graphs._compiled = _guarded_call_not_expected
-    tokens = random_bytes(7, ROWS, 40)
+    forbid_guarded_calls(compiled._graphs)
     # live rows per step: all, rows finish, one row alone (the 1-row graph), rows join from reset slots
-    schedule = [8, 8, 5, 5, 1, 3, 4, 4, 8, 2]
+    _compare_steps(eager, compiled, random_bytes(7, ROWS, 40), [8, 8, 5, 5, 1, 3, 4, 4, 8, 2])
+
+
+def _compare_steps(eager: EagerDecoder, compiled: CompiledDecoder, tokens: torch.Tensor, schedule: list[int]) -> None:
+    """Step both decoders on the first `live` rows of each step's tokens, resetting the rows that join."""
     for step, live in enumerate(schedule):
         if step and live > schedule[step - 1]:
             for decoder in (eager, compiled):
@@ -82,8 +87,41 @@ def _compare_steps_as_rows_finish_and_join(model) -> None:
     assert compiled.compiled and compiled.log.error is None, compiled.log
 
 
+@pytest.mark.parametrize("kind", COMPILABLE_KINDS)
+def test_many_rows_run_a_graph_of_their_own_guard_free(kind):
+    """A decoder of MANY_ROWS.fewest rows or more compiles a third graph, for that many rows or more, traced
+    with that count as the row count's size hint; fewer rows keep the 2-row graph, which also serves many rows
+    until the third is compiled."""
+    many = MANY_ROWS.fewest
+    model, rows = make_tiny_model(kind), many + 2
+    torch.set_num_threads(2)  # with one thread there is no such class; the autouse fixture sets one back
+    with torch.inference_mode():
+        eager, compiled = EagerDecoder(model, model.new_state(rows)), compiled_decoder(model, rows, batch=2)
+        assert compiled.class_for(rows) == 2 and set(compiled.log.seconds) == {"2 or more rows"}
+        _compare_steps(eager, compiled, random_bytes(5, rows, 1), [rows])
+        assert compiled.compile_now().error is None
+        assert set(compiled.log.seconds) == {"1 row", "2 or more rows", MANY_ROWS.name}
+        assert [compiled.class_for(n) for n in (1, 2, many - 1, many, rows)] == [1, 2, 2, many, many]
+        assert all(compiled.captured(n) for n in (1, 2, many)), "steps would keep their guard checks"
+        forbid_guarded_calls(compiled._graphs)
+        _compare_steps(eager, compiled, random_bytes(6, rows, 8), [rows, many, many - 1, 2, 1, many + 1, rows])
+
+
+def test_one_thread_compiles_no_graph_for_many_rows():
+    """With one thread inductor splits no loop: a graph traced for many rows would be the 2-row one again."""
+    torch.set_num_threads(1)  # as the autouse fixture has it
+    model, rows = shared_tiny_model("linear"), MANY_ROWS.fewest
+    decoder = compiled_decoder(model, rows)
+    assert set(decoder.log.seconds) == {"1 row", "2 or more rows"} and decoder.class_for(rows) == 2
+
+
 def _guarded_call_not_expected(*args):
     raise AssertionError("a warmed-up decode step went through dynamo's guard checks")
+
+
+def forbid_guarded_calls(graphs_per_class: dict) -> None:
+    for graphs in graphs_per_class.values():
+        graphs._compiled = _guarded_call_not_expected
 
 
 def test_a_graph_specialised_to_two_rows_is_not_run_guard_free_for_more():
@@ -94,7 +132,7 @@ def test_a_graph_specialised_to_two_rows_is_not_run_guard_free_for_more():
         eager, compiled = EagerDecoder(model, model.new_state(ROWS)), compiled_decoder(model, require_captured=False)
         tokens = random_bytes(9, ROWS, 4)
         for step, live in enumerate((2, 3, ROWS, 1)):
-            if compiled._graphs.captured(2) and live >= 2:
+            if compiled._graphs[2].captured(2) and live >= 2:
                 assert compiled.step_inputs_accepted(live), f"{live} rows run guard-free on a graph that refuses them"
             want, got = eager(tokens[:live, step]), compiled(tokens[:live, step])
             gap = (torch.log_softmax(got, -1) - torch.log_softmax(want, -1)).abs().max().item()
@@ -138,8 +176,8 @@ def test_compiled_draws_are_the_eager_draws_and_skip_the_guards(rows):
     """An unfiltered batch (greedy rows too) draws through the captured graph directly; a filtered one eagerly."""
     model = shared_tiny_model("linear")
     decoder, eager = compiled_decoder(model), EagerDecoder(model, model.new_state(ROWS))
-    assert decoder._draws.captured(1) and decoder._draws.captured(2), "draws would keep their guard checks"
-    decoder._draws._compiled = _guarded_call_not_expected
+    assert decoder._draws[1].captured(1) and decoder._draws[2].captured(2), "draws would keep their guard checks"
+    forbid_guarded_calls(decoder._draws)
     logits = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)) * 3
     temperatures = [0.0 if i % 3 == 2 else 0.5 + i / 4 for i in range(rows)]
     unfiltered = BatchSampling.from_params([SamplingParams(temperature=t, seed=i) for i, t in enumerate(temperatures)])

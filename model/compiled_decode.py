@@ -21,9 +21,10 @@ specialises sizes 0 and 1). Inductor splits a loop over threads only where
 the work it sees when tracing pays for the split, and it sees the row count
 it traced with: a graph traced on 2 rows leaves most of its fused loops on
 one thread, one traced for many rows splits them, which pays at many rows
-and costs at few. So a decoder of `MANY_ROWS.fewest` rows or more compiles a
-third graph, for that many rows or more, traced with that row count as the
-size's hint: two or three compiles per model, whatever --max-batch.
+and costs at few. So a decoder of `MANY_ROWS.fewest` rows or more of a constant-state kind,
+given more than one thread, compiles a third graph, for that many rows or
+more, traced with that row count as the size's hint: two or three compiles
+per model, whatever --max-batch.
 Softmax's growing prefix is symbolic too. Rows are those of the state the
 decoder was made with, [0, n), as for the eager decoder: no padding needed.
 
@@ -387,13 +388,19 @@ class CompiledDecoder(EagerDecoder):
         return self.log
 
     def _classes_to_compile(self, batch: int | None) -> list[RowClass]:
-        """All the decoder's row classes, or the one a fixed batch of `batch` rows runs. With one thread
-        (the caller's, or the compile child's: the same) inductor splits no loop, so a hinted class would
-        compile the 2-row graph again: left out."""
-        classes = [c for c in self.row_classes if not c.hinted or torch.get_num_threads() > 1]
+        """All the decoder's row classes, or the one a fixed batch of `batch` rows runs; a hinted class only
+        where it pays. (With one thread, the caller's or the compile child's, the same, inductor splits no
+        loop: a hinted class would compile the 2-row graph again.)"""
+        classes = [c for c in self.row_classes if not c.hinted or self._many_rows_pay()]
         if batch is None:
             return classes
         return [max((c for c in classes if c.fewest <= max(batch, 1)), key=lambda c: c.fewest)]
+
+    def _many_rows_pay(self) -> bool:
+        """Whether a graph traced for many rows is worth its compile: with more than one thread, for the kinds
+        of constant state, whose state update runs in the fused loops. Softmax's attention runs in its own
+        kernel, and its steps measured no faster on such a graph (benchmarks/README.md, "Row classes")."""
+        return torch.get_num_threads() > 1 and self.model.capabilities.constant_state
 
     def use_kernels(self, build: bool = True) -> None:
         if self.log.kernels is None:

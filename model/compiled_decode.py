@@ -227,6 +227,18 @@ class CompiledDecoder(EagerDecoder):
         them (while a class is compiling, one of fewer rows takes its steps); None: none ready, or failed."""
         return self._class_by_rows[rows]
 
+    def describe_route(self) -> str:
+        """E.g. 'avx512: compiled steps, linear layers on the packed kernel': the route of the kernels this
+        decoder loaded (not the one the process would pick), and whether its steps run compiled yet."""
+        steps = "compiled steps" if self.compiled else "eager steps"
+        if not self._finished.is_set():
+            steps += " (compiling)"
+        kernels = self.log.kernels
+        if kernels is None or not kernels.ok:
+            return f"{steps} on PyTorch's operators"
+        layers = "the packed kernel" if self.compiled and self._twin is not None else "PyTorch's products"
+        return f"{kernels.route}: {steps}, linear layers on {layers}"
+
     def _route_rows(self) -> None:
         """`class_for`'s table, made again whenever a class compiles or a compile fails (a step looks its
         class up rather than searching for it)."""

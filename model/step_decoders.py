@@ -58,6 +58,10 @@ class EagerDecoder:
         """Whether steps run through torch.compile graphs (model/compiled_decode.py)."""
         return False
 
+    def describe_route(self) -> str:
+        """What the steps run on now (a CPU's vector route, compiled or eager), for /v1/models."""
+        return "eager steps on PyTorch's operators"
+
     def sample(self, logits: torch.Tensor, params: BatchSampling, position: torch.Tensor) -> torch.Tensor:
         """Draw the next tokens from these rows' logits (`model.sampling.sample`)."""
         return sample(logits, params, position)

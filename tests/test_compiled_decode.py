@@ -30,7 +30,7 @@ from model.step_decoders import EagerDecoder
 from model.decoders import make_decoder
 from model.generate import generate
 from model.sampling import BatchSampling, SamplingParams, token_logprobs
-from model.cpu_kernels import packed_linear_wins
+from model.cpu_kernels import cpu_route, packed_linear_wins
 from model.packed_linear import DecodeTwins, PackedLinear, decode_twin
 from model.weights_io import load_model
 
@@ -105,6 +105,22 @@ def test_many_rows_run_a_graph_of_their_own_guard_free(kind):
         assert all(compiled.captured(n) for n in (1, 2, many)), "steps would keep their guard checks"
         forbid_guarded_calls(compiled._graphs)
         _compare_steps(eager, compiled, random_bytes(6, rows, 8), [rows, many, many - 1, 2, 1, many + 1, rows])
+
+
+def test_a_decoder_names_what_its_steps_run_on():
+    """/v1/models' `cpu_route`: eager while compiling, then the route of the kernels this decoder loaded."""
+    model = shared_tiny_model("linear")
+    with torch.inference_mode():
+        decoder = make_decoder(model, model.new_state(ROWS), cuda_graphs=False, compiled=True)
+        assert decoder.describe_route() == "eager steps (compiling) on PyTorch's operators"
+        assert decoder.compile_now().error is None
+    kernels = decoder.log.kernels
+    if not kernels.ok:
+        assert decoder.describe_route() == "compiled steps on PyTorch's operators"
+        pytest.skip(f"the C++ kernels did not load here: {kernels.error}")
+    layers = "the packed kernel" if packed_linear_wins() else "PyTorch's products"
+    assert decoder.describe_route() == f"{kernels.route}: compiled steps, linear layers on {layers}"
+    assert EagerDecoder(model, decoder.state).describe_route() == "eager steps on PyTorch's operators"
 
 
 @pytest.mark.parametrize("kind, threads", [("linear", 1), ("softmax", 2)])
@@ -341,12 +357,14 @@ def test_server_compiles_in_the_background_and_answers_what_eager_generate_draws
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(process, url, log)
-        _wait_for_compiled(url, log)
+        route = _wait_for_compiled(url, log)["cpu_route"]
         body = {"model": "text-linear", "prompt": "abc", "max_tokens": 20, "temperature": 0.9, "seed": 7, "logprobs": 1}
         answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
     finally:
         stop_process(process)
     assert "compiled the linear decode step and sampling for 2 or more rows in" in log.read_text()
+    # What the engine's steps run on since they compiled: its kernels' route, or PyTorch's operators without them.
+    assert route.startswith(f"{cpu_route()}: compiled steps") or route == "compiled steps on PyTorch's operators", route
     model, _ = load_model(path, "cpu")
     want_tokens, want_logprobs = _eager_generation(model, list(b"abc"), 20, SamplingParams(temperature=0.9, seed=7))
     assert token_bytes(answer["logprobs"]["tokens"]) == want_tokens
@@ -368,12 +386,13 @@ def _eager_generation(model, prompt: list[int], count: int, params: SamplingPara
     return tokens.tolist(), logprobs
 
 
-def _wait_for_compiled(url: str, log: Path, seconds: float = 600) -> None:
+def _wait_for_compiled(url: str, log: Path, seconds: float = 600) -> dict:
+    """The first model's /v1/models entry once it says its steps are compiled."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         entry = httpx.get(f"{url}/v1/models").json()["data"][0]
         if entry["compiled_decode"]:
-            return
+            return entry
         if "decoding eagerly" in log.read_text():
             pytest.fail(f"the background compile failed:\n{log.read_text()}")
         time.sleep(1)

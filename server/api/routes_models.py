@@ -13,7 +13,6 @@ from server.engine.base import EngineHandle
 from server.api.errors import APIError, error_response
 from server.engine.registry import eval_metrics
 from server.api.responses import errors
-from model.cpu_kernels import cpu_route, packed_linear_wins
 
 router = APIRouter()
 
@@ -39,8 +38,9 @@ class ModelCard(BaseModel):
         "server may use (affinity and cgroup quota), or --threads"
     )
     cpu_route: str | None = Field(
-        description="on the CPU, the vector route its C++ kernels are built for (avx512, avx2, generic, "
-        "scalar: from the CPU's features, or RNNSERVE_CPU_ROUTE) and what its linear layers run on; null on a GPU"
+        description="on the CPU, what its decode steps run on now: the vector route of the C++ kernels its engine "
+        "loaded (avx512, avx2, generic, scalar: from the CPU's features, or RNNSERVE_CPU_ROUTE), whether its steps "
+        "run compiled yet, and what their linear layers run on; null on a GPU"
     )
     tokenizer: str | None = Field(
         description="a text model's tokens: 'bytes' (UTF-8, one byte a token), or the tokenizer stored with an "
@@ -70,12 +70,6 @@ PROMETHEUS_TEXT = {
 }
 
 
-def describe_cpu_route() -> str:
-    """E.g. 'avx512: compiled steps' linear layers on the packed kernel'."""
-    layers = "the packed kernel" if packed_linear_wins() else "PyTorch's products"
-    return f"{cpu_route()}: compiled steps' linear layers on {layers}"
-
-
 def describe(engine: EngineHandle, created: int) -> dict[str, Any]:
     """One OpenAI model entry plus what a client needs to pick a model."""
     cfg = engine.config
@@ -93,7 +87,7 @@ def describe(engine: EngineHandle, created: int) -> dict[str, Any]:
         "cuda_graphs": engine.cuda_graphs,
         "compiled_decode": engine.compiled_decode,
         "threads": engine.threads,
-        "cpu_route": describe_cpu_route() if engine.model.device.type == "cpu" else None,
+        "cpu_route": engine.cpu_route,
         "tokenizer": engine.vocabulary.name if cfg.task == "text" else None,
         "state_bytes_per_sequence": engine.state_bytes_per_sequence,  # one sequence at max_len
         "state_bytes_allocated": engine.state_bytes_allocated,  # = rnnserve_decode_state_allocated_bytes

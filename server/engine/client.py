@@ -79,6 +79,7 @@ class EngineClient(EngineFacts):
         self.state_bytes_allocated = 0  # known once started
         self.cuda_graphs = False  # known once started
         self.compiled_decode = False  # true once the engine process has compiled its decode steps
+        self.cpu_route: str | None = None  # what its steps run on, as the engine process last said
         self.metrics = metrics.for_model(name, model.config.attention, images=model.config.task == "mnist")
         self.threads = threads or torch.get_num_threads()  # the engine process's intra-op threads
         self._compile_gate = compile_gate  # server/engine/compile_gate.py: the engines compile in turn
@@ -137,6 +138,7 @@ class EngineClient(EngineFacts):
         self._conn = ours
         started = self._first_message()
         self.state_bytes_allocated, self.cuda_graphs = started.state_bytes_allocated, started.cuda_graphs
+        self.cpu_route = started.cpu_route
         self._started_at = time.monotonic()
         if restart:  # counted before it is ready: whoever sees it ready sees it counted
             self.restarts += 1
@@ -315,8 +317,8 @@ class EngineClient(EngineFacts):
                 self._answer(key, None, error, refused=True)
             case msg.Scored(key, result, error):
                 self._answer(key, result, error)
-            case msg.Compiled(compiled):
-                self.compiled_decode = compiled
+            case msg.Compiled(compiled, cpu_route):
+                self.compiled_decode, self.cpu_route = compiled, cpu_route
                 self._compiled.set()
             case _:
                 raise ValueError(f"unknown message {type(message).__name__}")

@@ -122,6 +122,12 @@ class Engine(EngineFacts):
         """Whether decode steps run through compiled graphs (false until the background compile is done)."""
         return self.runner.decoder is not None and self.runner.decoder.compiled
 
+    @property
+    def cpu_route(self) -> str | None:
+        """What the decode steps run on (model/step_decoders.py's `describe_route`); None on a GPU or before start."""
+        decoder = self.runner.decoder
+        return decoder.describe_route() if decoder is not None and self.model.device.type == "cpu" else None
+
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Wait for the background compile of the decode steps; True once nothing is left to compile."""
         return self.runner.decoder is None or self.runner.decoder.wait_compiled(timeout)

@@ -48,6 +48,7 @@ class Stop:
 class Started:
     state_bytes_allocated: int
     cuda_graphs: bool
+    cpu_route: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,3 +94,4 @@ class GaugesNow:
 @dataclass(frozen=True, slots=True)
 class Compiled:
     compiled: bool
+    cpu_route: str | None

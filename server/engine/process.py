@@ -202,7 +202,7 @@ def serve_engine(conn: Connection, spec: EngineSpec) -> None:
     except EngineFailure as exc:
         pipe.send(msg.StartFailed(str(exc)))
         return
-    pipe.send(msg.Started(engine.state_bytes_allocated, engine.cuda_graphs))
+    pipe.send(msg.Started(engine.state_bytes_allocated, engine.cuda_graphs, engine.cpu_route))
     threading.Thread(target=report_compiled, args=(engine, pipe), name="compile-watch", daemon=True).start()
     try:
         EngineServer(engine, pipe, sink).serve(conn)
@@ -227,4 +227,4 @@ def report_compiled(engine: Engine, pipe: Pipe) -> None:
     engine.wait_compiled()
     gc.collect()
     gc.freeze()
-    pipe.send(msg.Compiled(engine.compiled_decode))
+    pipe.send(msg.Compiled(engine.compiled_decode, engine.cpu_route))

@@ -32,13 +32,24 @@ class CompileJob:
     rows: int  # the decoder's state rows
     inference_tensors: bool  # whether the parent's state is made of inference tensors
     threads: int  # the parent's intra-op threads: inductor sizes its loops by them
-    batch: int | None  # compile() 's batch: only one row class, or None for both
+    batch: int | None  # compile() 's batch: only one row class, or None for all the decoder's
     log_level: int
+    row_classes: tuple  # the decoder's row classes (model/compiled_decode.py's RowClass)
 
 
-def compile_in_child(job: CompileJob, target: Callable[[CompileJob], None]) -> str | None:
-    """Run `target(job)` in a child process (it calls `become_compile_child` first) and wait for it; None when
-    it compiled (exit status 0), else why not."""
+# The child's exit status when every graph compiled but an optional one, which it left out.
+PARTLY_COMPILED = 3
+
+
+@dataclass(frozen=True)
+class ChildOutcome:
+    error: str | None  # why it compiled nothing; None: compiled
+    optional_left_out: bool = False  # an optional graph failed and was left out (exit status PARTLY_COMPILED)
+
+
+def compile_in_child(job: CompileJob, target: Callable[[CompileJob], None]) -> ChildOutcome:
+    """Run `target(job)` in a child process (it calls `become_compile_child` first) and wait for it: compiled
+    (exit status 0 or PARTLY_COMPILED), or why not."""
     context = torch.multiprocessing.get_context("spawn")
     child = context.Process(target=target, args=(job,), name="rnnserve-compile", daemon=True)
     child.start()
@@ -46,10 +57,10 @@ def compile_in_child(job: CompileJob, target: Callable[[CompileJob], None]) -> s
     if child.exitcode is None:
         child.kill()
         child.join()
-        return f"the compile did not finish within {CHILD_SECONDS:.0f} s"
-    if child.exitcode != 0:
-        return f"the compile process exited with code {child.exitcode} (its log above says why)"
-    return None
+        return ChildOutcome(f"the compile did not finish within {CHILD_SECONDS:.0f} s")
+    if child.exitcode not in (0, PARTLY_COMPILED):
+        return ChildOutcome(f"the compile process exited with code {child.exitcode} (its log above says why)")
+    return ChildOutcome(None, optional_left_out=child.exitcode == PARTLY_COMPILED)
 
 
 def become_compile_child(job: CompileJob) -> None:

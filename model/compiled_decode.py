@@ -68,7 +68,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 import torch._inductor.config
 
-from .compile_child import CompileJob, become_compile_child, compile_in_child
+from .compile_child import PARTLY_COMPILED, CompileJob, become_compile_child, compile_in_child
 from .cpu_kernels import KernelBuild, load_kernels, use_cpu_kernels
 from .step_decoders import EagerDecoder
 from .packed_linear import decode_twin, packs
@@ -86,9 +86,8 @@ log = logging.getLogger("rnnserve.compiled_decode")
 # No precompiled headers: to find a cached graph's library, inductor would otherwise run the C++ preprocessor
 # over its headers once in every process, so a server would start compilers even with everything built ahead.
 INDUCTOR_OPTIONS = {"realize_opcount_threshold": 2, "cpp_wrapper": True, "cpp_cache_precompile_headers": False}
-# Dynamo: softmax reads `int(lengths.max())` to size its prefix: traced as a symbolic integer, not
-# a graph break. A generous recompile limit: a step called in another mode (a model in training mode)
-# compiles again rather than falling back to eager.
+# Dynamo, while warming up (the only time it traces): softmax reads `int(lengths.max())` to size its
+# prefix, traced as a symbolic integer, not a graph break.
 DYNAMO_OPTIONS = {"capture_scalar_outputs": True, "recompile_limit": 64, "accumulated_recompile_limit": 4096}
 # A background compile's niceness above its process's: under load the eager steps get about 90% of a core
 # it shares with them (Linux weighs nice 0 against nice 10 as 1024 to 110); idle, the compile runs at full speed.
@@ -113,13 +112,15 @@ class RowClass:
 
     @property
     def hinted(self) -> bool:
+        """Traced with a size hint: an optional class, whose rows a class of fewer rows serves without it."""
         return self.fewest > self.scratch_rows
 
 
 ONE_ROW = RowClass(1, "1 row")
 FEW_ROWS = RowClass(2, "2 or more rows")
-# Fewer rows than this ran slower on a graph traced for many rows (its threads' start and join cost more
-# than the split loops save), more rows faster: benchmarks/README.md, "Row classes".
+# A graph traced for many rows splits loops that do not pay for their threads' start and join at few rows:
+# at 2 and 8 rows it ran slower, at 48 and 64 faster (benchmarks/README.md, "Row classes"); where between
+# them it starts to pay was not measured finely.
 MANY_ROWS = RowClass(48, "48 or more rows")
 ROW_CLASSES = (FEW_ROWS, ONE_ROW, MANY_ROWS)  # compile order: the most used first
 
@@ -149,6 +150,7 @@ class CompileLog:
     seconds: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     kernels: KernelBuild | None = None  # the C++ kernels the steps call (model/cpu_kernels.py); None: none apply
+    left_out: list[str] = field(default_factory=list)  # optional row classes whose compile failed
 
 
 def background_compiles_running() -> bool:
@@ -201,6 +203,7 @@ class CompiledDecoder(EagerDecoder):
         self._graphs = {c.fewest: compiled_guard_free(_decode_step) for c in self.row_classes}
         self._draws = {c.fewest: compiled_guard_free(draw_unfiltered) for c in self.row_classes}
         self.ready: set[int] = set()  # the `fewest` of the row classes whose graphs are compiled
+        self.left_out: set[int] = set()  # the `fewest` of optional classes whose compile failed
         self._class_by_rows: list[int | None] = [None] * (state.batch_size + 1)
         self.log = CompileLog()
         self._finished = threading.Event()  # compile_now has run to its end (compiled or failed)
@@ -225,6 +228,8 @@ class CompiledDecoder(EagerDecoder):
     def class_for(self, rows: int) -> int | None:
         """The `fewest` of the compiled row class that serves `rows` rows: the most rows' class that takes
         them (while a class is compiling, one of fewer rows takes its steps); None: none ready, or failed."""
+        if self.model.training or not 0 <= rows < len(self._class_by_rows):  # graphs are traced in eval mode
+            return None
         return self._class_by_rows[rows]
 
     def describe_route(self) -> str:
@@ -257,14 +262,10 @@ class CompiledDecoder(EagerDecoder):
         if row_class is not None:
             try:  # no dynamo config patch per step (entering one is not free): it only matters when compiling, in _warm_up
                 step = self._graphs[row_class]
-                return step(self._graph_key(row_class), self._stepped_model, self._tokens(tokens), self._rows(n))
+                return step(row_class, self._stepped_model, self._tokens(tokens), self._rows(n))
             except Exception as exc:  # a recompile that failed: it stopped before running the step
                 self._fail("decode step", exc)
         return super().__call__(tokens)
-
-    def _graph_key(self, row_class: int) -> int | None:
-        """The key of the class's captured graph; None (guarded call) for a model in training mode."""
-        return None if self.model.training else row_class
 
     def captured(self, rows: int) -> bool:
         """Whether n rows' steps and draws run their class's graphs without guard checks."""
@@ -306,7 +307,7 @@ class CompiledDecoder(EagerDecoder):
         if args is None:
             return sample(logits, params, position)
         try:
-            return self._draws[row_class](self._graph_key(row_class), *args)
+            return self._draws[row_class](row_class, *args)
         except Exception as exc:  # a failed recompile stops before running: the same draw, eagerly
             self._fail("sampling", exc)
             return draw_unfiltered(*args)
@@ -331,7 +332,7 @@ class CompiledDecoder(EagerDecoder):
         """Compile now (returns what was compiled), or in the background while steps run eagerly (returns
         None): a child process compiles (model/compile_child.py), and the thread that runs the steps then
         adopts its graphs between two steps (`adopt_compiled`). batch: only the graph a batch of that many rows
-        uses (a fixed-batch loop); None: both. gate: held while the child compiles."""
+        uses (a fixed-batch loop); None: all the decoder's. gate: held while the child compiles."""
         if not background:
             return self.compile_now(batch)
         job = CompileJob(
@@ -341,6 +342,7 @@ class CompiledDecoder(EagerDecoder):
             torch.get_num_threads(),  # the caller's: an engine's share of the server's CPUs
             batch,
             logging.getLogger("rnnserve").getEffectiveLevel(),
+            tuple(self.row_classes),
         )
         self._background_batch = batch
         threading.Thread(target=self._compile_in_child, args=(job, gate), name=COMPILE_THREAD, daemon=True).start()
@@ -352,13 +354,17 @@ class CompiledDecoder(EagerDecoder):
         # (`rnnserve build-kernels`): requests are being served meanwhile, so nothing is built here.
         self.use_kernels(build=False)
         with gate if gate is not None else nullcontext():
-            error = compile_in_child(job, compile_job)
-        if error is None:
+            outcome = compile_in_child(job, compile_job)
+        if outcome.error is None:
+            if outcome.optional_left_out:  # not traced here either: it would compile beside the steps
+                self.left_out.update(c.fewest for c in self.row_classes if c.hinted)
             self._compiled_elsewhere.set()
             return
-        self.log.error = f"background compile: {error}"
+        self.log.error = f"background compile: {outcome.error}"
         self._route_rows()
-        log.warning("compiling the %s decode steps failed (%s); decoding eagerly", self.model.config.attention, error)
+        log.warning(
+            "compiling the %s decode steps failed (%s); decoding eagerly", self.model.config.attention, outcome.error
+        )
         self._finished.set()
 
     def adopt_compiled(self) -> None:
@@ -384,6 +390,9 @@ class CompiledDecoder(EagerDecoder):
                 self._warm_up(row_class)
                 self._capture(row_class)
             except Exception as exc:  # a missing C++ compiler, an operator it cannot trace
+                if row_class.hinted:  # optional: the class of fewer rows serves its rows
+                    self._leave_out(row_class, exc)
+                    continue
                 self._fail("decode step", exc)
                 break
             self.log.seconds[row_class.name] = time.perf_counter() - start
@@ -399,11 +408,24 @@ class CompiledDecoder(EagerDecoder):
         self._finished.set()
         return self.log
 
+    def _leave_out(self, row_class: RowClass, exc: Exception) -> None:
+        self.left_out.add(row_class.fewest)
+        self.log.left_out.append(row_class.name)
+        log.warning(
+            "compiling the %s decode step for %s failed (%s: %s); fewer rows' graph serves them",
+            self.model.config.attention,
+            row_class.name,
+            type(exc).__name__,
+            str(exc).strip().splitlines()[0] if str(exc).strip() else "",
+        )
+
     def _classes_to_compile(self, batch: int | None) -> list[RowClass]:
         """All the decoder's row classes, or the one a fixed batch of `batch` rows runs; a hinted class only
         where it pays. (With one thread, the caller's or the compile child's, the same, inductor splits no
         loop: a hinted class would compile the 2-row graph again.)"""
-        classes = [c for c in self.row_classes if not c.hinted or self._many_rows_pay()]
+        classes = [
+            c for c in self.row_classes if not c.hinted or (self._many_rows_pay() and c.fewest not in self.left_out)
+        ]
         if batch is None:
             return classes
         return [max((c for c in classes if c.fewest <= max(batch, 1)), key=lambda c: c.fewest)]
@@ -485,21 +507,26 @@ def compiled_guard_free(fn: Callable) -> GuardFreeGraphs:
 
 
 def compile_fresh(
-    model: Transformer, rows: int, inference_tensors: bool = True, batch: int | None = None
+    model: Transformer,
+    rows: int,
+    inference_tensors: bool = True,
+    batch: int | None = None,
+    row_classes: Sequence[RowClass] = ROW_CLASSES,
 ) -> CompileLog:
     """Compile `model`'s steps for a state of `rows` rows here and now, as a server's background compile does
     (only kernels built ahead, no pool of worker processes): what its child and `rnnserve build-kernels` run."""
     model = model.eval()
     with torch.inference_mode(inference_tensors):
         state = model.new_state(rows)
-    decoder = CompiledDecoder(model, state)
+    decoder = CompiledDecoder(model, state, row_classes)
     decoder.use_kernels(build=False)
     with torch._inductor.config.patch(compile_threads=1):
         return decoder.compile_now(batch)
 
 
 def compile_job(job: CompileJob) -> None:
-    """A background compile's child process (model/compile_child.py); exit status 0 once compiled."""
+    """A background compile's child process (model/compile_child.py); exit status 0 once compiled,
+    PARTLY_COMPILED when an optional graph was left out."""
     become_compile_child(job)
-    compiled = compile_fresh(job.model, job.rows, job.inference_tensors, job.batch)
-    raise SystemExit(0 if compiled.error is None else 1)
+    compiled = compile_fresh(job.model, job.rows, job.inference_tensors, job.batch, job.row_classes)
+    raise SystemExit(1 if compiled.error is not None else PARTLY_COMPILED if compiled.left_out else 0)

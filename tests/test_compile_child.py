@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.compiled_decode import CompiledDecoder
+from model.compiled_decode import MANY_ROWS, CompiledDecoder
 from model.step_decoders import EagerDecoder
 from conftest import make_tiny_model
 
@@ -39,18 +39,21 @@ import torch
 sys.path.insert(0, "tests")
 from torch._dynamo.utils import counters
 from conftest import make_tiny_model
-from model.compiled_decode import CompiledDecoder
+from model.compiled_decode import MANY_ROWS, CompiledDecoder
 
 def main():
-    for kind, seed in (("linear", 1), ("softmax", 2)):
+    # The second has rows enough for the graph traced for many rows (with its size hint), given threads enough.
+    for kind, seed, rows in (("linear", 1, 3), ("linear", 3, MANY_ROWS.fewest), ("softmax", 2, 3)):
         model = make_tiny_model(kind, seed=seed).eval()
-        decoder = CompiledDecoder(model, model.new_state(3))
+        decoder = CompiledDecoder(model, model.new_state(rows))
         counters.clear()
         decoder.compile(background=True)
         deadline = time.monotonic() + 600
         while not decoder.wait_compiled(0.2) and time.monotonic() < deadline:
             decoder.adopt_compiled()
-        print(json.dumps({"kind": kind, "compiled": decoder.compiled, "hits": counters["inductor"]["fxgraph_cache_hit"],
+        print(json.dumps({"kind": kind, "compiled": decoder.compiled, "classes": sorted(decoder.ready),
+                          "threads": torch.get_num_threads(),
+                          "hits": counters["inductor"]["fxgraph_cache_hit"],
                           "misses": counters["inductor"]["fxgraph_cache_miss"]}), flush=True)
 
 if __name__ == "__main__":
@@ -140,7 +143,8 @@ def test_the_adopted_graphs_decode_as_the_eager_steps():
 
 def test_a_process_with_several_models_adopts_every_graph_its_compile_children_built(tmp_path):
     """No compile in the serving process: every graph the process traces at adopt is found in inductor's
-    cache, for the second model as for the first, whatever the process's main module imports."""
+    cache, for the second model as for the first, whatever the process's main module imports, and for the
+    graph traced with a size hint (the hint is part of inductor's cache key)."""
     script = tmp_path / "serve_two.py"  # run as a file: its spawned children import it as their main module
     script.write_text(TWO_MODELS)
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "PYTHONPATH": str(REPO)}
@@ -149,7 +153,9 @@ def test_a_process_with_several_models_adopts_every_graph_its_compile_children_b
     )
     assert done.returncode == 0, done.stderr[-3000:]
     reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [r["kind"] for r in reports] == ["linear", "softmax"], done.stdout
+    assert [r["kind"] for r in reports] == ["linear", "linear", "softmax"], done.stdout
+    many = [MANY_ROWS.fewest] if reports[1]["threads"] > 1 else []  # none with one thread
+    assert [r["classes"] for r in reports] == [[1, 2], [1, 2, *many], [1, 2]], done.stdout
     for report in reports:
         assert report["compiled"], report
-        assert report["misses"] == 0 and report["hits"] >= 2, report
+        assert report["misses"] == 0 and report["hits"] >= len(report["classes"]), report

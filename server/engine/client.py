@@ -120,6 +120,7 @@ class EngineClient(EngineFacts):
 
     def _spawn(self, restart: bool = False) -> None:
         self.compiled_decode, self._compiled = False, threading.Event()  # a new process compiles anew
+        self.cpu_route = None  # until the new process says
         context = torch.multiprocessing.get_context("spawn")  # fork would copy a process with threads running
         ours, theirs = context.Pipe()
         spec = EngineSpec(

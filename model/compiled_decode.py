@@ -87,8 +87,16 @@ log = logging.getLogger("rnnserve.compiled_decode")
 # over its headers once in every process, so a server would start compilers even with everything built ahead.
 INDUCTOR_OPTIONS = {"realize_opcount_threshold": 2, "cpp_wrapper": True, "cpp_cache_precompile_headers": False}
 # Dynamo, while warming up (the only time it traces): softmax reads `int(lengths.max())` to size its
-# prefix, traced as a symbolic integer, not a graph break.
-DYNAMO_OPTIONS = {"capture_scalar_outputs": True, "recompile_limit": 64, "accumulated_recompile_limit": 4096}
+# prefix, traced as a symbolic integer, not a graph break. A model's Python floats (linear attention's eps)
+# are constants of its graph: left to dynamo, whether one became a graph input depended on what the process
+# had traced before (a linear model traced after a softmax one got another graph than its fresh compile
+# child had built, and missed inductor's cache when adopting it).
+DYNAMO_OPTIONS = {
+    "capture_scalar_outputs": True,
+    "specialize_float": True,
+    "recompile_limit": 64,
+    "accumulated_recompile_limit": 4096,
+}
 # A background compile's niceness above its process's: under load the eager steps get about 90% of a core
 # it shares with them (Linux weighs nice 0 against nice 10 as 1024 to 110); idle, the compile runs at full speed.
 BACKGROUND_COMPILE_NICENESS = 10

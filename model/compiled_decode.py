@@ -211,7 +211,6 @@ class CompiledDecoder(EagerDecoder):
         self._graphs = {c.fewest: compiled_guard_free(_decode_step) for c in self.row_classes}
         self._draws = {c.fewest: compiled_guard_free(draw_unfiltered) for c in self.row_classes}
         self.ready: set[int] = set()  # the `fewest` of the row classes whose graphs are compiled
-        self.left_out: set[int] = set()  # the `fewest` of optional classes whose compile failed
         self._class_by_rows: list[int | None] = [None] * (state.batch_size + 1)
         self.log = CompileLog()
         self._finished = threading.Event()  # compile_now has run to its end (compiled or failed)
@@ -365,7 +364,7 @@ class CompiledDecoder(EagerDecoder):
             outcome = compile_in_child(job, compile_job)
         if outcome.error is None:
             if outcome.optional_left_out:  # not traced here either: it would compile beside the steps
-                self.left_out.update(c.fewest for c in self.row_classes if c.hinted)
+                self.log.left_out += [c.name for c in self.row_classes if c.hinted]
             self._compiled_elsewhere.set()
             return
         self.log.error = f"background compile: {outcome.error}"
@@ -417,14 +416,13 @@ class CompiledDecoder(EagerDecoder):
         return self.log
 
     def _leave_out(self, row_class: RowClass, exc: Exception) -> None:
-        self.left_out.add(row_class.fewest)
         self.log.left_out.append(row_class.name)
         log.warning(
             "compiling the %s decode step for %s failed (%s: %s); fewer rows' graph serves them",
             self.model.config.attention,
             row_class.name,
             type(exc).__name__,
-            str(exc).strip().splitlines()[0] if str(exc).strip() else "",
+            first_line(exc),
         )
 
     def _classes_to_compile(self, batch: int | None) -> list[RowClass]:
@@ -432,7 +430,7 @@ class CompiledDecoder(EagerDecoder):
         where it pays. (With one thread, the caller's or the compile child's, the same, inductor splits no
         loop: a hinted class would compile the 2-row graph again.)"""
         classes = [
-            c for c in self.row_classes if not c.hinted or (self._many_rows_pay() and c.fewest not in self.left_out)
+            c for c in self.row_classes if not c.hinted or (self._many_rows_pay() and c.name not in self.log.left_out)
         ]
         if batch is None:
             return classes
@@ -462,7 +460,7 @@ class CompiledDecoder(EagerDecoder):
         return self._finished.wait(timeout)
 
     def _fail(self, what: str, exc: Exception) -> None:
-        self.log.error = f"{what}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        self.log.error = f"{what}: {type(exc).__name__}: {first_line(exc)}"
         self._route_rows()
         log.warning(
             "compiling the %s %s failed (%s); decoding eagerly", self.model.config.attention, what, self.log.error
@@ -506,6 +504,12 @@ class CompiledDecoder(EagerDecoder):
             torch.zeros(rows, dtype=torch.long, device=device),
             torch.zeros(rows, dtype=torch.long, device=device),
         )
+
+
+def first_line(exc: Exception) -> str:
+    """An error's first line: what a log line or `CompileLog.error` keeps of it."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def compiled_guard_free(fn: Callable) -> GuardFreeGraphs:

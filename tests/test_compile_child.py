@@ -100,9 +100,13 @@ def test_a_killed_parent_takes_its_compile_child_and_the_child_s_compilers_with_
     try:
         assert parent.stdout.readline().strip() == "started"
         child = compile_child_of(parent.pid)
-        time.sleep(3.0)  # into its compile: importing torch, tracing, maybe a compiler already
+        # A spawned child leads its group once it has imported torch and unpickled its job: slow on a busy machine.
+        deadline = time.monotonic() + 120
+        while os.getpgid(child) != child and time.monotonic() < deadline:
+            time.sleep(0.1)
         group = os.getpgid(child)
         assert group == child, "the child leads a process group of its own, its compilers in it"
+        time.sleep(2.0)  # into its compile: tracing, maybe a compiler already
         parent.kill()
         parent.wait()
         deadline = time.monotonic() + 30

@@ -82,6 +82,7 @@ class DecodeSettings:
     nocache_samples: int = 4
     device: str = "cpu"
     dtype: str = "float32"  # model weights; linear and Linformer states stay float32
+    kv_cache_dtype: str | None = None  # softmax and Reformer keys and values; None: as dtype
     cuda_graphs: bool = True  # on CUDA, decode steps of graphable kinds replay captured graphs
     compiled: bool = True  # on the CPU, decode steps of compilable kinds run through torch.compile
     eager_too: bool = True  # with compiled: also time each compiled kind's eager path, "KIND (eager)"
@@ -205,10 +206,23 @@ def image_models(settings: DecodeSettings) -> dict[str, tuple[Transformer, str]]
         for kind in settings.kinds:
             torch.manual_seed(settings.seed)
             model = build_model(preset_config(settings.preset, kind)).to(device=device, dtype=dtype).eval()
-            out[kind] = (model, f"preset {settings.preset} (random weights)")
+            out[kind] = (with_cache_dtype(model, settings), f"preset {settings.preset} (random weights)")
         return out
     files = _mnist_weight_files(Path(settings.weights), settings.kinds)
-    return {kind: (load_model(path, device, dtype)[0].eval(), str(path)) for kind, path in files.items()}
+    return {
+        kind: (with_cache_dtype(load_model(path, device, dtype)[0].eval(), settings), str(path))
+        for kind, path in files.items()
+    }
+
+
+def cached_number_bytes(model: Transformer) -> int:
+    dtype = model.cache_dtype()
+    return torch.empty((), dtype=dtype).element_size() if dtype is not None else 4
+
+
+def with_cache_dtype(model: Transformer, settings: DecodeSettings) -> Transformer:
+    model.kv_cache_dtype = DTYPES[settings.kv_cache_dtype] if settings.kv_cache_dtype else None
+    return model
 
 
 def _mnist_weight_files(folder: Path, kinds: tuple[str, ...]) -> dict[str, Path]:
@@ -232,7 +246,9 @@ def position_model(image_model: Transformer, max_len: int, seed: int) -> Transfo
     """
     cfg = image_model.config.replace(task="text", max_len=max_len, pos_encoding="sinusoidal", dropout=0.0)
     torch.manual_seed(seed)
-    return build_model(cfg).to(device=image_model.device, dtype=image_model.dtype).eval()
+    model = build_model(cfg).to(device=image_model.device, dtype=image_model.dtype).eval()
+    model.kv_cache_dtype = image_model.kv_cache_dtype
+    return model
 
 
 # ---------------------------------------------------------------- timing helpers
@@ -568,7 +584,10 @@ def run_decode_bench(settings: DecodeSettings, progress=print) -> DecodeReport:
         probe_machine(DTYPES[settings.dtype]) if settings.device == "cpu" else {}
     )  # a GPU is judged by its datasheet
     batch = max(settings.batch_sizes)
-    report.roofline = {k: roofline(models[k][0].config, settings.image_tokens, batch, report.machine) for k in kinds}
+    report.roofline = {
+        k: roofline(models[k][0].config, settings.image_tokens, batch, report.machine, cached_number_bytes(models[k][0]))
+        for k in kinds
+    }
     report.load = {"before": load_before, "after": machine_load()}
     report.targets = evaluate_targets(report)
     return report
@@ -647,6 +666,8 @@ def _check(settings: DecodeSettings) -> None:
         preset_config(settings.preset, "linear")  # raises on an unknown preset
     if settings.dtype not in DTYPES:
         raise BenchError(f"--dtype {settings.dtype!r}: expected one of {', '.join(DTYPES)}")
+    if settings.kv_cache_dtype not in (None, *DTYPES):
+        raise BenchError(f"--kv-cache-dtype {settings.kv_cache_dtype!r}: expected one of {', '.join(DTYPES)}")
     for name in ("repeats", "steps_per_position", "position_batch", "image_tokens", "max_position"):
         if getattr(settings, name) < 1:
             raise BenchError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(settings, name)}")

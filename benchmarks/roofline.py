@@ -55,9 +55,14 @@ def weight_bytes(cfg: ModelConfig, bytes_per_weight: int = FP32) -> int:
     return _matrix_params(cfg) * bytes_per_weight
 
 
-def token_cost(cfg: ModelConfig, t: float, batch: int, bytes_per_weight: int = FP32) -> dict:
-    """Per generated token at position t in a batch of `batch` sequences."""
+def token_cost(
+    cfg: ModelConfig, t: float, batch: int, bytes_per_weight: int = FP32, bytes_per_cached: int = FP32
+) -> dict:
+    """Per generated token at position t in a batch of `batch` sequences; `bytes_per_cached`: a number of
+    the KV cache (kinds' costs count float32 states)."""
     attn_flops, state_moved = attention_cost(cfg, t)
+    if attention_class(cfg.attention).kv_cache:
+        state_moved *= bytes_per_cached / FP32
     return {
         "position": t,
         "batch": batch,
@@ -131,9 +136,9 @@ def _time(fn) -> float:
     return time.perf_counter() - start
 
 
-def roofline(cfg: ModelConfig, image_tokens: int, batch: int, machine: dict) -> dict:
+def roofline(cfg: ModelConfig, image_tokens: int, batch: int, machine: dict, bytes_per_cached: int = FP32) -> dict:
     """Per-token cost at the mean position of a generation and the bounds it implies."""
-    cost = token_cost(cfg, image_tokens / 2, batch, machine.get("bytes_per_weight", FP32))
+    cost = token_cost(cfg, image_tokens / 2, batch, machine.get("bytes_per_weight", FP32), bytes_per_cached)
     h100 = bound_tokens_per_s(cost, H100["bytes_per_s"], H100["bf16_flops"])
     here = None  # only for a machine whose rates were measured (the CPU)
     if machine:

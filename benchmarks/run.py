@@ -68,6 +68,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ins.add_argument("--device", default="cpu", help="cpu, cuda, or auto")
     ins.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="model weights (default float32)")
     ins.add_argument(
+        "--kv-cache-dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="the numbers softmax and Reformer models cache keys and values in, as the server's flag "
+        "(default: as --dtype); the peers keep theirs in --dtype",
+    )
+    ins.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
         help="on CUDA, replay decode steps of graphable kinds (linear, Linformer) as CUDA graphs (default on)",

@@ -158,7 +158,8 @@ def full_report(report: DecodeReport) -> str:
         f"{env.get('cpu_route', 'not recorded')}, linear layers on "
         f"{'the packed kernel' if env.get('packed_linear') else 'PyTorch'}), {env['cpu_count']} CPUs, "
         f"torch {env['torch']} "
-        f"({env['torch_threads']} threads), device {env['device']}. Times: best of {s['repeats']} run(s), "
+        f"({env['torch_threads']} threads), device {env['device']}, {s['dtype']} weights, keys and values "
+        f"cached in {s.get('kv_cache_dtype') or s['dtype']}. Times: best of {s['repeats']} run(s), "
         "kinds taking turns.",
         load_line(report),
         compile_line(report),

@@ -48,6 +48,9 @@ class Attention(nn.Module, ABC):
 
     capabilities: ClassVar[Capabilities]
     projections: ClassVar[int] = 4  # (d_model x d_model) weight matrices per layer: Q, K, V, output
+    # The state is a cache of keys and values that may be stored in another dtype than the model computes in
+    # (Transformer.kv_cache_dtype); recurrent sums are not: they stay float32 whatever the model's dtype.
+    kv_cache: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)

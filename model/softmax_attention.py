@@ -30,6 +30,7 @@ class SoftmaxAttention(Attention):
     # The cache grows by position, so steps read a prefix of changing length: no CUDA graph (torch.compile
     # traces the length symbolically); padding rows restarting at position 0 only overwrite their own first slot.
     capabilities = Capabilities(constant_state=False, graphable=False, paddable=True, compilable=True)
+    kv_cache = True
     # One query per row on the CPU through model/kernels/softmax_decode.cpp (model/cpu_kernels.py turns it on).
     cpu_decode_kernel = False
 
@@ -78,10 +79,12 @@ class SoftmaxAttention(Attention):
         return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None])
 
     def _kernel_applies(self, q: torch.Tensor, state: KVCache) -> bool:
+        # The kernel widens a bfloat16 cache to float32 as it reads; q and its sums are float32.
         return (
             self.cpu_decode_kernel
             and q.device.type == "cpu"
-            and q.dtype == state.k.dtype == torch.float32
+            and q.dtype == torch.float32
+            and state.k.dtype in (torch.float32, torch.bfloat16)
             and q.stride(-1) == 1
         )
 

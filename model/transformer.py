@@ -83,6 +83,9 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
         self.head = build_output_head(cfg, self.tok_emb)
+        # Keys and values of kinds that cache them (softmax) are stored in this dtype; None: the model's.
+        # A runtime choice (the server's --kv-cache-dtype), not part of the weights.
+        self.kv_cache_dtype: torch.dtype | None = None
         self.apply(_init_weights)
         if isinstance(self.head, LogisticMixtureHead):
             self.head.initialise()
@@ -105,8 +108,16 @@ class Transformer(nn.Module):
 
     def new_state(self, batch_size: int) -> ModelState:
         """Empty decoding state for `batch_size` rows, preallocated for max_len."""
-        layers = [blk.attn.new_state(batch_size, self.device, self.dtype) for blk in self.blocks]
+        layers = [blk.attn.new_state(batch_size, self.device, self._state_dtype(blk.attn)) for blk in self.blocks]
         return ModelState(layers, torch.zeros(batch_size, dtype=torch.long, device=self.device))
+
+    def cache_dtype(self) -> torch.dtype | None:
+        """The dtype its cached keys and values are stored in; None for kinds whose state is recurrent sums."""
+        attn = self.blocks[0].attn
+        return self._state_dtype(attn) if attn.kv_cache else None
+
+    def _state_dtype(self, attn: nn.Module) -> torch.dtype:
+        return self.kv_cache_dtype if attn.kv_cache and self.kv_cache_dtype is not None else self.dtype
 
     def state_bytes_per_sequence(self, length: int | None = None) -> int:
         """Bytes of decode state one sequence holds at `length` (default max_len)."""

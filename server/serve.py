@@ -30,6 +30,7 @@ SERVER_FLAGS = (
     "port",
     "device",
     "dtype",
+    "kv_cache_dtype",
     "cuda_graphs",
     "compile_decode",
     "threads",
@@ -91,6 +92,13 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=("auto", "float32", "bfloat16"),
         help=f"weights and activations; auto = bfloat16 on CUDA, float32 on CPU {default('dtype')}",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        help="the numbers softmax and Reformer models cache keys and values in; bfloat16 halves their decode "
+        "state (twice the sequences in the same memory) and the bytes a step reads, and rounds each cached "
+        f"number to 8 significant bits; auto = as --dtype {default('kv_cache_dtype')}",
     )
     parser.add_argument(
         "--cuda-graphs",

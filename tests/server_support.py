@@ -23,6 +23,10 @@ import pytest
 import torch
 
 from model import ModelConfig, build_model
+from model.config import BOS_TOKEN
+from model.generate import generate
+from model.sampling import BatchSampling, SamplingParams, token_logprobs
+from model.step_decoders import EagerDecoder
 from model.kinds import attention_kinds
 from model.weights_io import save_model
 from server.app import build_app
@@ -230,3 +234,18 @@ def token_bytes(tokens: list[str]) -> list[int]:
             assert len(token) == 1 and ord(token) < 0x80, f"unexpected token {token!r}"
             out.append(ord(token))
     return out
+
+
+@torch.inference_mode()
+def eager_generation(model, prompt: list[int], count: int, params: SamplingParams) -> tuple[list[int], list[float]]:
+    """Tokens of eager `generate` and their log-probabilities from eager decode steps."""
+    tokens = generate(
+        model, torch.tensor([prompt]), len(prompt) + count, BatchSampling.from_params([params]), compiled=False
+    )[0, len(prompt) :]
+    decoder = EagerDecoder(model, model.new_state(1))
+    logits, _ = model(torch.tensor([[BOS_TOKEN, *prompt]]), decoder.state)
+    logits, logprobs = logits[:, -1], []
+    for token in tokens:
+        logprobs.append(float(token_logprobs(logits, token[None])[0]))
+        logits = decoder(token[None])
+    return tokens.tolist(), logprobs

@@ -25,18 +25,17 @@ import torch
 import torch._inductor.config
 
 from model.compiled_decode import BACKGROUND_COMPILE_NICENESS, MANY_ROWS, CompiledDecoder
-from model.config import BOS_TOKEN
 from model.step_decoders import EagerDecoder
 from model.decoders import make_decoder
 from model.generate import generate
-from model.sampling import BatchSampling, SamplingParams, token_logprobs
+from model.sampling import BatchSampling, SamplingParams
 from model.cpu_kernels import cpu_route, packed_linear_wins
 from model.packed_linear import DecodeTwins, PackedLinear, decode_twin
 from model.registry import kinds_where
 from model.weights_io import load_model
 
 from conftest import COMPILABLE_KINDS, assert_bfloat16_close, make_tiny_model, random_bytes, shared_tiny_model
-from server_support import free_port, save_tiny_model, stop_process, token_bytes, wait_healthy
+from server_support import eager_generation, free_port, save_tiny_model, stop_process, token_bytes, wait_healthy
 
 ROWS = 8
 LOGPROB_TOLERANCE = 1e-4
@@ -399,24 +398,9 @@ def test_server_compiles_in_the_background_and_answers_what_eager_generate_draws
     # What the engine's steps run on since they compiled: its kernels' route, or PyTorch's operators without them.
     assert route.startswith(f"{cpu_route()}: compiled steps") or route == "compiled steps on PyTorch's operators", route
     model, _ = load_model(path, "cpu")
-    want_tokens, want_logprobs = _eager_generation(model, list(b"abc"), 20, SamplingParams(temperature=0.9, seed=7))
+    want_tokens, want_logprobs = eager_generation(model, list(b"abc"), 20, SamplingParams(temperature=0.9, seed=7))
     assert token_bytes(answer["logprobs"]["tokens"]) == want_tokens
     assert answer["logprobs"]["token_logprobs"] == pytest.approx(want_logprobs, abs=LOGPROB_TOLERANCE)
-
-
-@torch.inference_mode()
-def _eager_generation(model, prompt: list[int], count: int, params: SamplingParams) -> tuple[list[int], list[float]]:
-    """Tokens of eager `generate` and their log-probabilities from eager decode steps."""
-    tokens = generate(
-        model, torch.tensor([prompt]), len(prompt) + count, BatchSampling.from_params([params]), compiled=False
-    )[0, len(prompt) :]
-    decoder = EagerDecoder(model, model.new_state(1))
-    logits, _ = model(torch.tensor([[BOS_TOKEN, *prompt]]), decoder.state)
-    logits, logprobs = logits[:, -1], []
-    for token in tokens:
-        logprobs.append(float(token_logprobs(logits, token[None])[0]))
-        logits = decoder(token[None])
-    return tokens.tolist(), logprobs
 
 
 def _wait_for_compiled(url: str, log: Path, seconds: float = 600) -> dict:

@@ -66,6 +66,19 @@ def test_the_kernel_equals_pytorch_attention_for_rows_of_different_lengths(kerne
     torch.testing.assert_close(got[0, :, 0], v[0, :, 0], atol=KERNEL_TOLERANCE, rtol=0)
 
 
+@pytest.mark.parametrize("head_dim", [16, 24, 32, 200])
+def test_a_bfloat16_cache_is_read_as_its_float32_widening(kernel, head_dim):
+    gen = torch.Generator().manual_seed(head_dim)
+    q = torch.randn(4, 3, 1, head_dim, generator=gen)
+    k, v = (torch.randn(4, 3, 40, head_dim, generator=gen).bfloat16() for _ in range(2))
+    last = torch.tensor([0, 9, 39, 16])
+    got = kernel(q, k, v, last)
+    assert got.dtype == torch.float32
+    # the same sums over the same numbers: only where they are loaded from differs
+    torch.testing.assert_close(got, kernel(q, k.float(), v.float(), last), atol=1e-6, rtol=0)
+    torch.testing.assert_close(got, pytorch_attention(q, k.float(), v.float(), last), atol=KERNEL_TOLERANCE, rtol=0)
+
+
 @pytest.mark.parametrize("direction", [1.0, -1.0])
 def test_scores_that_climb_or_fall_by_hundreds_across_positions_stay_exact(kernel, direction):
     # The kernel keeps a running maximum over blocks of positions: scores climbing past what exp() can hold
@@ -98,6 +111,8 @@ def test_the_kernel_reads_only_the_positions_each_row_can_see(kernel):
         (lambda q, k, v, last: (q, k, v, torch.tensor([-1, 3])), "last position -1"),
         (lambda q, k, v, last: (q.double(), k, v, last), "float32"),
         (lambda q, k, v, last: (q, k[:, :1], v, last), "must both be"),
+        (lambda q, k, v, last: (q, k.bfloat16(), v, last), "must both be float32 or both bfloat16"),
+        (lambda q, k, v, last: (q, k.half(), v.half(), last), "must both be float32 or both bfloat16"),
         (lambda q, k, v, last: (q, k, v, last[:1]), "last must be"),
         (lambda q, k, v, last: (q, k.transpose(2, 3).contiguous().transpose(2, 3), v, last), "unit stride"),
     ],
@@ -269,6 +284,10 @@ for head_dim in (24, 64, 128):  # 3, 8 and 16 vectors of 8 (AVX2, generic); 4 an
     q, kv = torch.randn(5, 4, 1, head_dim), torch.randn(2, 5, 4, 30, head_dim)
     got = torch.ops.rnnserve.softmax_decode_attention(q, kv[0], kv[1], last)
     want = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask[:, None, None, :])
+    errors.append(float((got - want).abs().max()))
+    widened = [t.bfloat16() for t in kv]  # a bfloat16 cache: read as its float32 widening
+    got = torch.ops.rnnserve.softmax_decode_attention(q, *widened, last)
+    want = F.scaled_dot_product_attention(q, *(t.float() for t in widened), attn_mask=mask[:, None, None, :])
     errors.append(float((got - want).abs().max()))
 print(json.dumps({"ok": build.ok, "route": build.route, "here": cpu_route(), "packed": packed_linear_wins(),
                   "max_error": max(errors)}))

@@ -28,6 +28,10 @@ class ModelCard(BaseModel):
     max_len: int
     device: str
     dtype: str
+    kv_cache_dtype: str | None = Field(
+        description="the numbers its cached keys and values are stored in (softmax, Reformer; --kv-cache-dtype); "
+        "null for kinds whose state is recurrent sums (linear, Linformer: float32)"
+    )
     cuda_graphs: bool
     compiled_decode: bool = Field(
         description="decode steps run through torch.compile graphs on the CPU "
@@ -70,6 +74,10 @@ PROMETHEUS_TEXT = {
 }
 
 
+def dtype_name(dtype) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
 def describe(engine: EngineHandle, created: int) -> dict[str, Any]:
     """One OpenAI model entry plus what a client needs to pick a model."""
     cfg = engine.config
@@ -83,7 +91,8 @@ def describe(engine: EngineHandle, created: int) -> dict[str, Any]:
         "parameters": engine.model.num_parameters(),
         "max_len": cfg.max_len,
         "device": str(engine.model.device),
-        "dtype": str(engine.model.dtype).removeprefix("torch."),
+        "dtype": dtype_name(engine.model.dtype),
+        "kv_cache_dtype": dtype_name(engine.model.cache_dtype()),
         "cuda_graphs": engine.cuda_graphs,
         "compiled_decode": engine.compiled_decode,
         "threads": engine.threads,

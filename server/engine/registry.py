@@ -64,8 +64,9 @@ def load_models(settings: Settings) -> list[LoadedModel]:
     loaded = []
     for path, vocabulary in checked_vocabularies(settings).items():
         model, info = load_model(path, device=device, dtype=dtype)
+        model.kv_cache_dtype = settings.torch_kv_cache_dtype()
         log.info(
-            "loaded %s (%s %s, %d parameters, vocabulary %s) on %s in %s",
+            "loaded %s (%s %s, %d parameters, vocabulary %s) on %s in %s, keys and values cached in %s",
             path,
             model.config.attention,
             model.config.task,
@@ -73,6 +74,7 @@ def load_models(settings: Settings) -> list[LoadedModel]:
             vocabulary.name,
             device,
             dtype,
+            model.cache_dtype() or "no cache (recurrent sums, float32)",
         )
         loaded.append(LoadedModel(path.stem, path, model, info, vocabulary))
     return loaded

@@ -585,7 +585,9 @@ def run_decode_bench(settings: DecodeSettings, progress=print) -> DecodeReport:
     )  # a GPU is judged by its datasheet
     batch = max(settings.batch_sizes)
     report.roofline = {
-        k: roofline(models[k][0].config, settings.image_tokens, batch, report.machine, cached_number_bytes(models[k][0]))
+        k: roofline(
+            models[k][0].config, settings.image_tokens, batch, report.machine, cached_number_bytes(models[k][0])
+        )
         for k in kinds
     }
     report.load = {"before": load_before, "after": machine_load()}

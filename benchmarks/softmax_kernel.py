@@ -6,8 +6,10 @@ A 64-row decode step's attention reads every visible cached key and value once, 
 core streams memory. This times `torch.ops.rnnserve.softmax_decode_attention` on the `cpu` preset's shapes (64
 rows, 4 heads, head size 32, a 785-position cache) over `--layers` caches called in turn, as a step calls one
 per layer, so that together they do not fit in the last-level cache, and `torch.sum` over the same visible
-bytes: the rate one core reads memory at here. One thread, best of several rounds taking turns. The kernel's output is
-checked against PyTorch's attention first, so a fast wrong kernel cannot pass for a fast one.
+bytes: the rate one core reads memory at here; and the kernel over the same caches in bfloat16 (`--kv-cache-dtype
+bfloat16`: half the bytes). One thread, best of several rounds taking turns. The kernel's output is checked against
+PyTorch's attention first (a bfloat16 cache against PyTorch's on its float32 widening), so a fast wrong kernel
+cannot pass for a fast one.
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ def reference_attention(q, k, v, last) -> torch.Tensor:
     return attend_one_query(q, k, v, visible)
 
 
+def kernel_error(attention, q, k, v, last) -> float:
+    return (attention(q, k, v, last) - reference_attention(q, k.float(), v.float(), last)).abs().max().item()
+
+
 def measure(position: int, layers: int) -> dict:
     build = load_kernels()
     if not build.ok:
@@ -57,14 +63,16 @@ def measure(position: int, layers: int) -> dict:
     caches = [tuple(torch.randn(ROWS, HEADS, n, HEAD_SIZE) for n in (1, CACHE, CACHE)) for _ in range(layers)]
     last = torch.full((ROWS,), position)
     attention = torch.ops.rnnserve.softmax_decode_attention
-    q, k, v = caches[0]
-    error = (attention(q, k, v, last) - reference_attention(q, k, v, last)).abs().max().item()
+    halves = [(q, k.bfloat16(), v.bfloat16()) for q, k, v in caches]
+    error = max(kernel_error(attention, *layer[0], last) for layer in (caches, halves))
     if error > 1e-4:
         raise SystemExit(f"the kernel's attention is {error:.2e} from PyTorch's: not timing a wrong result")
     visible = [(k[:, :, : position + 1].contiguous(), v[:, :, : position + 1].contiguous()) for _, k, v in caches]
     nbytes = sum(k.numel() + v.numel() for k, v in visible) * 4
-    kernel, stream = best_seconds(
-        lambda: [attention(q, k, v, last) for q, k, v in caches], lambda: [(k.sum(), v.sum()) for k, v in visible]
+    kernel, stream, half = best_seconds(
+        lambda: [attention(q, k, v, last) for q, k, v in caches],
+        lambda: [(k.sum(), v.sum()) for k, v in visible],
+        lambda: [attention(q, k, v, last) for q, k, v in halves],
     )
     route = cpu_route()
     return {
@@ -78,6 +86,8 @@ def measure(position: int, layers: int) -> dict:
         "kernel_gb_per_s": nbytes / kernel / 1e9,
         "stream_gb_per_s": nbytes / stream / 1e9,
         "kernel_of_stream": stream / kernel,
+        "bfloat16_kernel_ms_per_layer": half / layers * 1e3,
+        "bfloat16_speedup": kernel / half,
         "max_error": error,
     }
 
@@ -96,7 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"{result['cpu_class']} ({result['cpu_route']} route), position {args.position}, {args.layers} layers: "
         f"kernel {result['kernel_ms_per_layer']:.3f} ms a layer, {result['kernel_gb_per_s']:.1f} GB/s; torch.sum "
-        f"over the same bytes {result['stream_gb_per_s']:.1f} GB/s; the kernel at {result['kernel_of_stream']:.0%}"
+        f"over the same bytes {result['stream_gb_per_s']:.1f} GB/s; the kernel at {result['kernel_of_stream']:.0%}; "
+        f"over a bfloat16 cache {result['bfloat16_kernel_ms_per_layer']:.3f} ms a layer, "
+        f"{result['bfloat16_speedup']:.2f}x the float32 cache's speed"
     )
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=1) + "\n")

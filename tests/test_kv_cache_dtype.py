@@ -17,6 +17,8 @@ from model.compiled_decode import CompiledDecoder
 from model.sampling import SamplingParams
 from model.step_decoders import EagerDecoder
 from model.weights_io import load_model
+from training.data import write_idx_images
+from training.evaluate import evaluate_mnist
 
 from conftest import make_tiny_model
 from server_support import eager_generation, free_port, save_tiny_model, stop_process, token_bytes, wait_healthy
@@ -79,6 +81,23 @@ def test_compiled_steps_over_a_bfloat16_cache_match_the_eager_ones():
     tokens = torch.randint(0, model.config.vocab_in, (3, STEPS), generator=torch.Generator().manual_seed(6))
     for t in range(STEPS):
         torch.testing.assert_close(compiled(tokens[:, t]), eager(tokens[:, t]), atol=1e-4, rtol=0)
+
+
+def test_the_quality_benchmark_scores_through_the_cache_as_the_parallel_pass_does(tmp_path):
+    from benchmarks import kv_cache_quality
+
+    weights = save_tiny_model(tmp_path, "mnist-softmax", "softmax", "mnist")
+    images = torch.randint(0, 256, (6, 784), generator=torch.Generator().manual_seed(1))
+    write_idx_images(tmp_path / "t10k-images-idx3-ubyte.gz", images)
+    result = kv_cache_quality.measure(weights, tmp_path, count=6)
+    model, _ = load_model(weights, "cpu")
+    parallel = evaluate_mnist(model.eval(), images)["bits_per_dim"]
+    # a float32 cache read chunk by chunk scores what one parallel pass does; a bfloat16 one, nearly
+    assert result["bits_per_dim_float32_cache"] == pytest.approx(parallel, abs=1e-4)
+    assert result["bits_per_dim_bfloat16_cache"] != result["bits_per_dim_float32_cache"]
+    assert result["bits_per_dim_bfloat16_cache"] == pytest.approx(parallel, abs=0.02)
+    with pytest.raises(SystemExit, match="a kind with a KV cache"):
+        kv_cache_quality.measure(save_tiny_model(tmp_path, "mnist-linear", "linear", "mnist"), tmp_path, count=6)
 
 
 def test_the_server_caches_in_bfloat16_when_asked_and_answers_what_eager_decoding_over_it_draws(tmp_path):

@@ -1,8 +1,8 @@
 """docs/benchmarks.md's decode tables, generated from the result files in benchmarks/results/.
 
-For each CPU class the results were measured on, and each thread count (one thread: the cleanest ratios; the
-machine's cores: what a server gets by default), the newest `rnnserve bench` run (`cpu-DATE-runN.json`) gives
-one table: images/s per kind at the run's largest batch and the ratios measured in that same run (against
+For each CPU class the results were measured on, each thread count (one thread: the cleanest ratios; the
+machine's cores: what a server gets by default) and each KV cache dtype (`--kv-cache-dtype`), the newest
+`rnnserve bench` run (`cpu-DATE-runN.json`) gives one table: images/s per kind at the run's largest batch and the ratios measured in that same run (against
 softmax with and without its cache, against each kind's eager path and against other implementations), the
 state per sequence and the step time near and far. The tables sit between two markers in the page; the text
 around them is written by hand.
@@ -37,8 +37,14 @@ def threads(report: dict) -> int:
     return report["environment"]["torch_threads"]
 
 
-def newest_runs(results: Path = RESULTS) -> dict[tuple[str, int], tuple[str, dict]]:
-    """(CPU class, threads) -> (file name, report) of its newest run, by date then run number."""
+def cache_dtype(report: dict) -> str:
+    """The numbers softmax and Reformer cached keys and values in: the run's --kv-cache-dtype, else its --dtype."""
+    settings = report["settings"]
+    return settings.get("kv_cache_dtype") or settings["dtype"]
+
+
+def newest_runs(results: Path = RESULTS) -> dict[tuple[str, int, str], tuple[str, dict]]:
+    """(CPU class, threads, KV cache dtype) -> (file name, report) of its newest run, by date then run number."""
     runs = sorted(
         (tuple(map(int, match.group(1).split("-"))), int(match.group(2)), path)
         for path in results.glob("cpu-*-run*.json")
@@ -47,7 +53,7 @@ def newest_runs(results: Path = RESULTS) -> dict[tuple[str, int], tuple[str, dic
     newest: dict[tuple[str, int], tuple[str, dict]] = {}
     for _, _, path in runs:
         report = json.loads(path.read_text())
-        newest[cpu_class(report), threads(report)] = (path.name, report)
+        newest[cpu_class(report), threads(report), cache_dtype(report)] = (path.name, report)
     return newest
 
 
@@ -94,7 +100,8 @@ def run_table(name: str, report: dict) -> str:
     batch = max(r["batch"] for r in report["images"])
     kinds = list(dict.fromkeys(r["kind"] for r in report["images"] if r["group"] == "rnnserve"))
     lines = [
-        f"### {cpu_class(report)}, {_thread_label(threads(report))}: {env['processor']}, {env['utc']}",
+        f"### {cpu_class(report)}, {_thread_label(threads(report))}, KV cache in {cache_dtype(report)}: "
+        f"{env['processor']}, {env['utc']}",
         "",
         *machine_rates(report),
         f"`{report['command']}` (`benchmarks/results/{name}`; {settings['image_tokens']}-token images at batch "

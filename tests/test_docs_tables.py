@@ -13,7 +13,7 @@ def test_the_page_s_tables_are_the_generated_ones():
 
 
 def test_each_cpu_class_shows_its_newest_run_and_its_own_figures(tmp_path):
-    name, report = newest_runs()["AVX-512", 1]
+    name, report = newest_runs()["AVX-512", 1, "float32"]
     shutil.copy(RESULTS / name, tmp_path / name)
     avx2 = json.loads(json.dumps(report))
     avx2["environment"]["cpu_class"] = "AVX2, hardware of its own"
@@ -33,7 +33,7 @@ def test_each_cpu_class_shows_its_newest_run_and_its_own_figures(tmp_path):
 
 
 def test_each_thread_count_of_a_class_shows_its_own_newest_run(tmp_path):
-    name, report = newest_runs()["AVX-512", 1]
+    name, report = newest_runs()["AVX-512", 1, "float32"]
     shutil.copy(RESULTS / name, tmp_path / name)
     both_cores = json.loads(json.dumps(report))
     both_cores["environment"]["torch_threads"] = 2
@@ -43,3 +43,15 @@ def test_each_thread_count_of_a_class_shows_its_own_newest_run(tmp_path):
     one, two = text.split("### AVX-512, 2 threads")
     assert "### AVX-512, one thread" in one and name in one
     assert "a run on both cores" in two and name not in two
+
+
+def test_a_run_with_a_bfloat16_kv_cache_shows_beside_the_float32_one_and_says_so(tmp_path):
+    name, report = newest_runs()["AVX-512", 1, "float32"]
+    shutil.copy(RESULTS / name, tmp_path / name)
+    halved = json.loads(json.dumps(report))
+    halved["settings"]["kv_cache_dtype"] = "bfloat16"
+    halved["command"] = "a run with a bfloat16 cache"
+    (tmp_path / "cpu-2020-01-01-run1.json").write_text(json.dumps(halved))  # older, but the only bfloat16-cache run
+    text = tables(tmp_path)
+    assert "### AVX-512, one thread, KV cache in float32" in text and name in text
+    assert "a run with a bfloat16 cache" in text.split("### AVX-512, one thread, KV cache in bfloat16")[1]

@@ -182,6 +182,7 @@ SLOW_MODULES = frozenset(
         "test_engine_process",
         "test_engine_restart",
         "test_eval_checkpoints",
+        "test_kv_cache_dtype",
         "test_openai_client",
         "test_openapi_contract",
         "test_playground",

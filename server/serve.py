@@ -83,6 +83,24 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", help=f"address to listen on {default('host')}")
     parser.add_argument("--port", type=int, help=f"port to listen on, 0 = any free one {default('port')}")
+    _add_device_arguments(parser)
+    parser.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        help="on CUDA, capture decode steps of graphable kinds (linear, Linformer) as CUDA graphs "
+        f"at padded batch sizes {default('cuda_graphs')}",
+    )
+    parser.add_argument(
+        "--compile-decode",
+        action=argparse.BooleanOptionalAction,
+        help="on the CPU, compile decode steps and sampling of compilable kinds (softmax, linear, "
+        "Linformer) with torch.compile, in the background after start-up (eager until ready) "
+        f"{default('compile_decode')}",
+    )
+
+
+def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    default = _default
     parser.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),
@@ -99,19 +117,6 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="the numbers softmax and Reformer models cache keys and values in; bfloat16 halves their decode "
         "state (twice the sequences in the same memory) and the bytes a step reads, and rounds each cached "
         f"number to 8 significant bits; auto = as --dtype {default('kv_cache_dtype')}",
-    )
-    parser.add_argument(
-        "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        help="on CUDA, capture decode steps of graphable kinds (linear, Linformer) as CUDA graphs "
-        f"at padded batch sizes {default('cuda_graphs')}",
-    )
-    parser.add_argument(
-        "--compile-decode",
-        action=argparse.BooleanOptionalAction,
-        help="on the CPU, compile decode steps and sampling of compilable kinds (softmax, linear, "
-        "Linformer) with torch.compile, in the background after start-up (eager until ready) "
-        f"{default('compile_decode')}",
     )
 
 

@@ -1,8 +1,8 @@
 """docs/benchmarks.md's decode tables, generated from the result files in benchmarks/results/.
 
 For each CPU class the results were measured on, each thread count (one thread: the cleanest ratios; the
-machine's cores: what a server gets by default) and each KV cache dtype (`--kv-cache-dtype`), the newest
-`rnnserve bench` run (`cpu-DATE-runN.json`) gives one table: images/s per kind at the run's largest batch and the ratios measured in that same run (against
+machine's cores: what a server gets by default) and each dtype of the weights and of the KV cache (`--dtype`,
+`--kv-cache-dtype`), the newest `rnnserve bench` run (`cpu-DATE-runN.json`) gives one table: images/s per kind at the run's largest batch and the ratios measured in that same run (against
 softmax with and without its cache, against each kind's eager path and against other implementations), the
 state per sequence and the step time near and far. The tables sit between two markers in the page; the text
 around them is written by hand.
@@ -43,17 +43,23 @@ def cache_dtype(report: dict) -> str:
     return settings.get("kv_cache_dtype") or settings["dtype"]
 
 
-def newest_runs(results: Path = RESULTS) -> dict[tuple[str, int, str], tuple[str, dict]]:
-    """(CPU class, threads, KV cache dtype) -> (file name, report) of its newest run, by date then run number."""
+RunKey = tuple[str, int, str, str]  # CPU class, threads, weights' dtype, KV cache dtype
+
+
+def newest_runs(results: Path = RESULTS) -> dict[RunKey, tuple[str, dict]]:
+    """Each RunKey -> (file name, report) of its newest run, by date then run number."""
     runs = sorted(
         (tuple(map(int, match.group(1).split("-"))), int(match.group(2)), path)
         for path in results.glob("cpu-*-run*.json")
         if (match := RUN_FILE.fullmatch(path.name))
     )
-    newest: dict[tuple[str, int], tuple[str, dict]] = {}
+    newest: dict[RunKey, tuple[str, dict]] = {}
     for _, _, path in runs:
         report = json.loads(path.read_text())
-        newest[cpu_class(report), threads(report), cache_dtype(report)] = (path.name, report)
+        newest[cpu_class(report), threads(report), report["settings"]["dtype"], cache_dtype(report)] = (
+            path.name,
+            report,
+        )
     return newest
 
 
@@ -100,8 +106,8 @@ def run_table(name: str, report: dict) -> str:
     batch = max(r["batch"] for r in report["images"])
     kinds = list(dict.fromkeys(r["kind"] for r in report["images"] if r["group"] == "rnnserve"))
     lines = [
-        f"### {cpu_class(report)}, {_thread_label(threads(report))}, KV cache in {cache_dtype(report)}: "
-        f"{env['processor']}, {env['utc']}",
+        f"### {cpu_class(report)}, {_thread_label(threads(report))}, {settings['dtype']} weights, KV cache in "
+        f"{cache_dtype(report)}: {env['processor']}, {env['utc']}",
         "",
         *machine_rates(report),
         f"`{report['command']}` (`benchmarks/results/{name}`; {settings['image_tokens']}-token images at batch "
@@ -129,7 +135,9 @@ def machine_rates(report: dict) -> list[str]:
 
 def tables(results: Path = RESULTS) -> str:
     runs = newest_runs(results)
-    return "\n\n".join(run_table(name, report) for _, (name, report) in sorted(runs.items()))
+    # Within a class, thread count and weights' dtype, the cache in the weights' dtype (the default) first.
+    order = sorted(runs, key=lambda key: (*key[:3], key[3] != key[2], key[3]))
+    return "\n\n".join(run_table(*runs[key]) for key in order)
 
 
 def with_tables(page: str, generated: str) -> str:

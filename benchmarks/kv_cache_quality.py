@@ -40,7 +40,7 @@ def bits_per_dim_through_cache(model: Transformer, images: torch.Tensor, batch: 
 def measure(weights: Path, data: Path, count: int) -> dict:
     model, _ = load_model(weights, "cpu")
     if model.config.task != "mnist" or model.cache_dtype() is None:
-        raise SystemExit(f"{weights}: expected an MNIST model of a kind with a KV cache (softmax, reformer)")
+        raise SystemExit(f"{weights}: expected an MNIST softmax model (the kind whose cache takes --kv-cache-dtype)")
     images = load_mnist(data, "test").images[:count].long()
     result = {"weights": str(weights), "attention": model.config.attention, "images": int(images.shape[0])}
     for name, dtype in (("float32", None), ("bfloat16", torch.bfloat16)):
@@ -52,7 +52,7 @@ def measure(weights: Path, data: Path, count: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.kv_cache_quality", description=__doc__.splitlines()[0])
-    parser.add_argument("--weights", type=Path, required=True, help="an MNIST softmax or Reformer .safetensors")
+    parser.add_argument("--weights", type=Path, required=True, help="an MNIST softmax model's .safetensors")
     parser.add_argument("--data", type=Path, required=True, help="the MNIST folder (its t10k images)")
     parser.add_argument("--images", type=int, default=2000, help="test images scored (the first N)")
     parser.add_argument("--json-out", type=Path)

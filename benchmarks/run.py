@@ -69,9 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ins.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="model weights (default float32)")
     ins.add_argument(
         "--kv-cache-dtype",
-        choices=("float32", "bfloat16", "float16"),
-        help="the numbers softmax and Reformer models cache keys and values in, as the server's flag "
-        "(default: as --dtype); the peers keep theirs in --dtype",
+        choices=("float32", "bfloat16"),
+        help="the numbers softmax models cache keys and values in, as the server's flag (default: as --dtype); "
+        "the peers keep theirs in --dtype",
     )
     ins.add_argument(
         "--cuda-graphs",

@@ -49,7 +49,9 @@ class Attention(nn.Module, ABC):
     capabilities: ClassVar[Capabilities]
     projections: ClassVar[int] = 4  # (d_model x d_model) weight matrices per layer: Q, K, V, output
     # The state is a cache of keys and values that may be stored in another dtype than the model computes in
-    # (Transformer.kv_cache_dtype); recurrent sums are not: they stay float32 whatever the model's dtype.
+    # (Transformer.kv_cache_dtype), read by a kernel that widens it as it loads. Recurrent sums are not: they stay
+    # float32 whatever the model's dtype. Reformer's cache is not either: its steps are eager and would widen the
+    # whole cache each step.
     kv_cache: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs) -> None:

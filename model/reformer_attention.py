@@ -41,7 +41,6 @@ class ReformerAttention(Attention):
     # Bucket lists change length every step (no graph; their sizes are read back to the host, so no
     # compiled step either), and padding rows would keep appending to them.
     capabilities = Capabilities(constant_state=False, graphable=False, paddable=False, compilable=False)
-    kv_cache = True
     projections = 3  # shared QK
 
     @classmethod

@@ -112,7 +112,7 @@ class Transformer(nn.Module):
         return ModelState(layers, torch.zeros(batch_size, dtype=torch.long, device=self.device))
 
     def cache_dtype(self) -> torch.dtype | None:
-        """The dtype its cached keys and values are stored in; None for kinds whose state is recurrent sums."""
+        """The dtype its cached keys and values are stored in; None for kinds that do not take a cache dtype."""
         attn = self.blocks[0].attn
         return self._state_dtype(attn) if attn.kv_cache else None
 

@@ -8,7 +8,7 @@ serves, with PyTorch's operators in place of the kernels (logged once).
 With `--weights DIR` (default: weights/, when there) each compilable model's decode steps and sampling are
 compiled as a server with default settings compiles them: the same rows (--max-batch) and the same intra-op
 threads (an equal share of this machine's CPUs among the models, as the server gives), so a server started
-with other --max-batch or --threads compiles those graphs itself.
+with other --max-batch, --threads or --kv-cache-dtype compiles those graphs itself.
 """
 
 from __future__ import annotations
@@ -37,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_ROWS,
         help=f"rows the server will decode together, as its --max-batch (default {DEFAULT_ROWS})",
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="the numbers softmax models will cache keys and values in, as the server's flag (default auto)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if paths is None:
         print(f"rnnserve build-kernels: --weights {args.weights} is not a directory", file=sys.stderr)
         return 2
-    failed = [path for path in compile_models(paths, args.max_batch) if path is not None]
+    failed = [path for path in compile_models(paths, args.max_batch, args.kv_cache_dtype) if path is not None]
     for path in failed:
         print(
             f"rnnserve build-kernels: compiling {path}'s decode steps failed (see above); a server will compile "
@@ -71,7 +77,7 @@ def model_files(weights: Path | None) -> list[Path] | None:
     return sorted(weights.glob("*.safetensors")) if weights.is_dir() else None
 
 
-def compile_models(paths: list[Path], rows: int) -> list[Path | None]:
+def compile_models(paths: list[Path], rows: int, kv_cache_dtype: str = "auto") -> list[Path | None]:
     """Compile each compilable model's decode steps with the thread count a server of these models gives it;
     the paths whose compile failed (None for the others)."""
     import torch
@@ -89,6 +95,7 @@ def compile_models(paths: list[Path], rows: int) -> list[Path | None]:
         # cache graphs that no server asks for.
         torch._dynamo.reset()
         model, _ = load_model(path)
+        model.kv_cache_dtype = None if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
         outcomes.append(None if compile_decode_steps(model, rows, path.stem) else path)
     return outcomes
 

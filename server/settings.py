@@ -28,7 +28,7 @@ class Settings(BaseSettings):
     models: list[Path] = Field(default_factory=list)  # explicit files; when given, `weights` is ignored
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # softmax/Reformer caches; auto: as dtype
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # softmax's cached keys, values; auto: as dtype
     cuda_graphs: bool = True  # on CUDA, replay linear/Linformer decode steps as captured graphs
     compile_decode: bool = True  # on CPU, softmax/linear/Linformer decode steps through torch.compile
     threads: int | None = Field(
@@ -90,7 +90,7 @@ class Settings(BaseSettings):
         return getattr(torch, name)
 
     def torch_kv_cache_dtype(self):
-        """The dtype softmax and Reformer models store cached keys and values in; None: the model's dtype."""
+        """The dtype softmax models store cached keys and values in; None: the model's dtype."""
         import torch
 
         return None if self.kv_cache_dtype == "auto" else getattr(torch, self.kv_cache_dtype)

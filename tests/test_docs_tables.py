@@ -13,7 +13,7 @@ def test_the_page_s_tables_are_the_generated_ones():
 
 
 def test_each_cpu_class_shows_its_newest_run_and_its_own_figures(tmp_path):
-    name, report = newest_runs()["AVX-512", 1, "float32"]
+    name, report = newest_runs()["AVX-512", 1, "float32", "float32"]
     shutil.copy(RESULTS / name, tmp_path / name)
     avx2 = json.loads(json.dumps(report))
     avx2["environment"]["cpu_class"] = "AVX2, hardware of its own"
@@ -33,7 +33,7 @@ def test_each_cpu_class_shows_its_newest_run_and_its_own_figures(tmp_path):
 
 
 def test_each_thread_count_of_a_class_shows_its_own_newest_run(tmp_path):
-    name, report = newest_runs()["AVX-512", 1, "float32"]
+    name, report = newest_runs()["AVX-512", 1, "float32", "float32"]
     shutil.copy(RESULTS / name, tmp_path / name)
     both_cores = json.loads(json.dumps(report))
     both_cores["environment"]["torch_threads"] = 2
@@ -46,12 +46,13 @@ def test_each_thread_count_of_a_class_shows_its_own_newest_run(tmp_path):
 
 
 def test_a_run_with_a_bfloat16_kv_cache_shows_beside_the_float32_one_and_says_so(tmp_path):
-    name, report = newest_runs()["AVX-512", 1, "float32"]
+    name, report = newest_runs()["AVX-512", 1, "float32", "float32"]
     shutil.copy(RESULTS / name, tmp_path / name)
     halved = json.loads(json.dumps(report))
     halved["settings"]["kv_cache_dtype"] = "bfloat16"
     halved["command"] = "a run with a bfloat16 cache"
     (tmp_path / "cpu-2020-01-01-run1.json").write_text(json.dumps(halved))  # older, but the only bfloat16-cache run
     text = tables(tmp_path)
-    assert "### AVX-512, one thread, KV cache in float32" in text and name in text
-    assert "a run with a bfloat16 cache" in text.split("### AVX-512, one thread, KV cache in bfloat16")[1]
+    plain, halved_table = text.split("### AVX-512, one thread, float32 weights, KV cache in bfloat16")
+    assert "### AVX-512, one thread, float32 weights, KV cache in float32" in plain and name in plain
+    assert "a run with a bfloat16 cache" in halved_table

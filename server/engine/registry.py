@@ -65,6 +65,7 @@ def load_models(settings: Settings) -> list[LoadedModel]:
     for path, vocabulary in checked_vocabularies(settings).items():
         model, info = load_model(path, device=device, dtype=dtype)
         model.kv_cache_dtype = settings.torch_kv_cache_dtype()
+        warn_about_cache_dtype(path, model, settings, device)
         log.info(
             "loaded %s (%s %s, %d parameters, vocabulary %s) on %s in %s, keys and values cached in %s",
             path,
@@ -74,10 +75,34 @@ def load_models(settings: Settings) -> list[LoadedModel]:
             vocabulary.name,
             device,
             dtype,
-            model.cache_dtype() or "no cache (recurrent sums, float32)",
+            model.cache_dtype() or "its own dtypes",
         )
         loaded.append(LoadedModel(path.stem, path, model, info, vocabulary))
     return loaded
+
+
+def warn_about_cache_dtype(path: Path, model: Transformer, settings: Settings, device: str) -> None:
+    """A cache dtype other than the model's helps only where the CPU decode kernel reads it (compiled CPU steps)
+    and only when narrower: say so at start-up rather than serve slower or larger without a word."""
+    cached = model.cache_dtype()
+    if cached is None or cached == model.dtype:
+        return
+    if cached.itemsize > model.dtype.itemsize:
+        log.warning(
+            "%s: keys and values cached in %s hold %s numbers in more bytes: more memory for nothing; "
+            "leave --kv-cache-dtype auto",
+            path,
+            cached,
+            model.dtype,
+        )
+    elif device != "cpu" or not settings.compile_decode:
+        log.warning(
+            "%s: keys and values cached in %s are widened to %s by every step outside the CPU decode kernel "
+            "(it runs in compiled CPU steps only): smaller, but slower than --kv-cache-dtype auto",
+            path,
+            cached,
+            model.dtype,
+        )
 
 
 def eval_metrics(info: dict[str, Any]) -> dict[str, Any]:

@@ -55,7 +55,7 @@ from model.weights_io import load_model, read_metadata
 from training.presets import PRESETS
 
 from .errors import BenchError
-from .roofline import probe_machine, roofline
+from .roofline import FP32, probe_machine, roofline
 
 IMAGE_TOKENS = 784  # 28 x 28 grey levels in raster order
 PREFILL_CHUNK = 256  # tokens per prefill call while advancing a state: bounds the (T, L) masks
@@ -217,7 +217,7 @@ def image_models(settings: DecodeSettings) -> dict[str, tuple[Transformer, str]]
 
 def cached_number_bytes(model: Transformer) -> int:
     dtype = model.cache_dtype()
-    return torch.empty((), dtype=dtype).element_size() if dtype is not None else 4
+    return dtype.itemsize if dtype is not None else FP32
 
 
 def with_cache_dtype(model: Transformer, settings: DecodeSettings) -> Transformer:

@@ -37,9 +37,8 @@ def threads(report: dict) -> int:
     return report["environment"]["torch_threads"]
 
 
-def cache_dtype(report: dict) -> str:
-    """The numbers softmax and Reformer cached keys and values in: the run's --kv-cache-dtype, else its --dtype."""
-    settings = report["settings"]
+def cache_dtype(settings: dict) -> str:
+    """The numbers a run's softmax models cached keys and values in: its --kv-cache-dtype, else its --dtype."""
     return settings.get("kv_cache_dtype") or settings["dtype"]
 
 
@@ -56,7 +55,7 @@ def newest_runs(results: Path = RESULTS) -> dict[RunKey, tuple[str, dict]]:
     newest: dict[RunKey, tuple[str, dict]] = {}
     for _, _, path in runs:
         report = json.loads(path.read_text())
-        newest[cpu_class(report), threads(report), report["settings"]["dtype"], cache_dtype(report)] = (
+        newest[cpu_class(report), threads(report), report["settings"]["dtype"], cache_dtype(report["settings"])] = (
             path.name,
             report,
         )
@@ -107,7 +106,7 @@ def run_table(name: str, report: dict) -> str:
     kinds = list(dict.fromkeys(r["kind"] for r in report["images"] if r["group"] == "rnnserve"))
     lines = [
         f"### {cpu_class(report)}, {_thread_label(threads(report))}, {settings['dtype']} weights, KV cache in "
-        f"{cache_dtype(report)}: {env['processor']}, {env['utc']}",
+        f"{cache_dtype(settings)}: {env['processor']}, {env['utc']}",
         "",
         *machine_rates(report),
         f"`{report['command']}` (`benchmarks/results/{name}`; {settings['image_tokens']}-token images at batch "

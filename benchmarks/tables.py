@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .decode import DecodeReport
+from .docs_tables import cache_dtype
 
 
 def _ratio(value: float | None) -> str:
@@ -159,7 +160,7 @@ def full_report(report: DecodeReport) -> str:
         f"{'the packed kernel' if env.get('packed_linear') else 'PyTorch'}), {env['cpu_count']} CPUs, "
         f"torch {env['torch']} "
         f"({env['torch_threads']} threads), device {env['device']}, {s['dtype']} weights, keys and values "
-        f"cached in {s.get('kv_cache_dtype') or s['dtype']}. Times: best of {s['repeats']} run(s), "
+        f"cached in {cache_dtype(s)}. Times: best of {s['repeats']} run(s), "
         "kinds taking turns.",
         load_line(report),
         compile_line(report),

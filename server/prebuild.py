@@ -86,6 +86,9 @@ def compile_models(paths: list[Path], rows: int, kv_cache_dtype: str = "auto") -
 
     from server.engine.cpu_budget import usable_cpus  # the server's budget, so the graphs match the server's threads
 
+    from server.settings import kv_cache_torch_dtype
+
+    cache_dtype = kv_cache_torch_dtype(kv_cache_dtype)  # as the server reads its flag
     [threads, *_] = usable_cpus().engine_threads(len(paths)) or [1]
     torch.set_num_threads(threads)
     outcomes = []
@@ -95,7 +98,7 @@ def compile_models(paths: list[Path], rows: int, kv_cache_dtype: str = "auto") -
         # cache graphs that no server asks for.
         torch._dynamo.reset()
         model, _ = load_model(path)
-        model.kv_cache_dtype = None if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+        model.kv_cache_dtype = cache_dtype
         outcomes.append(None if compile_decode_steps(model, rows, path.stem) else path)
     return outcomes
 

@@ -91,9 +91,7 @@ class Settings(BaseSettings):
 
     def torch_kv_cache_dtype(self):
         """The dtype softmax models store cached keys and values in; None: the model's dtype."""
-        import torch
-
-        return None if self.kv_cache_dtype == "auto" else getattr(torch, self.kv_cache_dtype)
+        return kv_cache_torch_dtype(self.kv_cache_dtype)
 
     def model_paths(self) -> list[Path]:
         """The weights files to serve, checked to exist; sorted for a stable order."""
@@ -116,6 +114,13 @@ class Settings(BaseSettings):
 
     def api_key_value(self) -> str | None:
         return self.api_key.get_secret_value() if self.api_key else None
+
+
+def kv_cache_torch_dtype(name: str):
+    """--kv-cache-dtype's value as a torch dtype; None for auto (the model's dtype)."""
+    import torch  # imported here so reading settings stays cheap
+
+    return None if name == "auto" else getattr(torch, name)
 
 
 def build_settings(**overrides: Any) -> Settings:

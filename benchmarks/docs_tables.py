@@ -1,6 +1,7 @@
 """docs/benchmarks.md's decode tables, generated from the result files in benchmarks/results/.
 
-For each CPU class the results were measured on, each thread count (one thread: the cleanest ratios; the
+For each CPU class and processor the results were measured on (one class spans cores of 256-bit and 512-bit
+units, and caches of every size), each thread count (one thread: the cleanest ratios; the
 machine's cores: what a server gets by default) and each dtype of the weights and of the KV cache (`--dtype`,
 `--kv-cache-dtype`), the newest `rnnserve bench` run (`cpu-DATE-runN.json`) gives one table: images/s per kind at the run's largest batch and the ratios measured in that same run (against
 softmax with and without its cache, against each kind's eager path and against other implementations), the
@@ -18,6 +19,8 @@ import json
 import re
 import sys
 from pathlib import Path
+
+from .fma_peak import describe as describe_fma_peak
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -42,7 +45,12 @@ def cache_dtype(settings: dict) -> str:
     return settings.get("kv_cache_dtype") or settings["dtype"]
 
 
-RunKey = tuple[str, int, str, str]  # CPU class, threads, weights' dtype, KV cache dtype
+RunKey = tuple[str, str, int, str, str]  # CPU class, processor, threads, weights' dtype, KV cache dtype
+
+
+def processor(report: dict) -> str:
+    """The CPU's name as the run recorded it: CPUs of one class differ (the width of their units, their caches)."""
+    return report["environment"].get("processor") or "unrecorded"
 
 
 def newest_runs(results: Path = RESULTS) -> dict[RunKey, tuple[str, dict]]:
@@ -55,10 +63,8 @@ def newest_runs(results: Path = RESULTS) -> dict[RunKey, tuple[str, dict]]:
     newest: dict[RunKey, tuple[str, dict]] = {}
     for _, _, path in runs:
         report = json.loads(path.read_text())
-        newest[cpu_class(report), threads(report), report["settings"]["dtype"], cache_dtype(report["settings"])] = (
-            path.name,
-            report,
-        )
+        key = (cpu_class(report), processor(report), threads(report), report["settings"]["dtype"])
+        newest[(*key, cache_dtype(report["settings"]))] = (path.name, report)
     return newest
 
 
@@ -125,17 +131,19 @@ def machine_rates(report: dict) -> list[str]:
     machine = report.get("machine")
     if not machine:
         return []
+    peak = f"; {describe_fma_peak(machine['fma_peak'])}" if "fma_peak" in machine else ""
     return [
         f"The core in this run: {machine['matmul_flops'] / 1e9:.0f} GFLOP/s on a float32 matrix product "
-        f"({machine.get('matmul_route', 'torch.mm')}), {machine['copy_bytes_per_s'] / 1e9:.1f} GB/s copying memory.",
+        f"({machine.get('matmul_route', 'torch.mm')}), {machine['copy_bytes_per_s'] / 1e9:.1f} GB/s copying "
+        f"memory{peak}.",
         "",
     ]
 
 
 def tables(results: Path = RESULTS) -> str:
     runs = newest_runs(results)
-    # Within a class, thread count and weights' dtype, the cache in the weights' dtype (the default) first.
-    order = sorted(runs, key=lambda key: (*key[:3], key[3] != key[2], key[3]))
+    # Within a class, processor, thread count and weights' dtype, the cache in the weights' dtype (the default) first.
+    order = sorted(runs, key=lambda key: (*key[:4], key[4] != key[3], key[4]))
     return "\n\n".join(run_table(*runs[key]) for key in order)
 
 

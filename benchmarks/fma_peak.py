@@ -73,14 +73,19 @@ int main(int argc, char** argv) {
 """
 
 
+class ProbeUnavailable(Exception):
+    """The probe cannot run here: a CPU without AVX2 and FMA, no C++ compiler, or a build or run that failed."""
+
+
 def measure() -> dict:
-    """GFLOP/s of float32 FMAs with 256-bit (AVX2) and, where the CPU has them, 512-bit vectors."""
+    """GFLOP/s of float32 FMAs with 256-bit (AVX2) and, where the CPU has them, 512-bit vectors
+    (raises ProbeUnavailable, saying why, where it cannot run)."""
     cpu = read_cpu_features()
     if not {"avx2", "fma"} <= cpu.flags:
-        raise SystemExit(f"this CPU has no AVX2 and FMA (its class: {cpu.cpu_class}): the probe is x86-only")
+        raise ProbeUnavailable(f"this CPU has no AVX2 and FMA (its class: {cpu.cpu_class}): the probe is x86-only")
     compiler = shutil.which("g++") or shutil.which("clang++") or shutil.which("c++")
     if compiler is None:
-        raise SystemExit("no C++ compiler on PATH (g++, clang++ or c++): the probe is built here")
+        raise ProbeUnavailable("no C++ compiler on PATH (g++, clang++ or c++): the probe is built here")
     wide = "avx512f" in cpu.flags
     with tempfile.TemporaryDirectory() as tmp:
         source, binary = Path(tmp, "probe.cpp"), Path(tmp, "probe")
@@ -88,10 +93,10 @@ def measure() -> dict:
         flags = ["-O2", "-mavx2", "-mfma", *(["-mavx512f", "-DWITH_AVX512"] if wide else [])]
         built = subprocess.run([compiler, *flags, "-o", str(binary), str(source)], capture_output=True, text=True)
         if built.returncode != 0:
-            raise SystemExit(f"{compiler} could not build the probe:\n{built.stderr[-2000:]}")
+            raise ProbeUnavailable(f"{compiler} could not build the probe:\n{built.stderr[-2000:]}")
         done = subprocess.run([str(binary), "0.001"], capture_output=True, text=True)
         if done.returncode != 0:
-            raise SystemExit(f"the probe failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+            raise ProbeUnavailable(f"the probe failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
     rates = json.loads(done.stdout)
     result = {"cpu_class": cpu.cpu_class, "avx2_gflops": rates["avx2"]}
     if wide:
@@ -100,17 +105,32 @@ def measure() -> dict:
     return result
 
 
+def unit_width(result: dict) -> str | None:
+    """What the two rates say of the core's AVX-512 units; None for a CPU without AVX-512."""
+    if "avx512_gflops" not in result:
+        return None
+    return "512-bit units" if result["avx512_over_avx2"] > 1.5 else "AVX-512 no faster than AVX2 on this core"
+
+
+def describe(result: dict) -> str:
+    """E.g. 'float32 FMA peak 80.9 GFLOP/s with AVX2, 164.6 with AVX-512 (2.03x: 512-bit units)'."""
+    line = f"float32 FMA peak {result['avx2_gflops']:.1f} GFLOP/s with AVX2"
+    if "avx512_gflops" in result:
+        line += (
+            f", {result['avx512_gflops']:.1f} with AVX-512 ({result['avx512_over_avx2']:.2f}x: {unit_width(result)})"
+        )
+    return line
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.fma_peak", description=__doc__.splitlines()[0])
     parser.add_argument("--json-out", type=Path, help="also write the figures to this file")
     args = parser.parse_args(argv)
-    result = measure()
-    line = f"{result['cpu_class']}: float32 FMA peak, one thread: {result['avx2_gflops']:.1f} GFLOP/s with AVX2"
-    if "avx512_gflops" in result:
-        line += (
-            f", {result['avx512_gflops']:.1f} with AVX-512 ({result['avx512_over_avx2']:.2f}x: "
-            f"{'512-bit units' if result['avx512_over_avx2'] > 1.5 else 'AVX-512 no faster than AVX2 on this core'})"
-        )
+    try:
+        result = measure()
+    except ProbeUnavailable as exc:
+        raise SystemExit(str(exc)) from exc
+    line = f"{result['cpu_class']}, one thread: {describe(result)}"
     print(line)
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=1) + "\n")

@@ -19,6 +19,8 @@ which the compiled steps' packed linear kernel runs at.
 
 from __future__ import annotations
 
+import copy
+import functools
 import time
 from typing import Callable
 
@@ -27,6 +29,8 @@ import torch
 from model.attention import STATE_NUMBER_BYTES
 from model.config import ModelConfig
 from model.registry import attention_class
+
+from . import fma_peak
 
 FP32 = STATE_NUMBER_BYTES  # the copy probe moves float32
 # Datasheet peaks for one H100 SXM5 (NVIDIA): HBM3 bandwidth, dense BF16 tensor-core and FP32 rates.
@@ -107,7 +111,22 @@ def probe_machine(dtype: torch.dtype = torch.float32) -> dict:
         "matmul_dtype": str(dtype).removeprefix("torch."),
         "bytes_per_weight": a.element_size(),
         "threads": torch.get_num_threads(),
+        **fma_peak_or_why(),
     }
+
+
+@functools.cache
+def _fma_peak_or_why() -> dict:
+    try:
+        return {"fma_peak": fma_peak.measure()}
+    except fma_peak.ProbeUnavailable as exc:
+        return {"fma_peak_skipped": _first_line(exc)}
+
+
+def fma_peak_or_why() -> dict:
+    """The core's FMA peak per vector width (benchmarks/fma_peak.py: CPUs of one class differ in the width of their
+    units), measured once per process; or why it could not be (no compiler, not x86)."""
+    return copy.deepcopy(_fma_peak_or_why())
 
 
 def product_routes(a: torch.Tensor, skipped: dict[str, str] | None = None) -> dict[str, Callable[[], torch.Tensor]]:

@@ -644,12 +644,37 @@ def test_the_fma_probe_measures_each_vector_width_the_cpu_has():
 
 
 def test_the_fma_probe_says_why_it_cannot_run_on_a_cpu_without_avx2(monkeypatch):
-    from benchmarks import fma_peak
+    from benchmarks import fma_peak, roofline
     from model.cpu_features import CpuFeatures
 
     monkeypatch.setattr(fma_peak, "read_cpu_features", lambda: CpuFeatures(frozenset({"asimd"})))
-    with pytest.raises(SystemExit, match="no AVX2 and FMA .*ARM NEON.*x86-only"):
+    with pytest.raises(fma_peak.ProbeUnavailable, match="no AVX2 and FMA .*ARM NEON.*x86-only"):
         fma_peak.measure()
+    with pytest.raises(SystemExit, match="no AVX2 and FMA .*ARM NEON.*x86-only"):
+        fma_peak.main([])
+    # The bench records why, rather than stopping: its run goes on without the figure.
+    roofline._fma_peak_or_why.cache_clear()
+    try:
+        assert roofline.fma_peak_or_why() == {
+            "fma_peak_skipped": "this CPU has no AVX2 and FMA (its class: ARM NEON): the probe is x86-only"
+        }
+    finally:
+        roofline._fma_peak_or_why.cache_clear()
+
+
+def test_the_bench_records_the_core_s_fma_peak_beside_its_product_rate():
+    from benchmarks import roofline
+    from model.cpu_features import read_cpu_features
+
+    machine = roofline.probe_machine(torch.float32)
+    flags = read_cpu_features().flags
+    if not {"avx2", "fma"} <= flags or not any(shutil.which(c) for c in ("g++", "clang++", "c++")):
+        assert "fma_peak_skipped" in machine and "fma_peak" not in machine
+        return
+    peak = machine["fma_peak"]
+    assert peak["avx2_gflops"] > 0 and ("avx512_gflops" in peak) == ("avx512f" in flags)
+    machine["fma_peak"]["avx2_gflops"] = -1.0  # the caller's copy: the next probe's figures are the measured ones
+    assert roofline.fma_peak_or_why()["fma_peak"]["avx2_gflops"] > 0
 
 
 def test_the_softmax_kernel_benchmark_refuses_to_time_a_wrong_kernel(monkeypatch):

@@ -13,7 +13,7 @@ def test_the_page_s_tables_are_the_generated_ones():
 
 
 def test_each_cpu_class_shows_its_newest_run_and_its_own_figures(tmp_path):
-    name, report = newest_runs()["AVX-512", 1, "float32", "float32"]
+    name, report = newest_runs()["AVX-512", "AMD EPYC", 1, "float32", "float32"]
     shutil.copy(RESULTS / name, tmp_path / name)
     avx2 = json.loads(json.dumps(report))
     avx2["environment"]["cpu_class"] = "AVX2, hardware of its own"
@@ -32,8 +32,29 @@ def test_each_cpu_class_shows_its_newest_run_and_its_own_figures(tmp_path):
     assert text.count(rate) == 2
 
 
+def test_each_processor_of_a_class_shows_its_own_newest_run_and_says_what_its_core_does(tmp_path):
+    name, report = newest_runs()["AVX-512", "AMD EPYC", 1, "float32", "float32"]
+    shutil.copy(RESULTS / name, tmp_path / name)
+    wide = json.loads(json.dumps(report))
+    wide["environment"]["processor"] = "A CPU of 512-bit units"
+    wide["command"] = "an older run on another processor"
+    wide["machine"]["fma_peak"] = {
+        "cpu_class": "AVX-512",
+        "avx2_gflops": 80.0,
+        "avx512_gflops": 160.0,
+        "avx512_over_avx2": 2.0,
+    }
+    (tmp_path / "cpu-2020-01-01-run1.json").write_text(json.dumps(wide))  # older, same class: shown, not hidden
+    sections = {part.split(":")[1].split(",")[0].strip(): part for part in tables(tmp_path).split("### ")[1:]}
+    assert set(sections) == {"AMD EPYC", "A CPU of 512-bit units"}  # headings: class, threads, dtypes: processor
+    epyc, other = sections["AMD EPYC"], sections["A CPU of 512-bit units"]
+    assert name in epyc and "an older run on another processor" in other and name not in other
+    assert "80.0 GFLOP/s with AVX2, 160.0 with AVX-512 (2.00x: 512-bit units)" in other
+    assert "512-bit units" not in epyc  # its run measured no FMA peak, and its table claims none
+
+
 def test_each_thread_count_of_a_class_shows_its_own_newest_run(tmp_path):
-    name, report = newest_runs()["AVX-512", 1, "float32", "float32"]
+    name, report = newest_runs()["AVX-512", "AMD EPYC", 1, "float32", "float32"]
     shutil.copy(RESULTS / name, tmp_path / name)
     both_cores = json.loads(json.dumps(report))
     both_cores["environment"]["torch_threads"] = 2
@@ -46,7 +67,7 @@ def test_each_thread_count_of_a_class_shows_its_own_newest_run(tmp_path):
 
 
 def test_a_run_with_a_bfloat16_kv_cache_shows_beside_the_float32_one_and_says_so(tmp_path):
-    name, report = newest_runs()["AVX-512", 1, "float32", "float32"]
+    name, report = newest_runs()["AVX-512", "AMD EPYC", 1, "float32", "float32"]
     shutil.copy(RESULTS / name, tmp_path / name)
     halved = json.loads(json.dumps(report))
     halved["settings"]["kv_cache_dtype"] = "bfloat16"

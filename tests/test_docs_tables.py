@@ -32,20 +32,28 @@ def test_each_cpu_class_shows_its_newest_run_and_its_own_figures(tmp_path):
     assert text.count(rate) == 2
 
 
-def test_each_processor_of_a_class_shows_its_own_newest_run_and_says_what_its_core_does(tmp_path):
+def newest_beside_an_older_variant(tmp_path, command: str, change) -> tuple[str, str]:
+    """The newest one-thread float32 run of the AMD EPYC and an older copy of it that `change` alters, alone in a
+    results folder: (the newest run's file name, the tables the two give). The copy is older, so it shows only
+    where its key differs."""
     name, report = newest_runs()["AVX-512", "AMD EPYC", 1, "float32", "float32"]
     shutil.copy(RESULTS / name, tmp_path / name)
-    wide = json.loads(json.dumps(report))
-    wide["environment"]["processor"] = "A CPU of 512-bit units"
-    wide["command"] = "an older run on another processor"
-    wide["machine"]["fma_peak"] = {
-        "cpu_class": "AVX-512",
-        "avx2_gflops": 80.0,
-        "avx512_gflops": 160.0,
-        "avx512_over_avx2": 2.0,
-    }
-    (tmp_path / "cpu-2020-01-01-run1.json").write_text(json.dumps(wide))  # older, same class: shown, not hidden
-    sections = {part.split(":")[1].split(",")[0].strip(): part for part in tables(tmp_path).split("### ")[1:]}
+    variant = json.loads(json.dumps(report))
+    variant["command"] = command
+    change(variant)
+    (tmp_path / "cpu-2020-01-01-run1.json").write_text(json.dumps(variant))
+    return name, tables(tmp_path)
+
+
+def on_a_wider_core(report: dict) -> None:
+    report["environment"]["processor"] = "A CPU of 512-bit units"
+    report["machine"]["fma_peak"] = {"cpu_class": "AVX-512", "avx2_gflops": 80.0, "avx512_gflops": 160.0}
+    report["machine"]["fma_peak"]["avx512_over_avx2"] = 2.0
+
+
+def test_each_processor_of_a_class_shows_its_own_newest_run_and_says_what_its_core_does(tmp_path):
+    name, text = newest_beside_an_older_variant(tmp_path, "an older run on another processor", on_a_wider_core)
+    sections = {part.split(":")[1].split(",")[0].strip(): part for part in text.split("### ")[1:]}
     assert set(sections) == {"AMD EPYC", "A CPU of 512-bit units"}  # headings: class, threads, dtypes: processor
     epyc, other = sections["AMD EPYC"], sections["A CPU of 512-bit units"]
     assert name in epyc and "an older run on another processor" in other and name not in other
@@ -54,26 +62,18 @@ def test_each_processor_of_a_class_shows_its_own_newest_run_and_says_what_its_co
 
 
 def test_each_thread_count_of_a_class_shows_its_own_newest_run(tmp_path):
-    name, report = newest_runs()["AVX-512", "AMD EPYC", 1, "float32", "float32"]
-    shutil.copy(RESULTS / name, tmp_path / name)
-    both_cores = json.loads(json.dumps(report))
-    both_cores["environment"]["torch_threads"] = 2
-    both_cores["command"] = "a run on both cores"
-    (tmp_path / "cpu-2020-01-01-run1.json").write_text(json.dumps(both_cores))  # older, but the only 2-thread run
-    text = tables(tmp_path)
+    name, text = newest_beside_an_older_variant(
+        tmp_path, "a run on both cores", lambda report: report["environment"].update(torch_threads=2)
+    )
     one, two = text.split("### AVX-512, 2 threads")
     assert "### AVX-512, one thread" in one and name in one
     assert "a run on both cores" in two and name not in two
 
 
 def test_a_run_with_a_bfloat16_kv_cache_shows_beside_the_float32_one_and_says_so(tmp_path):
-    name, report = newest_runs()["AVX-512", "AMD EPYC", 1, "float32", "float32"]
-    shutil.copy(RESULTS / name, tmp_path / name)
-    halved = json.loads(json.dumps(report))
-    halved["settings"]["kv_cache_dtype"] = "bfloat16"
-    halved["command"] = "a run with a bfloat16 cache"
-    (tmp_path / "cpu-2020-01-01-run1.json").write_text(json.dumps(halved))  # older, but the only bfloat16-cache run
-    text = tables(tmp_path)
+    name, text = newest_beside_an_older_variant(
+        tmp_path, "a run with a bfloat16 cache", lambda report: report["settings"].update(kv_cache_dtype="bfloat16")
+    )
     plain, halved_table = text.split("### AVX-512, one thread, float32 weights, KV cache in bfloat16")
     assert "### AVX-512, one thread, float32 weights, KV cache in float32" in plain and name in plain
     assert "a run with a bfloat16 cache" in halved_table

@@ -49,7 +49,9 @@ RunKey = tuple[str, str, int, str, str]  # CPU class, processor, threads, weight
 
 
 def processor(report: dict) -> str:
-    """The CPU's name as the run recorded it: CPUs of one class differ (the width of their units, their caches)."""
+    """The CPU's name as the run recorded it: machines of one class differ (their caches, their memory, the width of
+    their units). Two of one name may still differ (every AMD machine here says "AMD EPYC"): each table's line of
+    what its core measured tells them apart."""
     return report["environment"].get("processor") or "unrecorded"
 
 
@@ -112,7 +114,7 @@ def run_table(name: str, report: dict) -> str:
     kinds = list(dict.fromkeys(r["kind"] for r in report["images"] if r["group"] == "rnnserve"))
     lines = [
         f"### {cpu_class(report)}, {_thread_label(threads(report))}, {settings['dtype']} weights, KV cache in "
-        f"{cache_dtype(settings)}: {env['processor']}, {env['utc']}",
+        f"{cache_dtype(settings)}: {processor(report)}, {env['utc']}",
         "",
         *machine_rates(report),
         f"`{report['command']}` (`benchmarks/results/{name}`; {settings['image_tokens']}-token images at batch "

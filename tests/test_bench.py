@@ -662,6 +662,13 @@ def test_the_fma_probe_says_why_it_cannot_run_on_a_cpu_without_avx2(monkeypatch)
         roofline._fma_peak_or_why.cache_clear()
 
 
+def test_a_probe_that_cannot_start_says_so_rather_than_stopping_the_bench(tmp_path):
+    from benchmarks import fma_peak
+
+    with pytest.raises(fma_peak.ProbeUnavailable, match="could not run: FileNotFoundError"):
+        fma_peak._run_probe(str(tmp_path / "no-such-compiler"), wide=False)
+
+
 def test_the_bench_records_the_core_s_fma_peak_beside_its_product_rate():
     from benchmarks import roofline
     from model.cpu_features import read_cpu_features
@@ -671,6 +678,7 @@ def test_the_bench_records_the_core_s_fma_peak_beside_its_product_rate():
     if not {"avx2", "fma"} <= flags or not any(shutil.which(c) for c in ("g++", "clang++", "c++")):
         assert "fma_peak_skipped" in machine and "fma_peak" not in machine
         return
+    assert "fma_peak" in machine, machine.get("fma_peak_skipped")  # x86 with a compiler: the probe runs
     peak = machine["fma_peak"]
     assert peak["avx2_gflops"] > 0 and ("avx512_gflops" in peak) == ("avx512f" in flags)
     machine["fma_peak"]["avx2_gflops"] = -1.0  # the caller's copy: the next probe's figures are the measured ones

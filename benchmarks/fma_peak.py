@@ -129,9 +129,9 @@ def unit_width(result: dict) -> str | None:
 
 
 def describe(result: dict) -> str:
-    """E.g. 'the core's float32 FMA peak 80.0 GFLOP/s with AVX2, 160.0 with AVX-512 (2.00x: 512-bit units)': the
+    """E.g. 'one core's float32 FMA peak 80.0 GFLOP/s with AVX2, 160.0 with AVX-512 (2.00x: 512-bit units)': the
     hardware's, whatever caps a run sets on the vector paths (benchmarks/as_avx2.sh)."""
-    line = f"the core's float32 FMA peak {result['avx2_gflops']:.1f} GFLOP/s with AVX2"
+    line = f"one core's float32 FMA peak {result['avx2_gflops']:.1f} GFLOP/s with AVX2"
     if "avx512_gflops" in result:
         line += (
             f", {result['avx512_gflops']:.1f} with AVX-512 ({result['avx512_over_avx2']:.2f}x: {unit_width(result)})"

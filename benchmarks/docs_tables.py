@@ -133,13 +133,17 @@ def machine_rates(report: dict) -> list[str]:
     machine = report.get("machine")
     if not machine:
         return []
-    peak = f"; {describe_fma_peak(machine['fma_peak'])}" if "fma_peak" in machine else ""
     return [
         f"The core in this run: {machine['matmul_flops'] / 1e9:.0f} GFLOP/s on a float32 matrix product "
         f"({machine.get('matmul_route', 'torch.mm')}), {machine['copy_bytes_per_s'] / 1e9:.1f} GB/s copying "
-        f"memory{peak}.",
+        f"memory{fma_peak_clause(machine)}.",
         "",
     ]
+
+
+def fma_peak_clause(machine: dict) -> str:
+    """'; one core's float32 FMA peak ...' where the run measured it (benchmarks/fma_peak.py), else nothing."""
+    return f"; {describe_fma_peak(machine['fma_peak'])}" if "fma_peak" in machine else ""
 
 
 def tables(results: Path = RESULTS) -> str:

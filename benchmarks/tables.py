@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from .decode import DecodeReport
-from .docs_tables import cache_dtype
-from .fma_peak import describe as describe_fma_peak
+from .docs_tables import cache_dtype, fma_peak_clause
 
 
 def _ratio(value: float | None) -> str:
@@ -129,7 +128,7 @@ def roofline_table(report: DecodeReport) -> str:
         (
             f"this machine measured: {m['copy_bytes_per_s'] / 1e9:.1f} GB/s copy, "
             f"{m['matmul_flops'] / 1e9:.0f} GFLOP/s {m['matmul_dtype']} matmul ({m.get('matmul_route', 'torch.mm')}), "
-            f"{m['threads']} threads{'; ' + describe_fma_peak(m['fma_peak']) if 'fma_peak' in m else ''}"
+            f"{m['threads']} threads{fma_peak_clause(m)}"
         )
         if m
         else "no bound for this device: its rates were not measured"

@@ -28,7 +28,7 @@ import torch
 
 import torch.nn.functional as F
 
-from model.compiled_decode import INDUCTOR_OPTIONS
+from model.compiled_decode import inductor_options
 from model.transformer import build_model
 from model.linear_attention import LinearAttention, LinearState
 from model.linformer_attention import LinformerAttention, LinformerState
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     runs = {}
     for name, (fn, fn_args) in cases(args.batch, args.prefix).items():
-        compiled = torch.compile(fn, fullgraph=True, options=INDUCTOR_OPTIONS)
+        compiled = torch.compile(fn, fullgraph=True, options=inductor_options())
         compiled(*(a.clone() for a in fn_args))  # compiles outside the timings
         for mode, f in (("eager", fn), ("compiled", compiled)):
             runs[(name, mode)] = (f, tuple(a.clone() for a in fn_args))  # each updates its own state

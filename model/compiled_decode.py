@@ -67,6 +67,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch._inductor.config
+from torch._inductor.cpu_vec_isa import pick_vec_isa
 
 from .compile_child import PARTLY_COMPILED, CompileJob, become_compile_child, compile_in_child
 from .cpu_kernels import KernelBuild, load_kernels, use_cpu_kernels
@@ -86,6 +87,17 @@ log = logging.getLogger("rnnserve.compiled_decode")
 # No precompiled headers: to find a cached graph's library, inductor would otherwise run the C++ preprocessor
 # over its headers once in every process, so a server would start compilers even with everything built ahead.
 INDUCTOR_OPTIONS = {"realize_opcount_threshold": 2, "cpp_wrapper": True, "cpp_cache_precompile_headers": False}
+
+
+def inductor_options() -> dict:
+    """INDUCTOR_OPTIONS with the vector width inductor picks in this process named (`cpp.simdlen`). Left unnamed,
+    ATEN_CPU_CAPABILITY picks it, which inductor's graph cache does not key on: a process capped at AVX2 found the
+    graph an uncapped AVX-512 process had cached, loops stepping over 16 floats, and built it with 8-float vectors
+    (draws that skipped half the vocabulary). Named, it is one of the options the cache keys on."""
+    isa = pick_vec_isa()
+    return INDUCTOR_OPTIONS | ({"cpp.simdlen": isa.bit_width()} if isa else {})
+
+
 # Dynamo, while warming up (the only time it traces): softmax reads `int(lengths.max())` to size its
 # prefix, traced as a symbolic integer, not a graph break. A model's Python floats (linear attention's eps)
 # are constants of its graph: left to dynamo, whether one became a graph input depended on what the process
@@ -515,7 +527,7 @@ def first_line(exc: Exception) -> str:
 def compiled_guard_free(fn: Callable) -> GuardFreeGraphs:
     """torch.compile of a copy of `fn` with a code of its own, and its guard-free calls."""
     own = code_of_its_own(fn)
-    return GuardFreeGraphs(own, torch.compile(own, dynamic=True, fullgraph=True, options=INDUCTOR_OPTIONS))
+    return GuardFreeGraphs(own, torch.compile(own, dynamic=True, fullgraph=True, options=inductor_options()))
 
 
 def compile_fresh(

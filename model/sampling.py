@@ -2,7 +2,9 @@
 
 Randomness is counter-based: the noise for (seed, position, token) is a hash
 of those three integers, so a request draws the same tokens whatever else is
-in its batch, on CPU and GPU alike, with no per-row generator objects.
+in its batch, on CPU and GPU alike, eager or compiled, with no per-row
+generator objects. The hash is 32-bit arithmetic in int64 tensors whose
+products never overflow, which every backend computes alike.
 Sampling is Gumbel-max: argmax(logits / T + Gumbel noise) is an exact draw
 from softmax(logits / T).
 """
@@ -13,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-_MASK62 = (1 << 62) - 1
-_MASK23 = (1 << 23) - 1
+_MASK32 = (1 << 32) - 1
+_GOLDEN32 = 0x9E3779B9  # 2^32 / golden ratio, odd: steps a Weyl sequence through every 32-bit value
 
 
 @dataclass(frozen=True)
@@ -64,34 +66,39 @@ class BatchSampling:
         )
 
 
-def _mix(x: torch.Tensor, below_2_62: bool = False) -> torch.Tensor:
-    """A splitmix-style integer hash kept within 62 bits (no sign issues).
+def _times(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x c) mod 2^32 for int64 x in [0, 2^32) and a constant c in [0, 2^32), with no int64 product that
+    overflows: compiled AVX2 code does not wrap an overflowing int64 product as eager PyTorch does, and the
+    draws would then differ between the two. A c of 2^31 or more is multiplied by its 16-bit halves."""
+    if c < 1 << 31:
+        return (x * c) & _MASK32
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
 
-    Only products can leave [0, 2^62), and an input that may be outside it
-    (below_2_62=False): a xor-shift of a value inside stays inside, so those
-    steps need no mask. In place after the first step: a step of sampling
-    is dozens of these small integer operations.
-    """
-    x = x ^ (x >> 31)
-    if not below_2_62:
-        x &= _MASK62
-    x *= 0x5851F42D4C957F2D
-    x &= _MASK62
-    x ^= x >> 29
-    x *= 0x14057B7EF767814F
-    x &= _MASK62
-    x ^= x >> 32
-    return x
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash (Wellons' lowbias32) of int64 values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = _times(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _times(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def row_keys(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """(B,) int64 seeds (all 64 bits count) and positions -> (B,) 32-bit keys, distinct for a seed's distinct
+    positions (below 2^32)."""
+    of_seed = _hash32(_hash32(seed & _MASK32) ^ ((seed >> 32) & _MASK32))
+    return _hash32((of_seed + _times(position & _MASK32, _GOLDEN32)) & _MASK32)
 
 
 def uniform_noise(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(B,) seeds and positions -> (B, V) uniforms in (0, 1), a pure function of its inputs."""
+    """(B,) seeds and positions -> (B, V) uniforms in (0, 1), a pure function of its inputs: each row's key
+    steps a Weyl sequence over the tokens, hashed."""
     token = torch.arange(vocab, device=seed.device)
-    key = _mix(_mix(seed[:, None] & _MASK62, below_2_62=True) + position[:, None] * 1_000_003 + token)
-    key = _mix(key, below_2_62=True)
-    # 23 bits, not 24: (2^24 - 0.5) / 2^24 rounds to exactly 1.0 in float32, and u = 1
+    key = _hash32((row_keys(seed, position)[:, None] + token * _GOLDEN32) & _MASK32)  # token * golden < 2^49
+    # The top 23 bits, not 24: (2^24 - 0.5) / 2^24 rounds to exactly 1.0 in float32, and u = 1
     # gives infinite Gumbel noise; the largest value here, 1 - 2^-24, is exact.
-    return (key & _MASK23).float().add_(0.5).mul_(1.0 / (1 << 23))
+    return (key >> 9).float().add_(0.5).mul_(1.0 / (1 << 23))
 
 
 def top_k_mask(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -159,10 +166,10 @@ def gumbel_max(
     logits: torch.Tensor, filtered: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, position: torch.Tensor
 ) -> torch.Tensor:
     """Each row's draw from softmax(filtered), or its greedy token where temperature is 0. (B, V) x 2, (B,) x 3 -> (B,)."""
-    greedy = logits.argmax(dim=-1)
-    # Gumbel noise -log(-log u), subtracted as log(-log u): in place, one temporary.
-    drawn = (filtered - uniform_noise(seed, position, logits.shape[-1]).log_().neg_().log_()).argmax(dim=-1)
-    return torch.where(temperature > 0, drawn, greedy)
+    # Gumbel noise -log(-log u), subtracted as log(-log u): in place, one temporary. A greedy row scores its
+    # logits themselves: one argmax for both kinds of rows.
+    perturbed = filtered - uniform_noise(seed, position, logits.shape[-1]).log_().neg_().log_()
+    return torch.where(temperature[:, None] > 0, perturbed, logits).argmax(dim=-1)
 
 
 def penalize(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
 import logging
 import os
 import signal
@@ -29,6 +30,7 @@ from model.step_decoders import EagerDecoder
 from model.decoders import make_decoder
 from model.generate import generate
 from model.sampling import BatchSampling, SamplingParams
+from model.cpu_features import read_cpu_features
 from model.cpu_kernels import cpu_route, packed_linear_wins
 from model.packed_linear import DecodeTwins, PackedLinear, decode_twin
 from model.registry import kinds_where
@@ -456,3 +458,26 @@ def test_a_server_stopped_while_compiling_exits_cleanly(tmp_path, engines):
     text = log.read_text()
     assert "compiled the softmax decode step" not in text, "the compile ended before the stop: nothing was tested"
     assert "terminate called" not in text and "Traceback" not in text, text
+
+
+def test_a_process_with_fewer_vector_lanes_builds_its_own_graphs_not_a_wider_process_s(tmp_path):
+    """Over one inductor cache, a process capped below the CPU's vector width (ATEN_CPU_CAPABILITY, as
+    benchmarks/as_avx2.sh caps one) draws what eager PyTorch draws after an uncapped process compiled the same
+    graphs: it must not load their wider loops and build them with narrower vectors."""
+    capped = "avx2" if "avx512f" in read_cpu_features().flags else "default"
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"} | {
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)
+    }
+    for capability in (None, capped):
+        child_env = env if capability is None else env | {"ATEN_CPU_CAPABILITY": capability}
+        done = subprocess.run(
+            [sys.executable, str(REPO / "tests" / "compiled_draw_child.py")],
+            env=child_env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=REPO,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        counts = json.loads(done.stdout.strip().splitlines()[-1])
+        assert counts["differing"] == 0, f"ATEN_CPU_CAPABILITY={capability}: {counts}"

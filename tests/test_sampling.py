@@ -15,7 +15,9 @@ from model.generate import generate
 from model.sampling import (
     BatchSampling,
     SamplingParams,
+    _times,
     force_tokens,
+    row_keys,
     sample,
     token_logprobs,
     top_k_mask,
@@ -105,6 +107,23 @@ def test_uniform_noise_is_a_pure_function_of_seed_position_token():
     assert torch.equal(noise[0], noise[1])
     assert not torch.equal(noise[0], noise[2])
     assert torch.equal(uniform_noise(seeds[:1], positions[:1], VOCAB)[0], noise[0])
+
+
+@pytest.mark.parametrize("constant", [0x7FEB352D, 0x846CA68B, 0x9E3779B9, (1 << 32) - 1])
+def test_the_hash_multiplies_modulo_2_32_without_an_overflowing_product(constant):
+    """What every backend computes alike: the product modulo 2^32, for 32-bit values up to the largest."""
+    values = [0, 1, 2, 0xFFFF, 1 << 16, (1 << 31) - 1, 1 << 31, (1 << 32) - 2, (1 << 32) - 1, 0x9E3779B9]
+    got = _times(torch.tensor(values), constant)
+    assert got.tolist() == [v * constant % (1 << 32) for v in values]
+
+
+def test_a_seed_s_positions_get_distinct_keys_and_seeds_beyond_62_bits_are_taken():
+    positions = torch.arange(5000)
+    keys = row_keys(torch.full_like(positions, 12345), positions)
+    assert keys.unique().numel() == positions.numel()
+    assert int(keys.min()) >= 0 and int(keys.max()) < 1 << 32
+    extremes = torch.tensor([-(1 << 63), -1, 0, (1 << 63) - 1])  # any int64 a request may carry
+    assert row_keys(extremes, torch.zeros_like(extremes)).unique().numel() == 4
 
 
 def test_uniform_noise_stays_strictly_inside_the_unit_interval():

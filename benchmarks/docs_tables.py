@@ -32,6 +32,11 @@ RUN_FILE = re.compile(r"cpu-(\d{4}-\d{2}-\d{2})-run(\d+)\.json")
 UNRECORDED_CPU_CLASS = "AVX-512"
 
 
+# Runs capped below the CPU's vector width (benchmarks/as_avx2.sh) drew, until compiles named their width
+# (model/compiled_decode.py, `inductor_options`), through graphs an uncapped process had left in inductor's cache.
+CAPPED_DRAWS_BUILT_RIGHT_SINCE = "2026-11-29T16:21:31Z"
+
+
 def cpu_class(report: dict) -> str:
     return report["environment"].get("cpu_class") or UNRECORDED_CPU_CLASS
 
@@ -117,6 +122,7 @@ def run_table(name: str, report: dict) -> str:
         f"{cache_dtype(settings)}: {processor(report)}, {env['utc']}",
         "",
         *machine_rates(report),
+        *capped_draw_caveat(report),
         f"`{report['command']}` (`benchmarks/results/{name}`; {settings['image_tokens']}-token images at batch "
         f"{batch}; ratios from this one run)",
         "",
@@ -137,6 +143,19 @@ def machine_rates(report: dict) -> list[str]:
         f"The core in this run: {machine['matmul_flops'] / 1e9:.0f} GFLOP/s on a float32 matrix product "
         f"({machine.get('matmul_route', 'torch.mm')}), {machine['copy_bytes_per_s'] / 1e9:.1f} GB/s copying "
         f"memory{fma_peak_clause(machine)}.",
+        "",
+    ]
+
+
+def capped_draw_caveat(report: dict) -> list[str]:
+    """A line for a capped run from before its draws were built for its own vector width."""
+    env = report["environment"]
+    if not env.get("vector_caps") or env["utc"] >= CAPPED_DRAWS_BUILT_RIGHT_SINCE:
+        return []
+    return [
+        "Caveat: this run's compiled draws were built from the uncapped CPU's cached graph with narrower vectors: "
+        "they scanned part of the vocabulary and cost less than on an AVX2 CPU, which flatters its compiled "
+        "figures (benchmarks/README.md, \"The capped runs' draws\").",
         "",
     ]
 

@@ -77,3 +77,18 @@ def test_a_run_with_a_bfloat16_kv_cache_shows_beside_the_float32_one_and_says_so
     plain, halved_table = text.split("### AVX-512, one thread, float32 weights, KV cache in bfloat16")
     assert "### AVX-512, one thread, float32 weights, KV cache in float32" in plain and name in plain
     assert "a run with a bfloat16 cache" in halved_table
+
+
+def test_a_capped_run_from_before_its_draws_were_built_for_its_width_carries_a_caveat(tmp_path):
+    def capped_at(utc: str):
+        def change(report: dict) -> None:
+            report["environment"] |= {"vector_caps": {"ATEN_CPU_CAPABILITY": "avx2"}, "utc": utc}
+            report["environment"]["cpu_class"] = "AVX2, emulated on an AVX-512 CPU"
+
+        return change
+
+    for utc, caveat in (("2026-11-29T13:48:13Z", True), ("2026-11-29T16:31:41Z", False)):
+        _, text = newest_beside_an_older_variant(tmp_path, f"a capped run at {utc}", capped_at(utc))
+        capped = text.split("### AVX2, emulated")[1]
+        assert ("Caveat: this run's compiled draws" in capped) is caveat, utc
+        assert "Caveat" not in text.split("### AVX2, emulated")[0]  # the uncapped run's table

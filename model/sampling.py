@@ -68,8 +68,9 @@ class BatchSampling:
 
 def _times(x: torch.Tensor, c: int) -> torch.Tensor:
     """(x c) mod 2^32 for int64 x in [0, 2^32) and a constant c in [0, 2^32), with no int64 product that
-    overflows: compiled AVX2 code does not wrap an overflowing int64 product as eager PyTorch does, and the
-    draws would then differ between the two. A c of 2^31 or more is multiplied by its 16-bit halves."""
+    overflows: a wrapping signed product is undefined in the C++ that inductor and PyTorch's kernels compile
+    from, so the draws would rest on each compiler's choice. A c of 2^31 or more is multiplied by its 16-bit
+    halves."""
     if c < 1 << 31:
         return (x * c) & _MASK32
     return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32

@@ -15,7 +15,6 @@ from model.sampling import BatchSampling, SamplingParams, sample
 ROWS = 8
 
 
-@torch.inference_mode(False)
 def compiled_decoder() -> CompiledDecoder:
     model = make_tiny_model("linear")
     decoder = CompiledDecoder(model, model.new_state(ROWS))

@@ -12,8 +12,8 @@ preset's sizes and timed in the same run as rnnserve's kinds.
   * Hugging Face's `ReformerModelWithLMHead.generate` with its LSH cache: local and LSH layers
     alternating, 1 hashing round over 32 buckets, chunks of 32.
 
-Sampling: the two recurrences draw with rnnserve's own `model.sampling.sample` (Gumbel-max with
-counter-based noise, temperature 1, no filter); the Hugging Face models with `generate(do_sample=True,
+Sampling: the two recurrences draw with rnnserve's own `model.sampling.sample` (inverse CDF with a
+counter-based uniform per row, temperature 1, no filter); the Hugging Face models with `generate(do_sample=True,
 top_k=0, top_p=1.0, temperature=1.0)` (softmax then `torch.multinomial`): the same distribution,
 drawn another way. Every run is checked to have produced batch x tokens tokens.
 
@@ -55,13 +55,13 @@ PEERS = (
         "fast-transformers recurrent linear",
         "linear",
         "S, Z per layer (fast-transformers' recurrent state)",
-        "rnnserve's Gumbel-max, temperature 1",
+        "rnnserve's inverse-CDF draw, temperature 1",
     ),
     PeerSpec(
         "plain PyTorch linear recurrence",
         "linear",
         "S and Z as separate tensors",
-        "rnnserve's Gumbel-max, temperature 1",
+        "rnnserve's inverse-CDF draw, temperature 1",
     ),
     PeerSpec(
         "HF GPT-2 generate, static cache",

@@ -6,8 +6,9 @@ matrix products. torch.compile (inductor) traces `Transformer.decode_step`
 once and emits a few C++ loops per layer that fuse the small operators
 (layer norms, biases, feature maps, the state update and read-out, the
 residuals) between the matrix products; sampling a batch that asks for no
-top-k or top-p (the temperature, the noise hash, Gumbel-max and argmax over
-the vocabulary) becomes one loop as well. Filtered batches sample eagerly:
+top-k or top-p (the temperature, each row's uniform, the weights' running sum
+and the count of sums below the row's target, the greedy rows' argmax) becomes
+a few loops as well. Filtered batches sample eagerly:
 their sort of the vocabulary costs far more than the loop saves.
 
 Every linear layer runs a C++ kernel on weights packed once
@@ -315,7 +316,7 @@ class CompiledDecoder(EagerDecoder):
 
     def sample(self, logits: torch.Tensor, params: BatchSampling, position: torch.Tensor) -> torch.Tensor:
         """`model.sampling.sample`; once this many rows' graphs are compiled, a batch that asks for no top-k
-        or top-p draws through one compiled graph (temperature, noise, Gumbel-max, argmax), guard-free."""
+        or top-p draws through one compiled graph (temperature, uniforms, inverse CDF, argmax), guard-free."""
         row_class = self.class_for(logits.shape[0])
         # Filtered batches and rows whose graphs are not ready sample eagerly: no layout work for them.
         args = (

@@ -1,12 +1,16 @@
 """Sampling as small pure functions over a batch of logits.
 
-Randomness is counter-based: the noise for (seed, position, token) is a hash
-of those three integers, so a request draws the same tokens whatever else is
+Randomness is counter-based: a row's uniform number for a draw is a hash of
+its seed and position, so a request draws the same tokens whatever else is
 in its batch, on CPU and GPU alike, eager or compiled, with no per-row
 generator objects. The hash is 32-bit arithmetic in int64 tensors whose
 products never overflow, which every backend computes alike.
-Sampling is Gumbel-max: argmax(logits / T + Gumbel noise) is an exact draw
-from softmax(logits / T).
+Sampling is by inverse CDF: the token where a row's uniform falls in the
+running sum of its weights exp(logits / T - max) is an exact draw from
+softmax(logits / T). One hash per row and one exp per token: Gumbel-max
+(argmax of logits plus noise) needs a hash and two logs per token, and a
+hash's 64-bit multiplies run lane by lane on CPUs without them in their
+vectors (AVX2, NEON).
 """
 
 from __future__ import annotations
@@ -92,14 +96,11 @@ def row_keys(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     return _hash32((of_seed + _times(position & _MASK32, _GOLDEN32)) & _MASK32)
 
 
-def uniform_noise(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(B,) seeds and positions -> (B, V) uniforms in (0, 1), a pure function of its inputs: each row's key
-    steps a Weyl sequence over the tokens, hashed."""
-    token = torch.arange(vocab, device=seed.device)
-    key = _hash32((row_keys(seed, position)[:, None] + token * _GOLDEN32) & _MASK32)  # token * golden < 2^49
-    # The top 23 bits, not 24: (2^24 - 0.5) / 2^24 rounds to exactly 1.0 in float32, and u = 1
-    # gives infinite Gumbel noise; the largest value here, 1 - 2^-24, is exact.
-    return (key >> 9).float().add_(0.5).mul_(1.0 / (1 << 23))
+def row_uniform(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """(B,) seeds and positions -> (B,) uniforms in [0, 1 - 2^-23], multiples of 2^-23: a pure function of its
+    inputs."""
+    # 23 bits, so that u times a row's float32 total stays below the total (see `inverse_cdf`).
+    return (row_keys(seed, position) >> 9).float() * (1.0 / (1 << 23))
 
 
 def top_k_mask(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -148,7 +149,7 @@ def draw_unfiltered(
 ) -> torch.Tensor:
     """`sample` for rows that ask for no top-k or top-p, in one function the compiled path fuses whole:
     (B, V) float logits, (B,) x 3 -> (B,) tokens."""
-    return gumbel_max(logits, scaled_by_temperature(logits, temperature), temperature, seed, position)
+    return draw(logits, scaled_by_temperature(logits, temperature), temperature, seed, position)
 
 
 def sampling_logprobs(logits: torch.Tensor, params: BatchSampling, tokens: torch.Tensor) -> torch.Tensor:
@@ -160,17 +161,27 @@ def sampling_logprobs(logits: torch.Tensor, params: BatchSampling, tokens: torch
 def sample(logits: torch.Tensor, params: BatchSampling, position: torch.Tensor) -> torch.Tensor:
     """(B, V) logits -> (B,) tokens; position (B,) is the index being drawn."""
     logits = logits.float()
-    return gumbel_max(logits, filtered_logits(logits, params), params.temperature, params.seed, position)
+    return draw(logits, filtered_logits(logits, params), params.temperature, params.seed, position)
 
 
-def gumbel_max(
+def draw(
     logits: torch.Tensor, filtered: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, position: torch.Tensor
 ) -> torch.Tensor:
-    """Each row's draw from softmax(filtered), or its greedy token where temperature is 0. (B, V) x 2, (B,) x 3 -> (B,)."""
-    # Gumbel noise -log(-log u), subtracted as log(-log u): in place, one temporary. A greedy row scores its
-    # logits themselves: one argmax for both kinds of rows.
-    perturbed = filtered - uniform_noise(seed, position, logits.shape[-1]).log_().neg_().log_()
-    return torch.where(temperature[:, None] > 0, perturbed, logits).argmax(dim=-1)
+    """Each row's draw from softmax(filtered), or its greedy token (the argmax of its logits) where temperature
+    is 0. (B, V) x 2, (B,) x 3 -> (B,)."""
+    drawn = inverse_cdf(filtered, row_uniform(seed, position))
+    return torch.where(temperature > 0, drawn, logits.argmax(dim=-1))
+
+
+def inverse_cdf(filtered: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """(B, V) logits and (B,) uniforms in [0, 1 - 2^-23] -> (B,) the token at which each row's running sum of
+    weights first exceeds u times its total. A token the filters dropped (-inf) weighs 0 and is never drawn."""
+    # Weights relative to the row's best (which weighs 1): exp cannot overflow, and the total is at least 1.
+    cdf = (filtered - filtered.amax(dim=-1, keepdim=True)).exp().cumsum(dim=-1)  # (B, V), non-decreasing
+    # The total times 1 - 2^-23 is at least one ulp below the total and rounds no higher, so the target lies
+    # below the last sum: the count stops at a token whose weight raised the sum, never past the last one.
+    target = u[:, None] * cdf[:, -1:]
+    return (cdf <= target).sum(dim=-1)
 
 
 def penalize(

@@ -17,12 +17,13 @@ from model.sampling import (
     SamplingParams,
     _times,
     force_tokens,
+    inverse_cdf,
     row_keys,
+    row_uniform,
     sample,
     token_logprobs,
     top_k_mask,
     top_p_mask,
-    uniform_noise,
 )
 from model.transformer import with_bos
 
@@ -93,7 +94,7 @@ def test_a_row_draws_the_same_tokens_alone_or_in_a_batch():
 
 
 def test_different_seeds_draw_different_tokens():
-    logits = torch.zeros(64, VOCAB)  # uniform: the tokens are the noise itself
+    logits = torch.zeros(64, VOCAB)  # uniform: the tokens follow the uniforms themselves
     positions = torch.arange(64)
     first = sample(logits, batch_of([SamplingParams(seed=1)] * 64), positions)
     second = sample(logits, batch_of([SamplingParams(seed=2)] * 64), positions)
@@ -101,12 +102,12 @@ def test_different_seeds_draw_different_tokens():
     assert len(set(first.tolist())) > 40  # and a seed does not repeat one token along positions
 
 
-def test_uniform_noise_is_a_pure_function_of_seed_position_token():
-    seeds, positions = torch.tensor([5, 5, 9]), torch.tensor([3, 3, 3])
-    noise = uniform_noise(seeds, positions, VOCAB)
-    assert torch.equal(noise[0], noise[1])
-    assert not torch.equal(noise[0], noise[2])
-    assert torch.equal(uniform_noise(seeds[:1], positions[:1], VOCAB)[0], noise[0])
+def test_a_row_s_uniform_is_a_pure_function_of_its_seed_and_position():
+    seeds, positions = torch.tensor([5, 5, 9, 5]), torch.tensor([3, 3, 3, 4])
+    u = row_uniform(seeds, positions)
+    assert u[0] == u[1]
+    assert u[0] != u[2] and u[0] != u[3]
+    assert torch.equal(row_uniform(seeds[:1], positions[:1]), u[:1])
 
 
 @pytest.mark.parametrize("constant", [0x7FEB352D, 0x846CA68B, 0x9E3779B9, (1 << 32) - 1])
@@ -126,12 +127,24 @@ def test_a_seed_s_positions_get_distinct_keys_and_seeds_beyond_62_bits_are_taken
     assert row_keys(extremes, torch.zeros_like(extremes)).unique().numel() == 4
 
 
-def test_uniform_noise_stays_strictly_inside_the_unit_interval():
-    # u = 1 gives infinite Gumbel noise: that token wins whatever its probability.
-    seeds = torch.arange(12_000)
-    noise = uniform_noise(seeds, torch.zeros_like(seeds), VOCAB)
-    assert noise.min() > 0
-    assert noise.max() < 1
+def test_row_uniforms_are_multiples_of_2_to_the_minus_23_below_1_and_spread_evenly():
+    seeds = torch.arange(100_000)
+    u = row_uniform(seeds, torch.zeros_like(seeds))
+    assert torch.equal(u * (1 << 23), (u * (1 << 23)).round())
+    assert u.min() >= 0 and u.max() <= 1 - 2**-23
+    counts = torch.histc(u, bins=10, min=0, max=1)
+    assert counts.min() > 9_500 and counts.max() < 10_500  # 10,000 each, give or take 5 sigma
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 30.0, 1e4])
+def test_inverse_cdf_takes_the_first_and_last_kept_tokens_at_the_extreme_uniforms_never_a_dropped_one(scale):
+    """Tokens 5 to 29 kept, the rest dropped by a filter (-inf); tokens 5 and 29 tie for the best. u = 0
+    takes token 5 and the largest u token 29, whatever the spread of the logits between them."""
+    logits = torch.full((1, 40), float("-inf"))
+    logits[0, 5:30] = scale * torch.randn(25, generator=torch.Generator().manual_seed(0))
+    logits[0, [5, 29]] = logits.amax()
+    drawn = inverse_cdf(logits.expand(2, -1), torch.tensor([0.0, 1 - 2**-23]))
+    assert drawn.tolist() == [5, 29]
 
 
 # ---------------------------------------------------------------- greedy and filters
@@ -272,7 +285,7 @@ def test_greedy_generate_picks_the_argmax_of_its_own_sequence(kind):
 
 
 def test_generate_draws_each_token_with_its_own_position(kind):
-    # The noise for token t is keyed by (seed, t): redrawing from the parallel logits
+    # The uniform for token t is keyed by (seed, t): redrawing from the parallel logits
     # of the finished sequence must give back every generated token.
     model = shared_tiny_model(kind)
     prompts = random_bytes(5, 2, PROMPT_LEN)

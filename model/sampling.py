@@ -6,8 +6,9 @@ in its batch, on CPU and GPU alike, eager or compiled, with no per-row
 generator objects. The hash is 32-bit arithmetic in int64 tensors whose
 products never overflow, which every backend computes alike.
 Sampling is by inverse CDF: the token where a row's uniform falls in the
-running sum of its weights exp(logits / T - max) is an exact draw from
-softmax(logits / T). One hash per row and one exp per token: Gumbel-max
+running sum of its weights exp(logits / T - max), in whole units of 2^-24
+summed exactly as integers, is a draw from softmax(logits / T) to that
+resolution. One hash per row and one exp per token: Gumbel-max
 (argmax of logits plus noise) needs a hash and two logs per token, and a
 hash's 64-bit multiplies run lane by lane on CPUs without them in their
 vectors (AVX2, NEON).
@@ -21,6 +22,8 @@ import torch
 
 _MASK32 = (1 << 32) - 1
 _GOLDEN32 = 0x9E3779B9  # 2^32 / golden ratio, odd: steps a Weyl sequence through every 32-bit value
+POINT_BITS = 23  # where in [0, 1) a row's draw falls, in units of 2^-POINT_BITS
+WEIGHT_BITS = 24  # a token's weight relative to its row's best, in units of 2^-WEIGHT_BITS
 
 
 @dataclass(frozen=True)
@@ -96,11 +99,10 @@ def row_keys(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     return _hash32((of_seed + _times(position & _MASK32, _GOLDEN32)) & _MASK32)
 
 
-def row_uniform(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """(B,) seeds and positions -> (B,) uniforms in [0, 1 - 2^-23], multiples of 2^-23: a pure function of its
-    inputs."""
-    # 23 bits, so that u times a row's float32 total stays below the total (see `inverse_cdf`).
-    return (row_keys(seed, position) >> 9).float() * (1.0 / (1 << 23))
+def row_points(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """(B,) seeds and positions -> (B,) int64 points in [0, 2^23): where in [0, 1), in units of 2^-23, each row's
+    draw falls. A pure function of its inputs."""
+    return row_keys(seed, position) >> (32 - POINT_BITS)
 
 
 def top_k_mask(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
@@ -169,19 +171,28 @@ def draw(
 ) -> torch.Tensor:
     """Each row's draw from softmax(filtered), or its greedy token (the argmax of its logits) where temperature
     is 0. (B, V) x 2, (B,) x 3 -> (B,)."""
-    drawn = inverse_cdf(filtered, row_uniform(seed, position))
+    drawn = inverse_cdf(filtered, row_points(seed, position))
     return torch.where(temperature > 0, drawn, logits.argmax(dim=-1))
 
 
-def inverse_cdf(filtered: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """(B, V) logits and (B,) uniforms in [0, 1 - 2^-23] -> (B,) the token at which each row's running sum of
-    weights first exceeds u times its total. A token the filters dropped (-inf) weighs 0 and is never drawn."""
-    # Weights relative to the row's best (which weighs 1): exp cannot overflow, and the total is at least 1.
-    cdf = (filtered - filtered.amax(dim=-1, keepdim=True)).exp().cumsum(dim=-1)  # (B, V), non-decreasing
-    # The total times 1 - 2^-23 is at least one ulp below the total and rounds no higher, so the target lies
-    # below the last sum: the count stops at a token whose weight raised the sum, never past the last one.
-    target = u[:, None] * cdf[:, -1:]
-    return (cdf <= target).sum(dim=-1)
+def inverse_cdf(filtered: torch.Tensor, point: torch.Tensor) -> torch.Tensor:
+    """(B, V) logits and (B,) points in [0, 2^23) -> (B,) the token at which each row's running sum of weights
+    first exceeds point / 2^23 of its total. A token whose weight rounds to 0 (the filters' -inf among them) is
+    never drawn."""
+    # Whole units of 2^-24 of the row's best token's weight (exp cannot overflow; the best weighs 2^24), summed
+    # in int64: exact, so every device, batch size and order of additions gives the same sums.
+    weights = ((filtered - filtered.amax(dim=-1, keepdim=True)).exp() * (1 << WEIGHT_BITS)).int()  # (B, V)
+    sums = weights.cumsum(dim=-1, dtype=torch.int64)  # (B, V), non-decreasing, the last >= 2^24
+    # Below the last sum (point < 2^23), so the count stops at a token whose weight raised the sum.
+    target = fraction_of(sums[:, -1], point)
+    return (sums <= target[:, None]).sum(dim=-1)
+
+
+def fraction_of(total: torch.Tensor, point: torch.Tensor) -> torch.Tensor:
+    """floor(total * point / 2^23) for int64 totals below 2^62 and points in [0, 2^23), in products below 2^63:
+    the total's high and low parts apart."""
+    high, low = total >> POINT_BITS, total & ((1 << POINT_BITS) - 1)
+    return high * point + ((low * point) >> POINT_BITS)
 
 
 def penalize(

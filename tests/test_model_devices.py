@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from model.generate import generate
-from model.sampling import BatchSampling, SamplingParams, row_uniform, sample
+from model.sampling import BatchSampling, SamplingParams, row_points, sample
 from model.weights_io import load_model, save_model
 
 from conftest import TINY_MAX_LEN, assert_bfloat16_close, make_tiny_model, make_tokens, random_bytes, shared_tiny_model
@@ -77,10 +77,10 @@ def test_bfloat16_halves_the_softmax_kv_cache():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_sampling_noise_and_draws_match_cpu(device):
+def test_sampling_points_and_draws_match_cpu(device):
     seeds, positions = torch.arange(64) * 7919, torch.arange(64) + 3
-    cpu_uniforms = row_uniform(seeds, positions)
-    assert torch.equal(row_uniform(seeds.to(device), positions.to(device)).cpu(), cpu_uniforms)
+    cpu_points = row_points(seeds, positions)
+    assert torch.equal(row_points(seeds.to(device), positions.to(device)).cpu(), cpu_points)
     logits = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
     params = [
         SamplingParams(temperature=0.5 + i / 64, top_k=i % 5 * 10, top_p=0.5 + i % 3 / 4, seed=int(s))

@@ -16,10 +16,12 @@ from model.sampling import (
     BatchSampling,
     SamplingParams,
     _times,
+    POINT_BITS,
     force_tokens,
+    fraction_of,
     inverse_cdf,
     row_keys,
-    row_uniform,
+    row_points,
     sample,
     token_logprobs,
     top_k_mask,
@@ -102,12 +104,12 @@ def test_different_seeds_draw_different_tokens():
     assert len(set(first.tolist())) > 40  # and a seed does not repeat one token along positions
 
 
-def test_a_row_s_uniform_is_a_pure_function_of_its_seed_and_position():
+def test_a_row_s_point_is_a_pure_function_of_its_seed_and_position():
     seeds, positions = torch.tensor([5, 5, 9, 5]), torch.tensor([3, 3, 3, 4])
-    u = row_uniform(seeds, positions)
-    assert u[0] == u[1]
-    assert u[0] != u[2] and u[0] != u[3]
-    assert torch.equal(row_uniform(seeds[:1], positions[:1]), u[:1])
+    points = row_points(seeds, positions)
+    assert points[0] == points[1]
+    assert points[0] != points[2] and points[0] != points[3]
+    assert torch.equal(row_points(seeds[:1], positions[:1]), points[:1])
 
 
 @pytest.mark.parametrize("constant", [0x7FEB352D, 0x846CA68B, 0x9E3779B9, (1 << 32) - 1])
@@ -127,23 +129,31 @@ def test_a_seed_s_positions_get_distinct_keys_and_seeds_beyond_62_bits_are_taken
     assert row_keys(extremes, torch.zeros_like(extremes)).unique().numel() == 4
 
 
-def test_row_uniforms_are_multiples_of_2_to_the_minus_23_below_1_and_spread_evenly():
+def test_row_points_cover_their_23_bits_evenly():
     seeds = torch.arange(100_000)
-    u = row_uniform(seeds, torch.zeros_like(seeds))
-    assert torch.equal(u * (1 << 23), (u * (1 << 23)).round())
-    assert u.min() >= 0 and u.max() <= 1 - 2**-23
-    counts = torch.histc(u, bins=10, min=0, max=1)
+    points = row_points(seeds, torch.zeros_like(seeds))
+    assert points.min() >= 0 and points.max() < 1 << POINT_BITS
+    counts = torch.histc(points.double(), bins=10, min=0, max=1 << POINT_BITS)
     assert counts.min() > 9_500 and counts.max() < 10_500  # 10,000 each, give or take 5 sigma
 
 
+def test_a_fraction_of_a_total_is_floor_total_times_point_over_2_to_the_23_up_to_totals_of_2_to_the_62():
+    """Exact where total * point itself would overflow int64: a target below the total for every point."""
+    totals = [1 << 24, (1 << 24) + 1, 3 << 40, (1 << 50) - 1, (1 << 62) - 1]
+    points = [0, 1, 12345, (1 << POINT_BITS) - 1]
+    got = fraction_of(torch.tensor(totals)[:, None], torch.tensor(points)[None, :])
+    assert got.tolist() == [[t * p >> POINT_BITS for p in points] for t in totals]
+    assert (got < torch.tensor(totals)[:, None]).all()
+
+
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 30.0, 1e4])
-def test_inverse_cdf_takes_the_first_and_last_kept_tokens_at_the_extreme_uniforms_never_a_dropped_one(scale):
-    """Tokens 5 to 29 kept, the rest dropped by a filter (-inf); tokens 5 and 29 tie for the best. u = 0
-    takes token 5 and the largest u token 29, whatever the spread of the logits between them."""
+def test_inverse_cdf_takes_the_first_and_last_kept_tokens_at_the_extreme_points_never_a_dropped_one(scale):
+    """Tokens 5 to 29 kept, the rest dropped by a filter (-inf); tokens 5 and 29 tie for the best. Point 0
+    takes token 5 and the largest point token 29, whatever the spread of the logits between them."""
     logits = torch.full((1, 40), float("-inf"))
     logits[0, 5:30] = scale * torch.randn(25, generator=torch.Generator().manual_seed(0))
     logits[0, [5, 29]] = logits.amax()
-    drawn = inverse_cdf(logits.expand(2, -1), torch.tensor([0.0, 1 - 2**-23]))
+    drawn = inverse_cdf(logits.expand(2, -1), torch.tensor([0, (1 << POINT_BITS) - 1]))
     assert drawn.tolist() == [5, 29]
 
 

@@ -134,6 +134,7 @@ async def run_config(weights: list[Path], flags: list[str], images: int, compile
                 seconds = await complete_all(session, url, list(cards), images)
     return {
         "threads": {m: c["threads"] for m, c in cards.items()},
+        "workers": {m: c.get("workers", 1) for m, c in cards.items()},
         "compiled": {m: c["compiled_decode"] for m, c in cards.items()},
         "seconds": seconds,
         "images_per_second": {m: images / s for m, s in seconds.items()},
@@ -155,11 +156,12 @@ def summary_table(summary: dict, reference: str = "threads1") -> str:
     }
     models = list(next(iter(rates.values())))
     lines = [
-        f"| configuration (flags) | threads per engine | {' | '.join(models)} | linear / softmax |",
+        f"| configuration (flags) | workers x threads | {' | '.join(models)} | linear / softmax |",
         "|---|---|" + "---|" * len(models) + "---|",
     ]
     for name, per_model in rates.items():
-        threads = summary["rounds"][name][0]["threads"]
+        first = summary["rounds"][name][0]
+        layouts = {f"{first.get('workers', {}).get(m, 1)} x {first['threads'][m]}" for m in models}
         cells = []
         for model in models:
             share = (
@@ -171,7 +173,7 @@ def summary_table(summary: dict, reference: str = "threads1") -> str:
         linear, softmax = per_model.get("mnist-linear"), per_model.get("mnist-softmax")
         ratio = f"{linear / softmax:.2f}x" if linear and softmax else "-"
         flags = " ".join(summary["configs"][name]) or "none"
-        lines.append(f"| {name} (`{flags}`) | {sorted(set(threads.values()))} | {' | '.join(cells)} | {ratio} |")
+        lines.append(f"| {name} (`{flags}`) | {', '.join(sorted(layouts))} | {' | '.join(cells)} | {ratio} |")
     return "\n".join(lines)
 
 

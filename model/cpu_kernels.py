@@ -1,6 +1,6 @@
 """C++ kernels for CPU decode steps, built on first use with the machine's C++ compiler.
 
-Two kernels, registered as operators so that eager steps call them and
+Three kernels, registered as operators so that eager steps call them and
 torch.compile keeps each as one call inside its graphs:
   * `torch.ops.rnnserve.softmax_decode_attention`: softmax attention of one
     query per row over its KV cache (model/kernels/softmax_decode.cpp), which
@@ -8,6 +8,9 @@ torch.compile keeps each as one call inside its graphs:
   * `torch.ops.rnnserve.packed_linear` (and `pack_linear_weight`): a linear
     layer on weights packed once (model/kernels/packed_linear.cpp), which the
     compiled decode steps use for every linear layer (model/packed_linear.py).
+  * `torch.ops.rnnserve.linear_attention_prefill`: causal linear attention over
+    a prompt as a recurrence into its rows' state (model/kernels/linear_prefill.cpp),
+    which a linear model's prefill runs on once the kernels are on.
 
 The build runs once per machine, ahead of serving (`rnnserve build-kernels`, which `make install` and the
 container build run), and uses the vector instructions inductor picks for this CPU. torch keeps the library
@@ -38,7 +41,10 @@ from .cpu_features import read_cpu_features
 
 log = logging.getLogger("rnnserve.cpu_kernels")
 
-SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("softmax_decode.cpp", "packed_linear.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name("kernels") / name
+    for name in ("softmax_decode.cpp", "packed_linear.cpp", "linear_prefill.cpp")
+)
 LIBRARY = "rnnserve_cpu_kernels"
 _BUILD_LOCK = threading.Lock()  # one build per process, whichever model's compile thread asks first
 
@@ -151,6 +157,7 @@ def _load_once(build: bool) -> KernelBuild:
             return KernelBuild(False, time.perf_counter() - start, "not built; run `rnnserve build-kernels`")
         torch.library.register_fake("rnnserve::softmax_decode_attention")(_fake_softmax_decode_attention)
         torch.library.register_fake("rnnserve::packed_linear")(_fake_packed_linear)
+        torch.library.register_fake("rnnserve::linear_attention_prefill")(_fake_linear_attention_prefill)
     except Exception as exc:  # no compiler, no Python headers, a read-only cache
         error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         log.warning(
@@ -209,6 +216,10 @@ def _fake_softmax_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 def _fake_packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int):
     return x.new_empty((*x.shape[:-1], n))  # contiguous: what the kernel returns
+
+
+def _fake_linear_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, eps: float):
+    return v.new_empty(v.shape)  # (B, H, T, D), contiguous: what the kernel returns
 
 
 def _kernel_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

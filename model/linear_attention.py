@@ -91,6 +91,7 @@ class LinearAttention(Attention):
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         self.feature_map = make_feature_map(cfg.linear_feature_map, cfg.n_heads, cfg.d_head, cfg.linear_features)
         self.features = feature_count(cfg.linear_feature_map, cfg.d_head, cfg.linear_features)  # F
+        self.cpu_decode_kernel = False  # the chunk (prefill) kernel; model/cpu_kernels.py turns it on
 
     def new_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> LinearState:
         del dtype  # sums accumulate in float32 whatever the model's dtype
@@ -103,6 +104,10 @@ class LinearAttention(Attention):
         q, k = self.feature_map(q), self.feature_map(k)  # (B, H, T, F)
         if state is not None and q.shape[2] == 1:
             y = self._step(q[:, :, 0], k[:, :, 0], v[:, :, 0], state)[:, :, None]
+        elif state is not None and self._prefill_kernel_takes(q, state):
+            y = torch.ops.rnnserve.linear_attention_prefill(
+                q.contiguous(), k.contiguous(), v.contiguous(), state.sz_t, self.eps
+            )
         else:
             s0, z0 = (state.s, state.z) if state is not None else self._zeros(q, v)
             y, s, z = linear_attention_chunked(q, k, v, s0, z0, self.eps)
@@ -110,6 +115,16 @@ class LinearAttention(Attention):
                 state.s.copy_(s)
                 state.z.copy_(z)
         return self.proj(merge_heads(y.to(x.dtype))), state
+
+    def _prefill_kernel_takes(self, q: torch.Tensor, state: LinearState) -> bool:
+        """Whether a chunk runs through the CPU prefill kernel (model/kernels/linear_prefill.cpp): once the
+        kernels are on (model/cpu_kernels.py), for float32 CPU inputs and a state whose rows lie contiguous."""
+        return (
+            self.cpu_decode_kernel
+            and q.device.type == "cpu"
+            and q.dtype == torch.float32
+            and state.sz_t.is_contiguous()
+        )
 
     def _zeros(self, q: torch.Tensor, v: torch.Tensor):
         b, h, _, f = q.shape

@@ -30,6 +30,7 @@ from server.engine.base import EngineHandle
 from server.engine.core import Engine, EngineLimits
 from server.engine.output import LocalOutput
 from server.engine.client import EngineClient
+from server.engine.pool import EnginePool, model_bytes, worker_layout
 from server.metrics import Metrics
 from server.api.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestMetricsMiddleware
 from server.engine.registry import EngineRegistry, LoadedModel, load_models
@@ -208,17 +209,35 @@ def make_engine(
     """The model's engine, with `threads` intra-op CPU threads: on a worker thread of this process, or
     (--engine-process) in a process of its own."""
     if settings.engine_process:
-        return EngineClient(
-            loaded.name, loaded.model, loaded.info, limits, metrics, threads, compile_gate, loaded.vocabulary
-        )
+        return engine_processes(loaded, limits, metrics, settings, compile_gate, threads or torch.get_num_threads())
     output = LocalOutput.recording(metrics, loaded.name, loaded.model)
     return Engine(loaded.name, loaded.model, loaded.info, limits, output, compile_gate, threads, loaded.vocabulary)
 
 
+def engine_processes(
+    loaded: LoadedModel,
+    limits: EngineLimits,
+    metrics: Metrics,
+    settings: Settings,
+    compile_gate: CompileGate | None,
+    share: int,
+) -> EngineHandle:
+    """The model's engine process, or a pool of them (server/engine/pool.py) sharing its `share` of threads."""
+    on_cpu = loaded.model.device.type == "cpu"
+    layout = worker_layout(model_bytes(loaded.model), share, settings.workers, on_cpu)
+    workers = [
+        EngineClient(
+            loaded.name, loaded.model, loaded.info, limits, metrics, layout.threads, compile_gate, loaded.vocabulary, i
+        )
+        for i in range(layout.workers)
+    ]
+    return workers[0] if len(workers) == 1 else EnginePool(workers)
+
+
 def log_thread_shares(budget: CpuBudget, engines: list[EngineHandle], override: int | None) -> None:
     why = "--threads" if override is not None else f"an equal share of {budget.reason}"
-    shares = ", ".join(f"{e.name} {e.threads}" for e in engines)
-    log.info("intra-op CPU threads per engine (%s): %s", why, shares)
+    shares = ", ".join(f"{e.name} {e.workers} x {e.threads}" for e in engines)
+    log.info("engine processes x intra-op CPU threads per model (%s): %s", why, shares)
 
 
 async def freeze_heap_once_compiled(engines: list[EngineHandle]) -> None:

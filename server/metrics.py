@@ -131,6 +131,8 @@ class Metrics:
         self._token_rates: dict[tuple[str, str], RateWindow] = {}
         self._image_rates: dict[tuple[str, str], RateWindow] = {}
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}
+        # A gauge of a model served by several engine workers (server/engine/pool.py) is the sum of theirs.
+        self._worker_values: dict[tuple[int, tuple[str, ...]], dict[int, float]] = {}
 
     def _declare_request_series(self, s) -> None:
         self.generated_tokens = s.counter(
@@ -167,7 +169,9 @@ class Metrics:
     def _declare_engine_series(self, s) -> None:
         self.running = s.gauge("rnnserve_running_sequences", "Sequences holding a decode slot.", MODEL_LABELS)
         self.waiting = s.gauge("rnnserve_waiting_sequences", "Sequences queued for a slot.", MODEL_LABELS)
-        self.batch_size = s.gauge("rnnserve_batch_size", "Sequences in the last decoding step.", MODEL_LABELS)
+        self.batch_size = s.gauge(
+            "rnnserve_batch_size", "Sequences in the last decoding step (of each engine worker, summed).", MODEL_LABELS
+        )
         self.decode_steps = s.counter("rnnserve_decode_steps", "Batched decoding steps run.", MODEL_LABELS)
         self.step_time = s.counted_histogram(
             "rnnserve_decode_step_seconds",
@@ -196,7 +200,7 @@ class Metrics:
         )
         self.state_allocated = s.gauge(
             "rnnserve_decode_state_allocated_bytes",
-            "Bytes of decode state preallocated for all slots (--max-batch sequences at max_len).",
+            "Bytes of decode state preallocated for all slots (--max-batch sequences at max_len per engine worker).",
             MODEL_LABELS,
         )
         self.engine_restarts = s.counter(
@@ -212,6 +216,12 @@ class Metrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
+    def _set(self, metric, labels: tuple[str, ...], value: float, worker: int = 0) -> None:
+        """Set a model's gauge to the sum over its engine workers, `value` being `worker`'s part."""
+        parts = self._worker_values.setdefault((id(metric), labels), {})
+        parts[worker] = value
+        self._bound(metric, *labels).set(sum(parts.values()))
+
     # -- engine side -------------------------------------------------------
     def step(
         self,
@@ -222,13 +232,14 @@ class Metrics:
         state_bytes: int,
         steps: int = 1,
         seconds: float = 0.0,
+        worker: int = 0,
     ) -> None:
         """Record `steps` decoding steps of `batch` sequences producing `tokens` tokens in `seconds`."""
         labels = (model, attention)
         self._bound(self.decode_steps, *labels).inc(steps)
         self.step_time.observe(labels, seconds / steps, steps)  # an update runs at least one step
-        self._bound(self.batch_size, *labels).set(batch)
-        self._bound(self.state_in_use, *labels).set(state_bytes)
+        self._set(self.batch_size, labels, batch, worker)
+        self._set(self.state_in_use, labels, state_bytes, worker)
         self.tokens(model, attention, tokens)
 
     def tokens(self, model: str, attention: str, n: int) -> None:
@@ -237,17 +248,17 @@ class Metrics:
         rate = self._token_rates.setdefault(labels, RateWindow()).add(n)
         self._bound(self.tokens_per_second, *labels).set(rate)
 
-    def idle(self, model: str, attention: str, images: bool) -> None:
-        """No sequence is running: the batch is empty and the windows slide on."""
-        self._bound(self.batch_size, model, attention).set(0)
-        self._bound(self.state_in_use, model, attention).set(0)
+    def idle(self, model: str, attention: str, images: bool, worker: int = 0) -> None:
+        """No sequence is running (on `worker`): the batch is empty and the windows slide on."""
+        self._set(self.batch_size, (model, attention), 0, worker)
+        self._set(self.state_in_use, (model, attention), 0, worker)
         self.tokens(model, attention, 0)
         if images:
             self.images_completed(model, attention, 0)
 
-    def queue(self, model: str, attention: str, running: int, waiting: int) -> None:
-        self._bound(self.running, model, attention).set(running)
-        self._bound(self.waiting, model, attention).set(waiting)
+    def queue(self, model: str, attention: str, running: int, waiting: int, worker: int = 0) -> None:
+        self._set(self.running, (model, attention), running, worker)
+        self._set(self.waiting, (model, attention), waiting, worker)
 
     def first_token(self, model: str, attention: str, seconds: float) -> None:
         self._bound(self.ttft, model, attention).observe(seconds)
@@ -294,19 +305,21 @@ class Metrics:
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def for_model(self, model: str, attention: str, images: bool) -> "ModelMetrics":
-        """One model's series with its labels bound, created at zero; `images`: an image model."""
+    def for_model(self, model: str, attention: str, images: bool, worker: int = 0) -> "ModelMetrics":
+        """One model's series with its labels bound, created at zero; `images`: an image model; `worker`: which
+        of the model's engine workers records its gauges through it."""
         self.register_model(model, attention, images)
-        return ModelMetrics(self, model, attention, images)
+        return ModelMetrics(self, model, attention, images, worker)
 
 
 class ModelMetrics:
     """One model's series, labels bound once: what its engine and handlers record."""
 
-    def __init__(self, metrics: Metrics, model: str, attention: str, images: bool):
+    def __init__(self, metrics: Metrics, model: str, attention: str, images: bool, worker: int = 0):
         self.metrics = metrics
         self.labels = (model, attention)
         self.images = images
+        self.worker = worker
         self._allocated = 0  # bytes: set again while idle (see `idle`)
 
     def record_step(self, stats: StepStats) -> None:
@@ -319,8 +332,9 @@ class ModelMetrics:
             state_bytes=stats.state_bytes,
             steps=stats.steps,
             seconds=stats.seconds,
+            worker=self.worker,
         )
-        m.queue(*labels, stats.running, stats.waiting)
+        m.queue(*labels, stats.running, stats.waiting, self.worker)
         for seconds in stats.first_token_seconds:
             m.first_token(*labels, seconds)
         for gap, count in stats.token_gaps.items():
@@ -332,16 +346,16 @@ class ModelMetrics:
         """Nothing is running: the batch is empty and the rate windows slide on. The allocated state is set
         again too: it changes only at start-up, and Ray's export drops a value recorded before its metrics
         agent was up, so a gauge set once there could stay missing from it."""
-        self.metrics.idle(*self.labels, self.images)
-        self.metrics.queue(*self.labels, 0, waiting)
+        self.metrics.idle(*self.labels, self.images, self.worker)
+        self.metrics.queue(*self.labels, 0, waiting, self.worker)
         self.state_allocated(self._allocated)
 
     def queue(self, running: int, waiting: int) -> None:
-        self.metrics.queue(*self.labels, running, waiting)
+        self.metrics.queue(*self.labels, running, waiting, self.worker)
 
     def state_allocated(self, nbytes: int) -> None:
         self._allocated = nbytes
-        self.metrics._bound(self.metrics.state_allocated, *self.labels).set(nbytes)
+        self.metrics._set(self.metrics.state_allocated, self.labels, nbytes, self.worker)
 
     def engine_gone(self) -> None:
         """The engine died: nothing runs, waits or holds state until it is back."""

@@ -85,12 +85,12 @@ def compile_models(paths: list[Path], rows: int, kv_cache_dtype: str = "auto") -
     from model.weights_io import load_model
 
     from server.engine.cpu_budget import usable_cpus  # the server's budget, so the graphs match the server's threads
+    from server.engine.pool import model_bytes, worker_layout
 
     from server.settings import kv_cache_torch_dtype
 
     cache_dtype = kv_cache_torch_dtype(kv_cache_dtype)  # as the server reads its flag
-    [threads, *_] = usable_cpus().engine_threads(len(paths)) or [1]
-    torch.set_num_threads(threads)
+    [share, *_] = usable_cpus().engine_threads(len(paths)) or [1]
     outcomes = []
     for path in paths:
         # Each model as a fresh process compiles it, as a server's engine process does: dynamo would otherwise
@@ -98,6 +98,7 @@ def compile_models(paths: list[Path], rows: int, kv_cache_dtype: str = "auto") -
         # cache graphs that no server asks for.
         torch._dynamo.reset()
         model, _ = load_model(path)
+        torch.set_num_threads(worker_layout(model_bytes(model), share, None, cpu_processes=True).threads)  # a worker's
         model.kv_cache_dtype = cache_dtype
         outcomes.append(None if compile_decode_steps(model, rows, path.stem) else path)
     return outcomes

@@ -34,6 +34,7 @@ SERVER_FLAGS = (
     "cuda_graphs",
     "compile_decode",
     "threads",
+    "workers",
     "max_batch",
     "max_waiting",
     "scheduler_steps",
@@ -131,7 +132,17 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "this process may use, from its affinity, its cgroup's quota and OMP_NUM_THREADS, "
         "shared equally among the models, at least one each)",
     )
-    parser.add_argument("--max-batch", type=int, help=f"sequences decoded together per model {default('max_batch')}")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="engine processes per model, sharing its threads, each with its own --max-batch slots and "
+        "--max-waiting queue (env RNNSERVE_WORKERS; default: on the CPU, one a thread for a model of at most "
+        "32 MiB of weights, whose steps are too short to split over threads; else one)",
+    )
+    parser.add_argument(
+        "--max-batch", type=int, help=f"sequences decoded together per model (per worker) {default('max_batch')}"
+    )
     parser.add_argument(
         "--max-waiting", type=int, help=f"requests queued per model before 429 {default('max_waiting')}"
     )

@@ -34,6 +34,9 @@ class Settings(BaseSettings):
     threads: int | None = Field(
         None, ge=1, le=1024
     )  # intra-op CPU threads per engine; None: a share of the budget (cpu_budget.py)
+    # Engine processes per model, its threads shared among them; None: one a thread for a small model on the CPU
+    # (server/engine/pool.py), else one.
+    workers: int | None = Field(None, ge=1, le=256)
     max_batch: int = Field(64, ge=1, le=65536)  # sequences decoded together, per model
     max_waiting: int = Field(256, ge=0)  # sequences queued per model before 429
     scheduler_steps: int = Field(8, ge=1, le=1024)  # decode steps per scheduling pass when no client watches each

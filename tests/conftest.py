@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Callable
 
 import pytest
@@ -192,6 +193,7 @@ SLOW_MODULES = frozenset(
         "test_ray_deploy",
         "test_readme",
         "test_server_images",
+        "test_engine_pool",
         "test_server_particles",
         "test_server_process",
         "test_server_misc",
@@ -206,3 +208,10 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.module is not None and item.module.__name__ in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_configure(config) -> None:
+    """Servers the tests start run one engine process a model, as they did before --workers (each worker
+    spawns a process and compiles; on a 2-core machine the default would double both). The tests of the
+    workers, tests/test_engine_pool.py, set --workers themselves or clear this to see the default."""
+    os.environ.setdefault("RNNSERVE_WORKERS", "1")

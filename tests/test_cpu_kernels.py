@@ -20,7 +20,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from model import cpu_kernels
 from model.cpu_features import read_cpu_features
-from model.cpu_kernels import load_kernels, use_cpu_kernels
+from model.cpu_kernels import load_kernels, turn_off_cpu_kernels, use_cpu_kernels
+from model.linear_attention import linear_attention_chunked
 from model.heads import split_heads
 from model.softmax_attention import SoftmaxAttention, attend_one_query
 
@@ -179,7 +180,69 @@ def test_the_packed_linear_kernel_refuses_what_it_cannot_compute():
 
 
 def test_models_without_a_kernel_are_left_alone():
-    assert use_cpu_kernels(make_tiny_model("linear")) is None
+    assert use_cpu_kernels(make_tiny_model("linformer")) is None
+
+
+def chunked_attention(q, k, v, state):
+    """The parallel form model/linear_attention.py runs without the kernel, from `state` ([S | Z]^T): the
+    outputs and the state after the chunk."""
+    s0, z0 = state[..., :-1, :].transpose(-1, -2), state[..., -1, :]
+    y, s, z = linear_attention_chunked(q, k, v, s0, z0, LINEAR_EPS)
+    return y, torch.cat([s.transpose(-1, -2), z[..., None, :]], dim=-2)  # (B, H, D + 1, F)
+
+
+LINEAR_EPS = 1e-6
+
+
+@pytest.mark.parametrize("length, head_dim", [(1, 32), (7, 8), (100, 32), (130, 24), (65, 64)])
+def test_the_linear_prefill_kernel_equals_the_parallel_form_from_any_state(length, head_dim):
+    """Outputs and the state after the chunk, from a state that already holds earlier tokens; head sizes of whole
+    vectors and of a remainder, chunks shorter and longer than the parallel form's blocks of 64."""
+    assert load_kernels().ok
+    gen = torch.Generator().manual_seed(length + head_dim)
+    q, k = (F.elu(torch.randn(3, 2, length, head_dim, generator=gen)) + 1 for _ in range(2))
+    v = torch.randn(3, 2, length, head_dim, generator=gen)
+    state = torch.rand(3, 2, head_dim + 1, head_dim, generator=gen) * 5  # sums of a few earlier tokens
+    want_y, want_state = chunked_attention(q, k, v, state)
+    got = state.clone()
+    y = torch.ops.rnnserve.linear_attention_prefill(q, k, v, got, LINEAR_EPS)
+    torch.testing.assert_close(y, want_y, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want_state, atol=1e-4, rtol=1e-5)
+
+
+def test_a_linear_model_prefills_through_the_kernel_to_what_it_computes_without():
+    """The whole model: a prompt prefilled into rows of a batch's state (a contiguous slice, as the engine
+    prefills), with the kernel on and off, then a decode step from each: the same logits and states."""
+    model = make_tiny_model("linear", seed=4)
+    prompt = make_tokens(3, 2, 40)
+
+    def prefilled(kernel_on: bool):
+        (use_cpu_kernels if kernel_on else turn_off_cpu_kernels)(model)
+        state = model.new_state(4)
+        rows = state.slice(1, 3)
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            logits, _ = model(prompt, rows)
+            step = model.decode_step(prompt[:, -1], rows)
+        called = any(e.name == "rnnserve::linear_attention_prefill" for e in prof.events())
+        return logits, step, [layer.sz_t.clone() for layer in state.layers], called
+
+    logits, step, states, called = prefilled(True)
+    plain_logits, plain_step, plain_states, plain_called = prefilled(False)
+    assert called and not plain_called
+    torch.testing.assert_close(logits, plain_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(step, plain_step, atol=1e-4, rtol=1e-4)
+    for got, want in zip(states, plain_states):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert not got[0].any() and not got[3].any()  # rows outside the slice untouched
+
+
+def test_the_linear_prefill_kernel_refuses_what_it_cannot_compute():
+    assert load_kernels().ok
+    q = torch.ones(1, 2, 3, 8)
+    with pytest.raises(RuntimeError, match="contiguous 4-D float32"):
+        torch.ops.rnnserve.linear_attention_prefill(q, q, q.double(), torch.zeros(1, 2, 9, 8), LINEAR_EPS)
+    with pytest.raises(RuntimeError, match="state \\(B, H, D \\+ 1, F\\)"):
+        torch.ops.rnnserve.linear_attention_prefill(q, q, q, torch.zeros(1, 2, 8, 8), LINEAR_EPS)
 
 
 def test_a_failed_build_is_reported_and_decoding_keeps_pytorch_attention(monkeypatch, tmp_path):
@@ -271,6 +334,7 @@ ROUTE_CHECK = """
 import json, torch
 import torch.nn.functional as F
 from model.cpu_kernels import cpu_route, load_kernels, packed_linear_wins
+from model.linear_attention import linear_attention_chunked
 torch.manual_seed(0)
 build = load_kernels(build=True)
 errors = []
@@ -289,6 +353,12 @@ for head_dim in (24, 64, 128):  # 3, 8 and 16 vectors of 8 (AVX2, generic); 4 an
     got = torch.ops.rnnserve.softmax_decode_attention(q, *widened, last)
     want = F.scaled_dot_product_attention(q, *(t.float() for t in widened), attn_mask=mask[:, None, None, :])
     errors.append(float((got - want).abs().max()))
+for length, head_dim in ((70, 32), (9, 20)):  # the prefill kernel: loops the route's flags vectorise
+    q, k = (F.elu(torch.randn(2, 2, length, head_dim)) + 1 for _ in range(2))
+    v, state = torch.randn(2, 2, length, head_dim), torch.rand(2, 2, head_dim + 1, head_dim)
+    s0, z0 = state[..., :-1, :].transpose(-1, -2), state[..., -1, :]
+    want = linear_attention_chunked(q, k, v, s0, z0, 1e-6)[0]
+    errors.append(float((torch.ops.rnnserve.linear_attention_prefill(q, k, v, state, 1e-6) - want).abs().max()))
 print(json.dumps({"ok": build.ok, "route": build.route, "here": cpu_route(), "packed": packed_linear_wins(),
                   "max_error": max(errors)}))
 """

@@ -84,7 +84,7 @@ def test_threads_flag_sets_the_intra_op_thread_count(url, folder):
     if (os.cpu_count() or 1) < 2:
         pytest.skip("one core: torch's default count is 1 as well, so the flag's effect cannot be told apart")
     started = (folder / "server.log").read_text()
-    assert "intra-op CPU threads per engine (--threads): chat 1, digits 1" in started
+    assert "engine processes x intra-op CPU threads per model (--threads): chat 1 x 1, digits 1 x 1" in started
     assert {card["id"]: card["threads"] for card in httpx.get(f"{url}/v1/models").json()["data"]} == {
         "chat": 1,
         "digits": 1,

@@ -39,8 +39,12 @@ class ModelCard(BaseModel):
         "(false until the background compile is done)"
     )
     threads: int = Field(
-        description="intra-op CPU threads this model's steps run on: an equal share of the CPUs the "
-        "server may use (affinity and cgroup quota), or --threads"
+        description="intra-op CPU threads each of this model's engine workers steps on: its equal share of the "
+        "CPUs the server may use (affinity and cgroup quota) or --threads, divided among its workers"
+    )
+    workers: int = Field(
+        description="engine processes serving this model, each with its own slots and queue; a request runs on "
+        "the one with the fewest rows in flight (--workers; by default one a thread for a small model on the CPU)"
     )
     cpu_route: str | None = Field(
         description="on the CPU, what its decode steps run on now: the vector route of the C++ kernels its engine "
@@ -97,6 +101,7 @@ def describe(engine: EngineHandle, created: int) -> dict[str, Any]:
         "cuda_graphs": engine.cuda_graphs,
         "compiled_decode": engine.compiled_decode,
         "threads": engine.threads,
+        "workers": engine.workers,
         "cpu_route": engine.cpu_route,
         "tokenizer": engine.vocabulary.name if cfg.task == "text" else None,
         "state_bytes_per_sequence": engine.state_bytes_per_sequence,  # one sequence at max_len

@@ -34,6 +34,7 @@ class EngineFacts:
     model: Transformer
     limits: EngineLimits
     vocabulary: Vocabulary
+    workers: int = 1  # engine processes serving the model (server/engine/pool.py)
 
     @property
     def config(self) -> ModelConfig:
@@ -59,7 +60,8 @@ class EngineHandle(Protocol):
     info: dict
     limits: EngineLimits
     vocabulary: Vocabulary  # what a text model's tokens stand for: bytes, or its tokenizer's
-    threads: int
+    threads: int  # each worker's
+    workers: int
     metrics: ModelMetrics | None  # the model's series the handlers record into
     state_bytes_per_sequence: int
     state_bytes_allocated: int

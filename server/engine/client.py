@@ -72,6 +72,7 @@ class EngineClient(EngineFacts):
         threads: int | None = None,
         compile_gate: CompileGate | None = None,
         vocabulary: Vocabulary | None = None,
+        worker: int = 0,
     ):
         self.name, self.model, self.info, self.limits = name, model.eval(), info, limits
         self.vocabulary = vocabulary or byte_vocabulary()
@@ -80,7 +81,8 @@ class EngineClient(EngineFacts):
         self.cuda_graphs = False  # known once started
         self.compiled_decode = False  # true once the engine process has compiled its decode steps
         self.cpu_route: str | None = None  # what its steps run on, as the engine process last said
-        self.metrics = metrics.for_model(name, model.config.attention, images=model.config.task == "mnist")
+        self.worker = worker  # which of the model's engine processes (server/engine/pool.py): its gauges' share
+        self.metrics = metrics.for_model(name, model.config.attention, model.config.task == "mnist", worker)
         self.threads = threads or torch.get_num_threads()  # the engine process's intra-op threads
         self._compile_gate = compile_gate  # server/engine/compile_gate.py: the engines compile in turn
         self._process: torch.multiprocessing.Process | None = None
@@ -104,6 +106,15 @@ class EngineClient(EngineFacts):
     @property
     def ready(self) -> bool:
         return self._alive and not self._stopping
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def rows_in_flight(self) -> int:
+        """Decode rows the requests sent to this process hold or wait for (what a pool balances)."""
+        with self._lock:
+            return sum(stream.request.rows for stream in self._streams.values())
 
     @property
     def pid(self) -> int | None:
@@ -133,7 +144,9 @@ class EngineClient(EngineFacts):
             self._compile_gate,
             self.vocabulary,
         )
-        self._process = context.Process(target=serve_engine, args=(theirs, spec), name=f"engine-{self.name}")
+        self._process = context.Process(
+            target=serve_engine, args=(theirs, spec), name=f"engine-{self.name}-{self.worker}"
+        )
         self._process.start()
         theirs.close()
         self._conn = ours

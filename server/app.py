@@ -224,7 +224,9 @@ def engine_processes(
 ) -> EngineHandle:
     """The model's engine process, or a pool of them (server/engine/pool.py) sharing its `share` of threads."""
     on_cpu = loaded.model.device.type == "cpu"
-    layout = worker_layout(model_bytes(loaded.model), share, settings.workers, on_cpu)
+    # --threads N keeps its meaning, N threads for each model's one engine, unless --workers is given too.
+    asked = settings.workers if settings.workers is not None or settings.threads is None else 1
+    layout = worker_layout(model_bytes(loaded.model), share, asked, on_cpu)
     workers = [
         EngineClient(
             loaded.name, loaded.model, loaded.info, limits, metrics, layout.threads, compile_gate, loaded.vocabulary, i

@@ -133,6 +133,7 @@ class Metrics:
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}
         # A gauge of a model served by several engine workers (server/engine/pool.py) is the sum of theirs.
         self._worker_values: dict[tuple[int, tuple[str, ...]], dict[int, float]] = {}
+        self._summing = threading.Lock()  # workers' reader threads set one gauge: the last sum set is the newest
 
     def _declare_request_series(self, s) -> None:
         self.generated_tokens = s.counter(
@@ -218,9 +219,10 @@ class Metrics:
 
     def _set(self, metric, labels: tuple[str, ...], value: float, worker: int = 0) -> None:
         """Set a model's gauge to the sum over its engine workers, `value` being `worker`'s part."""
-        parts = self._worker_values.setdefault((id(metric), labels), {})
-        parts[worker] = value
-        self._bound(metric, *labels).set(sum(parts.values()))
+        with self._summing:
+            parts = self._worker_values.setdefault((id(metric), labels), {})
+            parts[worker] = value
+            self._bound(metric, *labels).set(sum(parts.values()))
 
     # -- engine side -------------------------------------------------------
     def step(

@@ -137,14 +137,15 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help="engine processes per model, sharing its threads, each with its own --max-batch slots and "
-        "--max-waiting queue (env RNNSERVE_WORKERS; default: on the CPU, one a thread for a model of at most "
-        "32 MiB of weights, whose steps are too short to split over threads; else one)",
+        "--max-waiting queue (env RNNSERVE_WORKERS; default: on the CPU, one a thread of the model's share for a "
+        "model of at most 32 MiB of weights, whose steps are too short to split over threads, at most 4; one when "
+        "--threads is given, or for a larger model)",
     )
     parser.add_argument(
         "--max-batch", type=int, help=f"sequences decoded together per model (per worker) {default('max_batch')}"
     )
     parser.add_argument(
-        "--max-waiting", type=int, help=f"requests queued per model before 429 {default('max_waiting')}"
+        "--max-waiting", type=int, help=f"requests queued per model (per worker) before 429 {default('max_waiting')}"
     )
     parser.add_argument(
         "--scheduler-steps",

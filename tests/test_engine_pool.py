@@ -17,7 +17,7 @@ from model.sampling import SamplingParams
 from server.engine.base import EngineLimits
 from server.engine.client import EngineClient
 from server.engine.cpu_budget import usable_cpus
-from server.engine.pool import SMALL_MODEL_BYTES, EnginePool, WorkerLayout, worker_layout
+from server.engine.pool import MOST_AUTO_WORKERS, SMALL_MODEL_BYTES, EnginePool, WorkerLayout, worker_layout
 from server.engine.streams import EngineFailure
 from server.engine.types import GenerationRequest
 from server.metrics import Metrics
@@ -32,6 +32,7 @@ def test_small_models_get_a_worker_a_thread_big_models_and_gpus_one_engine():
     small, big = SMALL_MODEL_BYTES, SMALL_MODEL_BYTES + 1
     assert worker_layout(small, 2, None, cpu_processes=True) == WorkerLayout(workers=2, threads=1)
     assert worker_layout(small, 1, None, cpu_processes=True) == WorkerLayout(workers=1, threads=1)
+    assert worker_layout(small, 8, None, cpu_processes=True) == WorkerLayout(workers=MOST_AUTO_WORKERS, threads=2)
     assert worker_layout(big, 2, None, cpu_processes=True) == WorkerLayout(workers=1, threads=2)
     assert worker_layout(small, 2, None, cpu_processes=False) == WorkerLayout(workers=1, threads=2)
     # --workers: the share divided among them, at least a thread each
@@ -129,4 +130,5 @@ def test_by_default_a_small_model_gets_a_worker_for_each_thread_of_its_share(tmp
     save_tiny_model(tmp_path, "digits", "linear", "mnist")
     with running_server(Settings(weights=tmp_path, compile_decode=False)) as (url, _):
         [card] = httpx.get(f"{url}/v1/models").json()["data"]
-    assert (card["workers"], card["threads"]) == (usable_cpus().cpus, 1)
+    cpus = usable_cpus().cpus
+    assert (card["workers"], card["threads"]) == (min(cpus, MOST_AUTO_WORKERS), max(1, cpus // MOST_AUTO_WORKERS))

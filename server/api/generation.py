@@ -35,7 +35,7 @@ def engine_refusals(engine: EngineHandle) -> Iterator[None]:
     except QueueFull as exc:
         raise APIError(
             429,
-            f"{exc} (the server queues at most --max-waiting requests per model)",
+            f"{exc} (the server queues at most --max-waiting requests per model and engine worker)",
             None,
             "queue_full",
             {"Retry-After": "1"},

@@ -112,9 +112,11 @@ class EngineClient(EngineFacts):
         return self._stopping
 
     def rows_in_flight(self) -> int:
-        """Decode rows the requests sent to this process hold or wait for (what a pool balances)."""
+        """What a pool balances: decode rows the requests sent to this process hold or wait for, and a row for
+        each score it has not answered yet."""
         with self._lock:
-            return sum(stream.request.rows for stream in self._streams.values())
+            scores = sum(1 for key in self._pending if key not in self._streams)
+            return scores + sum(stream.request.rows for stream in self._streams.values())
 
     @property
     def pid(self) -> int | None:

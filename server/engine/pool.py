@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 # Weights up to this size make a model "small": its step is short loops over cached weights, not a stream of
 # weights from memory (a core's L2 holds a few MiB; a GPT-2 small in float32 is about 500 MiB).
 SMALL_MODEL_BYTES = 32 * 1024 * 1024
+# At most this many workers by default: each is a process with a copy of the weights, its own slots and its own
+# compile, and the joins that workers avoid matter less as a worker's threads grow.
+MOST_AUTO_WORKERS = 4
 
 
 @dataclass(frozen=True)
@@ -43,12 +46,12 @@ class WorkerLayout:
 
 def worker_layout(weight_bytes: int, share: int, workers: int | None, cpu_processes: bool) -> WorkerLayout:
     """The layout of a model of `weight_bytes` given `share` threads. `workers`: --workers (None: auto, a worker
-    a thread for a small model); `cpu_processes`: the engines run in processes of their own on the CPU (workers
-    need both; elsewhere one engine takes the share)."""
+    a thread for a small model, at most MOST_AUTO_WORKERS); `cpu_processes`: the engines run in processes of their
+    own on the CPU (workers need both; elsewhere one engine takes the share)."""
     if not cpu_processes:
         return WorkerLayout(1, share)
     if workers is None:
-        workers = share if weight_bytes <= SMALL_MODEL_BYTES else 1
+        workers = min(share, MOST_AUTO_WORKERS) if weight_bytes <= SMALL_MODEL_BYTES else 1
     workers = max(1, workers)
     return WorkerLayout(workers, max(1, share // workers))
 
@@ -70,6 +73,7 @@ class EnginePool(EngineFacts):
         self.vocabulary, self.metrics = first.vocabulary, first.metrics  # request-side series: the model's own
         self.state_bytes_per_sequence = first.state_bytes_per_sequence
         self.threads = first.threads  # each worker's
+        self._turn = 0
 
     @property
     def state_bytes_allocated(self) -> int:
@@ -89,7 +93,8 @@ class EnginePool(EngineFacts):
 
     @property
     def cpu_route(self) -> str | None:
-        return self.clients[0].cpu_route
+        """As a ready worker last said (all run the same route); the first worker's while none is ready."""
+        return next((c.cpu_route for c in self.clients if c.ready), self.clients[0].cpu_route)
 
     @property
     def restarts(self) -> int:
@@ -106,8 +111,12 @@ class EnginePool(EngineFacts):
             raise failures[0]
 
     def stop(self) -> None:
-        for client in self.clients:
-            client.stop()
+        """Stop the workers at once, as the drain stops the models (each may take seconds to exit)."""
+        with ThreadPoolExecutor(len(self.clients), thread_name_prefix=f"stop-{self.name}") as stopping:
+            outcomes = [stopping.submit(client.stop) for client in self.clients]
+        failures = [outcome.exception() for outcome in outcomes if outcome.exception() is not None]
+        if failures:
+            raise failures[0]
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         return all(w.wait_compiled(timeout) for w in self.clients)
@@ -127,4 +136,6 @@ class EnginePool(EngineFacts):
                 f"model {self.name!r}: none of its engine processes is running",
                 SHUTTING_DOWN if stopping else ENGINE_RESTARTING,
             )
-        return min(ready, key=lambda w: w.rows_in_flight())
+        start = self._turn % len(ready)  # ties go round: idle workers take turns
+        self._turn += 1
+        return min(ready[start:] + ready[:start], key=lambda w: w.rows_in_flight())

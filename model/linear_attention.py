@@ -118,13 +118,9 @@ class LinearAttention(Attention):
 
     def _prefill_kernel_takes(self, q: torch.Tensor, state: LinearState) -> bool:
         """Whether a chunk runs through the CPU prefill kernel (model/kernels/linear_prefill.cpp): once the
-        kernels are on (model/cpu_kernels.py), for float32 CPU inputs and a state whose rows lie contiguous."""
-        return (
-            self.cpu_decode_kernel
-            and q.device.type == "cpu"
-            and q.dtype == torch.float32
-            and state.sz_t.is_contiguous()
-        )
+        kernels are on (model/cpu_kernels.py), for CPU inputs (float32: `forward` widens them) and a state whose
+        rows lie contiguous."""
+        return self.cpu_decode_kernel and q.device.type == "cpu" and state.sz_t.is_contiguous()
 
     def _zeros(self, q: torch.Tensor, v: torch.Tensor):
         b, h, _, f = q.shape

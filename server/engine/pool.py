@@ -103,20 +103,22 @@ class EnginePool(EngineFacts):
     def start(self) -> None:
         """Start the workers at once (each takes seconds to spawn and import torch; they compile in turn,
         through the compile gate); if one cannot start, stop them all and raise its error."""
-        with ThreadPoolExecutor(len(self.clients), thread_name_prefix=f"start-{self.name}") as starting:
-            outcomes = [starting.submit(client.start) for client in self.clients]
-        failures = [outcome.exception() for outcome in outcomes if outcome.exception() is not None]
+        failures = self._on_every_client("start")
         if failures:
             self.stop()
             raise failures[0]
 
     def stop(self) -> None:
         """Stop the workers at once, as the drain stops the models (each may take seconds to exit)."""
-        with ThreadPoolExecutor(len(self.clients), thread_name_prefix=f"stop-{self.name}") as stopping:
-            outcomes = [stopping.submit(client.stop) for client in self.clients]
-        failures = [outcome.exception() for outcome in outcomes if outcome.exception() is not None]
+        failures = self._on_every_client("stop")
         if failures:
             raise failures[0]
+
+    def _on_every_client(self, method: str) -> list[BaseException]:
+        """Call `method` of every worker's client at once, each on a thread; what they raised."""
+        with ThreadPoolExecutor(len(self.clients), thread_name_prefix=f"{method}-{self.name}") as calling:
+            outcomes = [calling.submit(getattr(client, method)) for client in self.clients]
+        return [error for error in (outcome.exception() for outcome in outcomes) if error is not None]
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         return all(w.wait_compiled(timeout) for w in self.clients)

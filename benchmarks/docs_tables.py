@@ -50,7 +50,7 @@ def cache_dtype(settings: dict) -> str:
     return settings.get("kv_cache_dtype") or settings["dtype"]
 
 
-RunKey = tuple[str, str, int, str, str]  # CPU class, processor, threads, weights' dtype, KV cache dtype
+RunKey = tuple[str, str, int, str, str, int]  # CPU class, processor, threads, weights' and KV cache dtypes, workers
 
 
 def processor(report: dict) -> str:
@@ -71,12 +71,20 @@ def newest_runs(results: Path = RESULTS) -> dict[RunKey, tuple[str, dict]]:
     for _, _, path in runs:
         report = json.loads(path.read_text())
         key = (cpu_class(report), processor(report), threads(report), report["settings"]["dtype"])
-        newest[(*key, cache_dtype(report["settings"]))] = (path.name, report)
+        newest[(*key, cache_dtype(report["settings"]), workers(report))] = (path.name, report)
     return newest
 
 
-def _thread_label(n: int) -> str:
-    return "one thread" if n == 1 else f"{n} threads"
+def workers(report: dict) -> int:
+    """The processes rnnserve's rows were split over (`rnnserve bench --workers`; 1 before the flag)."""
+    return report["settings"].get("workers", 1)
+
+
+def _thread_label(n: int, processes: int = 1) -> str:
+    threads_text = "one thread" if n == 1 else f"{n} threads"
+    if processes == 1:
+        return threads_text
+    return f"{threads_text} as {processes} worker processes of {max(1, n // processes)} thread(s), as the server runs"
 
 
 def _ratio(value: float | None) -> str:
@@ -93,7 +101,9 @@ def kind_row(report: dict, kind: str, batch: int) -> str:
     eager = next((c["ratio"] for c in against if c["group"] == "eager"), None)
     peers = (
         ", ".join(
-            f"{_ratio(c['ratio'])} {c['against'].removeprefix('peer: ')}" for c in against if c["group"] == "peer"
+            f"{_ratio(c['ratio'])} {c['against'].removeprefix('peer: ')}{_peer_layout(c)}"
+            for c in against
+            if c["group"] == "peer"
         )
         or "-"
     )
@@ -113,12 +123,18 @@ def kind_row(report: dict, kind: str, batch: int) -> str:
     )
 
 
+def _peer_layout(comparison: dict) -> str:
+    """' (in-process)' or ' (2 processes x 1 thread)' where the run timed its rows in worker processes."""
+    ours, theirs = comparison.get("rnnserve_layout", "in-process"), comparison.get("against_layout", "in-process")
+    return "" if ours == theirs == "in-process" else f" ({theirs})"
+
+
 def run_table(name: str, report: dict) -> str:
     env, settings = report["environment"], report["settings"]
     batch = max(r["batch"] for r in report["images"])
     kinds = list(dict.fromkeys(r["kind"] for r in report["images"] if r["group"] == "rnnserve"))
     lines = [
-        f"### {cpu_class(report)}, {_thread_label(threads(report))}, {settings['dtype']} weights, KV cache in "
+        f"### {cpu_class(report)}, {_thread_label(threads(report), workers(report))}, {settings['dtype']} weights, KV cache in "
         f"{cache_dtype(settings)}: {processor(report)}, {env['utc']}",
         "",
         *machine_rates(report),
@@ -168,7 +184,7 @@ def fma_peak_clause(machine: dict) -> str:
 def tables(results: Path = RESULTS) -> str:
     runs = newest_runs(results)
     # Within a class, processor, thread count and weights' dtype, the cache in the weights' dtype (the default) first.
-    order = sorted(runs, key=lambda key: (*key[:4], key[4] != key[3], key[4]))
+    order = sorted(runs, key=lambda key: (*key[:4], key[4] != key[3], key[4], key[5]))
     return "\n\n".join(run_table(*runs[key]) for key in order)
 
 

@@ -98,6 +98,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     ins.add_argument("--peer-batch-sizes", type=_int_list, help="batch sizes for the peers (default: the largest)")
     ins.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    ins.add_argument(
+        "--workers",
+        type=int,
+        help="time rnnserve as this many processes started together, each with threads/N threads and its share "
+        "of the rows, as the server runs a small model on the CPU (default 1; 2 is the server's layout on 2 CPUs)",
+    )
+    ins.add_argument(
+        "--peer-workers",
+        type=_int_list,
+        help="the peers' layouts, each timed in the same run: e.g. 1,2 (default: as --workers, like for like; "
+        "1: one process on all the threads, as a library's users run it)",
+    )
     ins.add_argument("--plot", type=Path, help="draw step time and state bytes against position to this PNG")
     ins.add_argument("--quick", action="store_true", help="tiny model, few steps: finishes in seconds (tests)")
     from .load import add_load_arguments

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .decode import DecodeReport
+from .decode import DecodeReport, layout
 from .docs_tables import cache_dtype, fma_peak_clause
 
 
@@ -25,6 +25,7 @@ def images_table(report: DecodeReport) -> str:
         model = report.models.get(r.kind if r.group == "rnnserve" else r.rival)
         state = f"{model.state_bytes_per_sequence:,}" if r.group != "peer" and model else "-"
         kind = f"{r.kind} (CUDA graphs)" if r.cuda_graphs else f"{r.kind} (compiled)" if r.compiled else r.kind
+        kind += f", {layout(r)}" if r.threads_per_worker is not None else ""
         lines.append(
             f"| {kind} | {r.batch} | {_rate(r.images_per_s)} | {r.tokens_per_s:,.0f} | "
             f"{_ratio(r.vs_softmax_cache)} | {_ratio(r.vs_no_cache)} | {_rate(r.images_per_cpu_s)} | "
@@ -68,11 +69,19 @@ def comparisons_table(report: DecodeReport) -> str:
         "|---:|---|---:|---|---:|---:|---:|",
     ]
     for c in report.comparisons:
+        ours, theirs = _with_layout(c, "rnnserve"), _with_layout(c, "against")
         lines.append(
-            f"| {c['batch']} | {c['rnnserve']} | {_rate(c['rnnserve_images_per_s'])} | {c['against']} | "
+            f"| {c['batch']} | {ours} | {_rate(c['rnnserve_images_per_s'])} | {theirs} | "
             f"{_rate(c['against_images_per_s'])} | **{c['ratio']:.2f}x** | {c['ratio_cpu_time']:.2f}x |"
         )
     return "\n".join(lines)
+
+
+def _with_layout(comparison: dict, side: str) -> str:
+    """A comparison's side, with its process layout when either side ran in worker processes."""
+    layouts = (comparison.get("rnnserve_layout", "in-process"), comparison.get("against_layout", "in-process"))
+    name = comparison[side]
+    return name if layouts == ("in-process", "in-process") else f"{name} ({comparison[side + '_layout']})"
 
 
 def peers_table(report: DecodeReport) -> str:

@@ -142,10 +142,12 @@ def test_softmax_decoding_through_the_kernel_equals_the_parallel_pass():
 
 
 @pytest.mark.parametrize(
-    "rows, inputs, outputs", [(64, 128, 384), (1, 512, 128), (9, 5, 17), (70, 40, 3), (3, 128, 48)]
+    "rows, inputs, outputs",
+    [(64, 128, 384), (1, 512, 128), (9, 5, 17), (70, 40, 3), (3, 128, 48), (32, 128, 384), (13, 40, 24)],
 )
 def test_the_packed_linear_kernel_is_a_linear_layer(rows, inputs, outputs):
-    """Any row count (blocks of 8 and a remainder), any width (a last panel part full), with and without a bias."""
+    """Any row count (blocks as even as the route's block height allows), any width (a last panel part full),
+    with and without a bias."""
     assert load_kernels().ok
     gen = torch.Generator().manual_seed(rows + inputs + outputs)
     x, weight, bias = (
@@ -338,7 +340,7 @@ from model.linear_attention import linear_attention_chunked
 torch.manual_seed(0)
 build = load_kernels(build=True)
 errors = []
-for m, k, n in [(1, 128, 384), (3, 128, 130), (64, 128, 512), (7, 512, 128), (64, 96, 257)]:
+for m, k, n in [(1, 128, 384), (3, 128, 130), (64, 128, 512), (7, 512, 128), (64, 96, 257), (32, 128, 384), (13, 40, 24)]:
     x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
     got = torch.ops.rnnserve.packed_linear(x, torch.ops.rnnserve.pack_linear_weight(w), b, n)
     errors.append(float((got - F.linear(x, w, b)).abs().max()))

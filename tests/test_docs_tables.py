@@ -13,7 +13,7 @@ def test_the_page_s_tables_are_the_generated_ones():
 
 
 def test_each_cpu_class_shows_its_newest_run_and_its_own_figures(tmp_path):
-    name, report = newest_runs()["AVX-512", "AMD EPYC", 1, "float32", "float32"]
+    name, report = newest_runs()["AVX-512", "AMD EPYC", 1, "float32", "float32", 1]
     shutil.copy(RESULTS / name, tmp_path / name)
     avx2 = json.loads(json.dumps(report))
     avx2["environment"]["cpu_class"] = "AVX2, hardware of its own"
@@ -36,7 +36,7 @@ def newest_beside_an_older_variant(tmp_path, command: str, change) -> tuple[str,
     """The newest one-thread float32 run of the AMD EPYC and an older copy of it that `change` alters, alone in a
     results folder: (the newest run's file name, the tables the two give). The copy is older, so it shows only
     where its key differs."""
-    name, report = newest_runs()["AVX-512", "AMD EPYC", 1, "float32", "float32"]
+    name, report = newest_runs()["AVX-512", "AMD EPYC", 1, "float32", "float32", 1]
     shutil.copy(RESULTS / name, tmp_path / name)
     variant = json.loads(json.dumps(report))
     variant["command"] = command

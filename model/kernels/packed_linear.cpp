@@ -153,13 +153,17 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   const auto b = bias.has_value() ? bias->contiguous() : torch::Tensor();
   const Problem p{xc.data_ptr<float>(), packed.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
                   out.data_ptr<float>(), k, n};
+  const int64_t blocks = (m + kRows - 1) / kRows;
   // Column blocks split over torch's intra-op threads (one thread, as the server runs: a plain loop).
   at::parallel_for(0, (n + 2 * kLanes - 1) / (2 * kLanes), 1, [&](int64_t first, int64_t last) {
     for (int64_t col = first * 2 * kLanes; col < std::min(n, last * 2 * kLanes); col += 2 * kLanes) {
-      for (int64_t row = 0; row < m; row += kRows) {
-        const int64_t rows = std::min(kRows, m - row);
+      // Row blocks as even as they go: a short last block (2 of 32 rows in blocks of 6) has too few
+      // accumulators to hide the FMAs' latency, and would run at a fraction of the others' rate.
+      for (int64_t b = 0, row = 0; b < blocks; ++b) {
+        const int64_t rows = m / blocks + (b < m % blocks);
         if (col + kLanes < n) rows_block<2>(p, row, rows, col);
         else rows_block<1>(p, row, rows, col);
+        row += rows;
       }
     }
   });

@@ -84,7 +84,8 @@ def _thread_label(n: int, processes: int = 1) -> str:
     threads_text = "one thread" if n == 1 else f"{n} threads"
     if processes == 1:
         return threads_text
-    return f"{threads_text} as {processes} worker processes of {max(1, n // processes)} thread(s), as the server runs"
+    each = max(1, n // processes)
+    return f"{processes} worker processes x {each} thread{'' if each == 1 else 's'} (the server's layout)"
 
 
 def _ratio(value: float | None) -> str:
@@ -101,7 +102,7 @@ def kind_row(report: dict, kind: str, batch: int) -> str:
     eager = next((c["ratio"] for c in against if c["group"] == "eager"), None)
     peers = (
         ", ".join(
-            f"{_ratio(c['ratio'])} {c['against'].removeprefix('peer: ')}{_peer_layout(c)}"
+            f"{_ratio(c['ratio'])} {c['against'].removeprefix('peer: ')}{_peer_layout(c, threads(report))}"
             for c in against
             if c["group"] == "peer"
         )
@@ -123,10 +124,14 @@ def kind_row(report: dict, kind: str, batch: int) -> str:
     )
 
 
-def _peer_layout(comparison: dict) -> str:
-    """' (in-process)' or ' (2 processes x 1 thread)' where the run timed its rows in worker processes."""
+def _peer_layout(comparison: dict, threads: int) -> str:
+    """' (one process x 2 threads)' or ' (2 processes x 1 thread)' where the run timed rows in worker processes."""
     ours, theirs = comparison.get("rnnserve_layout", "in-process"), comparison.get("against_layout", "in-process")
-    return "" if ours == theirs == "in-process" else f" ({theirs})"
+    if ours == theirs == "in-process":
+        return ""
+    if theirs == "in-process":
+        theirs = f"one process x {threads} thread{'' if threads == 1 else 's'}"
+    return f" ({theirs})"
 
 
 def run_table(name: str, report: dict) -> str:

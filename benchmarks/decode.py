@@ -29,7 +29,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -408,12 +408,25 @@ def _peer_contestants(peers: list, batch: int, settings: DecodeSettings, pools, 
 
 @contextlib.contextmanager
 def _worker_pool(settings: DecodeSettings, group: str, batch: int, workers: int, progress):
-    pool = WorkerPool(settings, group, batch, workers, torch.get_num_threads())
+    pool = WorkerPool(settings, group, batch, workers, torch.get_num_threads(), worker_contestants, check_generated)
     progress(f"workers {group:9s} batch {batch:4d}: {_layout_text(len(pool.rows), pool.threads)}, rows {pool.rows}")
     try:
         yield pool
     finally:
         pool.close()
+
+
+def worker_contestants(settings: DecodeSettings, group: str, rows: int) -> tuple[list[Contestant], dict]:
+    """(In a worker process.) One group's contestants for `rows` rows, built as in this process, and compile times."""
+    settings = replace(settings, workers=1, peer_workers=())
+    compile_seconds: dict = {}
+    if group == "peer":
+        from .peers import build_peers
+
+        peers = build_peers(settings.preset, settings.image_tokens, settings.seed, DTYPES[settings.dtype])
+        return peer_contestants(peers, rows), compile_seconds
+    models = {k: m for k, (m, _) in image_models(settings).items()}
+    return rnnserve_contestants(models, rows, settings, compile_seconds, progress=lambda _: None), compile_seconds
 
 
 def _pooled(pool: WorkerPool) -> list[Contestant]:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import multiprocessing
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Callable
 
 import torch
 
@@ -31,6 +32,10 @@ class WorkerJob:
     group: str  # "rnnserve" (with its eager twins) or "peer"
     rows: int
     threads: int
+    # Module-level functions of the caller's (picklable by name): (settings, group, rows) -> (contestants,
+    # compile seconds), and the check of a generation's tokens (name, tokens, rows, count).
+    build: Callable
+    check: Callable
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,7 @@ def threads_per_worker(threads: int, workers: int) -> int:
 class WorkerPool:
     """`workers` processes that each build one group's contestants for their rows, then time them on request."""
 
-    def __init__(self, settings, group: str, batch: int, workers: int, threads: int):
+    def __init__(self, settings, group: str, batch: int, workers: int, threads: int, build, check):
         self.rows = rows_per_worker(batch, workers)
         # A worker's threads do not grow when fewer are busy: the server's workers keep theirs too.
         self.threads = threads_per_worker(threads, workers)
@@ -67,7 +72,7 @@ class WorkerPool:
         try:
             # One at a time: the first compiles and builds kernels into the shared caches, the rest load them.
             for rows in self.rows:
-                self._start(WorkerJob(settings, group, rows, self.threads))
+                self._start(WorkerJob(settings, group, rows, self.threads, build, check))
         except BaseException:
             self.close()
             raise
@@ -127,28 +132,17 @@ def worker_main(job: WorkerJob, conn: Connection, barrier) -> None:
     while (request := conn.recv()) is not None:
         name, tokens = request
         try:
-            conn.send(("ok", _timed(contestants[name], job.rows, tokens, barrier)))
+            conn.send(("ok", _timed(contestants[name], job, tokens, barrier)))
         except Exception as exc:
             barrier.abort()
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
 def _build(job: WorkerJob) -> tuple[dict, dict]:
-    from . import decode
-
-    settings = replace(job.settings, workers=1, peer_workers=())
-    device = torch.device(settings.device)
-    compile_seconds: dict = {}
-    if job.group == "peer":
-        from .peers import build_peers
-
-        peers = build_peers(settings.preset, settings.image_tokens, settings.seed, decode.DTYPES[settings.dtype])
-        built = decode.peer_contestants(peers, job.rows)
-    else:
-        models = {k: m for k, (m, _) in decode.image_models(settings).items()}
-        built = decode.rnnserve_contestants(models, job.rows, settings, compile_seconds, progress=lambda _: None)
-    for contestant in built:
-        decode.timed_generation(contestant, job.rows, min(8, settings.image_tokens), device)  # warm-up
+    built, compile_seconds = job.build(job.settings, job.group, job.rows)
+    for contestant in built:  # warm-up: allocator, kernels
+        tokens = min(8, job.settings.image_tokens)
+        job.check(contestant.name, contestant.generate(tokens), job.rows, tokens)
     return {c.name: c for c in built}, compile_seconds
 
 
@@ -156,12 +150,10 @@ def _row(contestant) -> tuple:
     return contestant.name, contestant.kind, contestant.group, contestant.compiled, contestant.graphed
 
 
-def _timed(contestant, rows: int, tokens: int, barrier) -> tuple[float, float, float]:
-    from .decode import check_generated
-
+def _timed(contestant, job: WorkerJob, tokens: int, barrier) -> tuple[float, float, float]:
     barrier.wait(timeout=RUN_TIMEOUT_S)
     cpu, start = time.process_time(), time.perf_counter()
     out = contestant.generate(tokens)
     end, cpu = time.perf_counter(), time.process_time() - cpu
-    check_generated(contestant.name, out, rows, tokens)
+    job.check(contestant.name, out, job.rows, tokens)
     return start, end, cpu

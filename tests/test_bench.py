@@ -217,7 +217,7 @@ def test_a_worker_that_cannot_build_its_contestants_stops_the_bench_with_its_rea
     with pytest.raises(
         decode.BenchError, match=r"bench worker process failed: BenchError: --weights .*not a directory"
     ):
-        WorkerPool(settings, "rnnserve", 2, 2, 2)
+        WorkerPool(settings, "rnnserve", 2, 2, 2, decode.worker_contestants, decode.check_generated)
     assert not multiprocessing.active_children()  # the failed worker was not left behind
 
 

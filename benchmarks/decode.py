@@ -56,6 +56,7 @@ from model.weights_io import load_model, read_metadata
 from training.presets import PRESETS
 
 from .decode_workers import WorkerPool
+from .docs_tables import layout_text
 from .errors import BenchError
 from .roofline import FP32, probe_machine, roofline
 
@@ -287,7 +288,7 @@ class Contestant:
     name: str  # the row's label: "linear", "linear (eager)", "peer: ..."
     kind: str  # rnnserve's kind it is, or the one it is compared with
     group: str  # "rnnserve", "eager" or "peer"
-    generate: Callable[[int], torch.Tensor]  # tokens -> (batch, tokens)
+    generate: Callable[[int], torch.Tensor] | None  # tokens -> (batch, tokens); None: it runs in workers (`timed`)
     compiled: bool = False
     graphed: bool = False
     timed: Callable[[int], tuple[float, float]] | None = None  # set: timed in worker processes, not this one
@@ -430,17 +431,10 @@ def worker_contestants(settings: DecodeSettings, group: str, rows: int) -> tuple
 
 
 def _pooled(pool: WorkerPool) -> list[Contestant]:
-    def unreachable(tokens: int) -> torch.Tensor:
-        raise AssertionError("a pooled contestant generates in its workers")
-
     return [
         Contestant(
-            r.name,
-            r.kind,
-            r.group,
-            unreachable,
-            r.compiled,
-            r.graphed,
+            **asdict(r),
+            generate=None,
             timed=partial(pool.timed_run, r.name),
             workers=len(pool.rows),
             threads_per_worker=pool.threads,
@@ -744,9 +738,7 @@ def layout(result: ImageResult) -> str:
 
 
 def _layout_text(workers: int, threads: int | None) -> str:
-    if threads is None:
-        return "in-process"
-    return f"{workers} process{'' if workers == 1 else 'es'} x {threads} thread{'' if threads == 1 else 's'}"
+    return "in-process" if threads is None else layout_text(workers, threads)
 
 
 def machine_load() -> dict:

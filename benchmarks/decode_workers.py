@@ -40,6 +40,9 @@ class WorkerJob:
 
 @dataclass(frozen=True)
 class PooledRow:
+    """What the parent learns of a worker's contestant (its callables stay in the worker): a Contestant's
+    fields but them."""
+
     name: str
     kind: str
     group: str
@@ -85,7 +88,7 @@ class WorkerPool:
         self._workers.append((process, mine))
         rows, compile_seconds = self._answer(mine, READY_TIMEOUT_S)
         if not self.contestants:
-            self.contestants, self.compile_seconds = [PooledRow(*row) for row in rows], compile_seconds
+            self.contestants, self.compile_seconds = rows, compile_seconds
 
     def _answer(self, conn: Connection, timeout: float):
         if not conn.poll(timeout):
@@ -108,7 +111,7 @@ class WorkerPool:
         return end - start, sum(cpu for _, _, cpu in spans)
 
     def close(self) -> None:
-        for process, conn in self._workers:
+        for _, conn in self._workers:
             try:
                 conn.send(None)
             except OSError:
@@ -146,8 +149,8 @@ def _build(job: WorkerJob) -> tuple[dict, dict]:
     return {c.name: c for c in built}, compile_seconds
 
 
-def _row(contestant) -> tuple:
-    return contestant.name, contestant.kind, contestant.group, contestant.compiled, contestant.graphed
+def _row(contestant) -> PooledRow:
+    return PooledRow(contestant.name, contestant.kind, contestant.group, contestant.compiled, contestant.graphed)
 
 
 def _timed(contestant, job: WorkerJob, tokens: int, barrier) -> tuple[float, float, float]:

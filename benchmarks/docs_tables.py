@@ -80,12 +80,17 @@ def workers(report: dict) -> int:
     return report["settings"].get("workers", 1)
 
 
+def layout_text(processes: int, threads_each: int) -> str:
+    """How a row ran, as the bench's JSON and every table name it: "2 processes x 1 thread"."""
+    return (
+        f"{processes} process{'' if processes == 1 else 'es'} x {threads_each} thread{'' if threads_each == 1 else 's'}"
+    )
+
+
 def _thread_label(n: int, processes: int = 1) -> str:
-    threads_text = "one thread" if n == 1 else f"{n} threads"
     if processes == 1:
-        return threads_text
-    each = max(1, n // processes)
-    return f"{processes} worker processes x {each} thread{'' if each == 1 else 's'} (the server's layout)"
+        return "one thread" if n == 1 else f"{n} threads"
+    return f"{layout_text(processes, max(1, n // processes))} (the server's layout)"
 
 
 def _ratio(value: float | None) -> str:
@@ -130,7 +135,7 @@ def _peer_layout(comparison: dict, threads: int) -> str:
     if ours == theirs == "in-process":
         return ""
     if theirs == "in-process":
-        theirs = f"one process x {threads} thread{'' if threads == 1 else 's'}"
+        theirs = layout_text(1, threads)
     return f" ({theirs})"
 
 

@@ -1,0 +1,157 @@
+"""A compiled decode step against the limits of its parts, for a kind whose state has a fixed size, one thread.
+
+    python -m benchmarks.step_bounds [--kind linear] [--batches 1,32,64] [--steps 400] [--rounds 3]
+    benchmarks/as_avx2.sh .venv/bin/python -m benchmarks.step_bounds ...   (as an AVX2-only CPU would run it)
+
+Random weights of the `cpu` preset. Per batch size, each the best of `rounds` rounds that take the three in turn:
+  * step: the compiled step (model.decoders.make_decoder, as the bench's and the server's decoders run it);
+  * products: the step's linear layers alone, one after another in the model's order, on the weights the
+    compiled step uses (the decode twin's packed ones where the CPU kernel takes them, else torch's), and
+    their FLOP rate, to read against `python -m benchmarks.fma_peak`;
+  * state pass: one in-place multiply over every layer's recurrent state: a read and a write of each number,
+    the traffic a step cannot do without, and its rate;
+  * rest: step - products - state pass. At batch 1 it is nearly all of a step that does not grow with its rows
+    (operator calls, the graph's wrapper, weights fetched from the caches).
+A step that is at its products plus its state pass has nothing left to win but those two. Times are wall clock
+on a shared machine: compare the columns of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.cpu_features import read_cpu_features
+from model.cpu_kernels import cpu_route, load_kernels
+from model.decoders import make_decoder
+from model.packed_linear import PackedLinear, decode_twin, packs
+from model.registry import kinds_where
+from model.transformer import Transformer, build_model
+
+from .decode import machine_load, preset_config
+
+
+def seconds_per_call(fn: Callable[[], object], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def best_interleaved(fns: dict[str, Callable[[], object]], calls: int, rounds: int) -> dict[str, float]:
+    """Seconds per call of each function, the best of `rounds` rounds that take them in turn (after a
+    warm-up), so that a host that slows down for a while slows every column alike."""
+    for fn in fns.values():
+        seconds_per_call(fn, min(calls, 20))
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            best[name] = min(best[name], seconds_per_call(fn, calls))
+    return best
+
+
+def step_linear_layers(model: Transformer) -> list[nn.Module]:
+    """The layers a compiled step multiplies with, in the model's order: packed where the kernel takes them."""
+    source = decode_twin(model) if packs(model) and load_kernels().ok else model
+    return [m for m in source.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+
+
+def in_width(layer: nn.Module) -> int:
+    return layer.packed.shape[1] if isinstance(layer, PackedLinear) else layer.in_features
+
+
+def products(layers: list[nn.Module], batch: int) -> tuple[Callable[[], None], int]:
+    """A call of every layer's operator on (batch, in) inputs (not through nn.Module's call: the compiled step
+    calls the operators from C++), and its FLOPs."""
+    calls = []
+    for m in layers:
+        x = torch.randn(batch, in_width(m))
+        if isinstance(m, PackedLinear):
+            calls.append(partial(torch.ops.rnnserve.packed_linear, x, m.packed, m.bias, m.out_features))
+        else:
+            calls.append(partial(F.linear, x, m.weight, m.bias))
+
+    def run() -> None:
+        for call in calls:
+            call()
+
+    return run, sum(2 * batch * in_width(m) * m.out_features for m in layers)
+
+
+def state_tensors(model: Transformer, batch: int) -> list[torch.Tensor]:
+    state = model.new_state(batch)
+    return [
+        getattr(layer, f.name)
+        for layer in state.layers
+        for f in dataclasses.fields(layer)
+        if isinstance(getattr(layer, f.name), torch.Tensor) and getattr(layer, f.name).is_floating_point()
+    ]
+
+
+@torch.inference_mode()
+def measure(kind: str, batch: int, steps: int, rounds: int) -> dict:
+    torch.manual_seed(0)
+    model = build_model(preset_config("cpu", kind)).eval()
+    decoder = make_decoder(model, model.new_state(batch), cuda_graphs=False, compiled=True)
+    decoder.compile(batch=batch)
+    tokens = torch.zeros(batch, dtype=torch.long)
+    steps = min(steps, model.config.max_len - 30)  # rows reset between rounds, inside max_len
+
+    def step() -> None:
+        if int(decoder.state.lengths[0]) >= steps:
+            decoder.state.reset_rows(range(batch))
+        decoder(tokens)
+
+    run_products, flops = products(step_linear_layers(model), batch)
+    states = state_tensors(model, batch)
+    state_bytes = 2 * sum(t.numel() * t.element_size() for t in states)  # read and written
+
+    def state_pass() -> None:
+        for t in states:
+            t.mul_(1.0)
+
+    best = best_interleaved({"step": step, "products": run_products, "state": state_pass}, steps, rounds)
+    step_s, products_s, state_s = best["step"], best["products"], best["state"]
+    return {
+        "batch": batch,
+        "step_ms": 1e3 * step_s,
+        "products_ms": 1e3 * products_s,
+        "products_gflops": flops / products_s / 1e9,
+        "state_pass_ms": 1e3 * state_s,
+        "state_gb_per_s": state_bytes / state_s / 1e9,
+        "rest_ms": 1e3 * (step_s - products_s - state_s),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kind", default="linear", choices=kinds_where(lambda c: c.compilable and c.constant_state))
+    parser.add_argument("--batches", default="1,32,64", type=lambda s: [int(b) for b in s.split(",")])
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    load_kernels()
+    print(
+        f"{args.kind}, one thread, {read_cpu_features().cpu_class} CPU, kernels' route {cpu_route()}, "
+        f"load {machine_load()}"
+    )
+    print("| batch | step ms | products ms | products GFLOP/s | state pass ms | state GB/s | rest ms |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for batch in args.batches:
+        r = measure(args.kind, batch, args.steps, args.rounds)
+        print(
+            f"| {batch} | {r['step_ms']:.3f} | {r['products_ms']:.3f} | {r['products_gflops']:.1f} | "
+            f"{r['state_pass_ms']:.3f} | {r['state_gb_per_s']:.1f} | {r['rest_ms']:.3f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

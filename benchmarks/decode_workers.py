@@ -40,8 +40,8 @@ class WorkerJob:
 
 @dataclass(frozen=True)
 class PooledRow:
-    """What the parent learns of a worker's contestant (its callables stay in the worker): a Contestant's
-    fields but them."""
+    """What the parent learns of a worker's contestant: a Contestant's fields without its callables, which
+    stay in the worker."""
 
     name: str
     kind: str

@@ -143,8 +143,8 @@ def worker_main(job: WorkerJob, conn: Connection, barrier) -> None:
 
 def _build(job: WorkerJob) -> tuple[dict, dict]:
     built, compile_seconds = job.build(job.settings, job.group, job.rows)
+    tokens = min(8, job.settings.image_tokens)
     for contestant in built:  # warm-up: allocator, kernels
-        tokens = min(8, job.settings.image_tokens)
         job.check(contestant.name, contestant.generate(tokens), job.rows, tokens)
     return {c.name: c for c in built}, compile_seconds
 

@@ -130,7 +130,7 @@ def kind_row(report: dict, kind: str, batch: int) -> str:
 
 
 def _peer_layout(comparison: dict, threads: int) -> str:
-    """' (one process x 2 threads)' or ' (2 processes x 1 thread)' where the run timed rows in worker processes."""
+    """' (1 process x 2 threads)' or ' (2 processes x 1 thread)' where the run timed rows in worker processes."""
     ours, theirs = comparison.get("rnnserve_layout", "in-process"), comparison.get("against_layout", "in-process")
     if ours == theirs == "in-process":
         return ""

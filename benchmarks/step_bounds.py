@@ -86,13 +86,9 @@ def products(layers: list[nn.Module], batch: int) -> tuple[Callable[[], None], i
 
 
 def state_tensors(model: Transformer, batch: int) -> list[torch.Tensor]:
-    state = model.new_state(batch)
-    return [
-        getattr(layer, f.name)
-        for layer in state.layers
-        for f in dataclasses.fields(layer)
-        if isinstance(getattr(layer, f.name), torch.Tensor) and getattr(layer, f.name).is_floating_point()
-    ]
+    """Every layer's floating-point state tensors (not the row lengths)."""
+    values = (getattr(layer, f.name) for layer in model.new_state(batch).layers for f in dataclasses.fields(layer))
+    return [v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
 
 
 @torch.inference_mode()

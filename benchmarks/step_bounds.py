@@ -1,10 +1,11 @@
-"""A compiled decode step against the limits of its parts, for a kind whose state has a fixed size, one thread.
+"""A decode step as the decoders run it against the limits of its parts, for a kind whose state has a fixed size, one thread.
 
     python -m benchmarks.step_bounds [--kind linear] [--batches 1,32,64] [--steps 400] [--rounds 3]
     benchmarks/as_avx2.sh .venv/bin/python -m benchmarks.step_bounds ...   (as an AVX2-only CPU would run it)
 
 Random weights of the `cpu` preset. Per batch size, each the best of `rounds` rounds that take the three in turn:
-  * step: the compiled step (model.decoders.make_decoder, as the bench's and the server's decoders run it);
+  * step: the step as the bench's and the server's decoders run it (model.decoders.make_decoder): one C++ call
+    for the linear models model/linear_step.py takes, a compiled graph for the others;
   * products: the step's linear layers alone, one after another in the model's order, on the weights the
     compiled step uses (the decode twin's packed ones where the CPU kernel takes them, else torch's), and
     their FLOP rate, to read against `python -m benchmarks.fma_peak`;

@@ -14,7 +14,11 @@ their sort of the vocabulary costs far more than the loop saves.
 Every linear layer runs a C++ kernel on weights packed once
 (model/packed_linear.py, model/kernels/packed_linear.cpp): the steps run the
 model's decode twin, its layers swapped for packed ones. For float32 models
-on CPUs with AVX-512, once the kernels are built; otherwise the model as it is.
+on CPUs with AVX-512 or AVX2, once the kernels are built; otherwise the model as it is.
+A linear model of the paper's shape (elu + 1 features, learned positions, exact
+GELU) goes further: each step is one C++ call on the twin's weights
+(model/linear_step.py), from the moment the kernels load, without a graph;
+its draws still run compiled.
 
 The batch dimension is compiled symbolically, so one graph serves every
 batch of 2 rows or more, and a second one the single row (torch.compile
@@ -75,6 +79,7 @@ from .cpu_kernels import KernelBuild, load_kernels, use_cpu_kernels
 from .step_decoders import EagerDecoder
 from .packed_linear import decode_twin, packs
 from .guard_free import GuardFreeGraphs
+from .linear_step import WholeLinearStep, whole_linear_step
 from .registry import kinds_where
 from .sampling import BatchSampling, draw_unfiltered, sample
 from .state import ModelState
@@ -231,6 +236,7 @@ class CompiledDecoder(EagerDecoder):
             self._token_buffer = torch.zeros(state.batch_size, dtype=torch.long, device=model.device)
         self._row_views: dict[int, ModelState] = {}
         self._twin: Transformer | None = None  # the model's decode twin, once the kernels are built (use_kernels)
+        self._whole_step: WholeLinearStep | None = None  # its steps as one C++ call, for the models that takes
         self._compiled_elsewhere = threading.Event()  # a background compile's child is done: adopt its graphs
         self._background_batch: int | None = None
 
@@ -252,15 +258,24 @@ class CompiledDecoder(EagerDecoder):
             return None
         return self._class_by_rows[rows]
 
+    @property
+    def one_call_steps(self) -> bool:
+        """Whether its steps run as one C++ call each (model/linear_step.py): from the moment the kernels load,
+        for the models that call takes, in eval mode."""
+        return self._whole_step is not None and not self.model.training
+
     def describe_route(self) -> str:
-        """E.g. 'avx512: compiled steps, linear layers on the packed kernel': the route of the kernels this
+        """E.g. 'avx512: compiled steps, linear layers on the packed kernel' (or, for a model the one-call step
+        takes, 'avx2: one-call steps on the packed kernel, compiled sampling'): the route of the kernels this
         decoder loaded (not the one the process would pick), and whether its steps run compiled yet."""
-        steps = "compiled steps" if self.compiled else "eager steps"
-        if not self._finished.is_set():
-            steps += " (compiling)"
+        compiling = "" if self._finished.is_set() else " (compiling)"
+        steps = ("compiled steps" if self.compiled else "eager steps") + compiling
         kernels = self.log.kernels
         if kernels is None or not kernels.ok:
             return f"{steps} on PyTorch's operators"
+        if self.one_call_steps:
+            sampling = "compiled" if self.compiled else "eager"
+            return f"{kernels.route}: one-call steps on the packed kernel, {sampling} sampling{compiling}"
         layers = "the packed kernel" if self.compiled and self._twin is not None else "PyTorch's products"
         return f"{kernels.route}: {steps}, linear layers on {layers}"
 
@@ -278,6 +293,8 @@ class CompiledDecoder(EagerDecoder):
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[0]
+        if self.one_call_steps:  # needs no graph: from the moment the kernels load
+            return self._whole_step(self._tokens(tokens), self._rows(n))
         row_class = self.class_for(n)
         if row_class is not None:
             try:  # no dynamo config patch per step (entering one is not free): it only matters when compiling, in _warm_up
@@ -462,6 +479,7 @@ class CompiledDecoder(EagerDecoder):
             self.log.kernels = use_cpu_kernels(self.model, build) or (load_kernels(build) if packed else None)
             if packed and self.log.kernels.ok:
                 self._twin = decode_twin(self.model)
+                self._whole_step = whole_linear_step(self._twin)
 
     @property
     def _stepped_model(self) -> Transformer:

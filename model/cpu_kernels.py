@@ -1,6 +1,6 @@
 """C++ kernels for CPU decode steps, built on first use with the machine's C++ compiler.
 
-Three kernels, registered as operators so that eager steps call them and
+Four kernels, registered as operators so that eager steps call them and
 torch.compile keeps each as one call inside its graphs:
   * `torch.ops.rnnserve.softmax_decode_attention`: softmax attention of one
     query per row over its KV cache (model/kernels/softmax_decode.cpp), which
@@ -10,7 +10,10 @@ torch.compile keeps each as one call inside its graphs:
     compiled decode steps use for every linear layer (model/packed_linear.py).
   * `torch.ops.rnnserve.linear_attention_prefill`: causal linear attention over
     a prompt as a recurrence into its rows' state (model/kernels/linear_prefill.cpp),
-    which a linear model's prefill runs on once the kernels are on.
+    which a linear model's prefill runs on once the kernels are on;
+  * `torch.ops.rnnserve.linear_decode_step`: a whole decode step of a linear
+    model on its decode twin's packed weights (model/kernels/linear_step.cpp),
+    which the CPU decoders call for the models it takes (model/linear_step.py).
 
 The build runs once per machine, ahead of serving (`rnnserve build-kernels`, which `make install` and the
 container build run), and uses the vector instructions inductor picks for this CPU. torch keeps the library
@@ -43,8 +46,10 @@ log = logging.getLogger("rnnserve.cpu_kernels")
 
 SOURCES = tuple(
     Path(__file__).with_name("kernels") / name
-    for name in ("softmax_decode.cpp", "packed_linear.cpp", "linear_prefill.cpp")
+    for name in ("softmax_decode.cpp", "packed_linear.cpp", "linear_prefill.cpp", "linear_step.cpp")
 )
+# What the sources include (the vector types, the packed product): part of what a build's folder is keyed on.
+HEADERS = tuple(Path(__file__).with_name("kernels") / name for name in ("vectors.h", "packed_product.h"))
 LIBRARY = "rnnserve_cpu_kernels"
 _BUILD_LOCK = threading.Lock()  # one build per process, whichever model's compile thread asks first
 
@@ -190,7 +195,7 @@ def build_directory(flags: list[str]) -> Path:
     (the compile commands name the last two's headers), made if missing."""
     from torch.utils.cpp_extension import _get_build_directory  # where torch puts extensions (honours the env)
 
-    inputs = [text for source in SOURCES for text in (str(source), source.read_text())]
+    inputs = [text for source in (*SOURCES, *HEADERS) for text in (str(source), source.read_text())]
     inputs += [*flags, torch.__version__, sys.prefix]
     key = hashlib.sha256("\0".join(inputs).encode()).hexdigest()[:12]
     return Path(_get_build_directory(f"{LIBRARY}-{key}", verbose=False))

@@ -35,6 +35,9 @@ class PackedLinear(nn.Module):
         with torch.inference_mode(False), torch.no_grad():  # a plain tensor, whatever mode the twin is made in
             self.register_buffer("packed", torch.ops.rnnserve.pack_linear_weight(linear.weight.detach()))
         self.bias = linear.bias  # the model's own parameter
+        # The model's own weight too, for modules that read it rather than call the layer (the mixture head
+        # projects in float32 through F.linear): they compute with it, unpacked, as the model does.
+        self.weight = linear.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         return torch.ops.rnnserve.packed_linear(x, self.packed, self.bias, self.out_features)

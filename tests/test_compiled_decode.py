@@ -153,6 +153,9 @@ def test_a_decoder_names_what_its_steps_run_on():
     if not kernels.ok:
         assert decoder.describe_route() == "compiled steps on PyTorch's operators"
         pytest.skip(f"the C++ kernels did not load here: {kernels.error}")
+    if decoder.one_call_steps:  # heads a whole number of this route's vectors (model/linear_step.py)
+        assert decoder.describe_route() == f"{kernels.route}: one-call steps on the packed kernel, compiled sampling"
+        return
     layers = "the packed kernel" if packed_linear_wins() else "PyTorch's products"
     assert decoder.describe_route() == f"{kernels.route}: compiled steps, linear layers on {layers}"
 
@@ -398,7 +401,9 @@ def test_server_compiles_in_the_background_and_answers_what_eager_generate_draws
         stop_process(process)
     assert "compiled the linear decode step and sampling for 2 or more rows in" in log.read_text()
     # What the engine's steps run on since they compiled: its kernels' route, or PyTorch's operators without them.
-    assert route.startswith(f"{cpu_route()}: compiled steps") or route == "compiled steps on PyTorch's operators", route
+    assert route.startswith((f"{cpu_route()}: compiled steps", f"{cpu_route()}: one-call steps")) or (
+        route == "compiled steps on PyTorch's operators"
+    ), route
     model, _ = load_model(path, "cpu")
     want_tokens, want_logprobs = eager_generation(model, list(b"abc"), 20, SamplingParams(temperature=0.9, seed=7))
     assert token_bytes(answer["logprobs"]["tokens"]) == want_tokens

@@ -361,6 +361,22 @@ for length, head_dim in ((70, 32), (9, 20)):  # the prefill kernel: loops the ro
     s0, z0 = state[..., :-1, :].transpose(-1, -2), state[..., -1, :]
     want = linear_attention_chunked(q, k, v, s0, z0, 1e-6)[0]
     errors.append(float((torch.ops.rnnserve.linear_attention_prefill(q, k, v, state, 1e-6) - want).abs().max()))
+from model.config import ModelConfig
+from model.linear_step import whole_linear_step
+from model.packed_linear import make_twin
+from model.transformer import build_model
+model = build_model(ModelConfig(attention="linear", d_model=64, n_heads=4, d_ff=72, n_layers=2, max_len=64)).eval()
+with torch.no_grad():  # weights at a scale where attention shows in the logits
+    for p in model.parameters():
+        p.normal_(std=0.3)
+step = whole_linear_step(make_twin(model))  # the whole decode step in one call: heads of 16, whole vectors
+with torch.inference_mode():
+    eager, one_call = model.new_state(3), model.new_state(3)
+    tokens = torch.tensor([1, 2, 3])
+    for _ in range(5):
+        want, got = model.decode_step(tokens, eager), step(tokens, one_call)
+        errors.append(float((want - got).abs().max()))
+        tokens = want.argmax(-1)
 print(json.dumps({"ok": build.ok, "route": build.route, "here": cpu_route(), "packed": packed_linear_wins(),
                   "max_error": max(errors)}))
 """

@@ -1,0 +1,110 @@
+"""A linear model's whole decode step as one C++ call (model/kernels/linear_step.cpp), on its decode twin's weights.
+
+What the compiled CPU decoder (model/compiled_decode.py) runs for the models it
+takes: linear attention with the paper's elu + 1 features, learned positions,
+exact GELU, float32, heads a whole number of the route's vectors. Its step
+computes what `Transformer.decode_step` does (tests/test_linear_step.py holds it
+to the eager model on every route), without a graph's wrappers or an operator
+call per layer. A categorical head runs inside the call; any other head (the
+logistic mixture, a tied one) runs after it, on the final hidden state.
+Anything else (learned feature maps, sinusoidal positions, GPT-2's tanh GELU)
+keeps the compiled step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .linear_attention import LinearAttention
+from .packed_linear import PackedLinear
+from .state import ModelState
+from .transformer import Block, Transformer
+
+
+def whole_step_refusal(twin: Transformer) -> str | None:
+    """Why the one-call step does not take this decode twin (model/packed_linear.py), or None when it does.
+    Needs the kernels loaded (model/cpu_kernels.py)."""
+    cfg = twin.config
+    if cfg.attention != "linear":
+        return f"{cfg.attention} attention (it takes linear attention)"
+    if cfg.linear_feature_map != "elu":
+        return f"{cfg.linear_feature_map} features (it takes elu + 1)"
+    if twin.pos_emb is None:
+        return f"{cfg.pos_encoding} positions (it takes learned ones)"
+    if cfg.gelu != "exact":
+        return f"{cfg.gelu} GELU (it takes the exact one)"
+    if twin.dtype != torch.float32 or twin.device.type != "cpu":
+        return f"{twin.dtype} weights on {twin.device} (it takes float32 on the CPU)"
+    if not torch.ops.rnnserve.linear_step_takes_head(cfg.d_head):
+        return f"heads of {cfg.d_head} numbers (not a whole number of this CPU route's vectors)"
+    if not all(isinstance(m, PackedLinear) for b in twin.blocks for m in (b.attn.qkv, b.attn.proj, b.ff.up, b.ff.down)):
+        return "linear layers that are not packed"
+    return None
+
+
+def _bias(layer: PackedLinear) -> torch.Tensor:
+    return layer.bias.detach() if layer.bias is not None else torch.zeros(layer.out_features)
+
+
+def _packed(layer: PackedLinear) -> list[torch.Tensor]:
+    return [layer.packed, _bias(layer)]
+
+
+def _norm(norm: nn.LayerNorm) -> list[torch.Tensor]:
+    return [norm.weight.detach(), norm.bias.detach()]
+
+
+def _block_weights(block: Block) -> list[torch.Tensor]:
+    """In the order linear_decode_step reads them."""
+    attn: LinearAttention = block.attn
+    return [
+        *_norm(block.ln_attn),
+        *_packed(attn.qkv),
+        *_packed(attn.proj),
+        *_norm(block.ln_ff),
+        *_packed(block.ff.up),
+        *_packed(block.ff.down),
+    ]
+
+
+@dataclass(frozen=True)
+class WholeLinearStep:
+    """One decode step of a twin as one operator call: tokens (n,) for a state's rows -> logits (n, V)."""
+
+    twin: Transformer
+    weights: list[torch.Tensor]
+    head_inside: bool  # the categorical head runs in the call; else `twin.head` runs on its output
+
+    @classmethod
+    def of(cls, twin: Transformer) -> "WholeLinearStep":
+        weights = [w for block in twin.blocks for w in _block_weights(block)] + _norm(twin.ln_f)
+        head_inside = isinstance(twin.head, PackedLinear)
+        if head_inside:
+            weights += _packed(twin.head)
+        # Plain tensors (not parameters, which the call would not take as they are under inference mode).
+        with torch.no_grad():
+            weights = [w.detach().contiguous() for w in weights]
+        return cls(twin, weights, head_inside)
+
+    def __call__(self, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
+        cfg = self.twin.config
+        out = torch.ops.rnnserve.linear_decode_step(
+            tokens,
+            state.lengths,
+            self.twin.tok_emb.weight.detach(),
+            self.twin.pos_emb.weight.detach(),
+            self.weights,
+            [layer.sz_t for layer in state.layers],
+            cfg.n_heads,
+            cfg.ln_eps,
+            cfg.linear_eps,
+        )
+        return out if self.head_inside else self.twin.head(out)
+
+
+def whole_linear_step(twin: Transformer) -> WholeLinearStep | None:
+    """The one-call step for this decode twin, or None when it does not take it (`whole_step_refusal`)."""
+    return WholeLinearStep.of(twin) if whole_step_refusal(twin) is None else None

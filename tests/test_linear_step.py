@@ -1,0 +1,136 @@
+"""A linear model's whole decode step as one C++ call (model/linear_step.py, model/kernels/linear_step.cpp) against
+the eager model, on this CPU's route (tests/test_cpu_kernels.py runs it on the other routes, forced)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from model.compiled_decode import CompiledDecoder
+from model.cpu_kernels import load_kernels
+from model.linear_step import whole_linear_step, whole_step_refusal
+from model.packed_linear import make_twin
+from model.step_decoders import EagerDecoder
+
+from conftest import make_tiny_model, random_bytes
+
+TOLERANCE = 1e-4
+pytestmark = pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
+    reason="no C++ compiler on PATH: the CPU kernels cannot be built here",
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    build = load_kernels()
+    assert build.ok, build.error
+    return build
+
+
+def taken_model(**overrides):
+    """A tiny linear model whose heads (16 numbers by default) are whole vectors on every route."""
+    return make_tiny_model("linear", **{"d_model": 64, "n_heads": 4, **overrides})
+
+
+def run_both(model, steps: int, starts: list[int]):
+    """Greedy steps of the eager model and of the one-call step from the same rows (at positions `starts`):
+    the largest logit difference, the two states and the one-call step's row lengths."""
+    step = whole_linear_step(make_twin(model))
+    assert step is not None, whole_step_refusal(make_twin(model))
+    rows = len(starts)
+    with torch.inference_mode():
+        eager, one_call = model.new_state(rows), model.new_state(rows)
+        for state in (eager, one_call):  # rows part-way through their sequences, with sums in their states
+            state.lengths.copy_(torch.tensor(starts))
+            for layer in state.layers:
+                layer.sz_t.copy_(torch.rand(layer.sz_t.shape, generator=torch.Generator().manual_seed(1)))
+        tokens, worst = random_bytes(2, rows, 1)[:, 0], 0.0
+        for _ in range(steps):
+            want, got = model.decode_step(tokens, eager), step(tokens, one_call)
+            assert got.shape == want.shape
+            worst = max(worst, float((want - got).abs().max()))
+            tokens = want.argmax(-1)
+    return worst, eager, one_call
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # heads of 16 numbers, a 64-wide feed-forward
+        {"n_heads": 2, "d_ff": 72},  # heads of 32; a feed-forward that ends in part of a vector
+        {"d_model": 96, "n_heads": 2, "n_layers": 3},  # heads of 48: three vectors of 16, six of 8
+        {"task": "mnist", "output_head": "logistic_mixture"},  # a head that runs after the call
+    ],
+    ids=["d16", "d32-ff72", "d48", "mixture-head"],
+)
+def test_the_one_call_step_equals_the_eager_model(overrides):
+    worst, eager, one_call = run_both(taken_model(**overrides), steps=6, starts=[0, 5, 17, 40, 3])
+    assert worst < TOLERANCE
+    assert torch.equal(eager.lengths, one_call.lengths)
+    for want, got in zip(eager.layers, one_call.layers):
+        torch.testing.assert_close(got.sz_t, want.sz_t, rtol=1e-5, atol=1e-4)
+
+
+def test_a_single_row_steps_as_a_batch_row_does():
+    worst, _, _ = run_both(taken_model(), steps=4, starts=[9])
+    assert worst < TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "kind, overrides, named",
+    [
+        ("softmax", {}, "softmax attention"),
+        ("linear+hedgehog", {}, "hedgehog features"),
+        ("linear", {"pos_encoding": "sinusoidal"}, "sinusoidal positions"),
+        ("linear", {"gelu": "tanh"}, "tanh GELU"),
+    ],
+)
+def test_models_it_does_not_take_are_named_with_why(kind, overrides, named):
+    twin = make_twin(make_tiny_model(kind, **{"d_model": 64, **overrides}))
+    assert named in whole_step_refusal(twin) and whole_linear_step(twin) is None
+
+
+def test_heads_that_are_not_whole_vectors_are_left_to_the_compiled_step():
+    twin = make_twin(taken_model(d_model=68))  # heads of 17 numbers: a whole number of vectors only without any
+    taken = torch.ops.rnnserve.linear_step_takes_head(17)
+    assert taken == (load_kernels().route == "scalar")
+    assert (whole_step_refusal(twin) is None) == taken
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda tokens, state: tokens.fill_(300), "outside the vocabulary"),
+        (lambda tokens, state: state.lengths.fill_(10_000), "past the model's"),
+        (lambda tokens, state: setattr(state.layers[0], "sz_t", state.layers[0].sz_t[:, :2]), "(B, H, D + 1, D)"),
+        (lambda tokens, state: setattr(state, "lengths", state.lengths.int()), "int64"),
+    ],
+    ids=["token", "position", "state", "lengths"],
+)
+def test_bad_inputs_are_refused_with_what_is_wrong(change, message):
+    model = taken_model()
+    step = whole_linear_step(make_twin(model))
+    with torch.inference_mode():
+        state, tokens = model.new_state(3), torch.zeros(3, dtype=torch.long)
+        change(tokens, state)
+        with pytest.raises(RuntimeError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
+            step(tokens, state)
+
+
+def test_the_compiled_decoder_runs_it_as_soon_as_the_kernels_load():
+    """Before any graph is compiled: its steps are the one call, and generate what the eager decoder does."""
+    model, rows = taken_model(), 4
+    with torch.inference_mode():
+        eager = EagerDecoder(model, model.new_state(rows))
+        decoder = CompiledDecoder(model, model.new_state(rows))
+        decoder.use_kernels()
+        assert decoder.describe_route().endswith(": one-call steps on the packed kernel, eager sampling (compiling)")
+        tokens = random_bytes(3, rows, 1)[:, 0]
+        for n in (rows, rows, 2, 1):  # rows leave as in a server's batch: the first n stay
+            want, got = eager(tokens[:n]), decoder(tokens[:n])
+            assert float((want - got).abs().max()) < TOLERANCE
+            tokens = want.argmax(-1)
+        assert torch.equal(eager.state.lengths, decoder.state.lengths)

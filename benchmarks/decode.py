@@ -42,6 +42,7 @@ from model.cpu_features import read_cpu_features
 from model.cpu_kernels import (
     ATEN_CAPABILITY_VARIABLE,
     cpu_route,
+    load_kernels,
     packed_linear_wins,
     route_forced,
     turn_off_cpu_kernels,
@@ -50,6 +51,8 @@ from model.step_decoders import EagerDecoder
 from model.decoders import make_decoder
 from model.generate import generate
 from model.kinds import attention_kinds, kind_options
+from model.linear_step import whole_step_refusal
+from model.packed_linear import decode_twin, packs
 from model.sampling import BatchSampling, SamplingParams, sample
 from model.transformer import Transformer, build_model, with_bos
 from model.weights_io import load_model, read_metadata
@@ -660,6 +663,7 @@ def run_decode_bench(settings: DecodeSettings, progress=print) -> DecodeReport:
     _add_ratios(images, no_cache)
     report = DecodeReport(asdict(settings), environment(settings), infos, images, no_cache, sweep, flatness)
     report.compile_seconds, report.comparisons = compile_seconds, compare(images)
+    report.environment["one_call_steps"] = one_call_kinds({k: models[k][0] for k in kinds}, settings)
     report.peers = [asdict(p.spec) for p in peers]
     report.machine = (
         probe_machine(DTYPES[settings.dtype]) if settings.device == "cpu" else {}
@@ -843,6 +847,14 @@ def environment(settings: DecodeSettings) -> dict:
     if settings.device.startswith("cuda"):
         env["gpu"] = torch.cuda.get_device_name(torch.device(settings.device))
     return env
+
+
+def one_call_kinds(models: dict[str, Transformer], settings: DecodeSettings) -> list[str]:
+    """The kinds whose rnnserve steps ran as one C++ call each (model/linear_step.py), as the bench's compiled
+    decoders found them once their kernels had loaded."""
+    if not settings.compiled or settings.device != "cpu" or not load_kernels().ok:
+        return []
+    return [kind for kind, model in models.items() if packs(model) and whole_step_refusal(decode_twin(model)) is None]
 
 
 def _cpu_name() -> str:

@@ -6,6 +6,7 @@
 Random weights of the `cpu` preset. Per batch size, each the best of `rounds` rounds that take the three in turn:
   * step: the step as the bench's and the server's decoders run it (model.decoders.make_decoder): one C++ call
     for the linear models model/linear_step.py takes, a compiled graph for the others;
+  * graph step: the compiled graph's step, where the step is one call (else the same as step): what one call saves;
   * products: the step's linear layers alone, one after another in the model's order, on the weights the
     compiled step uses (the decode twin's packed ones where the CPU kernel takes them, else torch's), and
     their FLOP rate, to read against `python -m benchmarks.fma_peak`;
@@ -31,6 +32,7 @@ from torch import nn
 
 from model.cpu_features import read_cpu_features
 from model.cpu_kernels import cpu_route, load_kernels
+from model.compiled_decode import CompiledDecoder
 from model.decoders import make_decoder
 from model.packed_linear import PackedLinear, decode_twin, packs
 from model.registry import kinds_where
@@ -98,10 +100,12 @@ def measure(kind: str, batch: int, steps: int, rounds: int) -> dict:
     model = build_model(preset_config("cpu", kind)).eval()
     decoder = make_decoder(model, model.new_state(batch), cuda_graphs=False, compiled=True)
     decoder.compile(batch=batch)
+    graphed = CompiledDecoder(model, model.new_state(batch), one_call=False) if decoder.one_call_steps else decoder
+    graphed.compile(batch=batch)
     tokens = torch.zeros(batch, dtype=torch.long)
     steps = min(steps, model.config.max_len - 30)  # rows reset between rounds, inside max_len
 
-    def step() -> None:
+    def step(decoder: CompiledDecoder) -> None:
         if int(decoder.state.lengths[0]) >= steps:
             decoder.state.reset_rows(range(batch))
         decoder(tokens)
@@ -114,11 +118,13 @@ def measure(kind: str, batch: int, steps: int, rounds: int) -> dict:
         for t in states:
             t.mul_(1.0)
 
-    best = best_interleaved({"step": step, "products": run_products, "state": state_pass}, steps, rounds)
+    timed = {"step": partial(step, decoder), "graph": partial(step, graphed), "products": run_products}
+    best = best_interleaved(timed | {"state": state_pass}, steps, rounds)
     step_s, products_s, state_s = best["step"], best["products"], best["state"]
     return {
         "batch": batch,
         "step_ms": 1e3 * step_s,
+        "graph_step_ms": 1e3 * best["graph"],
         "products_ms": 1e3 * products_s,
         "products_gflops": flops / products_s / 1e9,
         "state_pass_ms": 1e3 * state_s,
@@ -140,12 +146,12 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.kind}, one thread, {read_cpu_features().cpu_class} CPU, kernels' route {cpu_route()}, "
         f"load {machine_load()}"
     )
-    print("| batch | step ms | products ms | products GFLOP/s | state pass ms | state GB/s | rest ms |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("| batch | step ms | graph step ms | products ms | products GFLOP/s | state pass ms | state GB/s | rest ms |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for batch in args.batches:
         r = measure(args.kind, batch, args.steps, args.rounds)
         print(
-            f"| {batch} | {r['step_ms']:.3f} | {r['products_ms']:.3f} | {r['products_gflops']:.1f} | "
+            f"| {batch} | {r['step_ms']:.3f} | {r['graph_step_ms']:.3f} | {r['products_ms']:.3f} | {r['products_gflops']:.1f} | "
             f"{r['state_pass_ms']:.3f} | {r['state_gb_per_s']:.1f} | {r['rest_ms']:.3f} |"
         )
 

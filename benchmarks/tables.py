@@ -159,6 +159,12 @@ def roofline_table(report: DecodeReport) -> str:
     return "\n".join(lines)
 
 
+def one_call_text(env: dict) -> str:
+    """Which kinds' steps ran as one C++ call each (not recorded before that call existed)."""
+    kinds = env.get("one_call_steps")
+    return "" if not kinds else f"; {', '.join(kinds)} steps as one C++ call"
+
+
 def full_report(report: DecodeReport) -> str:
     env = report.environment
     s = report.settings
@@ -166,7 +172,8 @@ def full_report(report: DecodeReport) -> str:
         f"Machine: {env['processor']} ({env.get('cpu_class', 'CPU class not recorded')}: "
         f"{', '.join(env.get('vector_features', [])) or 'no vector features recorded'}; kernels' route "
         f"{env.get('cpu_route', 'not recorded')}, linear layers on "
-        f"{'the packed kernel' if env.get('packed_linear') else 'PyTorch'}), {env['cpu_count']} CPUs, "
+        f"{'the packed kernel' if env.get('packed_linear') else 'PyTorch'}{one_call_text(env)}), "
+        f"{env['cpu_count']} CPUs, "
         f"torch {env['torch']} "
         f"({env['torch_threads']} threads), device {env['device']}, {s['dtype']} weights, keys and values "
         f"cached in {cache_dtype(s)}. Times: best of {s['repeats']} run(s), "

@@ -213,8 +213,16 @@ def code_of_its_own(fn: Callable) -> Callable:
 class CompiledDecoder(EagerDecoder):
     """Decode steps (and draws) on rows [0, n) of a preallocated state through compiled graphs, once ready."""
 
-    def __init__(self, model: Transformer, state: ModelState, row_classes: Sequence[RowClass] = ROW_CLASSES):
+    def __init__(
+        self,
+        model: Transformer,
+        state: ModelState,
+        row_classes: Sequence[RowClass] = ROW_CLASSES,
+        one_call: bool = True,
+    ):
+        """one_call=False: the compiled graphs even for a model whose steps could be one C++ call (to compare)."""
         super().__init__(model, state)
+        self._one_call_allowed = one_call
         if not model.capabilities.compilable:
             raise ValueError(
                 f"{model.config.attention} decode steps are not compiled; compilable kinds: "
@@ -479,7 +487,7 @@ class CompiledDecoder(EagerDecoder):
             self.log.kernels = use_cpu_kernels(self.model, build) or (load_kernels(build) if packed else None)
             if packed and self.log.kernels.ok:
                 self._twin = decode_twin(self.model)
-                self._whole_step = whole_linear_step(self._twin)
+                self._whole_step = whole_linear_step(self._twin) if self._one_call_allowed else None
 
     @property
     def _stepped_model(self) -> Transformer:

@@ -57,7 +57,8 @@ class DecodeTwins:
 
 
 def packs(model: nn.Module) -> bool:
-    """Whether the kernel takes this model's linear layers: float32 on a CPU with AVX-512."""
+    """Whether the kernel takes this model's linear layers: float32, on a CPU route where it beats PyTorch's
+    products (`packed_linear_wins`: AVX-512 and AVX2) or on a forced one."""
     weight = next(model.parameters())
     return weight.dtype == torch.float32 and weight.device.type == "cpu" and packed_linear_wins()
 

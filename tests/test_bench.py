@@ -22,7 +22,7 @@ import httpx
 import pytest
 import torch
 
-from benchmarks import decode
+from benchmarks import decode, tables
 from benchmarks.decode import FLAT_ROUNDS, FLAT_STEPS_PER_ROUND, _interpolated_sum, _later_positions, choose_positions
 from benchmarks.decode_workers import rows_per_worker, threads_per_worker
 from benchmarks.load import LoadSettings, run_load
@@ -188,6 +188,20 @@ def _layout_settings(**changes) -> decode.DecodeSettings:
         compiled=False,
     )
     return dataclasses.replace(base, **changes)
+
+
+@pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("g++", "clang++", "c++")), reason="no C++ compiler: no kernels, no one-call step"
+)
+def test_the_report_names_the_kinds_whose_steps_are_one_call():
+    """The tiny preset's linear heads (16 numbers) are whole vectors on every route: its compiled steps are one
+    C++ call (model/linear_step.py), and the machine line says so; eager runs have none."""
+    settings = _layout_settings(kinds=("linear", "softmax"), compiled=True)
+    models = {kind: model for kind, (model, _) in decode.image_models(settings).items()}
+    assert decode.one_call_kinds(models, settings) == ["linear"]
+    assert decode.one_call_kinds(models, dataclasses.replace(settings, compiled=False)) == []
+    assert tables.one_call_text({"one_call_steps": ["linear"]}) == "; linear steps as one C++ call"
+    assert tables.one_call_text({}) == ""  # a report of before the call existed
 
 
 def test_rows_are_shared_over_workers_and_no_worker_is_left_without_rows():

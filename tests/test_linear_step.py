@@ -134,3 +134,15 @@ def test_the_compiled_decoder_runs_it_as_soon_as_the_kernels_load():
             assert float((want - got).abs().max()) < TOLERANCE
             tokens = want.argmax(-1)
         assert torch.equal(eager.state.lengths, decoder.state.lengths)
+
+
+def test_a_decoder_kept_on_its_graphs_does_not_take_the_one_call_step():
+    """What benchmarks/step_bounds.py compares the one call with: the same model's compiled graph steps."""
+    model = taken_model()
+    with torch.inference_mode():
+        kept = CompiledDecoder(model, model.new_state(2), one_call=False)
+        kept.use_kernels()
+        taken = CompiledDecoder(model, model.new_state(2))
+        taken.use_kernels()
+    assert taken.one_call_steps and not kept.one_call_steps
+    assert "one-call" not in kept.describe_route()

@@ -487,7 +487,16 @@ class CompiledDecoder(EagerDecoder):
             self.log.kernels = use_cpu_kernels(self.model, build) or (load_kernels(build) if packed else None)
             if packed and self.log.kernels.ok:
                 self._twin = decode_twin(self.model)
-                self._whole_step = whole_linear_step(self._twin) if self._one_call_allowed else None
+                self._whole_step = self._one_call_step() if self._one_call_allowed else None
+
+    def _one_call_step(self) -> WholeLinearStep | None:
+        """The twin's one-call step, or None (the compiled graphs then run the steps): should gathering its
+        weights fail, that is logged, and nothing else changes (it runs on a background compile's thread)."""
+        try:
+            return whole_linear_step(self._twin)
+        except Exception as exc:
+            log.warning("the one-call %s step is off (%s: %s)", self.model.config.attention, type(exc).__name__, exc)
+            return None
 
     @property
     def _stepped_model(self) -> Transformer:

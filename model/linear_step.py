@@ -4,7 +4,8 @@ What the compiled CPU decoder (model/compiled_decode.py) runs for the models it
 takes: linear attention with the paper's elu + 1 features, learned positions,
 exact GELU, float32, heads a whole number of the route's vectors. Its step
 computes what `Transformer.decode_step` does (tests/test_linear_step.py holds it
-to the eager model on every route), without a graph's wrappers or an operator
+to the eager model on the machine's route, tests/test_cpu_kernels.py on the
+others that can be forced there), without a graph's wrappers or an operator
 call per layer. A categorical head runs inside the call; any other head (the
 logistic mixture, a tied one) runs after it, on the final hidden state.
 Anything else (learned feature maps, sinusoidal positions, GPT-2's tanh GELU)

@@ -28,6 +28,7 @@ from benchmarks.decode_workers import rows_per_worker, threads_per_worker
 from benchmarks.load import LoadSettings, run_load
 from benchmarks.roofline import attention_cost, dense_flops, probe_machine, roofline, token_cost
 from benchmarks.run import add_arguments, run
+from model.cpu_kernels import packed_linear_wins
 from model import ModelConfig, build_model
 from model.registry import capabilities
 from model.weights_io import save_model
@@ -193,6 +194,7 @@ def _layout_settings(**changes) -> decode.DecodeSettings:
 @pytest.mark.skipif(
     not any(shutil.which(c) for c in ("g++", "clang++", "c++")), reason="no C++ compiler: no kernels, no one-call step"
 )
+@pytest.mark.skipif(not packed_linear_wins(), reason="this CPU's route keeps PyTorch's linear layers: no one-call step")
 def test_the_report_names_the_kinds_whose_steps_are_one_call():
     """The tiny preset's linear heads (16 numbers) are whole vectors on every route: its compiled steps are one
     C++ call (model/linear_step.py), and the machine line says so; eager runs have none."""

@@ -47,8 +47,9 @@ REPO = Path(__file__).resolve().parents[1]
 def compiled_decoder(
     model, rows: int = ROWS, require_captured: bool = True, batch: int | None = None
 ) -> CompiledDecoder:
-    decoder = make_decoder(model, model.new_state(rows), cuda_graphs=False, compiled=True)
-    assert isinstance(decoder, CompiledDecoder)
+    """A decoder whose steps run its compiled graphs, even for a model whose steps could be one C++ call
+    (tests/test_linear_step.py tests that call)."""
+    decoder = CompiledDecoder(model, model.new_state(rows), one_call=False)
     log = decoder.compile_now(batch)
     assert log.error is None and decoder.compiled, log
     if require_captured:

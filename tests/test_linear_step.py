@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from model.compiled_decode import CompiledDecoder
-from model.cpu_kernels import load_kernels
+from model.cpu_kernels import load_kernels, packed_linear_wins
 from model.linear_step import whole_linear_step, whole_step_refusal
 from model.packed_linear import make_twin
 from model.step_decoders import EagerDecoder
@@ -63,8 +63,9 @@ def run_both(model, steps: int, starts: list[int]):
         {"n_heads": 2, "d_ff": 72},  # heads of 32; a feed-forward that ends in part of a vector
         {"d_model": 96, "n_heads": 2, "n_layers": 3},  # heads of 48: three vectors of 16, six of 8
         {"task": "mnist", "output_head": "logistic_mixture"},  # a head that runs after the call
+        {"linear_eps": 0.5, "ln_eps": 0.1},  # epsilons that show in the logits, each in its place
     ],
-    ids=["d16", "d32-ff72", "d48", "mixture-head"],
+    ids=["d16", "d32-ff72", "d48", "mixture-head", "epsilons"],
 )
 def test_the_one_call_step_equals_the_eager_model(overrides):
     worst, eager, one_call = run_both(taken_model(**overrides), steps=6, starts=[0, 5, 17, 40, 3])
@@ -105,7 +106,7 @@ def test_heads_that_are_not_whole_vectors_are_left_to_the_compiled_step():
     [
         (lambda tokens, state: tokens.fill_(300), "outside the vocabulary"),
         (lambda tokens, state: state.lengths.fill_(10_000), "past the model's"),
-        (lambda tokens, state: setattr(state.layers[0], "sz_t", state.layers[0].sz_t[:, :2]), "(B, H, D + 1, D)"),
+        (lambda tokens, state: setattr(state.layers[-1], "sz_t", state.layers[-1].sz_t[:, :2]), "(B, H, D + 1, D)"),
         (lambda tokens, state: setattr(state, "lengths", state.lengths.int()), "int64"),
     ],
     ids=["token", "position", "state", "lengths"],
@@ -116,10 +117,20 @@ def test_bad_inputs_are_refused_with_what_is_wrong(change, message):
     with torch.inference_mode():
         state, tokens = model.new_state(3), torch.zeros(3, dtype=torch.long)
         change(tokens, state)
+        before = [layer.sz_t.clone() for layer in state.layers] + [state.lengths.clone()]
         with pytest.raises(RuntimeError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
             step(tokens, state)
+        after = [layer.sz_t for layer in state.layers] + [state.lengths]
+        assert all(torch.equal(b, a) for b, a in zip(before, after))  # refused before anything was written
 
 
+# Decoders take the one call only where their linear layers are packed (model/packed_linear.py, `packs`).
+packed_decoders = pytest.mark.skipif(
+    not packed_linear_wins(), reason="this CPU's route keeps PyTorch's linear layers: its decoders make no twin"
+)
+
+
+@packed_decoders
 def test_the_compiled_decoder_runs_it_as_soon_as_the_kernels_load():
     """Before any graph is compiled: its steps are the one call, and generate what the eager decoder does."""
     model, rows = taken_model(), 4
@@ -136,6 +147,7 @@ def test_the_compiled_decoder_runs_it_as_soon_as_the_kernels_load():
         assert torch.equal(eager.state.lengths, decoder.state.lengths)
 
 
+@packed_decoders
 def test_a_decoder_kept_on_its_graphs_does_not_take_the_one_call_step():
     """What benchmarks/step_bounds.py compares the one call with: the same model's compiled graph steps."""
     model = taken_model()

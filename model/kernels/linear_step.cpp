@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <vector>
 
 #include "packed_product.h"
 
@@ -138,6 +139,27 @@ float* state_of(const torch::Tensor& state, int64_t m, int64_t heads, int64_t d)
   return state.data_ptr<float>();
 }
 
+// One block's weights and state, checked.
+struct BlockWeights {
+  const float *ln_attn_w, *ln_attn_b;
+  Packed qkv, proj;
+  const float *ln_ff_w, *ln_ff_b;
+  Packed up, down;
+  float* state;
+};
+
+// w: the block's kPerBlock tensors (see linear_decode_step), checked against a width of c and a feed-forward of ff.
+BlockWeights block_weights(const torch::Tensor* w, float* state, int64_t l, int64_t c, int64_t ff) {
+  const BlockWeights b{vector_of(w[0], c, "ln_attn.weight"), vector_of(w[1], c, "ln_attn.bias"),
+                       packed_weight(w[2], w[3], c, "qkv"),  packed_weight(w[4], w[5], c, "proj"),
+                       vector_of(w[6], c, "ln_ff.weight"),   vector_of(w[7], c, "ln_ff.bias"),
+                       packed_weight(w[8], w[9], c, "up"),   packed_weight(w[10], w[11], ff, "down"),
+                       state};
+  TORCH_CHECK(b.qkv.n == 3 * c && b.proj.n == c && b.up.n == ff && b.down.n == c, "linear_decode_step: block ", l,
+              "'s products must map ", c, " -> ", 3 * c, ", ", c, " -> ", c, ", ", c, " -> ", ff, " -> ", c);
+  return b;
+}
+
 }  // namespace
 
 // Whether this build's step takes heads of d numbers (a whole number of its vectors, up to kMaxHeadDim).
@@ -148,8 +170,8 @@ bool linear_step_takes_head(int64_t d) { return head_dim_taken(d); }
 // [ln_attn w, b, qkv packed, bias, proj packed, bias, ln_ff w, b, up packed, bias, down packed, bias], then
 // [ln_f w, b] and optionally [head packed, bias].
 torch::Tensor linear_decode_step(const torch::Tensor& tokens, const torch::Tensor& lengths, const torch::Tensor& tok_emb,
-                                 const torch::Tensor& pos_emb, at::TensorList weights, at::TensorList states, int64_t heads, double ln_eps,
-                                 double attn_eps) {
+                                 const torch::Tensor& pos_emb, at::TensorList weights, at::TensorList states,
+                                 int64_t heads, double ln_eps, double attn_eps) {
   const int64_t m = tokens.numel(), c = tok_emb.size(1), blocks = states.size();
   TORCH_CHECK(heads > 0 && c % heads == 0 && head_dim_taken(c / heads),
               "linear_decode_step: heads of ", c, " / ", heads, " numbers; this build takes a multiple of ", kLanes,
@@ -158,8 +180,15 @@ torch::Tensor linear_decode_step(const torch::Tensor& tokens, const torch::Tenso
   TORCH_CHECK(given == 2 || given == 4, "linear_decode_step: ", kPerBlock, " weights per block and 2 or 4 after them "
               "for ", blocks, " blocks, got ", weights.size());
   check_inputs(tokens, lengths, tok_emb, pos_emb, m);
-  const int64_t d = c / heads;
-  const int64_t ff = blocks ? weights[9].numel() : 0;
+  const int64_t d = c / heads, ff = blocks ? weights[9].numel() : 0;
+  // Every input checked before anything is written: a refused call leaves the state as it was.
+  std::vector<BlockWeights> checked;
+  for (int64_t l = 0; l < blocks; ++l)
+    checked.push_back(block_weights(&weights[kPerBlock * l], state_of(states[l], m, heads, d), l, c, ff));
+  const torch::Tensor* last = &weights[kPerBlock * blocks];
+  const float *final_w = vector_of(last[0], c, "ln_f.weight"), *final_b = vector_of(last[1], c, "ln_f.bias");
+  const Packed head = given == 4 ? packed_weight(last[2], last[3], c, "head") : Packed{nullptr, nullptr, 0};
+
   const auto options = tok_emb.options();
   auto x = torch::empty({m, c}, options), normed = torch::empty({m, c}, options),
        qkv = torch::empty({m, 3 * c}, options), y = torch::empty({m, c}, options), mid = torch::empty({m, ff}, options);
@@ -172,26 +201,18 @@ torch::Tensor linear_decode_step(const torch::Tensor& tokens, const torch::Tenso
     const float* position = pos_emb.data_ptr<float>() + len[r] * c;
     for (int64_t i = 0; i < c; i += kLanes) vstore(xp + r * c + i, vload(token + i) + vload(position + i));
   }
-  for (int64_t l = 0; l < blocks; ++l) {
-    const torch::Tensor* w = &weights[kPerBlock * l];
-    const Packed qkv_w = packed_weight(w[2], w[3], c, "qkv"), proj_w = packed_weight(w[4], w[5], c, "proj"),
-                 up_w = packed_weight(w[8], w[9], c, "up"), down_w = packed_weight(w[10], w[11], ff, "down");
-    TORCH_CHECK(qkv_w.n == 3 * c && proj_w.n == c && up_w.n == ff && down_w.n == c,
-                "linear_decode_step: block ", l, "'s products must map ", c, " -> ", 3 * c, ", ", c, " -> ", c, ", ", c,
-                " -> ", ff, " -> ", c);
-    layer_norm(xp, np, vector_of(w[0], c, "ln_attn.weight"), vector_of(w[1], c, "ln_attn.bias"), m, c, ln_eps);
-    packed_product({np, qkv_w.panels, qkv_w.bias, qkvp, m, c, 3 * c});
-    attention(qkvp, yp, state_of(states[l], m, heads, d), m, heads, d, attn_eps);
-    packed_product({yp, proj_w.panels, proj_w.bias, xp, m, c, c, Epilogue::kAccumulate});
-    layer_norm(xp, np, vector_of(w[6], c, "ln_ff.weight"), vector_of(w[7], c, "ln_ff.bias"), m, c, ln_eps);
-    packed_product({np, up_w.panels, up_w.bias, midp, m, c, ff, Epilogue::kGelu});
-    packed_product({midp, down_w.panels, down_w.bias, xp, m, ff, c, Epilogue::kAccumulate});
+  for (const BlockWeights& b : checked) {
+    layer_norm(xp, np, b.ln_attn_w, b.ln_attn_b, m, c, ln_eps);
+    packed_product({np, b.qkv.panels, b.qkv.bias, qkvp, m, c, 3 * c});
+    attention(qkvp, yp, b.state, m, heads, d, attn_eps);
+    packed_product({yp, b.proj.panels, b.proj.bias, xp, m, c, c, Epilogue::kAccumulate});
+    layer_norm(xp, np, b.ln_ff_w, b.ln_ff_b, m, c, ln_eps);
+    packed_product({np, b.up.panels, b.up.bias, midp, m, c, ff, Epilogue::kGelu});
+    packed_product({midp, b.down.panels, b.down.bias, xp, m, ff, c, Epilogue::kAccumulate});
   }
-  const torch::Tensor* last = &weights[kPerBlock * blocks];
-  layer_norm(xp, np, vector_of(last[0], c, "ln_f.weight"), vector_of(last[1], c, "ln_f.bias"), m, c, ln_eps);
+  layer_norm(xp, np, final_w, final_b, m, c, ln_eps);
   for (int64_t r = 0; r < m; ++r) ++len[r];
-  if (given == 2) return normed;
-  const Packed head = packed_weight(last[2], last[3], c, "head");
+  if (!head.panels) return normed;
   auto logits = torch::empty({m, head.n}, options);
   packed_product({np, head.panels, head.bias, logits.data_ptr<float>(), m, c, head.n});
   return logits;

@@ -47,7 +47,7 @@ def whole_step_refusal(twin: Transformer) -> str | None:
 
 
 def _bias(layer: PackedLinear) -> torch.Tensor:
-    return layer.bias.detach() if layer.bias is not None else torch.zeros(layer.out_features)
+    return layer.bias if layer.bias is not None else torch.zeros(layer.out_features)
 
 
 def _packed(layer: PackedLinear) -> list[torch.Tensor]:
@@ -55,7 +55,7 @@ def _packed(layer: PackedLinear) -> list[torch.Tensor]:
 
 
 def _norm(norm: nn.LayerNorm) -> list[torch.Tensor]:
-    return [norm.weight.detach(), norm.bias.detach()]
+    return [norm.weight, norm.bias]
 
 
 def _block_weights(block: Block) -> list[torch.Tensor]:
@@ -76,6 +76,7 @@ class WholeLinearStep:
     """One decode step of a twin as one operator call: tokens (n,) for a state's rows -> logits (n, V)."""
 
     twin: Transformer
+    embeddings: tuple[torch.Tensor, torch.Tensor]  # tokens' and positions'
     weights: list[torch.Tensor]
     head_inside: bool  # the categorical head runs in the call; else `twin.head` runs on its output
 
@@ -85,18 +86,18 @@ class WholeLinearStep:
         head_inside = isinstance(twin.head, PackedLinear)
         if head_inside:
             weights += _packed(twin.head)
-        # Plain tensors (not parameters, which the call would not take as they are under inference mode).
-        with torch.no_grad():
-            weights = [w.detach().contiguous() for w in weights]
-        return cls(twin, weights, head_inside)
+        # Plain tensors, detached once here rather than every step (the call would not take parameters as they
+        # are under inference mode).
+        weights = [w.detach().contiguous() for w in weights]
+        embeddings = (twin.tok_emb.weight.detach(), twin.pos_emb.weight.detach())
+        return cls(twin, embeddings, weights, head_inside)
 
     def __call__(self, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
         cfg = self.twin.config
         out = torch.ops.rnnserve.linear_decode_step(
             tokens,
             state.lengths,
-            self.twin.tok_emb.weight.detach(),
-            self.twin.pos_emb.weight.detach(),
+            *self.embeddings,
             self.weights,
             [layer.sz_t for layer in state.layers],
             cfg.n_heads,

@@ -13,7 +13,10 @@ Random weights of the `cpu` preset. Per batch size, each the best of `rounds` ro
   * state pass: one in-place multiply over every layer's recurrent state: a read and a write of each number,
     the traffic a step cannot do without, and its rate;
   * rest: step - products - state pass. At batch 1 it is nearly all of a step that does not grow with its rows
-    (operator calls, the graph's wrapper, weights fetched from the caches).
+    (operator calls, the graph's wrapper, weights fetched from the caches);
+  * draw: the decoder's draw of a token per row from (batch, V) logits (unfiltered, compiled);
+  * token: a token of `model.generate` with that decoder (a generation of `steps` tokens from BOS, over steps),
+    and loop = token - step - draw: what the loop around them costs, caches the step and draw evict included.
 A step that is at its products plus its state pass has nothing left to win but those two. Times are wall clock
 on a shared machine: compare the columns of one run.
 """
@@ -34,8 +37,10 @@ from model.cpu_features import read_cpu_features
 from model.cpu_kernels import cpu_route, load_kernels
 from model.compiled_decode import CompiledDecoder
 from model.decoders import make_decoder
+from model.generate import generate
 from model.packed_linear import PackedLinear, decode_twin, packs
 from model.registry import kinds_where
+from model.sampling import BatchSampling, SamplingParams
 from model.transformer import Transformer, build_model
 
 from .decode import machine_load, preset_config
@@ -118,7 +123,18 @@ def measure(kind: str, batch: int, steps: int, rounds: int) -> dict:
         for t in states:
             t.mul_(1.0)
 
+    sampling = BatchSampling.from_params([SamplingParams(temperature=1.0, seed=row) for row in range(batch)])
+    logits = torch.randn(batch, model.config.vocab_out)
+    position = torch.zeros(batch, dtype=torch.long)
+    prompt = torch.zeros(batch, 0, dtype=torch.long)
+    generations = iter(range(10**9))
+
+    def token() -> None:  # a whole generation every `steps` calls: each call a step's share of one
+        if next(generations) % steps == 0:
+            generate(model, prompt, steps, sampling, decoder=decoder)
+
     timed = {"step": partial(step, decoder), "graph": partial(step, graphed), "products": run_products}
+    timed |= {"draw": partial(decoder.sample, logits, sampling, position), "token": token}
     best = best_interleaved(timed | {"state": state_pass}, steps, rounds)
     step_s, products_s, state_s = best["step"], best["products"], best["state"]
     return {
@@ -130,6 +146,9 @@ def measure(kind: str, batch: int, steps: int, rounds: int) -> dict:
         "state_pass_ms": 1e3 * state_s,
         "state_gb_per_s": state_bytes / state_s / 1e9,
         "rest_ms": 1e3 * (step_s - products_s - state_s),
+        "draw_ms": 1e3 * best["draw"],
+        "token_ms": 1e3 * best["token"],
+        "loop_ms": 1e3 * (best["token"] - step_s - best["draw"]),
     }
 
 
@@ -146,13 +165,17 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.kind}, one thread, {read_cpu_features().cpu_class} CPU, kernels' route {cpu_route()}, "
         f"load {machine_load()}"
     )
-    print("| batch | step ms | graph step ms | products ms | products GFLOP/s | state pass ms | state GB/s | rest ms |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| batch | step ms | graph step ms | products ms | products GFLOP/s | state pass ms | state GB/s | rest ms "
+        "| draw ms | token ms | loop ms |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for batch in args.batches:
         r = measure(args.kind, batch, args.steps, args.rounds)
         print(
             f"| {batch} | {r['step_ms']:.3f} | {r['graph_step_ms']:.3f} | {r['products_ms']:.3f} | {r['products_gflops']:.1f} | "
-            f"{r['state_pass_ms']:.3f} | {r['state_gb_per_s']:.1f} | {r['rest_ms']:.3f} |"
+            f"{r['state_pass_ms']:.3f} | {r['state_gb_per_s']:.1f} | {r['rest_ms']:.3f} | {r['draw_ms']:.3f} | "
+            f"{r['token_ms']:.3f} | {r['loop_ms']:.3f} |"
         )
 
 

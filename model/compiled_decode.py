@@ -18,7 +18,7 @@ on CPUs with AVX-512 or AVX2, once the kernels are built; otherwise the model as
 A linear model of the paper's shape (elu + 1 features, learned positions, exact
 GELU) goes further: each step is one C++ call on the twin's weights
 (model/linear_step.py), from the moment the kernels load, without a graph;
-its draws still run compiled.
+its draws still run compiled, and only they are compiled for it.
 
 The batch dimension is compiled symbolically, so one graph serves every
 batch of 2 rows or more, and a second one the single row (torch.compile
@@ -315,7 +315,12 @@ class CompiledDecoder(EagerDecoder):
     def captured(self, rows: int) -> bool:
         """Whether n rows' steps and draws run their class's graphs without guard checks."""
         row_class = self.class_for(rows)
-        return row_class is not None and all(g[row_class].captured(row_class) for g in (self._graphs, self._draws))
+        return row_class is not None and all(g[row_class].captured(row_class) for g in self._compiled_jobs())
+
+    def _compiled_jobs(self) -> list[GuardFreeGraphs]:
+        """What compiling makes for each row class: the draws, and the steps unless they are one C++ call (a
+        graph they would never run is not worth its compile)."""
+        return [self._draws] if self._whole_step is not None else [self._graphs, self._draws]
 
     def step_inputs_accepted(self, n: int) -> bool:
         """Whether the graph captured for n rows passes its guards on this decoder's n-row inputs: what its
@@ -444,9 +449,10 @@ class CompiledDecoder(EagerDecoder):
             self.ready.add(row_class.fewest)
             self._route_rows()
             log.info(
-                "%s the %s decode step and sampling for %s in %.1f s",
+                "%s the %s %s for %s in %.1f s",
                 verb,
                 self.model.config.attention,
+                "sampling (its steps are one C++ call)" if self._whole_step is not None else "decode step and sampling",
                 row_class.name,
                 self.log.seconds[row_class.name],
             )
@@ -523,14 +529,15 @@ class CompiledDecoder(EagerDecoder):
         fewest, most = row_class.fewest, self.state.batch_size
         counts = [1] if fewest == 1 else sorted({n for n in (fewest, fewest + 1, most) if n <= most})
         key = row_class.fewest
-        self._graphs[key].capture(key, [self._step_inputs(n) for n in counts])
+        if self._whole_step is None:
+            self._graphs[key].capture(key, [self._step_inputs(n) for n in counts])
         self._draws[key].capture(key, [self._draw_scratch(n) for n in counts])
 
     @torch.inference_mode()
     def _warm_up(self, row_class: RowClass) -> None:
-        """A compiled step and a compiled draw on a scratch state, made as the decoder's own state was
-        (inference tensors or not), so that its steps find the graph compiled here; traced with the class's
-        fewest rows as the row count's size hint."""
+        """A compiled step (unless the steps are one C++ call) and a compiled draw on a scratch state, made as
+        the decoder's own state was (inference tensors or not), so that its steps find the graph compiled here;
+        traced with the class's fewest rows as the row count's size hint."""
         rows = row_class.scratch_rows
         with torch.inference_mode(self._inference_tensors):
             scratch = self.model.new_state(rows)
@@ -540,7 +547,8 @@ class CompiledDecoder(EagerDecoder):
             for t in [tokens, scratch.lengths, *(t for layer in scratch.layers for t in layer.tensors()), *draw]:
                 torch._dynamo.mark_dynamic(t, 0, hint_override=row_class.fewest)
         with torch._dynamo.config.patch(DYNAMO_OPTIONS):
-            self._graphs[row_class.fewest](None, self._stepped_model, tokens, scratch)
+            if self._whole_step is None:
+                self._graphs[row_class.fewest](None, self._stepped_model, tokens, scratch)
             self._draws[row_class.fewest](None, *draw)
 
     def _draw_scratch(self, rows: int) -> tuple[torch.Tensor, ...]:

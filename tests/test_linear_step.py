@@ -3,6 +3,7 @@ the eager model, on this CPU's route (tests/test_cpu_kernels.py runs it on the o
 
 from __future__ import annotations
 
+import logging
 import shutil
 
 import pytest
@@ -10,8 +11,10 @@ import torch
 
 from model.compiled_decode import CompiledDecoder
 from model.cpu_kernels import load_kernels, packed_linear_wins
+from model.generate import generate
 from model.linear_step import whole_linear_step, whole_step_refusal
 from model.packed_linear import make_twin
+from model.sampling import BatchSampling, SamplingParams
 from model.step_decoders import EagerDecoder
 
 from conftest import make_tiny_model, random_bytes
@@ -158,3 +161,22 @@ def test_a_decoder_kept_on_its_graphs_does_not_take_the_one_call_step():
         taken.use_kernels()
     assert taken.one_call_steps and not kept.one_call_steps
     assert "one-call" not in kept.describe_route()
+
+
+@packed_decoders
+def test_a_one_call_decoder_compiles_only_its_draws(caplog):
+    """Its steps never run a graph, so none is traced for them; its draws run compiled, guard-free, and the
+    generation is the eager one's."""
+    model, rows = taken_model(), 4
+    with torch.inference_mode():
+        decoder = CompiledDecoder(model, model.new_state(rows))
+        with caplog.at_level(logging.INFO, logger="rnnserve.compiled_decode"):
+            log = decoder.compile_now(batch=rows)
+        assert log.error is None and decoder.compiled and decoder.one_call_steps, log
+        assert decoder.captured(rows), "its draws would keep their guard checks"
+        compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiled the linear")]
+        assert compiled and all("sampling (its steps are one C++ call)" in line for line in compiled), compiled
+        sampling = BatchSampling.from_params([SamplingParams(temperature=1.0, seed=s) for s in range(rows)])
+        prompt = torch.zeros(rows, 0, dtype=torch.long)
+        want = generate(model, prompt, 12, sampling, decoder=EagerDecoder(model, model.new_state(rows)))
+        assert torch.equal(generate(model, prompt, 12, sampling, decoder=decoder), want)

@@ -35,6 +35,7 @@ class CompileJob:
     batch: int | None  # compile() 's batch: only one row class, or None for all the decoder's
     log_level: int
     row_classes: tuple  # the decoder's row classes (model/compiled_decode.py's RowClass)
+    one_call: bool = True  # whether the parent's steps are one C++ call: then only its draws are compiled
 
 
 # The child's exit status when every graph compiled but an optional one, which it left out.

@@ -66,7 +66,7 @@ import threading
 import time
 import types
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 
@@ -313,7 +313,8 @@ class CompiledDecoder(EagerDecoder):
         return super().__call__(tokens)
 
     def captured(self, rows: int) -> bool:
-        """Whether n rows' steps and draws run their class's graphs without guard checks."""
+        """Whether n rows' draws, and their steps unless those are one C++ call, run their class's graphs without
+        guard checks."""
         row_class = self.class_for(rows)
         return row_class is not None and all(g[row_class].captured(row_class) for g in self._compiled_jobs())
 
@@ -403,6 +404,7 @@ class CompiledDecoder(EagerDecoder):
         # Before waiting for a turn: the kernels speed up the eager steps too. Only kernels built ahead
         # (`rnnserve build-kernels`): requests are being served meanwhile, so nothing is built here.
         self.use_kernels(build=False)
+        job = replace(job, one_call=self._whole_step is not None)  # the child compiles what this decoder will trace
         with gate if gate is not None else nullcontext():
             outcome = compile_in_child(job, compile_job)
         if outcome.error is None:
@@ -580,13 +582,15 @@ def compile_fresh(
     inference_tensors: bool = True,
     batch: int | None = None,
     row_classes: Sequence[RowClass] = ROW_CLASSES,
+    one_call: bool = True,
 ) -> CompileLog:
     """Compile `model`'s steps for a state of `rows` rows here and now, as a server's background compile does
-    (only kernels built ahead, no pool of worker processes): what its child and `rnnserve build-kernels` run."""
+    (only kernels built ahead, no pool of worker processes): what its child and `rnnserve build-kernels` run.
+    one_call=False: the step graphs even where the steps could be one C++ call (`CompiledDecoder`)."""
     model = model.eval()
     with torch.inference_mode(inference_tensors):
         state = model.new_state(rows)
-    decoder = CompiledDecoder(model, state, row_classes)
+    decoder = CompiledDecoder(model, state, row_classes, one_call)
     decoder.use_kernels(build=False)
     with torch._inductor.config.patch(compile_threads=1):
         return decoder.compile_now(batch)
@@ -596,5 +600,5 @@ def compile_job(job: CompileJob) -> None:
     """A background compile's child process (model/compile_child.py); exit status 0 once compiled,
     PARTLY_COMPILED when an optional graph was left out."""
     become_compile_child(job)
-    compiled = compile_fresh(job.model, job.rows, job.inference_tensors, job.batch, job.row_classes)
+    compiled = compile_fresh(job.model, job.rows, job.inference_tensors, job.batch, job.row_classes, job.one_call)
     raise SystemExit(1 if compiled.error is not None else PARTLY_COMPILED if compiled.left_out else 0)

@@ -81,6 +81,10 @@ class GuardFreeGraphs:
     def captured(self, key: Hashable) -> bool:
         return key in self._captured
 
+    def traced(self) -> bool:
+        """Whether dynamo holds any graph of it: it was compiled at least once."""
+        return bool(dynamo_cache(self._fn))
+
     def accepts(self, key: Hashable, *args) -> bool:
         """Whether the graph captured for `key` passes its guards on `args` here (what skipping them assumes)."""
         return key in self._captured and self._passes(self._captured[key], args)

@@ -316,12 +316,14 @@ class CompiledDecoder(EagerDecoder):
         """Whether n rows' draws, and their steps unless those are one C++ call, run their class's graphs without
         guard checks."""
         row_class = self.class_for(rows)
-        return row_class is not None and all(g[row_class].captured(row_class) for g in self._compiled_jobs())
+        jobs = (self._graphs, self._draws) if self._compiles_steps else (self._draws,)
+        return row_class is not None and all(g[row_class].captured(row_class) for g in jobs)
 
-    def _compiled_jobs(self) -> list[GuardFreeGraphs]:
-        """What compiling makes for each row class: the draws, and the steps unless they are one C++ call (a
-        graph they would never run is not worth its compile)."""
-        return [self._draws] if self._whole_step is not None else [self._graphs, self._draws]
+    @property
+    def _compiles_steps(self) -> bool:
+        """Whether compiling makes step graphs besides the draws: not where the steps are one C++ call (a graph
+        they would never run is not worth its compile)."""
+        return self._whole_step is None
 
     def step_inputs_accepted(self, n: int) -> bool:
         """Whether the graph captured for n rows passes its guards on this decoder's n-row inputs: what its
@@ -404,7 +406,7 @@ class CompiledDecoder(EagerDecoder):
         # Before waiting for a turn: the kernels speed up the eager steps too. Only kernels built ahead
         # (`rnnserve build-kernels`): requests are being served meanwhile, so nothing is built here.
         self.use_kernels(build=False)
-        job = replace(job, one_call=self._whole_step is not None)  # the child compiles what this decoder will trace
+        job = replace(job, one_call=not self._compiles_steps)  # the child compiles what this decoder will trace
         with gate if gate is not None else nullcontext():
             outcome = compile_in_child(job, compile_job)
         if outcome.error is None:
@@ -454,7 +456,7 @@ class CompiledDecoder(EagerDecoder):
                 "%s the %s %s for %s in %.1f s",
                 verb,
                 self.model.config.attention,
-                "sampling (its steps are one C++ call)" if self._whole_step is not None else "decode step and sampling",
+                "decode step and sampling" if self._compiles_steps else "sampling (its steps are one C++ call)",
                 row_class.name,
                 self.log.seconds[row_class.name],
             )
@@ -531,7 +533,7 @@ class CompiledDecoder(EagerDecoder):
         fewest, most = row_class.fewest, self.state.batch_size
         counts = [1] if fewest == 1 else sorted({n for n in (fewest, fewest + 1, most) if n <= most})
         key = row_class.fewest
-        if self._whole_step is None:
+        if self._compiles_steps:
             self._graphs[key].capture(key, [self._step_inputs(n) for n in counts])
         self._draws[key].capture(key, [self._draw_scratch(n) for n in counts])
 
@@ -549,7 +551,7 @@ class CompiledDecoder(EagerDecoder):
             for t in [tokens, scratch.lengths, *(t for layer in scratch.layers for t in layer.tensors()), *draw]:
                 torch._dynamo.mark_dynamic(t, 0, hint_override=row_class.fewest)
         with torch._dynamo.config.patch(DYNAMO_OPTIONS):
-            if self._whole_step is None:
+            if self._compiles_steps:
                 self._graphs[row_class.fewest](None, self._stepped_model, tokens, scratch)
             self._draws[row_class.fewest](None, *draw)
 

@@ -547,9 +547,12 @@ class CompiledDecoder(EagerDecoder):
             scratch = self.model.new_state(rows)
             tokens = torch.zeros(rows, dtype=torch.long, device=self.model.device)
         draw = self._draw_scratch(rows)
-        if row_class.hinted:
+        if rows > 1:
+            # The row count is a size of its own from the first trace: traced as a plain 2 it would be taken
+            # for any other size of 2 (two key heads in grouped-query attention) and stay specialised to it.
+            hint = {"hint_override": row_class.fewest} if row_class.hinted else {}
             for t in [tokens, scratch.lengths, *(t for layer in scratch.layers for t in layer.tensors()), *draw]:
-                torch._dynamo.mark_dynamic(t, 0, hint_override=row_class.fewest)
+                torch._dynamo.mark_dynamic(t, 0, **hint)
         with torch._dynamo.config.patch(DYNAMO_OPTIONS):
             if self._compiles_steps:
                 self._graphs[row_class.fewest](None, self._stepped_model, tokens, scratch)

@@ -126,10 +126,10 @@ def attend_one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     (B, 1, 1, L); each key head serves H / KV query heads. The same as scaled_dot_product_attention, but compiled
     on a CPU inductor turns these three steps into loops over the prefix that beat the fused kernel at reading
     the cache (docs/benchmarks.md)."""
-    b, h, _, d = q.shape
-    kv = keys.shape[1]
-    grouped = q.reshape(b, kv, h // kv, d)  # (B, KV, G, D): a key head's query heads side by side
+    kv, d = keys.shape[1], q.shape[-1]
+    # (B, KV, G, D): a key head's query heads side by side, as views (no size computed from the batch)
+    grouped = q[:, :, 0].unflatten(1, (kv, -1))
     # In float32 whatever the model's dtype, as the fused kernel accumulates (a no-op for float32 models).
     scores = (grouped.float() @ keys.float().transpose(-1, -2)) * d**-0.5  # (B, KV, G, L)
     weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)  # at least one key is visible
-    return (weights @ values.float()).to(q.dtype).reshape(b, h, 1, d)  # (B, H, 1, D)
+    return (weights @ values.float()).to(q.dtype).flatten(1, 2)[:, :, None]  # (B, H, 1, D)

@@ -45,12 +45,37 @@ REFORMER_BF16_MAX_ERROR = 1.5
 FEATURE_MAP_VARIANTS = ("linear+t2r", "linear+hedgehog")
 
 
+# Imported models' blocks (model/architecture.py): a Llama's (RMSNorm, SwiGLU, rotary positions with Llama 3's
+# scaling, two query heads per key head, no biases), a Qwen2's (q/k/v biases, one key head) and a Mistral's
+# (a sliding window shorter than the tiny context).
+LLAMA_BLOCK = dict(
+    norm="rms",
+    feed_forward="swiglu",
+    pos_encoding="rotary",
+    kv_heads=2,
+    qkv_bias=False,
+    attn_out_bias=False,
+    ff_bias=False,
+    head_bias=False,
+    rope_scaling="llama3",
+    rope_factor=4.0,
+    rope_original_max_len=32,
+)
+BLOCK_VARIANTS = {
+    "llama": LLAMA_BLOCK,
+    "qwen2": {**LLAMA_BLOCK, "kv_heads": 1, "qkv_bias": True, "rope_scaling": "none"},
+    "mistral": {**LLAMA_BLOCK, "sliding_window": 10, "rope_scaling": "none"},
+}
+
+
 def make_tiny_config(kind: str, **overrides) -> ModelConfig:
-    """A tiny config of `kind` ("linear+hedgehog": linear attention with that feature map); keyword overrides
-    replace any field."""
-    kind, _, feature_map = kind.partition("+")
-    if feature_map:
-        overrides = {"linear_feature_map": feature_map, "linear_features": 6, **overrides}  # F != the head size
+    """A tiny config of `kind` ("linear+hedgehog": linear attention with that feature map; "softmax+llama": softmax
+    with a Llama's block); keyword overrides replace any field."""
+    kind, _, variant = kind.partition("+")
+    if variant in BLOCK_VARIANTS:
+        overrides = {**BLOCK_VARIANTS[variant], **overrides}
+    elif variant:
+        overrides = {"linear_feature_map": variant, "linear_features": 6, **overrides}  # F != the head size
     fields = dict(
         attention=kind,
         task="text",
@@ -82,7 +107,8 @@ def sharpen_(model: Transformer, seed: int) -> Transformer:
         for module in model.modules():
             if isinstance(module, nn.Linear):
                 module.weight.copy_(torch.randn(module.weight.shape, generator=gen) / math.sqrt(module.in_features))
-                module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=gen))
+                if module.bias is not None:
+                    module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=gen))
             elif isinstance(module, nn.Embedding):
                 module.weight.copy_(torch.randn(module.weight.shape, generator=gen))
             elif isinstance(module, ProjectedFeatureMap):  # learned feature maps: (H, P, D) per-head projections

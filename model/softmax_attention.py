@@ -92,7 +92,7 @@ class SoftmaxAttention(Attention):
 def attend_one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """A decode step's attention, written out: q (B, H, 1, D) over keys, values (B, H, L, D) where visible
     (B, 1, 1, L). The same as scaled_dot_product_attention, but compiled on a CPU inductor turns these three
-    steps into loops over the prefix that beat the fused kernel at reading the cache (benchmarks/README.md)."""
+    steps into loops over the prefix that beat the fused kernel at reading the cache (benchmarks/results/NOTES.md)."""
     # In float32 whatever the model's dtype, as the fused kernel accumulates (a no-op for float32 models).
     scores = (q.float() @ keys.float().transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, H, 1, L)
     weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)  # at least one key is visible

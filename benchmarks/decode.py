@@ -682,7 +682,7 @@ def run_decode_bench(settings: DecodeSettings, progress=print) -> DecodeReport:
 
 def _measure_steps(models: dict, kinds: list[str], settings: DecodeSettings, progress):
     """Step time against position, and flatness: lightest first (right after the large batch-64
-    allocations, single-token steps ran slower for a while: benchmarks/README.md, "Measurements
+    allocations, single-token steps ran slower for a while: benchmarks/results/NOTES.md, "Measurements
     behind design choices")."""
     positions = list(settings.positions) or choose_positions(settings.max_position)
     max_len = max(positions) + max(settings.steps_per_position, FLAT_ROUNDS * FLAT_STEPS_PER_ROUND) + 1

@@ -181,7 +181,7 @@ def capped_draw_caveat(report: dict) -> list[str]:
     return [
         "Caveat: this run's compiled draws were built from the uncapped CPU's cached graph with narrower vectors: "
         "they scanned part of the vocabulary and cost less than on an AVX2 CPU, which flatters its compiled "
-        'figures (benchmarks/README.md, "The capped runs\' draws").',
+        'figures (benchmarks/results/NOTES.md, "The capped runs\' draws").',
         "",
     ]
 

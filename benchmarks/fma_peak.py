@@ -7,7 +7,7 @@ CPUs of one class by their flags differ in what the vectors cost: some AVX-512 c
 Intel server cores with two FMA units) run twice as many FLOPs with AVX-512. This times a loop of independent
 FMAs that never touches memory, for each vector width the CPU has, with the machine's C++ compiler (one thread).
 Decode speed on such cores is bound by the matrix products, so this says which of the benchmark tables
-(benchmarks/README.md) a CPU should be read against.
+(docs/benchmarks.md) a CPU should be read against.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Hedgehog's feature map, not fine-tuned (speed does not depend on what the weight
    (constant): at batch 1 the step reads GPT-2's 124M weights and little else, so the cache's growth shows at 16;
 3. with --served: `rnnserve serve` on both files, streamed text requests over HTTP at concurrency 1 and 16.
 
-Results go to a JSON file (--out); benchmarks/README.md "GPT-2 small imported" has the tables.
+Results go to a JSON file (--out); benchmarks/results/NOTES.md, "GPT-2 small imported" has the tables.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ counts come from the server's `usage`.
 The client is aiohttp, as vLLM's serving benchmark uses: on this project's
 2-core machine the load generator shares the CPU with the server, and
 httpx spent about six times more CPU per image request (measurements in
-benchmarks/README.md, "HTTP load generator").
+benchmarks/results/NOTES.md, "HTTP load generator").
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
     python -m benchmarks.resample_cost --threads 1 --repeats 20
 
-Resampling (server/engine/particles.py) copies rows of the engine's slots: the
-decode state (a fixed-size S, Z per layer for linear attention; a key/value
+Resampling (model/particles.py chooses the copies, server/engine/runner.py makes them) copies rows of the
+engine's slots: the decode state (a fixed-size S, Z per layer for linear attention; a key/value
 cache for softmax; Linformer's projected sums; Reformer's bucketed cache)
 and the row's slot tensors (logits, history, sampling parameters). For each
 kind this builds the MNIST model of the preset in an engine runner of

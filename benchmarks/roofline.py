@@ -7,7 +7,7 @@ feed-forward width F, V output classes):
   attention      L times the kind's own `token_cost(cfg, t)` (model/attention.py):
                  FLOPs and state bytes read + written by one layer; the
                  formulas of the four shipped kinds are tabled in
-                 benchmarks/README.md.
+                 benchmarks/results/NOTES.md, "Physical limit".
 Weights (4 bytes per parameter in float32, 2 in bfloat16) are read once per batched
 step, so per token they cost weight_bytes / batch. On this machine the FLOP rate is
 a matrix product measured in the bench's own dtype: bfloat16 products run faster

@@ -1,4 +1,4 @@
-"""Plain-text tables for the decode benchmark report (also pasted into README.md)."""
+"""Plain-text tables for the decode benchmark report: what `rnnserve bench` prints."""
 
 from __future__ import annotations
 

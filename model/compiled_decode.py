@@ -145,7 +145,7 @@ class RowClass:
 ONE_ROW = RowClass(1, "1 row")
 FEW_ROWS = RowClass(2, "2 or more rows")
 # A graph traced for many rows splits loops that do not pay for their threads' start and join at few rows:
-# at 2 and 8 rows it ran slower, at 48 and 64 faster (benchmarks/README.md, "Row classes"); where between
+# at 2 and 8 rows it ran slower, at 48 and 64 faster (benchmarks/results/NOTES.md, "Row classes"); where between
 # them it starts to pay was not measured finely.
 MANY_ROWS = RowClass(48, "48 or more rows")
 ROW_CLASSES = (FEW_ROWS, ONE_ROW, MANY_ROWS)  # compile order: the most used first
@@ -487,7 +487,7 @@ class CompiledDecoder(EagerDecoder):
     def _many_rows_pay(self) -> bool:
         """Whether a graph traced for many rows is worth its compile: with more than one thread, for the kinds
         of constant state, whose state update runs in the fused loops. Softmax's attention runs in its own
-        kernel, and its steps measured no faster on such a graph (benchmarks/README.md, "Row classes")."""
+        kernel, and its steps measured no faster on such a graph (benchmarks/results/NOTES.md, "Row classes")."""
         return torch.get_num_threads() > 1 and self.model.capabilities.constant_state
 
     def use_kernels(self, build: bool = True) -> None:

@@ -74,7 +74,7 @@ ROUTE_FLAGS = {
     "generic": ["-DRNNSERVE_GENERIC_VECTORS", "-ffp-contract=fast"],
     "scalar": [],
 }
-# Where the packed linear kernel beats PyTorch's products (benchmarks/README.md, "CPU routes"): elsewhere the
+# Where the packed linear kernel beats PyTorch's products (benchmarks/results/NOTES.md, "CPU routes"): elsewhere the
 # decode twin keeps PyTorch's linear layers, unless the route is forced. The generic route is slower than MKL at
 # 64 rows on x86 (which takes the avx2 route anyway) and unmeasured on ARM, so it stays opt-in.
 PACKED_LINEAR_ROUTES = frozenset({"avx512", "avx2"})
@@ -123,7 +123,7 @@ def vector_flags() -> list[str]:
 
 def packed_linear_wins() -> bool:
     """Whether the decode twin's linear layers run the packed kernel: on the routes where it beats PyTorch's
-    products (measured in benchmarks/README.md), or on any route that is forced."""
+    products (measured in benchmarks/results/NOTES.md), or on any route that is forced."""
     return route_forced() or cpu_route() in PACKED_LINEAR_ROUTES
 
 

@@ -3,7 +3,7 @@
 Before each call of a torch.compile'd function, dynamo checks the guards of its
 cached graphs (each input tensor's dtype, sizes and strides, the module's
 attributes, the grad mode, ...) to choose one: a sizeable share of a small
-model's decode step (benchmarks/README.md has the figures). A decoder calls its
+model's decode step (benchmarks/results/NOTES.md has the figures). A decoder calls its
 step with inputs whose layout it fixes itself (the same state views per row
 count, its own token buffer, under inference mode), so once a shape class's
 graph is known to accept those inputs the checks can only pass again.

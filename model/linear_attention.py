@@ -132,7 +132,7 @@ class LinearAttention(Attention):
         v1 = torch.cat([v, v.new_ones(b, h, 1)], dim=-1)  # (B, H, D + 1): [v; 1]
         # In place, [S | Z]^T += [v; 1] k^T: no (B, H, D, D) temporary per step. An elementwise
         # addcmul is one pass over the state, quicker on CPU than a batched rank-1 baddbmm
-        # (timings in benchmarks/README.md, "Measurements behind design choices").
+        # (timings in benchmarks/results/NOTES.md, "Measurements behind design choices").
         state.sz_t.addcmul_(v1[..., :, None], k[..., None, :])
         out = (q[..., None, :] @ state.sz_t.transpose(-1, -2))[..., 0, :]  # (B, H, D + 1): [phi(q)^T S, phi(q)^T Z]
         return out[..., :d] / (out[..., d:] + self.eps)

@@ -34,7 +34,7 @@ BLOCK = 64
 class LinformerState(RowState):
     keys_projected: torch.Tensor  # (B, H, k, D) float32: K~, keys summed into the k slots by E
     # V~ stored transposed, (B, H, D, k): a step's read attn V~ then sums along contiguous memory,
-    # as its read of K~ (q K~^T) does, and both updates are elementwise (timings: benchmarks/README.md).
+    # as its read of K~ (q K~^T) does, and both updates are elementwise (timings: benchmarks/results/NOTES.md).
     values_projected_t: torch.Tensor  # (B, H, D, k) float32: V~^T, values summed into the k slots by F
 
     @property

@@ -125,7 +125,7 @@ def attend_one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     """A decode step's attention, written out: q (B, H, 1, D) over keys, values (B, KV, L, D) where visible
     (B, 1, 1, L); each key head serves H / KV query heads. The same as scaled_dot_product_attention, but compiled
     on a CPU inductor turns these three steps into loops over the prefix that beat the fused kernel at reading
-    the cache (docs/benchmarks.md)."""
+    the cache (benchmarks/results/NOTES.md)."""
     kv, d = keys.shape[1], q.shape[-1]
     # (B, KV, G, D): a key head's query heads side by side, as views (no size computed from the batch)
     grouped = q[:, :, 0].unflatten(1, (kv, -1))

@@ -47,7 +47,7 @@ class CountedHistogram:
 
     All rows of a decoding step share one inter-token gap (the time since the
     previous step), so the engine records a step as one update instead of an
-    observe per row (benchmarks/README.md, "Measurements behind design choices").
+    observe per row (benchmarks/results/NOTES.md, "Measurements behind design choices").
     """
 
     def __init__(

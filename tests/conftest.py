@@ -149,7 +149,7 @@ def single_torch_thread():
 
     Tiny tensors gain nothing from a second thread, and on the shared 2-core
     machine intra-op threads spin while waiting for a busy core (the slowdown
-    is measured in benchmarks/README.md, "Measurements behind design choices").
+    is measured in benchmarks/results/NOTES.md, "Measurements behind design choices").
     Per test, not per session: in-process `rnnserve train` sets its --threads
     (every core by default), which would otherwise hold for every later test.
     """

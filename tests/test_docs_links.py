@@ -7,34 +7,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from docs_support import ROOT, anchors, markdown_files
+
 LINK = re.compile(r"\]\(([^)\s]+)\)")
-SKIPPED = {".venv", "node_modules", ".git"}
-
-
-def markdown_files() -> list[Path]:
-    return sorted(p for p in ROOT.rglob("*.md") if not SKIPPED & set(p.relative_to(ROOT).parts))
-
-
-def slug(heading: str) -> str:
-    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
-    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
-    return text.replace(" ", "-")
-
-
-def anchors(path: Path) -> set[str]:
-    found, seen = set(), {}
-    in_code = False
-    for line in path.read_text().splitlines():
-        if line.startswith("```"):
-            in_code = not in_code
-        if in_code or not line.startswith("#"):
-            continue
-        base = slug(line.lstrip("#"))
-        count = seen.get(base, 0)
-        seen[base] = count + 1
-        found.add(base if count == 0 else f"{base}-{count}")
-    return found
 
 
 def broken_links(path: Path) -> list[str]:

@@ -1,4 +1,4 @@
-"""Sequential Monte Carlo over decoding rows (server/engine/particles.py), against exact enumeration.
+"""Sequential Monte Carlo over decoding rows (model/particles.py), against exact enumeration.
 
 A tiny model is trained for a few seconds on a toy language of four tokens
 where each unknown token is echoed by the known one after it (x1 = x0,

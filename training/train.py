@@ -299,7 +299,7 @@ def optimizer_step(
 
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: with them bf16 matmuls beat fp32; without them bf16 is emulated and
-    slower than fp32 (measurements in benchmarks/README.md, "Measurements behind design choices")."""
+    slower than fp32 (measurements in benchmarks/results/NOTES.md, "Measurements behind design choices")."""
     checks = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
     return any(check() for check in checks if check is not None)
 

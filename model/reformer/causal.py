@@ -20,7 +20,7 @@ upper triangle and needs no (T, T) mask:
   sink's weight p, and hashed share + p * rest output is `mix_rounds` of all.
 
 The head size grows from D to D + L + 2, rounded up to 8 (what that costs:
-benchmarks/README.md, training step).
+benchmarks/results/NOTES.md, "Training step").
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Turns for the background compiles of a server's models, across engine threads and engine processes.
 
 On a small CPU, every model compiling at once starves the eager steps that serve
-the first requests, and makes each model wait for all of them (benchmarks/README.md,
-"Compiles take turns"). A compile holds an exclusive `flock` on one file per
+the first requests, and makes each model wait for all of them (benchmarks/results/NOTES.md,
+"The compiled CPU decode path"). A compile holds an exclusive `flock` on one file per
 server while it runs. The kernel releases it when its holder dies, so an engine
 process killed mid-compile cannot keep the others waiting (a semaphore would stay
 taken). flock locks belong to open files, and each turn opens the file itself, so

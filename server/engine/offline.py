@@ -1,6 +1,6 @@
 """`rnnserve eval --completions --particles K`: completions by the server's own particle sampler.
 
-Sequential Monte Carlo lives in the engine (server/engine/particles.py): each digit
+Sequential Monte Carlo lives in the engine (its rules in model/particles.py): each digit
 is one request with K particles, queued on an in-process engine whose slots
 hold `rows` particles at once, so the evaluation runs exactly the code a
 request to /v1/images/completions runs. Digit i draws with seed

@@ -3,7 +3,7 @@
 Why: a decode step of a small model is a few dozen short loops. Spread over two intra-op threads, every loop
 forks and joins its team, and the joins cost about what the second core wins back. Two processes on one thread
 each, every one stepping its own rows, share nothing within a step, and the model's rows decode on both cores
-at once (the figures are in benchmarks/README.md, "Engine workers"). A big model is the other way round: its
+at once (the figures are in benchmarks/results/NOTES.md, "Engine workers"). A big model is the other way round: its
 steps read weights from memory, which two threads read faster than one, and a worker each would hold a copy of
 them. So only small models get workers unless --workers says otherwise.
 

@@ -46,7 +46,7 @@ class Sequence:
     position: int  # absolute position of the next token to draw
     stopping: StoppingCriteria
     last_token_at: float = 0.0
-    particle: int = 0  # which of the sample's particles (server/engine/particles.py)
+    particle: int = 0  # which of the sample's particles (model/particles.py)
     log_weight: float = 0.0  # the particle's weight since the last resampling, log
     group: ParticleGroup | None = None  # what the sample's particles share; None: no weights kept
 

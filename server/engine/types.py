@@ -27,7 +27,7 @@ class GenerationRequest:
     stop: list[bytes] = field(default_factory=list)
     logprobs: bool = False
     top_logprobs: int = 0  # also the this many most likely tokens per position (implies logprobs)
-    # Sequential Monte Carlo (server/engine/particles.py): each sample runs this many particles, weighted by the
+    # Sequential Monte Carlo (model/particles.py): each sample runs this many particles, weighted by the
     # known tokens in `forced`. None: no weights kept (text); 1: forced sampling, with the likelihood estimate.
     particles: int | None = None
 

@@ -173,6 +173,21 @@ def test_a_model_that_is_not_softmax_is_refused_in_one_line(tmp_path, corpus, ca
     assert "rnnserve linearize: error: " in capsys.readouterr().err
 
 
+def test_out_into_a_folder_not_made_yet_is_made_as_import_makes_it(tmp_path, softmax_file, corpus):
+    out = tmp_path / "not" / "yet" / "linear.safetensors"
+    assert linearize(tmp_path, softmax_file, corpus, "--out", str(out), "--feature-map", "elu") == 0
+    assert load_model(out)[0].config.attention == "linear"
+
+
+def test_a_llama_s_rotary_grouped_attention_is_refused_in_one_line_naming_it(tmp_path, corpus, capsys):
+    path = tmp_path / "llama.safetensors"
+    save_model(build_model(make_tiny_config("softmax+llama", max_len=16)), path)
+    assert linearize(tmp_path, path, corpus, "--out", str(tmp_path / "x.safetensors")) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("rnnserve linearize: error: ") and "linear attention does not implement" in line, line
+    assert not (tmp_path / "x.safetensors").exists()
+
+
 def test_a_warm_start_may_not_drop_parameters_of_another_kind(tmp_path):
     source = tmp_path / "hedgehog.safetensors"
     save_model(build_model(make_tiny_config("linear+hedgehog", max_len=16)), source)

@@ -112,6 +112,16 @@ def test_save_leaves_no_temporary_file(tmp_path):
     assert os.listdir(tmp_path) == ["m.safetensors"]
 
 
+def test_a_saved_file_is_shared_as_the_umask_allows_and_its_folder_is_made(tmp_path):
+    old = os.umask(0o027)  # this test's own process-wide setting, put back below
+    try:
+        path = tmp_path / "new" / "folder" / "m.safetensors"
+        save_model(make_tiny_model("linear"), path)
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o640  # not safetensors' owner-only 0600
+
+
 # ---------------------------------------------------------------- bad files
 
 

@@ -23,6 +23,7 @@ import torch
 from model.kinds import ATTENTION_KINDS
 from model.transformer import build_model
 from model.vocabulary import vocabulary_for
+from model.config import ConfigError
 from model.weights_io import WeightsError, load_model, read_metadata, save_model
 
 from .arguments import add_train_arguments
@@ -50,6 +51,10 @@ def train_arguments(args: argparse.Namespace) -> argparse.Namespace:
         raise LinearizeError(
             f"{args.model} is a {config.attention} model; linearize turns a softmax model into a linear one"
         )
+    try:
+        config.replace(attention="linear")
+    except ConfigError as exc:
+        raise LinearizeError(f"{args.model}: {exc}; linearize takes GPT-2's kind of block so far") from exc
     parser = argparse.ArgumentParser()
     add_train_arguments(parser)
     train = parser.parse_args(["--task", config.task, "--attention", "linear", "--data", args.data, "--out", args.out])

@@ -223,6 +223,14 @@ def check_same_run(path: Path, saved: RunSettings, now: RunSettings, extend: boo
     )
 
 
+def make_folder_of(flag: str, path: str) -> None:
+    """The folder a file will be written to, made as `rnnserve import` makes its --out's."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TrainError(f"{flag} {path}: cannot create its folder {Path(path).parent} ({exc.strerror})") from exc
+
+
 def check_args(args: argparse.Namespace) -> None:
     if not args.steps and not args.minutes:
         raise TrainError("give a horizon: --steps N and/or --minutes M")
@@ -230,15 +238,14 @@ def check_args(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and value <= 0:
             raise TrainError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if not Path(args.out).parent.is_dir():
-        raise TrainError(f"--out {args.out}: folder {Path(args.out).parent} does not exist")
+    make_folder_of("--out", args.out)
     if Path(args.out).suffix != ".safetensors":
         raise TrainError(
             f"--out {args.out}: name the model file NAME.safetensors (rnnserve serve loads "
             "weights/*.safetensors; the checkpoint takes NAME.ckpt)"
         )
-    if args.checkpoint and not Path(args.checkpoint).parent.is_dir():
-        raise TrainError(f"--checkpoint {args.checkpoint}: folder {Path(args.checkpoint).parent} does not exist")
+    if args.checkpoint:
+        make_folder_of("--checkpoint", args.checkpoint)
     if args.init_from and not Path(args.init_from).is_file():
         raise TrainError(
             f"--init-from {args.init_from}: no such file; expected a .safetensors model written by rnnserve"

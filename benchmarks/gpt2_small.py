@@ -94,10 +94,10 @@ def linearized(source: Transformer) -> Transformer:
 # ---------------------------------------------------------------- tokens/s
 
 
-def hf_contestant(folder: Path, batch: int, tokens: int):
-    from transformers import GPT2LMHeadModel
+def hf_contestant(folder: Path, batch: int, tokens: int, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
 
-    model = GPT2LMHeadModel.from_pretrained(folder).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     return lambda: hf_generate(model, batch, tokens, cache_implementation="static")
 
 
@@ -108,13 +108,16 @@ def rnnserve_contestant(model: Transformer, batch: int, tokens: int):
 
 
 @torch.inference_mode()
-def measure_throughput(models: dict[str, Transformer], folder: Path, s: Gpt2Settings, progress) -> list[dict]:
+def measure_throughput(
+    models: dict[str, Transformer], folder: Path, s: Gpt2Settings, progress, dtype: torch.dtype = torch.float32
+) -> list[dict]:
+    """Tokens/s of each model and of Hugging Face `generate` on the folder's weights in `dtype`, taking turns."""
     rows = []
     for batch in s.batches:
         runs, compiled = {}, {}
         for name, model in models.items():
             runs[name], compiled[name] = rnnserve_contestant(model, batch, s.new_tokens)
-        runs["Hugging Face generate, static cache"] = hf_contestant(folder, batch, s.new_tokens)
+        runs["Hugging Face generate, static cache"] = hf_contestant(folder, batch, s.new_tokens, dtype)
         for run in runs.values():  # warm-up: first calls allocate and pick kernels
             run()
         seconds: dict[str, list[float]] = {name: [] for name in runs}
@@ -135,6 +138,7 @@ def measure_throughput(models: dict[str, Transformer], folder: Path, s: Gpt2Sett
                     "tokens_per_s": batch * s.new_tokens / best,
                     "tokens_per_s_median": batch * s.new_tokens / statistics.median(times),
                     "compiled": compiled.get(name, False),
+                    "dtype": str(dtype).removeprefix("torch."),
                 }
             )
             progress(f"batch {batch:3d} {name:40s} {rows[-1]['tokens_per_s']:9.1f} tokens/s")

@@ -127,9 +127,15 @@ def attend_one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     on a CPU inductor turns these three steps into loops over the prefix that beat the fused kernel at reading
     the cache (benchmarks/results/NOTES.md)."""
     kv, d = keys.shape[1], q.shape[-1]
-    # (B, KV, G, D): a key head's query heads side by side, as views (no size computed from the batch)
-    grouped = q[:, :, 0].unflatten(1, (kv, -1))
-    # In float32 whatever the model's dtype, as the fused kernel accumulates (a no-op for float32 models).
-    scores = (grouped.float() @ keys.float().transpose(-1, -2)) * d**-0.5  # (B, KV, G, L)
-    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)  # at least one key is visible
-    return (weights @ values.float()).to(q.dtype).flatten(1, 2)[:, :, None]  # (B, H, 1, D)
+    if kv == q.shape[1]:
+        # In float32 whatever the model's dtype, as the fused kernel accumulates (a no-op for float32 models).
+        scores = (q.float() @ keys.float().transpose(-1, -2)) * d**-0.5  # (B, H, 1, L)
+        weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)  # at least one key is visible
+        return (weights @ values.float()).to(q.dtype)  # (B, H, 1, D)
+    # Grouped: (B, KV, G, D), a key head's query heads side by side, as views. Products and sums written out
+    # (not batched matrix products, which inductor cannot lower over a prefix of unknown length in bfloat16).
+    grouped = q[:, :, 0].unflatten(1, (kv, -1)).float()
+    scores = (grouped[:, :, :, None] * keys.float()[:, :, None]).sum(-1) * d**-0.5  # (B, KV, G, L)
+    weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    out = (weights[..., None] * values.float()[:, :, None]).sum(-2)  # (B, KV, G, D)
+    return out.to(q.dtype).flatten(1, 2)[:, :, None]  # (B, H, 1, D)

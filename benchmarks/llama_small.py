@@ -1,0 +1,104 @@
+"""`python -m benchmarks.llama_small`: a SmolLM-135M-shaped Llama imported and timed against Hugging Face.
+
+A `LlamaForCausalLM` of SmolLM-135M's shape (30 layers, 576 dims, 9 query and 3 key/value heads, a 1,536-wide
+SwiGLU, 49,152 tokens, tied embeddings, 2,048 positions; random weights: none can be downloaded here) is written
+with `save_pretrained` in float32 and in bfloat16 beside a small byte-level BPE, and imported by
+`rnnserve import hf`'s own function (the bfloat16 folder gives a bfloat16 file). In one run, for each dtype:
+tokens/s at batch 1 and 16 of the imported model through the decode step the server runs (compiled) and of
+Hugging Face `generate` with its static KV cache on the same folder, the contestants taking turns round by round.
+Results go to a JSON file (--out); docs/benchmarks.md has the table (`python -m benchmarks.docs_tables`).
+
+Not yet beside them: a linearized twin (`rnnserve linearize` does not take rotary, grouped-query blocks yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from model.hf_import import import_folder
+from model.weights_io import load_model
+
+from .decode import DecodeSettings, environment, machine_load
+from .gpt2_small import CORPUS, Gpt2Settings, measure_throughput
+
+SMOLLM_135M = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=2048,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+    rope_theta=10000.0,
+)
+TINY = {**SMOLLM_135M, "num_hidden_layers": 2, "hidden_size": 72, "intermediate_size": 96, "vocab_size": 1000}
+START, END = "<s>", "</s>"
+
+
+def write_llama_folder(folder: Path, sizes: dict, dtype: torch.dtype, seed: int) -> None:
+    """SmolLM's shape with random weights and a small byte-level BPE, as Hugging Face saves a model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=[START, END], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator(CORPUS, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=START, eos_token=END)
+    torch.manual_seed(seed)
+    config = LlamaConfig(**sizes, bos_token_id=bpe.token_to_id(START), eos_token_id=bpe.token_to_id(END))
+    LlamaForCausalLM(config).eval().to(dtype).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def run(sizes: dict, s: Gpt2Settings, progress=print) -> dict:
+    report = {"environment": environment(DecodeSettings()) | machine_load(), "sizes": sizes, "throughput": []}
+    with tempfile.TemporaryDirectory(prefix="llama-small-") as tmp:
+        for dtype in (torch.float32, torch.bfloat16):
+            name = str(dtype).removeprefix("torch.")
+            folder, file = Path(tmp) / name, Path(tmp) / f"smollm-shape-{name}.safetensors"
+            progress(f"writing a random Llama of SmolLM-135M's shape in {name} with save_pretrained")
+            write_llama_folder(folder, sizes, dtype, s.seed)
+            import_folder(folder, file)
+            model, _ = load_model(file, dtype=dtype)
+            report["parameters"] = model.num_parameters()
+            models = {f"rnnserve softmax (imported, {name})": model}
+            report["throughput"] += measure_throughput(models, folder, s, progress, dtype)
+    report["load_after"] = machine_load()
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.llama_small", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--tiny", action="store_true", help="a two-layer model: checks the run, measures nothing")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row in the timed runs")
+    parser.add_argument("--rounds", type=int, default=3, help="turns each contestant takes at each batch size")
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    settings = Gpt2Settings(sizes={}, new_tokens=args.new_tokens, rounds=args.rounds)
+    report = run(TINY if args.tiny else SMOLLM_135M, settings, lambda line: print(line, file=sys.stderr, flush=True))
+    text = json.dumps(report, indent=1, default=str)
+    if args.out:
+        args.out.write_text(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -62,8 +62,19 @@ def import_folder(folder: Path, out: Path):
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise HFImportError(f"--out {out}: cannot create its folder ({exc.strerror})") from exc
-    save_model(model.eval(), out, info, tokenizer=read_tokenizer(folder))
+    chat = hf_chat_template(folder)
+    save_model(model.eval(), out, info, tokenizer=read_tokenizer(folder), chat_template=chat and chat.to_json())
     return config
+
+
+def hf_chat_template(folder: Path):
+    """The folder's chat template and special tokens' text (model/chat_template.py), None if it has none."""
+    from .chat_template import ChatTemplateError, read_hf_chat_template
+
+    try:
+        return read_hf_chat_template(folder)
+    except ChatTemplateError as exc:
+        raise HFImportError(str(exc)) from exc
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -36,11 +36,13 @@ class Vocabulary:
         """A byte model's: token id = byte, no tokenizer."""
         return self.tokenizer_json is None
 
-    def encode(self, text: str) -> list[int]:
-        """The model's tokens for `text` (special tokens written out, e.g. <|endoftext|>, are recognised)."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The model's tokens for `text` (special tokens written out, e.g. <|endoftext|>, are recognised).
+        add_special_tokens: also those the tokenizer adds around a text (its post-processor); a rendered chat
+        template passes False, since the template writes its special tokens itself."""
         if self.is_bytes:
             return list(text.encode("utf-8"))
-        return _tokenizer(self.tokenizer_json).encode(text, add_special_tokens=False).ids
+        return _tokenizer(self.tokenizer_json).encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, tokens: list[int]) -> str:
         return b"".join(self.pieces[t] for t in tokens).decode("utf-8", errors="replace")

@@ -14,10 +14,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from .kinds import attention_kinds, kind_options
+from .architecture import NEEDS_KIND_SUPPORT, block_options
+from .kinds import ATTENTION_KINDS, attention_kinds, kind_options
 
 TASKS = ("mnist", "text")
-POS_ENCODINGS = ("learned", "sinusoidal")
+POS_ENCODINGS = ("learned", "sinusoidal", "rotary")
 OUTPUT_HEADS = ("categorical", "logistic_mixture")
 GELU_FORMS = ("exact", "tanh")  # GELU as erf, or its tanh approximation (GPT-2's)
 
@@ -53,12 +54,14 @@ class ModelConfig:
     gelu: str = "exact"
     ln_eps: float = 1e-5
     extra: dict[str, Any] = field(default_factory=dict)
-    # Every kind's hyperparameters by key (model/kinds.py), defaults filled in: a file has them all.
+    # Every kind's hyperparameters by key (model/kinds.py) and the block's parts (model/architecture.py),
+    # defaults filled in: a file has them all.
     options: dict[str, Any] = field(default_factory=dict)
 
     def __init__(self, **values: Any) -> None:
-        """Fields by name; a kind's hyperparameters by their keys (`linformer_k=64`) or in `options`."""
-        declared = kind_options()
+        """Fields by name; a kind's hyperparameters and the block's options by their keys (`linformer_k=64`,
+        `norm="rms"`) or in `options`."""
+        declared = declared_options()
         given = dict(values.pop("options", None) or {})
         given.update({key: values.pop(key) for key in list(values) if key in declared})
         unknown = sorted(set(values) - {f.name for f in dataclasses.fields(self)} | set(given) - set(declared))
@@ -89,9 +92,10 @@ class ModelConfig:
                 f"output_head logistic_mixture models grey levels; task {self.task!r} predicts bytes, "
                 f"which have no order: use output_head categorical"
             )
-        for key, option in kind_options().items():
+        for key, option in declared_options().items():
             if (problem := option.problem(self.options[key])) is not None:
                 raise ConfigError(problem)
+        self._check_block()
         for name in ("d_model", "n_layers", "n_heads", "d_ff", "max_len", "mixtures"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -99,6 +103,16 @@ class ModelConfig:
             raise ConfigError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    def _check_block(self) -> None:
+        implements = ATTENTION_KINDS[self.attention].implements
+        if self.pos_encoding == "rotary" and "rotary" not in implements:
+            raise ConfigError(f"pos_encoding rotary: {self.attention} attention does not implement rotary positions")
+        for key, plain in NEEDS_KIND_SUPPORT.items():
+            if self.options[key] != plain and key not in implements:
+                raise ConfigError(f"{key} {self.options[key]}: {self.attention} attention does not implement it")
+        if self.options["kv_heads"] and self.n_heads % self.options["kv_heads"]:
+            raise ConfigError(f"n_heads ({self.n_heads}) must be a multiple of kv_heads ({self.options['kv_heads']})")
 
     def _check_vocabulary(self) -> None:
         if self.vocab_size < 2:
@@ -134,9 +148,26 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     @property
+    def n_kv_heads(self) -> int:
+        """Key and value heads: fewer than the query heads in grouped-query attention."""
+        return self.options["kv_heads"] or self.n_heads
+
+    @property
     def bos(self) -> int:
         """The start token's id."""
         return self.vocab_size if self.bos_token < 0 else self.bos_token
+
+    @property
+    def reads_bos_first(self) -> bool:
+        """Whether every prompt is read after the start token. rnnserve's own models were trained that way (their
+        start token is an input of its own); an imported model reads a prompt as its tokenizer wrote it (Hugging
+        Face's convention: the tokenizer adds a start token if the model wants one), so only an empty prompt
+        starts from the start token."""
+        return self.bos_token < 0
+
+    def prompt_lead(self, prompt_length: int) -> list[int]:
+        """The tokens the model reads before a prompt of `prompt_length` tokens: the start token, or nothing."""
+        return [self.bos] if self.reads_bos_first or prompt_length == 0 else []
 
     @property
     def vocab_in(self) -> int:
@@ -173,3 +204,8 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> "ModelConfig":
         return ModelConfig(**{**self.as_dict(), **changes})
+
+
+def declared_options() -> dict[str, Any]:
+    """Every option a config holds by key: the attention kinds' and the block's."""
+    return {**kind_options(), **block_options()}

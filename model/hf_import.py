@@ -1,12 +1,12 @@
-"""`rnnserve import hf DIR --out FILE.safetensors`: a Hugging Face GPT-2-family folder as an rnnserve model file.
+"""`rnnserve import hf DIR --out FILE.safetensors`: a Hugging Face model folder as an rnnserve model file.
 
-Reads, with no network: `config.json`, the weights (`model.safetensors` or `pytorch_model.bin`) and the
-tokenizer (`tokenizer.json`, or `vocab.json` + `merges.txt`). GPT-2 is a softmax transformer of rnnserve's
-shape with a vocabulary of its own, an output layer tied to the input embedding, GELU's tanh form and learned
-positions, so its weights map one to one (GPT-2's Conv1D layers store their matrices transposed). The start
-token is GPT-2's <|endoftext|>. The tokenizer is stored in the file's metadata: one file is the whole model.
-Anything else (another architecture, a missing file, a tensor of the wrong shape) is one line and exit
-status 2. torch is imported only when the command runs, so `--help` stays quick.
+Reads, with no network: `config.json`, the weights (`model.safetensors`, sharded safetensors with
+`model.safetensors.index.json`, or `pytorch_model.bin`) and the tokenizer (`tokenizer.json`, or GPT-2's
+`vocab.json` + `merges.txt`). The families and how each maps are in model/hf_families.py: GPT-2, Llama, Qwen2,
+Mistral. The weights keep the folder's dtype (a bfloat16 folder gives a bfloat16 file). The tokenizer is stored
+in the file's metadata: one file is the whole model. Anything else (another architecture, a missing file, a
+tensor of the wrong shape, a config value rnnserve would compute differently) is one line and exit status 2.
+torch is imported only when the command runs, so `--help` stays quick.
 """
 
 from __future__ import annotations
@@ -14,22 +14,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
-GPT2_ACTIVATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "exact"}
-TRANSPOSED = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
+from .hf_families import ARCHITECTURES, FAMILIES, HFImportError
 
-
-class HFImportError(ValueError):
-    """The folder cannot be imported; the message says what is wrong and what is expected."""
-
+__all__ = ["HFImportError", "add_arguments", "import_folder", "run"]
 
 GPT2_END_OF_TEXT = "<|endoftext|>"
+SHARD_INDEX = "model.safetensors.index.json"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("format", choices=("hf",), help="hf: a Hugging Face model folder (GPT-2 family)")
+    parser.add_argument("format", choices=("hf",), help=f"hf: a Hugging Face model folder ({ARCHITECTURES})")
     parser.add_argument("folder", type=Path, help="the folder: config.json, the weights and the tokenizer files")
     parser.add_argument("--out", type=Path, required=True, help="the rnnserve file to write (.safetensors)")
 
@@ -48,14 +46,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def import_folder(folder: Path, out: Path):
-    from .weights_io import save_model
     from .transformer import build_model
+    from .weights_io import save_model
 
     hf = read_json(folder / "config.json")
-    config = gpt2_config(hf)
+    family = FAMILIES.get(hf.get("model_type"))
+    if family is None:
+        raise HFImportError(
+            f"unsupported architecture {hf.get('model_type')!r} "
+            f"({', '.join(hf.get('architectures') or []) or 'no architectures listed'}); "
+            f"expected one of model_type {', '.join(FAMILIES)} ({ARCHITECTURES})"
+        )
+    config = model_config(family.config(hf))
+    tokenizer = read_tokenizer(folder)
+    check_vocabulary(tokenizer, config.vocab_size)
+    weights = read_weights(folder)
     model = build_model(config)
-    state = mapped_state(read_weights(folder), config.n_layers)
-    check_shapes(state, model)
+    state = fitted(family.tensors(weights, config.n_layers), model)
     model.load_state_dict(state, strict=True)
     info = {"imported_from": {"format": "hf", "folder": str(folder), "model_type": hf.get("model_type")}}
     try:
@@ -63,7 +70,8 @@ def import_folder(folder: Path, out: Path):
     except OSError as exc:
         raise HFImportError(f"--out {out}: cannot create its folder ({exc.strerror})") from exc
     chat = hf_chat_template(folder)
-    save_model(model.eval(), out, info, tokenizer=read_tokenizer(folder), chat_template=chat and chat.to_json())
+    chat_json = chat and chat.to_json()
+    save_model(model.eval(), out, info, dtype=stored_dtype(weights), tokenizer=tokenizer, chat_template=chat_json)
     return config
 
 
@@ -75,6 +83,15 @@ def hf_chat_template(folder: Path):
         return read_hf_chat_template(folder)
     except ChatTemplateError as exc:
         raise HFImportError(str(exc)) from exc
+
+
+def model_config(fields: dict[str, Any]):
+    from .config import ConfigError, ModelConfig
+
+    try:
+        return ModelConfig(attention="softmax", task="text", **fields)
+    except ConfigError as exc:
+        raise HFImportError(f"config.json: {exc}") from exc
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -89,97 +106,69 @@ def read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def gpt2_config(hf: dict[str, Any]):
-    from .config import ConfigError, ModelConfig
-
-    if hf.get("model_type") != "gpt2":
-        raise HFImportError(
-            f"unsupported architecture {hf.get('model_type')!r} "
-            f"({', '.join(hf.get('architectures') or []) or 'no architectures listed'}); "
-            "expected a GPT-2-family model (model_type gpt2)"
-        )
-    activation = hf.get("activation_function", "gelu_new")
-    if activation not in GPT2_ACTIVATIONS:
-        raise HFImportError(
-            f"unsupported activation_function {activation!r}; expected one of {', '.join(GPT2_ACTIVATIONS)}"
-        )
-    if not hf.get("tie_word_embeddings", True) or hf.get("scale_attn_by_inverse_layer_idx"):
-        raise HFImportError("unsupported GPT-2 variant: an untied output layer or attention scaled by layer index")
-    d = hf.get("n_embd", 768)
-    try:
-        return ModelConfig(
-            attention="softmax",
-            task="text",
-            d_model=d,
-            n_layers=hf.get("n_layer", 12),
-            n_heads=hf.get("n_head", 12),
-            d_ff=hf.get("n_inner") or 4 * d,
-            max_len=hf.get("n_positions", 1024),
-            vocab_size=hf.get("vocab_size", 50257),
-            bos_token=hf.get("bos_token_id", 50256),
-            eos_token=hf.get("eos_token_id", 50256),
-            tied_head=True,
-            gelu=GPT2_ACTIVATIONS[activation],
-            ln_eps=hf.get("layer_norm_epsilon", 1e-5),
-        )
-    except ConfigError as exc:
-        raise HFImportError(f"config.json: {exc}") from exc
-
-
 def read_weights(folder: Path) -> dict[str, Any]:
     import torch
+    from safetensors.torch import load_file
 
     if (folder / "model.safetensors").is_file():
-        from safetensors.torch import load_file
-
         return load_file(str(folder / "model.safetensors"))
+    if (folder / SHARD_INDEX).is_file():
+        return read_shards(folder)
     if (folder / "pytorch_model.bin").is_file():
         return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise HFImportError(f"{folder}: no weights; expected model.safetensors or pytorch_model.bin")
+    raise HFImportError(
+        f"{folder}: no weights; expected model.safetensors, {SHARD_INDEX} with its shards, or pytorch_model.bin"
+    )
 
 
-def mapped_state(weights: dict[str, Any], layers: int) -> dict[str, Any]:
-    """GPT-2's tensor names (with or without the `transformer.` prefix) -> rnnserve's, Conv1D matrices
-    transposed to nn.Linear's (out, in); the tied lm_head and the causal-mask buffers are dropped."""
-    names = {
-        "wte.weight": "tok_emb.weight",
-        "wpe.weight": "pos_emb.weight",
-        "ln_f.weight": "ln_f.weight",
-        "ln_f.bias": "ln_f.bias",
-    }
-    parts = {
-        "ln_1": "ln_attn",
-        "attn.c_attn": "attn.qkv",
-        "attn.c_proj": "attn.proj",
-        "ln_2": "ln_ff",
-        "mlp.c_fc": "ff.up",
-        "mlp.c_proj": "ff.down",
-    }
-    for i in range(layers):
-        for theirs, ours in parts.items():
-            for kind in ("weight", "bias"):
-                names[f"h.{i}.{theirs}.{kind}"] = f"blocks.{i}.{ours}.{kind}"
-    state = {}
-    for name, tensor in weights.items():
-        key = name.removeprefix("transformer.")
-        if key in names:
-            state[names[key]] = tensor.t().contiguous() if key.endswith(TRANSPOSED) else tensor
-    return state
+def read_shards(folder: Path) -> dict[str, Any]:
+    """Sharded safetensors: the index's weight_map names the file of every tensor."""
+    from safetensors.torch import load_file
+
+    weight_map = read_json(folder / SHARD_INDEX).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise HFImportError(f"{folder / SHARD_INDEX}: no weight_map; expected tensor name -> shard file")
+    weights: dict[str, Any] = {}
+    for shard in sorted(set(weight_map.values())):
+        if not (folder / shard).is_file():
+            raise HFImportError(f"{folder / shard}: no such file; {SHARD_INDEX} names it as a shard")
+        weights.update(load_file(str(folder / shard)))
+    return weights
 
 
-def check_shapes(state: dict[str, Any], model) -> None:
+def stored_dtype(weights: dict[str, Any]):
+    """The dtype most of the folder's floating-point tensors have: the file keeps it."""
+    counts = Counter(t.dtype for t in weights.values() if t.is_floating_point())
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def fitted(state: dict[str, Any], model) -> dict[str, Any]:
+    """The mapped tensors the model has (a tied family's lm_head copy is left out), each of the model's shape."""
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     if missing:
         raise HFImportError(
             f"the weights have no tensor for {missing[0]} ({len(missing)} missing); expected every "
-            "GPT-2 tensor of config.json's n_layer layers"
+            "tensor of config.json's layers"
         )
     for name, want in expected.items():
         if tuple(state[name].shape) != tuple(want.shape):
             raise HFImportError(
                 f"tensor {name} has shape {tuple(state[name].shape)}; config.json implies {tuple(want.shape)}"
             )
+    return {name: state[name] for name in expected}
+
+
+def check_vocabulary(tokenizer: str, vocab_size: int) -> None:
+    """A tokenizer whose ids run past the model's vocabulary would make tokens the model has no row for."""
+    from tokenizers import Tokenizer
+
+    size = Tokenizer.from_str(tokenizer).get_vocab_size(with_added_tokens=True)
+    if size > vocab_size:
+        raise HFImportError(
+            f"the tokenizer has {size} tokens but config.json's vocab_size is {vocab_size}; "
+            "expected a tokenizer no larger than the model's vocabulary"
+        )
 
 
 def read_tokenizer(folder: Path) -> str:

@@ -70,6 +70,9 @@ class KindOption:
 class AttentionKind:
     cls: str  # "module:Class"
     options: tuple[KindOption, ...] = ()
+    # What it implements of imported models' attention (model/architecture.py): "rotary" positions, "kv_heads"
+    # (grouped-query attention), a "sliding_window". A model of a kind without one cannot set it.
+    implements: tuple[str, ...] = ()
 
     @property
     def option_keys(self) -> tuple[str, ...]:
@@ -77,7 +80,9 @@ class AttentionKind:
 
 
 ATTENTION_KINDS: dict[str, AttentionKind] = {
-    "softmax": AttentionKind("model.softmax_attention:SoftmaxAttention"),
+    "softmax": AttentionKind(
+        "model.softmax_attention:SoftmaxAttention", implements=("rotary", "kv_heads", "sliding_window")
+    ),
     "linear": AttentionKind(
         "model.linear_attention:LinearAttention",
         (

@@ -35,6 +35,8 @@ def whole_step_refusal(twin: Transformer) -> str | None:
         return f"{cfg.linear_feature_map} features (it takes elu + 1)"
     if twin.pos_emb is None:
         return f"{cfg.pos_encoding} positions (it takes learned ones)"
+    if (cfg.norm, cfg.feed_forward) != ("layer", "gelu") or not all((cfg.qkv_bias, cfg.attn_out_bias, cfg.ff_bias)):
+        return f"{cfg.norm} norms and a {cfg.feed_forward} feed-forward (it takes GPT-2's block with its biases)"
     if cfg.gelu != "exact":
         return f"{cfg.gelu} GELU (it takes the exact one)"
     if twin.dtype != torch.float32 or twin.device.type != "cpu":

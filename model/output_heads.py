@@ -114,4 +114,4 @@ def build_output_head(cfg: ModelConfig, embedding: nn.Embedding) -> nn.Module:
         return TiedHead(embedding)
     if cfg.output_head == "logistic_mixture":
         return LogisticMixtureHead(cfg.d_model, cfg.mixtures)
-    return CategoricalHead(cfg.d_model, cfg.vocab_out)
+    return CategoricalHead(cfg.d_model, cfg.vocab_out, bias=cfg.head_bias)

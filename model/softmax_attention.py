@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
+from .block_parts import Rotary
 from .config import ModelConfig
 from .heads import chunk_positions, merge_heads, split_heads
 from .state import RowState
@@ -37,33 +38,58 @@ class SoftmaxAttention(Attention):
     @classmethod
     def token_cost(cls, cfg: ModelConfig, t: float) -> TokenCost:
         # Scores and weighted sum over t keys; reads K, V of t positions, writes one position's.
-        d = cfg.d_model
-        return TokenCost(flops=4 * t * d, state_bytes=(2 * t * d + 2 * d) * STATE_NUMBER_BYTES)
+        d, kv = cfg.d_model, cfg.n_kv_heads * cfg.d_head
+        return TokenCost(flops=4 * t * d, state_bytes=(2 * t * kv + 2 * kv) * STATE_NUMBER_BYTES)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads = cfg.n_heads
+        self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
         self.max_len = cfg.max_len
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.window = cfg.sliding_window  # 0: every earlier position
+        # Queries, then keys and values of n_kv_heads heads each (fewer than n_heads in grouped-query attention).
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.d_head, bias=cfg.qkv_bias)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.attn_out_bias)
+        self.rotary = Rotary(cfg) if cfg.pos_encoding == "rotary" else None
 
     def new_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> KVCache:
-        shape = (batch, self.n_heads, self.max_len, self.proj.in_features // self.n_heads)
+        shape = (batch, self.n_kv_heads, self.max_len, self.d_head)  # only the key and value heads are kept
         return KVCache(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor, start: torch.Tensor, state: KVCache | None):
-        q, k, v = (split_heads(t, self.n_heads) for t in self.qkv(x).chunk(3, dim=-1))  # (B, H, T, D)
+        q, k, v = self._project(x, start)  # (B, H, T, D), (B, KV, T, D) twice
         if state is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = self._attend_chunk(q, k, v)
         else:
             y = self._attend_cached(q, k, v, start, state)
         return self.proj(merge_heads(y)), state
+
+    def _project(self, x: torch.Tensor, start: torch.Tensor):
+        q, k, v = self.qkv(x).split([self.n_heads * self.d_head, *[self.n_kv_heads * self.d_head] * 2], dim=-1)
+        q, k, v = split_heads(q, self.n_heads), split_heads(k, self.n_kv_heads), split_heads(v, self.n_kv_heads)
+        if self.rotary is not None:
+            positions = chunk_positions(start, x.shape[1])  # (B, T)
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
+        return q, k, v
+
+    def _attend_chunk(self, q, k, v) -> torch.Tensor:
+        """A whole sequence from position 0, no cache (training, scoring)."""
+        grouped = self.n_kv_heads != self.n_heads
+        if not self.window:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+        positions = torch.arange(q.shape[2], device=q.device)
+        visible = self._visible(positions, positions[:, None])  # (T, T)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=grouped)
+
+    def _visible(self, keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+        """Which key positions each query position sees: the earlier ones, within the window if there is one."""
+        visible = keys <= queries
+        return visible & (keys > queries - self.window) if self.window else visible
 
     def _attend_cached(self, q, k, v, start, state: KVCache) -> torch.Tensor:
         b, _, t, _ = q.shape
         pos = chunk_positions(start, t)  # (B, T)
         rows = torch.arange(b, device=q.device)[:, None]
-        # Advanced indices on dims 0 and 2 put (B, T) first: (B, T, H, D).
+        # Advanced indices on dims 0 and 2 put (B, T) first: (B, T, KV, D).
         state.k[rows, :, pos] = k.transpose(1, 2).to(state.k.dtype)
         state.v[rows, :, pos] = v.transpose(1, 2).to(state.v.dtype)
         if t == 1 and self._kernel_applies(q, state):
@@ -73,27 +99,37 @@ class SoftmaxAttention(Attention):
         # gives exactly `used` of them.
         torch._check(used > 0)
         keys, values = state.k.narrow(2, 0, used), state.v.narrow(2, 0, used)
-        mask = torch.arange(used, device=q.device) <= pos[:, :, None]  # (B, T, L)
+        mask = self._visible(torch.arange(used, device=q.device), pos[:, :, None])  # (B, T, L)
         if t == 1 and q.device.type == "cpu":
             return attend_one_query(q, keys.to(q.dtype), values.to(q.dtype), mask[:, None])
-        return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None])
+        grouped = self.n_kv_heads != self.n_heads
+        return F.scaled_dot_product_attention(
+            q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None], enable_gqa=grouped
+        )
 
     def _kernel_applies(self, q: torch.Tensor, state: KVCache) -> bool:
-        # The kernel widens a bfloat16 cache to float32 as it reads; q and its sums are float32.
+        # The kernel widens a bfloat16 cache to float32 as it reads; q and its sums are float32. It reads one key
+        # head per query head over the whole prefix.
         return (
             self.cpu_decode_kernel
             and q.device.type == "cpu"
             and q.dtype == torch.float32
             and state.k.dtype in (torch.float32, torch.bfloat16)
             and q.stride(-1) == 1
+            and self.n_kv_heads == self.n_heads
+            and not self.window
         )
 
 
 def attend_one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """A decode step's attention, written out: q (B, H, 1, D) over keys, values (B, H, L, D) where visible
-    (B, 1, 1, L). The same as scaled_dot_product_attention, but compiled on a CPU inductor turns these three
-    steps into loops over the prefix that beat the fused kernel at reading the cache (benchmarks/README.md)."""
+    """A decode step's attention, written out: q (B, H, 1, D) over keys, values (B, KV, L, D) where visible
+    (B, 1, 1, L); each key head serves H / KV query heads. The same as scaled_dot_product_attention, but compiled
+    on a CPU inductor turns these three steps into loops over the prefix that beat the fused kernel at reading
+    the cache (docs/benchmarks.md)."""
+    b, h, _, d = q.shape
+    kv = keys.shape[1]
+    grouped = q.reshape(b, kv, h // kv, d)  # (B, KV, G, D): a key head's query heads side by side
     # In float32 whatever the model's dtype, as the fused kernel accumulates (a no-op for float32 models).
-    scores = (q.float() @ keys.float().transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, H, 1, L)
+    scores = (grouped.float() @ keys.float().transpose(-1, -2)) * d**-0.5  # (B, KV, G, L)
     weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)  # at least one key is visible
-    return (weights @ values.float()).to(q.dtype)  # (B, H, 1, D)
+    return (weights @ values.float()).to(q.dtype).reshape(b, h, 1, d)  # (B, H, 1, D)

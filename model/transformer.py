@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import Capabilities
+from .block_parts import build_feed_forward, build_norm
 from .config import BOS_TOKEN, ModelConfig
 from .heads import chunk_positions
 from .output_heads import LogisticMixtureHead, build_output_head
@@ -28,35 +29,24 @@ class SequenceTooLong(ValueError):
     """A chunk would run past the model's max_len."""
 
 
-class FeedForward(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.up = nn.Linear(cfg.d_model, cfg.d_ff)
-        self.down = nn.Linear(cfg.d_ff, cfg.d_model)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.approximate = "tanh" if cfg.gelu == "tanh" else "none"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.down(F.gelu(self.up(x), approximate=self.approximate)))
-
-
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(ln(x)), then x + ff(ln(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + ff(norm(x))."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.ln_attn = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
+        self.ln_attn = build_norm(cfg)
         self.attn = attention_class(cfg.attention)(cfg)
-        self.ln_ff = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
-        self.ff = FeedForward(cfg)
+        self.ln_ff = build_norm(cfg)
+        self.ff = build_feed_forward(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def start_as_identity(self) -> None:
         """Zero the last layer of both residual branches: the block passes x through unchanged,
         so a model grown by a block computes what it did (gradients still reach both branches)."""
-        for last in (self.attn.proj, self.ff.down):
+        for last in (self.attn.proj, self.ff.last_layer()):
             nn.init.zeros_(last.weight)
-            nn.init.zeros_(last.bias)
+            if last.bias is not None:
+                nn.init.zeros_(last.bias)
 
     def forward(self, x, start, state):
         a, state = self.attn(self.ln_attn(x), start, state)
@@ -81,7 +71,7 @@ class Transformer(nn.Module):
         self.pos_emb = nn.Embedding(cfg.max_len, cfg.d_model) if cfg.pos_encoding == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
+        self.ln_f = build_norm(cfg)
         self.head = build_output_head(cfg, self.tok_emb)
         # Keys and values of kinds that cache them (softmax) are stored in this dtype; None: the model's.
         # A runtime choice (the server's --kv-cache-dtype), not part of the weights.
@@ -171,9 +161,12 @@ class Transformer(nn.Module):
             state.lengths += tokens.shape[1]
         return self.ln_f(x)
 
-    def _positions(self, pos: torch.Tensor) -> torch.Tensor:
+    def _positions(self, pos: torch.Tensor) -> torch.Tensor | float:
+        """What the input adds for its positions: nothing for rotary ones, which attention applies."""
         if self.pos_emb is not None:
             return self.pos_emb(pos)
+        if self.config.pos_encoding == "rotary":
+            return 0.0
         return sinusoidal_encoding(pos, self.config.d_model).to(self.dtype)
 
 

@@ -43,11 +43,10 @@ def test_64_greedy_tokens_are_hugging_face_s(gpt2_folder, imported):
     prompt = torch.tensor([[5, 17, 42, 99, 7]])
     greedy = BatchSampling.from_params([SamplingParams(temperature=0.0)])
     ours = generate(model, prompt, prompt.shape[1] + 64, greedy, compiled=False)
-    start = torch.tensor([[model.config.bos]])  # rnnserve starts every sequence from GPT-2's <|endoftext|>
-    theirs = hf_model(gpt2_folder).generate(
-        torch.cat([start, prompt], dim=1), max_new_tokens=64, do_sample=False, pad_token_id=model.config.bos
-    )
-    assert ours[0].tolist() == theirs[0, 1:].tolist()
+    hf = hf_model(gpt2_folder)
+    hf.generation_config.eos_token_id = None  # 64 tokens whatever they are, as `generate` here draws
+    theirs = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=64, do_sample=False)
+    assert ours[0].tolist() == theirs[0].tolist()  # the prompt as given: no start token before it
 
 
 def test_the_stored_tokenizer_encodes_and_decodes_as_hugging_face_s(gpt2_folder, imported):
@@ -92,11 +91,38 @@ def word_level_tokenizer():
     [
         (
             lambda f: (f / "config.json").write_text(
-                json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+                json.dumps({"model_type": "falcon", "architectures": ["FalconForCausalLM"]})
             ),
-            "unsupported architecture 'llama' (LlamaForCausalLM); expected a GPT-2-family model (model_type gpt2)",
+            "unsupported architecture 'falcon' (FalconForCausalLM); expected one of model_type gpt2, llama",
         ),
-        (lambda f: (f / "model.safetensors").unlink(), "no weights; expected model.safetensors or pytorch_model.bin"),
+        (
+            lambda f: (f / "config.json").write_text(
+                json.dumps({**json.loads((f / "config.json").read_text()), "vocab_size": 349})
+            ),
+            "the tokenizer has 350 tokens but config.json's vocab_size is 349",
+        ),
+        (
+            lambda f: (f / "config.json").write_text(
+                json.dumps({**json.loads((f / "config.json").read_text()), "scale_attn_weights": False})
+            ),
+            "unsupported scale_attn_weights False; expected true",
+        ),
+        (
+            lambda f: (f / "config.json").write_text(
+                json.dumps({**json.loads((f / "config.json").read_text()), "scale_attn_by_inverse_layer_idx": True})
+            ),
+            "unsupported scale_attn_by_inverse_layer_idx True",
+        ),
+        (
+            lambda f: (f / "config.json").write_text(
+                json.dumps({**json.loads((f / "config.json").read_text()), "tie_word_embeddings": False})
+            ),
+            "unsupported tie_word_embeddings False",
+        ),
+        (
+            lambda f: (f / "model.safetensors").unlink(),
+            "no weights; expected model.safetensors, model.safetensors.index",
+        ),
         (
             lambda f: (f / "tokenizer.json").unlink(),
             "no tokenizer; expected tokenizer.json, or vocab.json and merges.txt",

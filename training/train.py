@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from model import ModelConfig, Transformer, build_model
 from model.config import ConfigError
+from model.architecture import block_options
 from model.kinds import kind_options
 from model.vocabulary import Vocabulary, vocabulary_for
 from model.weights_io import WeightsError, read_metadata, read_tokenizer, save_model, update_info
@@ -90,8 +91,8 @@ class Batches:
 
 
 # What a run started from a file keeps of it beyond the flags: its vocabulary and the layer details that come
-# with an imported model (GPT-2's tied output layer, GELU's tanh form, layer-norm epsilon).
-INHERITED_FIELDS = ("vocab_size", "bos_token", "eos_token", "tied_head", "gelu", "ln_eps")
+# with an imported model (GPT-2's tied output layer, GELU's tanh form, layer-norm epsilon, a Llama's block).
+INHERITED_FIELDS = ("vocab_size", "bos_token", "eos_token", "tied_head", "gelu", "ln_eps", *block_options())
 
 
 @dataclass(frozen=True)

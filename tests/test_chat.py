@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers", reason="the Hugging Face refe
 openai = pytest.importorskip("openai", reason="the OpenAI client (make test installs it)")
 
 from hf_support import END_OF_TEXT, UNICODE, save_gpt2_folder  # noqa: E402  (after the skip)
-from server_support import free_port, save_tiny_model, serving_process, sse_payloads  # noqa: E402
+from server_support import TEXT_MAX_LEN, free_port, save_tiny_model, serving_process, sse_payloads  # noqa: E402
 
 from model.chat_template import ChatTemplate  # noqa: E402
 from model.weights_io import read_chat_template  # noqa: E402
@@ -180,7 +180,7 @@ def post_chat(server, body):
         ({"messages": [{"role": "assistant", "content": "hi"}]}, "messages", FIRST_TURN),
         ({"messages": CHAT, "logprobs": True, "top_logprobs": 6}, "top_logprobs", "at most 5"),
         ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "needs logprobs"),
-        ({"messages": CHAT, "max_tokens": 1000}, "max_tokens", "handles at most 128 tokens"),
+        ({"messages": CHAT, "max_tokens": 1000}, "max_tokens", "handles at most 128"),
         ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages", "lone UTF-16 surrogate"),
     ],
 )
@@ -207,7 +207,7 @@ def byte_server(tmp_path_factory):
         yield url
 
 
-def test_a_byte_model_chats_with_the_template_given_at_start_up(byte_server):
+def test_a_byte_model_chats_with_the_template_given_at_start_up_and_fills_its_context_by_default(byte_server):
     models = httpx.get(f"{byte_server}/v1/models").json()["data"]
     assert [m["chat_template"] for m in models] == [True]
     client = openai.OpenAI(base_url=f"{byte_server}/v1", api_key="unused", max_retries=0, timeout=60)
@@ -218,6 +218,8 @@ def test_a_byte_model_chats_with_the_template_given_at_start_up(byte_server):
     completion = client.completions.create(model=BYTES, prompt=rendered, max_tokens=12, temperature=0)
     assert answer.choices[0].message.content == completion.choices[0].text
     assert answer.usage == completion.usage
+    unbounded = client.chat.completions.create(model=BYTES, messages=messages, temperature=0)  # no max_tokens
+    assert unbounded.usage.total_tokens == TEXT_MAX_LEN and unbounded.choices[0].finish_reason == "length"
 
 
 def test_a_chat_stream_is_server_sent_events_ending_with_done(byte_server):

@@ -89,11 +89,11 @@ class ChatCompletionRequest(TextGenerationOptions):
         """The messages as a chat template reads them: dicts, each content one string."""
         return [{**m.model_dump(exclude_none=True), "content": content_text(m.content)} for m in self.messages]
 
-    def as_completion(self, prompt: list[int], max_len: int) -> CompletionRequest:
-        """The completion of `prompt` this chat asks for: its shared options as they are, at most `max_len`
-        tokens in all when no limit is given."""
+    def as_completion(self, prompt: list[int], room: int) -> CompletionRequest:
+        """The completion of `prompt` this chat asks for: its shared options as they are and, when no limit is
+        given, as many tokens as the model's context has `room` for."""
         shared = {name: getattr(self, name) for name in TextGenerationOptions.model_fields}
-        limit = self.max_completion_tokens or self.max_tokens or max(max_len - len(prompt), 1)
+        limit = self.max_completion_tokens or self.max_tokens or max(room, 1)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return CompletionRequest.model_construct(**shared, prompt=prompt, max_tokens=limit, logprobs=logprobs)
 

@@ -21,7 +21,7 @@ from server.api.generation import engine_refusals
 from server.api.responses import COMPLETION_RESPONSES
 from server.api.routes_text import answer, check_accept
 from server.engine.base import EngineHandle
-from server.engine.validation import check_logit_bias
+from server.engine.validation import check_logit_bias, new_token_room
 
 router = APIRouter()
 
@@ -37,7 +37,7 @@ async def create_chat_completion(
     with engine_refusals(engine):
         check_logit_bias(body.bias(), engine.name, engine.config.vocab_size)
     completion = ChatCompletion(
-        body.as_completion(prompt, engine.config.max_len),
+        body.as_completion(prompt, new_token_room(len(prompt), engine.config)),
         engine.name,
         f"chatcmpl-{uuid.uuid4().hex}",
         engine.vocabulary,

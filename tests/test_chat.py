@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers", reason="the Hugging Face refe
 openai = pytest.importorskip("openai", reason="the OpenAI client (make test installs it)")
 
 from hf_support import END_OF_TEXT, UNICODE, save_gpt2_folder  # noqa: E402  (after the skip)
-from server_support import TEXT_MAX_LEN, free_port, save_tiny_model, serving_process, sse_payloads  # noqa: E402
+from server_support import TEXT_MAX_LEN, free_port, make_settings, save_tiny_model, serving_process, sse_payloads  # noqa: E402
 
 from model.chat_template import ChatTemplate  # noqa: E402
 from model.weights_io import read_chat_template  # noqa: E402
@@ -89,6 +89,19 @@ def test_the_import_stores_the_template_and_the_special_tokens_text(weights):
     stored = ChatTemplate.from_json(read_chat_template(weights / f"{MODEL}.safetensors"))
     assert stored == ChatTemplate(TEMPLATE, END_OF_TEXT, END_OF_TEXT)
     assert read_chat_template(weights / f"{BYTES}.safetensors") is None
+
+
+def test_a_template_given_at_start_up_gets_an_imported_model_s_start_and_end_tokens(tmp_path):
+    from server.engine.registry import checked_chat_templates, checked_vocabularies
+
+    out = tmp_path / "plain.safetensors"
+    assert main(["import", "hf", str(save_gpt2_folder(tmp_path / "plain")), "--out", str(out)]) == 0
+    assert read_chat_template(out) is None  # its folder had no template
+    template = tmp_path / "chat.jinja"
+    template.write_text(BYTE_TEMPLATE, encoding="utf-8")
+    settings = make_settings(models=[out], chat_template=template)
+    templates = checked_chat_templates(settings, checked_vocabularies(settings))
+    assert templates == {out: ChatTemplate(BYTE_TEMPLATE, END_OF_TEXT, END_OF_TEXT)}  # the names of its tokens
 
 
 def test_models_say_which_can_chat(server):
@@ -181,6 +194,9 @@ def post_chat(server, body):
         ({"messages": CHAT, "logprobs": True, "top_logprobs": 6}, "top_logprobs", "at most 5"),
         ({"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "needs logprobs"),
         ({"messages": CHAT, "max_tokens": 1000}, "max_tokens", "handles at most 128"),
+        ({"messages": [{"role": "user", "content": "x " * 200}], "max_tokens": None}, "prompt", "handles at most 128"),
+        ({"messages": CHAT, "max_tokens": 3, "max_completion_tokens": 4}, "max_completion_tokens", "disagree"),
+        ({"messages": CHAT, "tools": []}, "tools", "tools"),
         ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages", "lone UTF-16 surrogate"),
     ],
 )

@@ -95,6 +95,7 @@ class ChatCompletionRequest(TextGenerationOptions):
         shared = {name: getattr(self, name) for name in TextGenerationOptions.model_fields}
         limit = self.max_completion_tokens or self.max_tokens or max(room, 1)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        # Constructed, not validated again: every value was validated as this chat's, with its own messages.
         return CompletionRequest.model_construct(**shared, prompt=prompt, max_tokens=limit, logprobs=logprobs)
 
 

@@ -69,8 +69,20 @@ def import_folder(folder: Path, out: Path):
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise HFImportError(f"--out {out}: cannot create its folder ({exc.strerror})") from exc
-    save_model(model.eval(), out, info, dtype=stored_dtype(weights), tokenizer=tokenizer)
+    chat = hf_chat_template(folder)
+    chat_json = chat and chat.to_json()
+    save_model(model.eval(), out, info, dtype=stored_dtype(weights), tokenizer=tokenizer, chat_template=chat_json)
     return config
+
+
+def hf_chat_template(folder: Path):
+    """The folder's chat template and special tokens' text (model/chat_template.py), None if it has none."""
+    from .chat_template import ChatTemplateError, read_hf_chat_template
+
+    try:
+        return read_hf_chat_template(folder)
+    except ChatTemplateError as exc:
+        raise HFImportError(str(exc)) from exc
 
 
 def model_config(fields: dict[str, Any]):

@@ -2,7 +2,9 @@
 
 A file holds every tensor of the model plus two metadata entries:
 `rnnserve.config` (the ModelConfig as JSON) and `rnnserve.info` (free JSON:
-training data, examples seen, wall time, device, evaluation results).
+training data, examples seen, wall time, device, evaluation results); an
+imported model adds its tokenizer (`rnnserve.tokenizer`) and, when it has
+one, its chat template (`rnnserve.chat_template`, model/chat_template.py).
 Loading checks everything before building the model, so a bad file gives
 one `WeightsError` naming the file and the problem, never half a model.
 """
@@ -23,6 +25,7 @@ from .transformer import Transformer, build_model
 
 CONFIG_KEY = "rnnserve.config"
 TOKENIZER_KEY = "rnnserve.tokenizer"
+CHAT_TEMPLATE_KEY = "rnnserve.chat_template"  # JSON: {template, bos_token, eos_token}
 INFO_KEY = "rnnserve.info"
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -42,9 +45,11 @@ def save_model(
     info: dict[str, Any] | None = None,
     dtype: torch.dtype | None = None,
     tokenizer: str | None = None,
+    chat_template: str | None = None,
 ) -> None:
-    """Write `model` and its config, its parameters optionally cast to `dtype` (e.g. bfloat16), and its
-    tokenizer (the `tokenizers` library's JSON) when it has one rather than bytes.
+    """Write `model` and its config, its parameters optionally cast to `dtype` (e.g. bfloat16), its
+    tokenizer (the `tokenizers` library's JSON) when it has one rather than bytes, and its chat template
+    (ChatTemplate.to_json()) when it has one.
 
     Buffers are written in the dtype the model holds them in: Reformer's rotations
     stay float32, so a 16-bit file hashes exactly like the model that wrote it.
@@ -57,6 +62,8 @@ def save_model(
     metadata = {CONFIG_KEY: model.config.to_json(), INFO_KEY: json.dumps(info or {}, sort_keys=True)}
     if tokenizer is not None:
         metadata[TOKENIZER_KEY] = tokenizer
+    if chat_template is not None:
+        metadata[CHAT_TEMPLATE_KEY] = chat_template
     _write(tensors, metadata, path)
 
 
@@ -64,6 +71,12 @@ def read_tokenizer(path: str | os.PathLike) -> str | None:
     """The tokenizer stored with a model (the `tokenizers` library's JSON), or None for a byte model."""
     with _open(path) as f:
         return (f.metadata() or {}).get(TOKENIZER_KEY)
+
+
+def read_chat_template(path: str | os.PathLike) -> str | None:
+    """The chat template stored with a model (ChatTemplate's JSON), or None when it has none."""
+    with _open(path) as f:
+        return (f.metadata() or {}).get(CHAT_TEMPLATE_KEY)
 
 
 def update_info(path: str | os.PathLike, changes: dict[str, Any]) -> None:

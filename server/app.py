@@ -34,6 +34,7 @@ from server.engine.pool import EnginePool, model_bytes, worker_layout
 from server.metrics import Metrics
 from server.api.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestMetricsMiddleware
 from server.engine.registry import EngineRegistry, LoadedModel, load_models
+from server.api.routes_chat import router as chat_router
 from server.api.routes_images import router as images_router
 from server.api.routes_models import router as models_router
 from server.api.routes_playground import mount_static
@@ -70,7 +71,7 @@ def build_app(
     )
     errors.install(app)
     openapi.install(app, settings.max_batch)
-    routers = (models_router, text_router, images_router, playground_router)
+    routers = (models_router, text_router, chat_router, images_router, playground_router)
     for router in routers:
         app.include_router(router)
     mount_static(app)
@@ -141,7 +142,8 @@ class Lifecycle:
         log_thread_shares(budget, engines, settings.threads)
         self.started = await start_engines(engines)
         created = {m.name: int(m.path.stat().st_mtime) for m in loaded}
-        app.state.server = ServerState(settings, self.metrics, EngineRegistry(engines, created))
+        chat_templates = {m.name: m.chat_template for m in loaded if m.chat_template is not None}
+        app.state.server = ServerState(settings, self.metrics, EngineRegistry(engines, created, chat_templates))
         log.info("serving %s", ", ".join(engine.name for engine in engines))
         self.freezing = asyncio.create_task(freeze_heap_once_compiled(engines))
         if on_started is not None:

@@ -26,6 +26,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 SERVER_FLAGS = (
     "weights",
     "models",
+    "chat_template",
     "host",
     "port",
     "device",
@@ -81,6 +82,13 @@ def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         dest="models",
         help="serve this weights file; repeat for several; replaces --weights (env RNNSERVE_MODELS, a JSON list)",
+    )
+    parser.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="a Jinja2 chat template (as in a Hugging Face folder's chat_template.jinja) for POST "
+        "/v1/chat/completions, used by every text model served in place of the one stored in its file; a byte "
+        "model chats only with one (env RNNSERVE_CHAT_TEMPLATE, default: each model's own, if any)",
     )
     parser.add_argument("--host", help=f"address to listen on {default('host')}")
     parser.add_argument("--port", type=int, help=f"port to listen on, 0 = any free one {default('port')}")
@@ -264,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
 def serve_standalone(settings: Settings) -> int:
     try:
         settings.model_paths()  # a missing file or folder: said before torch is even imported
+        settings.chat_template_text()
         sock = listen(settings.host, settings.port)  # likewise: fails in a blink
     except SettingsError as exc:
         return fail(exc)

@@ -26,6 +26,7 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)  # 0: any free port
     weights: Path = Path("weights")  # every *.safetensors in it is served
     models: list[Path] = Field(default_factory=list)  # explicit files; when given, `weights` is ignored
+    chat_template: Path | None = None  # a Jinja2 chat template every text model uses, in place of its own
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # softmax's cached keys, values; auto: as dtype
@@ -114,6 +115,17 @@ class Settings(BaseSettings):
                 "train one with `rnnserve train` or pass --model PATH"
             )
         return paths
+
+    def chat_template_text(self) -> str | None:
+        """The --chat-template file's text, None when not given; SettingsError if it cannot be read."""
+        from model.chat_template import ChatTemplateError, read_template_file
+
+        if self.chat_template is None:
+            return None
+        try:
+            return read_template_file(self.chat_template)
+        except ChatTemplateError as exc:
+            raise SettingsError(f"--chat-template {exc}") from None
 
     def api_key_value(self) -> str | None:
         return self.api_key.get_secret_value() if self.api_key else None

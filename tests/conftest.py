@@ -198,6 +198,7 @@ SLOW_MODULES = frozenset(
         "test_api_errors",
         "test_background_start",
         "test_bench",
+        "test_chat",
         "test_compile_child",
         "test_compiled_decode",
         "test_completions",

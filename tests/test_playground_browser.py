@@ -67,15 +67,25 @@ def chromium():
         browser.close()
 
 
+# A play's layout: the Shakespeare model chats in the form it was trained on
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | upper }}:\n{{ message['content'] }}\n\n{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:\n{% endif %}"
+)
+
+
 @pytest.fixture(scope="module")
 def served(chromium, tmp_path_factory):
-    """The four shipped MNIST models and one Shakespeare model in a real server process."""
-    port, log = free_port(), tmp_path_factory.mktemp("playground_server") / "server.log"
+    """The four shipped MNIST models and one Shakespeare model in a real server process, which can chat."""
+    folder = tmp_path_factory.mktemp("playground_server")
+    port, log, template = free_port(), folder / "server.log", folder / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE, encoding="utf-8")
     models = [
         *sorted((ROOT / "weights").glob("mnist-*.safetensors")),
         ROOT / "weights" / "shakespeare-linear.safetensors",
     ]
-    proc = start_server([arg for path in models for arg in ("--model", str(path))] + ["--port", str(port)], log)
+    flags = ["--port", str(port), "--chat-template", str(template)]
+    proc = start_server([arg for path in models for arg in ("--model", str(path))] + flags, log)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, log, 180)
@@ -473,6 +483,33 @@ def test_colours_each_character_by_its_bytes_log_probability(watched):
         f"log p = {sum(lps):.2f} over {len(lps)} byte{'s' if len(lps) > 1 else ''}" for lps in per_char
     ]
     assert len({colour for _, _, colour in spans}) > 3, "likely and unlikely bytes get different colours"
+    watched.check_clean()
+
+
+def test_chat_mode_sends_the_conversation_and_streams_each_reply(watched):
+    body = open_text_tab(watched, "", 40)
+    page = watched.page
+    page.check("#text-chat")
+    assert page.inner_text("#generate") == "Send" and page.is_hidden("#score") and page.is_visible("#new-chat")
+    messages, shown = [], ""
+    for text in ("Good morrow, sir!", "What news?"):
+        page.fill("#prompt", text)
+        page.click("#generate")
+        watched.wait("document.getElementById('prompt').value === ''")  # cleared once the reply is in
+        messages.append({"role": "user", "content": text})
+        chat = {k: v for k, v in body.items() if k != "prompt"} | {"messages": messages}
+        answer = httpx.post(f"{watched.url}/v1/chat/completions", json=chat, timeout=60).json()
+        reply = answer["choices"][0]["message"]["content"]
+        assert page.evaluate(f"{GENERATED}.textContent") == reply and reply
+        assert page.evaluate(OUTPUT_STATE) == "finished (length)"
+        shown += f"user: {text}\n\nassistant: {reply}"
+        assert page.evaluate("document.getElementById('output').textContent") == shown
+        messages.append({"role": "assistant", "content": reply})
+        shown += "\n\n"
+    page.click("#new-chat")
+    assert page.evaluate("document.getElementById('output').textContent") == ""
+    page.uncheck("#text-chat")
+    assert page.inner_text("#generate") == "Generate" and page.is_visible("#score")
     watched.check_clean()
 
 

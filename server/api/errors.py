@@ -96,6 +96,7 @@ JSON_KINDS = {
 }
 BODY_EXAMPLES = {
     "/v1/completions": '{"prompt": "Once upon a time", "max_tokens": 16}',
+    "/v1/chat/completions": '{"messages": [{"role": "user", "content": "Hello"}]}',
     "/v1/images/completions": '{"image": "<base64 28x28 PNG>", "keep_rows": 14}',
 }
 JITER_DEPTH = 200  # pydantic's JSON parser (the image route's) refuses deeper nesting
@@ -254,7 +255,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     if unparsed is not None:
         return error_response(400, unparsed, None, "invalid_json")
     if exc.status_code == 404:
-        message = f"no route {request.method} {request.url.path}; see GET /v1/models, POST /v1/completions, POST /v1/images/completions"
+        message = f"no route {request.method} {request.url.path}; see GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/images/completions"
     elif exc.status_code == 405:
         message = f"method {request.method} is not allowed on {request.url.path}"
     else:

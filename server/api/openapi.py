@@ -3,7 +3,8 @@
 * No 422: validation errors answer 400 with the error body every other error
   has, so FastAPI's 422 and its validation-error schemas are dropped.
 * Limits of this server, not only of the API: `n`, `best_of` and `particles`
-  at most --max-batch (n x particles too, which no schema can express), `max_tokens` at most the longest loaded text model's max_len.
+  at most --max-batch (n x particles too, which no schema can express), `max_tokens` (and chat's
+  `max_completion_tokens`) at most the longest loaded text model's max_len.
   (A prompt plus max_tokens past a model's max_len is a 400 no schema can
   express: it depends on both fields and the model.)
 """
@@ -27,7 +28,7 @@ def install(app: FastAPI, max_batch: int) -> None:
             server = getattr(app.state, "server", None)
             text_lengths = [e.config.max_len for e in server.engines if e.config.task == "text"] if server else []
             if text_lengths:
-                limits["max_tokens"] = max(text_lengths)
+                limits["max_tokens"] = limits["max_completion_tokens"] = max(text_lengths)
             _cap(schema, limits)
             app.openapi_schema = schema
         return app.openapi_schema

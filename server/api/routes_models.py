@@ -55,6 +55,10 @@ class ModelCard(BaseModel):
         description="a text model's tokens: 'bytes' (UTF-8, one byte a token), or the tokenizer stored with an "
         "imported model and its size (e.g. 'BPE (50257 tokens)'); null for image models"
     )
+    chat_template: bool = Field(
+        description="a text model that can chat (POST /v1/chat/completions): its file holds a chat template, or "
+        "the server was given one (--chat-template)"
+    )
     state_bytes_per_sequence: int = Field(description="decode state of one sequence at max_len")
     state_bytes_allocated: int = Field(
         description="decode state preallocated for all slots (the gauge rnnserve_decode_state_allocated_bytes)"
@@ -83,7 +87,7 @@ def dtype_name(dtype) -> str | None:
     return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
-def describe(engine: EngineHandle, created: int) -> dict[str, Any]:
+def describe(engine: EngineHandle, created: int, chat_template: bool = False) -> dict[str, Any]:
     """One OpenAI model entry plus what a client needs to pick a model."""
     cfg = engine.config
     return {
@@ -104,6 +108,7 @@ def describe(engine: EngineHandle, created: int) -> dict[str, Any]:
         "workers": engine.workers,
         "cpu_route": engine.cpu_route,
         "tokenizer": engine.vocabulary.name if cfg.task == "text" else None,
+        "chat_template": chat_template,
         "state_bytes_per_sequence": engine.state_bytes_per_sequence,  # one sequence at max_len
         "state_bytes_allocated": engine.state_bytes_allocated,  # = rnnserve_decode_state_allocated_bytes
         "metrics": eval_metrics(engine.info),
@@ -119,7 +124,7 @@ def describe(engine: EngineHandle, created: int) -> dict[str, Any]:
 
 @router.get("/v1/models", response_model=ModelList, responses=errors(401))
 async def list_models(server: ServerState = Depends(get_server)) -> dict[str, Any]:
-    return {"object": "list", "data": [describe(e, server.engines.created.get(e.name, 0)) for e in server.engines]}
+    return {"object": "list", "data": [card(server, e.name) for e in server.engines]}
 
 
 @router.get("/v1/models/{model_id}", response_model=ModelCard, responses=errors(401, 404))
@@ -132,7 +137,12 @@ async def get_model(model_id: str, server: ServerState = Depends(get_server)) ->
             "model",
             "model_not_found",
         )
-    return describe(engine, server.engines.created.get(model_id, 0))
+    return card(server, model_id)
+
+
+def card(server: ServerState, name: str) -> dict[str, Any]:
+    engines = server.engines
+    return describe(engines.engines[name], engines.created.get(name, 0), name in engines.chat_templates)
 
 
 @router.get("/health", response_model=Health, responses=errors(503))

@@ -45,13 +45,26 @@ async def create_completion(
     body: CompletionRequest, request: Request, server: ServerState = Depends(get_server)
 ) -> Response | dict[str, Any]:
     server.engines.label(request, body.model)
-    accept = request.headers.get("accept")
-    stream_type(accept) if body.stream else choose(accept, ["application/json"])  # a 406 before any work
+    check_accept(request, body.stream)
     engine = server.engines.for_request(request, body.model, "text")
     with engine_refusals(engine):
         check_logit_bias(body.bias(), engine.name, engine.config.vocab_size)
     completion = TextCompletion(body, engine.name, f"cmpl-{uuid.uuid4().hex}", engine.vocabulary)
-    prompts = body.prompts(engine.vocabulary)
+    return await answer(request, engine, completion, body.prompts(engine.vocabulary))
+
+
+def check_accept(request: Request, stream: bool) -> None:
+    """A 406 before any work when the Accept header allows neither JSON nor, streamed, server-sent events."""
+    accept = request.headers.get("accept")
+    stream_type(accept) if stream else choose(accept, ["application/json"])
+
+
+async def answer(
+    request: Request, engine: EngineHandle, completion: TextCompletion, prompts: list[list[int]]
+) -> Response | dict[str, Any]:
+    """Generate `completion`'s samples of each prompt and answer with them: whole, or streamed as they come
+    (the text and chat endpoints alike; `completion` shapes the choices)."""
+    body = completion.body
     streams = await start_generations(engine, body, prompts, completion)
     try:
         for prompt in prompts:
@@ -136,10 +149,8 @@ async def stream_events(
     completion: TextCompletion, streams: list[GenerationStream], engine: EngineHandle
 ) -> AsyncIterator[str]:
     """SSE chunks as text becomes safe to show, then usage (if asked)."""
-    if completion.body.echo:
-        for p, part in enumerate(completion.parts):
-            for i, text in enumerate(part.texts):
-                yield sse(completion.envelope([completion.choice(completion.index(p, i), p, i, text.take())]))
+    for choice in completion.opening_choices():
+        yield sse(completion.envelope([choice]))
     if streams:
         async for part, event in merged_events(streams):
             completion.add(part, event)

@@ -32,57 +32,24 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionRequest(SamplingOptions):
+class TextGenerationOptions(SamplingOptions):
+    """What the text endpoints (completions, chat completions) share beyond sampling: the model, stop
+    sequences, streaming, penalties and bias."""
+
     model: str | None = Field(
         None, description="a text model from GET /v1/models; may be left out when only one is loaded"
     )
-    prompt: str | list[str] | list[Token] | list[list[Token]] = Field(
-        "",
-        description="text, token ids (bytes 0-255 for byte models; the tokenizer's for imported models), "
-        f"or a list of up to {MAX_PROMPTS} of either",
-    )
-    suffix: str | None = Field(
-        None, description="not supported (these models cannot insert text): leave it out or empty"
-    )
-    max_tokens: OrDefault(Int(ge=0), 16, description="tokens to generate per sample; 0 with echo scores the prompt")
     stop: str | list[str] | None = Field(
         None, description=f"up to {MAX_STOPS} sequences that end a sample (not included)"
     )
     stream: OrDefault(bool, False)
     stream_options: StreamOptions | None = None
-    logprobs: Int(ge=0, le=5) | None = Field(None, description="log-probability of each token and of the N most likely")
-    echo: OrDefault(bool, False, description="put the prompt before the completion")
     frequency_penalty: OrDefault(Penalty, 0.0, description="minus this times how often a token was generated so far")
     presence_penalty: OrDefault(Penalty, 0.0, description="minus this once a token has been generated")
     logit_bias: dict[str, Float(ge=-100, le=100)] | None = Field(
         None, description="token id (as a string; 0-255 for byte models) -> bias added to its logit"
     )
-    best_of: Int(ge=1, le=MAX_N) | None = Field(
-        None, description="draw this many, return the n most likely (not with stream)"
-    )
     user: str | None = Field(None, description="accepted and ignored")
-
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _check_prompt(cls, prompt: Any) -> Any:
-        """One clear message for a malformed prompt, instead of one per branch of the union."""
-        items = prompt if isinstance(prompt, list) else [prompt]
-        kinds = {str if isinstance(i, str) else list if isinstance(i, list) else "token" for i in items}
-        if not isinstance(prompt, (str, list)) or len(kinds) > 1:
-            raise FieldError(
-                "prompt must be a string, a list of token ids, or a list of strings or of token lists", "prompt"
-            )
-        for i, item in enumerate(items):
-            tokens = item if isinstance(item, list) else [] if isinstance(item, str) else [item]
-            bad = next(
-                (t for t in map(integral, tokens) if isinstance(t, bool) or not isinstance(t, int) or t < 0),
-                None,
-            )
-            if bad is not None:
-                raise FieldError(
-                    f"prompt[{i}] holds {bad!r}; tokens are integer ids >= 0 (bytes 0-255 for byte models)", "prompt"
-                )
-        return prompt
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -112,6 +79,52 @@ class CompletionRequest(SamplingOptions):
                 )
         return bias
 
+    def stop_bytes(self) -> list[bytes]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s.encode("utf-8") for s in stops]
+
+    def bias(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
+
+
+class CompletionRequest(TextGenerationOptions):
+    prompt: str | list[str] | list[Token] | list[list[Token]] = Field(
+        "",
+        description="text, token ids (bytes 0-255 for byte models; the tokenizer's for imported models), "
+        f"or a list of up to {MAX_PROMPTS} of either",
+    )
+    suffix: str | None = Field(
+        None, description="not supported (these models cannot insert text): leave it out or empty"
+    )
+    max_tokens: OrDefault(Int(ge=0), 16, description="tokens to generate per sample; 0 with echo scores the prompt")
+    logprobs: Int(ge=0, le=5) | None = Field(None, description="log-probability of each token and of the N most likely")
+    echo: OrDefault(bool, False, description="put the prompt before the completion")
+    best_of: Int(ge=1, le=MAX_N) | None = Field(
+        None, description="draw this many, return the n most likely (not with stream)"
+    )
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, prompt: Any) -> Any:
+        """One clear message for a malformed prompt, instead of one per branch of the union."""
+        items = prompt if isinstance(prompt, list) else [prompt]
+        kinds = {str if isinstance(i, str) else list if isinstance(i, list) else "token" for i in items}
+        if not isinstance(prompt, (str, list)) or len(kinds) > 1:
+            raise FieldError(
+                "prompt must be a string, a list of token ids, or a list of strings or of token lists", "prompt"
+            )
+        for i, item in enumerate(items):
+            tokens = item if isinstance(item, list) else [] if isinstance(item, str) else [item]
+            bad = next(
+                (t for t in map(integral, tokens) if isinstance(t, bool) or not isinstance(t, int) or t < 0),
+                None,
+            )
+            if bad is not None:
+                raise FieldError(
+                    f"prompt[{i}] holds {bad!r}; tokens are integer ids >= 0 (bytes 0-255 for byte models)", "prompt"
+                )
+        return prompt
+
     @model_validator(mode="after")
     def _check_combinations(self) -> "CompletionRequest":
         if isinstance(self.prompt, list) and not self.prompt:
@@ -137,13 +150,6 @@ class CompletionRequest(SamplingOptions):
         if self.prompt and isinstance(self.prompt[0], int):
             return [list(self.prompt)]
         return [vocabulary.encode(p) if isinstance(p, str) else list(p) for p in self.prompt]
-
-    def stop_bytes(self) -> list[bytes]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return [s.encode("utf-8") for s in stops]
-
-    def bias(self) -> dict[int, float]:
-        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     @property
     def samples(self) -> int:
@@ -233,6 +239,16 @@ class TextCompletion:
     def _end(self, part: int, sample: int, finish_reason: str, matched_stop: bytes | None) -> None:
         self.parts[part].texts[sample].end(matched_stop)
         self.parts[part].finish[sample] = finish_reason
+
+    def opening_choices(self) -> list[dict[str, Any]]:
+        """The choices a stream starts with, before any token: with echo, each prompt's text."""
+        if not self.body.echo:
+            return []
+        return [
+            self.choice(self.index(p, i), p, i, text.take())
+            for p, part in enumerate(self.parts)
+            for i, text in enumerate(part.texts)
+        ]
 
     def index(self, part: int, sample: int) -> int:
         return part * self.body.n + sample

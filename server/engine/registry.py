@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from model.config import BYTE_VOCAB
+from model.chat_template import ChatTemplate, ChatTemplateError
+from model.config import BYTE_VOCAB, ModelConfig
 from model.transformer import Transformer
 from model.vocabulary import Vocabulary, byte_vocabulary, vocabulary_for
-from model.weights_io import load_model, read_metadata, read_tokenizer
+from model.weights_io import load_model, read_chat_template, read_metadata, read_tokenizer
 
 from server.engine.base import EngineHandle
 from server.api.errors import APIError
@@ -26,11 +27,57 @@ class LoadedModel:
     model: Transformer
     info: dict[str, Any]
     vocabulary: Vocabulary = field(default_factory=byte_vocabulary)  # a text model's tokens
+    chat_template: ChatTemplate | None = None  # how a chat's messages become a text model's prompt
 
 
 def check_model_files(settings: Settings) -> list[Path]:
     """Resolve the files to serve and read their headers, so a bad file fails fast."""
-    return list(checked_vocabularies(settings))
+    vocabularies = checked_vocabularies(settings)
+    checked_chat_templates(settings, vocabularies)
+    return list(vocabularies)
+
+
+def checked_chat_templates(settings: Settings, vocabularies: dict[Path, Vocabulary]) -> dict[Path, ChatTemplate]:
+    """The chat template of each text model that has one: --chat-template's for all of them when given, else the
+    one stored in its file. Raises SettingsError for a --chat-template that cannot be read or does not parse."""
+    override = settings.chat_template_text()
+    templates = {}
+    for path, vocabulary in vocabularies.items():
+        config, _ = read_metadata(path)
+        if config.task != "text":
+            continue
+        try:
+            stored = read_chat_template(path)
+            own = ChatTemplate.from_json(stored) if stored is not None else None
+        except ChatTemplateError as exc:
+            raise SettingsError(f"{path}: {exc}") from exc
+        chosen = own if override is None else with_special_tokens(override, own, config, vocabulary)
+        if chosen is not None:
+            templates[path] = chosen
+    if override is not None:
+        check_override(settings, override)
+    return templates
+
+
+def check_override(settings: Settings, template: str) -> None:
+    """A template given at start-up that does not parse stops start-up (one a model file holds answers 400)."""
+    try:
+        ChatTemplate(template).check()
+    except ChatTemplateError as exc:
+        raise SettingsError(f"--chat-template {settings.chat_template}: {exc}") from exc
+
+
+def with_special_tokens(
+    template: str, own: ChatTemplate | None, config: ModelConfig, vocabulary: Vocabulary
+) -> ChatTemplate:
+    """`template` with the special tokens' text its model's own template came with, else the names of its
+    start and end tokens (GPT-2's <|endoftext|>); a byte model has none."""
+    if own is not None:
+        return ChatTemplate(template, own.bos_token, own.eos_token)
+    if vocabulary.is_bytes:
+        return ChatTemplate(template)
+    name = {t: vocabulary.shown[t] for t in (config.bos_token, config.eos_token) if 0 <= t < vocabulary.size}
+    return ChatTemplate(template, name.get(config.bos_token), name.get(config.eos_token))
 
 
 def checked_vocabularies(settings: Settings) -> dict[Path, Vocabulary]:
@@ -62,7 +109,9 @@ def load_models(settings: Settings) -> list[LoadedModel]:
     device = settings.torch_device()
     dtype = settings.torch_dtype(device)
     loaded = []
-    for path, vocabulary in checked_vocabularies(settings).items():
+    vocabularies = checked_vocabularies(settings)
+    chat_templates = checked_chat_templates(settings, vocabularies)
+    for path, vocabulary in vocabularies.items():
         model, info = load_model(path, device=device, dtype=dtype)
         model.kv_cache_dtype = settings.torch_kv_cache_dtype()
         warn_about_cache_dtype(path, model, settings, device)
@@ -77,7 +126,7 @@ def load_models(settings: Settings) -> list[LoadedModel]:
             dtype,
             model.cache_dtype() or "its own dtypes",
         )
-        loaded.append(LoadedModel(path.stem, path, model, info, vocabulary))
+        loaded.append(LoadedModel(path.stem, path, model, info, vocabulary, chat_templates.get(path)))
     return loaded
 
 
@@ -126,9 +175,15 @@ def data_by_file_name(metrics: dict[str, Any]) -> dict[str, Any]:
 class EngineRegistry:
     """The engines by model name, in load order."""
 
-    def __init__(self, engines: list[EngineHandle], created: dict[str, int] | None = None):
+    def __init__(
+        self,
+        engines: list[EngineHandle],
+        created: dict[str, int] | None = None,
+        chat_templates: dict[str, ChatTemplate] | None = None,
+    ):
         self.engines = {e.name: e for e in engines}
         self.created = created or {}  # unix time of each weights file
+        self.chat_templates = chat_templates or {}  # by model name: the text models that can chat
 
     def __iter__(self):
         return iter(self.engines.values())

@@ -60,6 +60,11 @@ def check_fits(prompt: list[int], max_new_tokens: int, model_name: str, config: 
         )
 
 
+def new_token_room(prompt_length: int, config: ModelConfig) -> int:
+    """The most tokens a prompt of `prompt_length` tokens leaves room for in the model's context (check_fits)."""
+    return config.max_len - len(config.prompt_lead(prompt_length)) - prompt_length + 1
+
+
 def check_scoring(tokens: list[int], model_name: str, config: ModelConfig) -> None:
     check_tokens(tokens, model_name, config.vocab_size)
     max_len = config.max_len

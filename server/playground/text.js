@@ -1,4 +1,5 @@
-// The text tab: stream a completion token by token, stop it, colour text by log-probability.
+// The text tab: stream a completion token by token, stop it, colour text by log-probability; or, with a model
+// that has a chat template, chat: each message sent with the conversation so far, the reply streamed in.
 
 import { postJSON, postStream } from "./api.js";
 
@@ -42,28 +43,79 @@ export class TextTab {
     this.stats = $("text-stats");
     this.controller = null; // set while generating: the second press stops
     this.tokenizers = new Map(); // model id -> "bytes" or its tokenizer
+    this.chatModels = new Set(); // ids of the models that have a chat template
+    this.messages = []; // the chat so far: {role, content}
     this.button.addEventListener("click", () => (this.controller ? this.controller.abort() : this.generate()));
     $("score").addEventListener("click", () => this.score());
+    $("text-model").addEventListener("change", () => this.setChat());
+    $("text-chat").addEventListener("change", () => this.setChat());
+    $("new-chat").addEventListener("click", () => this.setChat());
   }
 
   setModels(models) {
     this.tokenizers = new Map(models.map((model) => [model.id, model.tokenizer]));
+    this.chatModels = new Set(models.filter((model) => model.chat_template).map((model) => model.id));
     $("text-model").replaceChildren(...models.map((model) => new Option(`${model.id} (${model.attention})`, model.id)));
+    this.setChat();
+  }
+
+  get chatting() {
+    return $("text-chat").checked;
+  }
+
+  // Chat mode on or off: only for a model with a chat template.
+  setChat() {
+    const chat = $("text-chat");
+    chat.disabled = !this.chatModels.has($("text-model").value);
+    chat.checked &&= !chat.disabled;
+    if (this.chatting || this.messages.length) this.output.replaceChildren(); // a chat on or off starts anew
+    this.messages = [];
+    $("score").hidden = this.chatting;
+    $("new-chat").hidden = !this.chatting;
+    $("prompt").setAttribute("aria-label", this.chatting ? "your message" : "prompt");
+    this.button.textContent = this.idleLabel;
+  }
+
+  get idleLabel() {
+    return this.chatting ? "Send" : "Generate";
   }
 
   request() {
-    const body = { model: $("text-model").value, prompt: $("prompt").value, max_tokens: Number($("text-max").value),
-                   temperature: Number($("text-temperature").value), stream_options: { include_usage: true } };
+    const body = { model: $("text-model").value, temperature: Number($("text-temperature").value),
+                   stream_options: { include_usage: true } };
+    if (this.chatting) body.messages = this.messages.slice();
+    else body.prompt = $("prompt").value;
+    if ($("text-max").value !== "") body.max_tokens = Number($("text-max").value); // else the server's default
     if ($("text-seed").value !== "") body.seed = Number($("text-seed").value);
     return body;
   }
 
+  // The conversation so far, each message on lines of its own, then the reply to come.
+  showChat(reply) {
+    const lines = this.messages.map((message) => `${message.role}: ${message.content}\n\n`);
+    this.output.replaceChildren(...lines, "assistant: ", reply);
+  }
+
   async generate() {
     this.onError(null);
-    const body = this.request();
+    const chatting = this.chatting;
     const generated = document.createElement("span");
     generated.className = "generated";
-    this.output.replaceChildren(body.prompt, generated);
+    if (chatting) this.messages.push({ role: "user", content: $("prompt").value });
+    const body = this.request();
+    if (chatting) this.showChat(generated);
+    else this.output.replaceChildren(body.prompt, generated);
+    const state = await this.stream(chatting ? "v1/chat/completions" : "v1/completions", body, generated);
+    if (!chatting) return;
+    if (state === "failed") this.messages.pop(); // refused: the message may be sent again
+    else {
+      this.messages.push({ role: "assistant", content: generated.textContent });
+      $("prompt").value = "";
+    }
+  }
+
+  // Stream one request's first choice into `generated`; returns how it ended.
+  async stream(path, body, generated) {
     this.controller = new AbortController();
     this.button.textContent = "Stop";
     const started = performance.now();
@@ -77,7 +129,7 @@ export class TextTab {
     };
     try {
       const signal = this.controller.signal;
-      for await (const event of postStream("v1/completions", body, signal)) {
+      for await (const event of postStream(path, body, signal)) {
         // Stop pressed while events were already buffered: show none of them (leaving the loop closes the stream)
         if (signal.aborted) throw new DOMException("stopped", "AbortError");
         if (!event.choices.length) { // the usage event, last: the exact count of the model's tokens
@@ -85,9 +137,10 @@ export class TextTab {
           continue;
         }
         const choice = event.choices[0];
-        generated.append(choice.text);
+        const text = choice.text ?? choice.delta?.content ?? ""; // a completion's, or a chat's delta
+        generated.append(text);
         // Until the usage event: a byte model's tokens are the text's bytes; a tokenizer's, at least one a chunk
-        tokens += bytes ? utf8.encode(choice.text).length : Number(choice.text !== "");
+        tokens += bytes ? utf8.encode(text).length : Number(text !== "");
         state = choice.finish_reason ? `finished (${choice.finish_reason})` : "streaming";
         show(state);
       }
@@ -97,7 +150,8 @@ export class TextTab {
     }
     show(state);
     this.controller = null;
-    this.button.textContent = "Generate";
+    this.button.textContent = this.idleLabel;
+    return state;
   }
 
   async score() {

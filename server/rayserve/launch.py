@@ -76,9 +76,14 @@ def check_ray_installed() -> None:
 
 
 def with_absolute_paths(settings: Settings) -> Settings:
-    """Replicas may start in another directory: give them absolute weight paths."""
+    """Replicas may start in another directory: give them absolute weight (and chat template) paths."""
+    template = settings.chat_template and Path(settings.chat_template).resolve()
     return settings.model_copy(
-        update={"weights": Path(settings.weights).resolve(), "models": [Path(p).resolve() for p in settings.models]}
+        update={
+            "weights": Path(settings.weights).resolve(),
+            "models": [Path(p).resolve() for p in settings.models],
+            "chat_template": template,
+        }
     )
 
 

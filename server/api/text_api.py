@@ -207,8 +207,10 @@ class TextCompletion:
         echo = self.body.echo
         prefix, logprobs = (prompt, scores.logprobs if scores else []) if echo else ([], [])
         tops = (scores.top_logprobs or []) if echo and scores else []
+        shown = self.body.output_vocabulary(self.vocabulary)
+        include_stop = self.body.include_stop_str_in_output
         texts = [
-            SampleText(self.body.stop_bytes(), prefix, list(logprobs), list(tops), self.vocabulary)
+            SampleText(self.body.stop_bytes(), prefix, list(logprobs), list(tops), shown, include_stop)
             for _ in range(self.body.samples)
         ]
         self.parts.append(PromptSamples(prompt, scores, texts, [None] * self.body.samples))
@@ -231,7 +233,9 @@ class TextCompletion:
         self._end(part, result.sample, result.finish_reason, result.matched_stop)
 
     def _end(self, part: int, sample: int, finish_reason: str, matched_stop: bytes | None) -> None:
-        self.parts[part].texts[sample].end(matched_stop)
+        text = self.parts[part].texts[sample]
+        generated = text.tokens[len(text.prefix) :]
+        text.end(matched_stop, self.body.ended_by_stop_token(generated, finish_reason, matched_stop))
         self.parts[part].finish[sample] = finish_reason
 
     def index(self, part: int, sample: int) -> int:

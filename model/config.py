@@ -139,6 +139,18 @@ class ModelConfig:
         return self.vocab_size if self.bos_token < 0 else self.bos_token
 
     @property
+    def reads_bos_first(self) -> bool:
+        """Whether every prompt is read after the start token. rnnserve's own models were trained that way (their
+        start token is an input of its own); an imported model reads a prompt as its tokenizer wrote it (Hugging
+        Face's convention: the tokenizer adds a start token if the model wants one), so only an empty prompt
+        starts from the start token."""
+        return self.bos_token < 0
+
+    def prompt_lead(self, prompt_length: int) -> list[int]:
+        """The tokens the model reads before a prompt of `prompt_length` tokens: the start token, or nothing."""
+        return [self.bos] if self.reads_bos_first or prompt_length == 0 else []
+
+    @property
     def vocab_in(self) -> int:
         return self.vocab_size + 1 if self.bos_token < 0 else self.vocab_size  # the start token may be extra
 

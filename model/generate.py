@@ -11,7 +11,7 @@ import torch
 from .step_decoders import EagerDecoder
 from .decoders import make_decoder
 from .sampling import BatchSampling, force_tokens
-from .transformer import SequenceTooLong, Transformer, with_bos
+from .transformer import SequenceTooLong, Transformer
 
 
 @torch.inference_mode()
@@ -33,14 +33,16 @@ def generate(
     compiled=False (the first call compiles: seconds to a minute), else eager.
     """
     b, p = prompt.shape
-    if total_len > model.config.max_len:  # decode steps do not check (see Transformer.decode_step)
+    lead = model.config.prompt_lead(p)
+    if len(lead) + total_len - 1 > model.config.max_len:  # decode steps do not check (see Transformer.decode_step)
         raise SequenceTooLong(f"cannot generate {total_len} tokens; this model's max_len is {model.config.max_len}")
     tokens = torch.empty(b, total_len, dtype=torch.long, device=model.device)
     tokens[:, :p] = prompt
     decoder = _empty_decoder(model, b, decoder, compiled)
     state = decoder.state
-    # The BOS-shifted prompt predicts positions 1..P; one chunk prefills it.
-    logits, state = model(with_bos(torch.cat([prompt, prompt.new_zeros(b, 1)], dim=1), model.config.bos), state)
+    # The prompt after the model's lead (its start token, if it reads one) predicts position P; one chunk prefills it.
+    inputs = torch.cat([torch.tensor(lead, dtype=torch.long, device=model.device).expand(b, -1), prompt], dim=1)
+    logits, state = model(inputs, state)
     logits = logits[:, -1]
     for pos in range(p, total_len):
         position = torch.full((b,), pos, dtype=torch.long, device=model.device)

@@ -37,11 +37,14 @@ class Vocabulary:
         """A byte model's: token id = byte, no tokenizer."""
         return self.tokenizer_json is None
 
-    def encode(self, text: str) -> list[int]:
-        """The model's tokens for `text` (special tokens written out, e.g. <|endoftext|>, are recognised)."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The model's tokens for `text` as its tokenizer makes them by default, as Hugging Face's tokenizers do:
+        the tokenizer's post-processor adds the special tokens the model expects (Llama's <s>; none for GPT-2)
+        unless `add_special_tokens` is False (text that writes them itself, e.g. a rendered chat template).
+        Special tokens written out in the text (e.g. <|endoftext|>) are recognised."""
         if self.is_bytes:
             return list(text.encode("utf-8"))
-        return _tokenizer(self.tokenizer_json).encode(text, add_special_tokens=False).ids
+        return _tokenizer(self.tokenizer_json).encode(text, add_special_tokens=add_special_tokens).ids
 
     @functools.cached_property
     def with_special_text(self) -> "Vocabulary":

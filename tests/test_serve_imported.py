@@ -19,6 +19,7 @@ openai = pytest.importorskip("openai", reason="the OpenAI client (make test inst
 from hf_support import CORPUS, END_OF_TEXT, UNICODE, gpt2_folder, imported  # noqa: E402  (fixtures; after the skip)
 from server_support import make_settings, running_server, save_tiny_model, sse_payloads  # noqa: E402
 
+from model.vocabulary import vocabulary_for  # noqa: E402
 from model.weights_io import load_model, read_metadata, read_tokenizer  # noqa: E402
 from rnnserve_cli import main  # noqa: E402
 from training.train import INHERITED_FIELDS  # noqa: E402
@@ -83,12 +84,15 @@ def hf(gpt2_folder):
     return model, transformers.AutoTokenizer.from_pretrained(gpt2_folder)
 
 
-def hf_greedy(hf, prompt: str, new_tokens: int) -> list[int]:
-    """Hugging Face's greedy tokens after `prompt`, from <|endoftext|> as rnnserve starts (stops at its end token)."""
+def hf_greedy(hf, prompt: str | list[int], new_tokens: int) -> list[int]:
+    """Hugging Face's greedy tokens after `prompt` as its tokenizer encodes it, nothing prepended (as
+    `pipeline("text-generation")` and vLLM read it); stops at the end token."""
     model, tokenizer = hf
     end = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
-    ids = torch.tensor([[end, *tokenizer.encode(prompt)]])
-    out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=end)
+    ids = torch.tensor([tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, pad_token_id=end
+    )
     return out[0, ids.shape[1] :].tolist()
 
 
@@ -118,6 +122,36 @@ def test_text_in_text_out_is_hugging_face_s_greedy_decode(client, hf):
     assert answer.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
     assert answer.usage.prompt_tokens == len(tokenizer.encode(UNICODE))
     assert answer.usage.completion_tokens == len(expected)
+
+
+@pytest.mark.parametrize("prompt", ["To be", " naïve café: ∑ x²", "Whether 'tis nobler in the mind"])
+def test_64_greedy_tokens_continue_the_prompt_as_written_as_hugging_face_does(client, hf, imported, prompt):
+    _, tokenizer = hf
+    expected = hf_greedy(hf, prompt, 64)
+    answer = greedy(client, prompt, 64, logprobs=0)
+    shown = vocabulary_for(*read_metadata(imported)[:1], read_tokenizer(imported)).shown  # how logprobs name ids
+    assert answer.choices[0].logprobs.tokens == [shown[t] for t in expected]  # token for token, not only the text
+    assert answer.usage.prompt_tokens == len(tokenizer(prompt).input_ids)
+
+
+def test_echo_scores_the_prompt_as_hugging_face_does_and_its_first_token_has_none(client, hf):
+    model, tokenizer = hf
+    ids = tokenizer("To be, or not to be").input_ids
+    answer = greedy(client, ids, 0, echo=True, logprobs=1).choices[0].logprobs
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)  # position t predicts token t + 1
+    assert answer.token_logprobs[0] is None and answer.top_logprobs[0] is None
+    assert answer.token_logprobs[1:] == pytest.approx([float(expected[t, i]) for t, i in enumerate(ids[1:])], abs=1e-4)
+
+
+def test_the_whole_context_is_usable_and_one_token_more_is_refused(server, client, hf):
+    _, tokenizer = hf
+    context = 128  # the folder's n_positions
+    ids = (tokenizer("To be, or not to be, that is the question. ").input_ids * context)[:context]
+    assert greedy(client, ids, 1).usage.completion_tokens == 1  # reads all 128 positions, draws one more
+    assert greedy(client, ids[:100], 29).usage.completion_tokens == 29
+    too_long = httpx.post(f"{server}/v1/completions", json={"model": MODEL, "prompt": ids[:100], "max_tokens": 30})
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_token_ids_and_text_prompts_give_the_same_answer(client, hf):

@@ -6,7 +6,7 @@ tokens and their log-probabilities, sampling parameters). It prefills
 rows, samples and decodes the live rows [0, n), copies and moves rows, and
 scores prompts. Only the engine's worker thread calls it.
 
-A non-streamed request's tokens are written into the (rows, max_len)
+A non-streamed request's tokens are written into the (rows, max_len + 1)
 `generated` buffer by position as they are drawn, so a step builds no
 per-token objects for it; `read_sample` takes a finished row out in one go.
 """
@@ -53,11 +53,11 @@ class Slots:
 
     logits: torch.Tensor  # (N, V) next-token logits per row
     position: torch.Tensor  # (N,) position being drawn
-    forced: torch.Tensor  # (N, max_len) known token per position, -1 if free
-    generated: torch.Tensor  # (N, max_len) token drawn at each position
-    logprobs: torch.Tensor  # (N, max_len) its log-probability, written while a row asks for them
-    top_ids: torch.Tensor  # (N, max_len, MAX_TOP_LOGPROBS) most likely tokens, while a row asks
-    top_values: torch.Tensor  # (N, max_len, MAX_TOP_LOGPROBS) their log-probabilities
+    forced: torch.Tensor  # (N, max_len + 1) known token per position, -1 if free
+    generated: torch.Tensor  # (N, max_len + 1) token drawn at each position
+    logprobs: torch.Tensor  # (N, max_len + 1) its log-probability, written while a row asks for them
+    top_ids: torch.Tensor  # (N, max_len + 1, MAX_TOP_LOGPROBS) most likely tokens, while a row asks
+    top_values: torch.Tensor  # (N, max_len + 1, MAX_TOP_LOGPROBS) their log-probabilities
     counts: torch.Tensor  # (N, V) tokens generated so far, counted while a row has penalties
     bias: torch.Tensor  # (N, V) logit bias
     frequency: torch.Tensor  # (N,) frequency penalty
@@ -78,7 +78,10 @@ class Slots:
         def zeros(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
-        top = (rows, cfg.max_len, MAX_TOP_LOGPROBS)
+        # Positions run to max_len inclusive: a model that reads no start token before its prompt draws its last
+        # token at position max_len (it never reads that one).
+        positions = cfg.max_len + 1
+        top = (rows, positions, MAX_TOP_LOGPROBS)
         sampling = BatchSampling(
             zeros(rows) + 1,
             zeros(rows, dtype=torch.long),
@@ -90,9 +93,9 @@ class Slots:
         return cls(
             logits=zeros(rows, cfg.vocab_out),
             position=zeros(rows, dtype=torch.long),
-            forced=zeros(rows, cfg.max_len, dtype=torch.long) - 1,
-            generated=zeros(rows, cfg.max_len, dtype=torch.long),
-            logprobs=zeros(rows, cfg.max_len),
+            forced=zeros(rows, positions, dtype=torch.long) - 1,
+            generated=zeros(rows, positions, dtype=torch.long),
+            logprobs=zeros(rows, positions),
             top_ids=zeros(*top, dtype=torch.long),
             top_values=zeros(*top),
             counts=zeros(rows, cfg.vocab_out),
@@ -216,7 +219,7 @@ class ModelRunner:
         """One forward over prompts of equal length, into rows [first, first + len(requests)).
         Returns each prompt's log-likelihood under its sampling distribution (0.0 where not weighed)."""
         rows = slice(first, first + len(requests))
-        logits = self._run_prompts(requests, self.slots.state.slice(rows.start, rows.stop))  # (count, P + 1, V)
+        logits = self._run_prompts(requests, self.slots.state.slice(rows.start, rows.stop))  # (count, lead + P, V)
         self.slots.logits[rows] = logits[:, -1].float()
         for row, request in enumerate(requests, start=first):
             self._fill_row(row, request)
@@ -235,15 +238,16 @@ class ModelRunner:
             )
 
     def _run_prompts(self, requests: list[GenerationRequest], row_state: ModelState) -> torch.Tensor:
-        """Prefill one row per request with BOS + its prompt -> (count, P + 1, V) logits.
-        Empty prompts (e.g. images with no known first pixel) copy the state after BOS alone,
-        computed once at start-up, instead of running the model."""
+        """Prefill one row per request with its lead (the start token, for models that read one first) and its
+        prompt -> (count, lead + P, V) logits. Empty prompts (e.g. images with no known first pixel) copy the
+        state after BOS alone, computed once at start-up, instead of running the model."""
         if not requests[0].prompt:
             after_bos, logits = self._after_bos
             row_state.write_rows(range(len(requests)), after_bos)
             return logits[:, None].expand(len(requests), 1, -1)
         row_state.reset_rows(range(len(requests)))
-        tokens = torch.tensor([[self.model.config.bos, *r.prompt] for r in requests], device=self.model.device)
+        lead = self.model.config.prompt_lead(len(requests[0].prompt))
+        tokens = torch.tensor([[*lead, *r.prompt] for r in requests], device=self.model.device)
         logits, _ = self.model(tokens, row_state)
         return logits
 
@@ -374,22 +378,30 @@ class ModelRunner:
         return self.slots.state.nbytes_in_use(rows)
 
     def score(self, tokens: list[int], top: int = 0) -> PromptScores:
-        """Log-probability of each token given those before it (the first given BOS), one parallel pass,
-        and the `top` most likely tokens at each position."""
+        """Log-probability of each token given those before it, one parallel pass, and the `top` most likely
+        tokens at each position. A model that reads its start token first scores the first token given it;
+        otherwise nothing predicts the first token, whose entries are None (as in OpenAI's API)."""
         x = torch.tensor([tokens], device=self.model.device)
-        logits, _ = self.model(with_bos(x, self.model.config.bos))
-        scores = PromptScores(token_logprobs(logits[0], x[0]).tolist())
+        if self.model.config.reads_bos_first:
+            logits, _ = self.model(with_bos(x, self.model.config.bos))
+            scores = PromptScores(token_logprobs(logits[0], x[0]).tolist())
+            if top:
+                scores.top_logprobs = pair_up(*top_logprobs(logits[0], top))
+            return scores
+        logits = self.model(x)[0][0, :-1]  # (T - 1, V): position t predicts token t + 1
+        scores = PromptScores([None, *token_logprobs(logits, x[0, 1:]).tolist()])
         if top:
-            scores.top_logprobs = pair_up(*top_logprobs(logits[0], top))
+            scores.top_logprobs = [None, *pair_up(*top_logprobs(logits, top))]
         return scores
 
 
 def prompt_log_likelihood(logits: torch.Tensor, request: GenerationRequest) -> float:
-    """log p(prompt) under the request's sampling distribution: (P, V) logits, each predicting the next token."""
+    """log p(prompt) under the request's sampling distribution: (lead + P - 1, V) logits, each predicting the
+    next token (without a lead, nothing predicts the prompt's first token)."""
     p = request.sampling
-    count = len(request.prompt)
-    params = BatchSampling.from_params([p] * count, logits.device)
-    tokens = torch.tensor(request.prompt, device=logits.device)
+    predicted = request.prompt[len(request.prompt) - logits.shape[0] :]
+    params = BatchSampling.from_params([p] * len(predicted), logits.device)
+    tokens = torch.tensor(predicted, device=logits.device)
     return float(sampling_logprobs(logits, params, tokens).double().sum())
 
 

@@ -97,10 +97,11 @@ class SampleResult:
 
 @dataclass
 class PromptScores:
-    """A prompt scored in one parallel pass: each token's log-probability given those before it."""
+    """A prompt scored in one parallel pass: each token's log-probability given those before it (None for a first
+    token nothing predicts: a model that reads no start token before its prompt)."""
 
-    logprobs: list[float]
-    top_logprobs: list[TopLogprobs] | None = None  # the most likely tokens at each position, when asked
+    logprobs: list[float | None]
+    top_logprobs: list[TopLogprobs | None] | None = None  # the most likely tokens at each position, when asked
 
 
 @dataclass(frozen=True)

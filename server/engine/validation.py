@@ -48,12 +48,14 @@ def check_fits(prompt: list[int], max_new_tokens: int, model_name: str, config: 
     """The prompt's tokens are valid and, with `max_new_tokens` more, fit the model's context."""
     check_tokens(prompt, model_name, config.vocab_size)
     max_len = config.max_len
-    total = len(prompt) + max_new_tokens
+    # What the model reads: its lead (a start token), the prompt, and every new token but the last.
+    lead = len(config.prompt_lead(len(prompt)))
+    total = lead + len(prompt) + max_new_tokens - 1
     if total > max_len:
-        at_fault = "prompt" if len(prompt) >= max_len else "max_tokens"  # a prompt that leaves no room is the fault
+        at_fault = "prompt" if lead + len(prompt) > max_len else "max_tokens"  # a prompt that leaves no room
         raise InvalidRequest(
-            f"prompt ({len(prompt)} tokens) plus max_tokens ({max_new_tokens}) is "
-            f"{total}; model '{model_name}' handles at most {max_len} tokens",
+            f"prompt ({len(prompt)} tokens{' after the start token' if lead else ''}) plus max_tokens "
+            f"({max_new_tokens}) needs a context of {total} tokens; model '{model_name}' handles at most {max_len}",
             at_fault,
             "context_length_exceeded",
         )

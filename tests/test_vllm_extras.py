@@ -1,0 +1,228 @@
+"""vLLM's common extras: its sampling fields (against Hugging Face's logits processors and `generate`, and through
+a real server on an imported GPT-2 whose end-of-text token logit_bias can force), and /tokenize's fields."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="the Hugging Face side of the comparison (make test installs it)"
+)
+
+from hf_support import END_OF_TEXT, UNICODE, gpt2_folder, imported  # noqa: E402  (fixtures; after the skip)
+from server_support import make_settings, running_server  # noqa: E402
+
+from model.vocabulary import vocabulary_for  # noqa: E402
+from model.weights_io import read_metadata, read_tokenizer  # noqa: E402
+from model.sampling import (  # noqa: E402
+    BatchSampling,
+    SamplingParams,
+    filtered_logits,
+    min_p_mask,
+    repetition_penalized,
+    suppressed_until,
+    top_k_mask,
+)
+
+__all__ = ["gpt2_folder", "imported"]
+MODEL = "gpt2-tiny"
+VOCAB = 300
+
+
+def random_logits(seed: int, rows: int = 6) -> torch.Tensor:
+    return 3 * torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed))
+
+
+# -- the pure functions, row by row against Hugging Face's processors ------------------------------------------
+
+
+def test_the_repetition_penalty_is_hugging_face_s_row_by_row():
+    logits = random_logits(0)
+    generator = torch.Generator().manual_seed(1)
+    seen_ids = [torch.randint(0, VOCAB, (20,), generator=generator) for _ in range(len(logits))]
+    seen = torch.zeros(len(logits), VOCAB, dtype=torch.bool)
+    for row, ids in enumerate(seen_ids):
+        seen[row, ids] = True
+    penalties = torch.tensor([1.0, 1.3, 0.7, 2.0, 1.05, 5.0])
+    ours = repetition_penalized(logits, seen, penalties)
+    for row, ids in enumerate(seen_ids):
+        processor = transformers.RepetitionPenaltyLogitsProcessor(float(penalties[row]))
+        theirs = processor(ids[None], logits[row : row + 1].clone())
+        assert torch.allclose(ours[row], theirs[0]), row
+    assert torch.equal(ours[0], logits[0])  # a penalty of 1 changes nothing
+    assert not torch.equal(ours[1], logits[1])
+
+
+def test_min_p_is_hugging_face_s_row_by_row():
+    logits = random_logits(2)
+    min_p = torch.tensor([0.0, 0.05, 0.1, 0.5, 0.9, 1.0])
+    ours = min_p_mask(logits, min_p)
+    for row in range(1, len(logits)):  # Hugging Face's warper takes min_p in (0, 1]
+        theirs = transformers.MinPLogitsWarper(float(min_p[row]))(None, logits[row : row + 1].clone())
+        assert torch.equal(ours[row].isinf(), theirs[0].isinf()), row
+        kept = ~ours[row].isinf()
+        assert torch.equal(ours[row][kept], logits[row][kept])
+    assert not ours[0].isinf().any() and (~ours[5].isinf()).sum() == 1  # 0 keeps all, 1 the best alone
+
+
+def test_top_k_is_hugging_face_s_row_by_row_and_minus_one_is_off():
+    logits = random_logits(3)
+    top_k = torch.tensor([0, 1, 5, 40, VOCAB, 1000])
+    ours = top_k_mask(logits, top_k)
+    for row in range(1, len(logits)):
+        theirs = transformers.TopKLogitsWarper(int(top_k[row]))(None, logits[row : row + 1].clone())
+        assert torch.equal(ours[row].isinf(), theirs[0].isinf()), row
+    params = [SamplingParams(top_k=0), SamplingParams(min_p=0.2), SamplingParams(top_k=3, min_p=0.01)]
+    filtered = filtered_logits(logits[:3], BatchSampling.from_params(params))
+    assert not filtered[0].isinf().any()
+    assert torch.equal(filtered[1].isinf(), min_p_mask(logits[1:2], torch.tensor([0.2]))[0].isinf())
+    assert (~filtered[2].isinf()).sum() == 3
+
+
+def test_min_tokens_holds_the_ending_tokens_back_until_its_position():
+    logits = random_logits(4, rows=3)
+    ends = torch.zeros(3, VOCAB, dtype=torch.bool)
+    ends[:, [7, 9]] = True
+    held = suppressed_until(logits, ends, torch.tensor([5, 8, 9]), torch.tensor([8, 8, 12]))
+    assert held[0, [7, 9]].isinf().all() and held[2, [7, 9]].isinf().all()
+    assert torch.equal(held[1], logits[1])  # at its `until`: free
+    assert torch.equal(held[0, :7], logits[0, :7])
+
+
+# -- through a server -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(imported):
+    with running_server(make_settings(weights=imported.parent, max_batch=8)) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def hf(gpt2_folder):
+    model = transformers.GPT2LMHeadModel.from_pretrained(gpt2_folder).eval()
+    return model, transformers.AutoTokenizer.from_pretrained(gpt2_folder)
+
+
+def complete(server: str, **body) -> httpx.Response:
+    return httpx.post(f"{server}/v1/completions", json={"model": MODEL, "temperature": 0, **body}, timeout=60)
+
+
+def choice(server: str, **body) -> tuple[dict, dict]:
+    answer = complete(server, **body)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["choices"][0], answer.json()["usage"]
+
+
+def end_token(hf) -> int:
+    return hf[1].convert_tokens_to_ids(END_OF_TEXT)
+
+
+def a_word_token(hf) -> int:
+    """A token of several plain characters (not special)."""
+    tokenizer = hf[1]
+    return next(t for t in range(len(tokenizer) - 1, 255, -1) if tokenizer.decode([t]).strip().isalpha())
+
+
+def test_the_repetition_penalty_gives_hugging_face_s_greedy_tokens(server, hf, imported):
+    model, tokenizer = hf
+    shown = vocabulary_for(read_metadata(imported)[0], read_tokenizer(imported)).shown  # how logprobs name ids
+    for prompt in ("To be, or not to be", UNICODE):
+        ids = torch.tensor([tokenizer(prompt).input_ids])
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=24,
+            do_sample=False,
+            repetition_penalty=1.3,
+            pad_token_id=end_token(hf),
+        )
+        expected = [shown[t] for t in out[0, ids.shape[1] :].tolist()]
+        got, _ = choice(server, prompt=prompt, max_tokens=24, repetition_penalty=1.3, logprobs=0)
+        assert got["logprobs"]["tokens"] == expected
+        plain, _ = choice(server, prompt=prompt, max_tokens=24, logprobs=0)
+        assert plain["logprobs"]["tokens"] != expected  # the penalty changed something
+
+
+def test_min_tokens_holds_back_the_end_token_that_logit_bias_forces(server, hf):
+    bias = {str(end_token(hf)): 100}
+    at_once, usage = choice(server, prompt="x", max_tokens=8, logit_bias=bias)
+    assert (at_once["finish_reason"], usage["completion_tokens"]) == ("stop", 1)
+    held, usage = choice(server, prompt="x", max_tokens=8, logit_bias=bias, min_tokens=3)
+    assert (held["finish_reason"], usage["completion_tokens"]) == ("stop", 4)
+    held_stream = complete(server, prompt="x", max_tokens=8, logit_bias=bias, min_tokens=3, stream=True)
+    assert held_stream.text.count('"finish_reason":"stop"') == 1
+
+
+def test_ignore_eos_generates_past_the_end_token_and_skip_special_tokens_shows_it(server, hf):
+    bias = {str(end_token(hf)): 100}
+    ignored, usage = choice(server, prompt="x", max_tokens=5, logit_bias=bias, ignore_eos=True)
+    assert (ignored["text"], ignored["finish_reason"], usage["completion_tokens"]) == ("", "length", 5)
+    shown, _ = choice(server, prompt="x", max_tokens=5, logit_bias=bias, ignore_eos=True, skip_special_tokens=False)
+    assert shown["text"] == END_OF_TEXT * 5
+
+
+def test_stop_token_ids_end_a_sample_and_include_stop_str_in_output_keeps_them(server, hf):
+    word = a_word_token(hf)
+    text = hf[1].decode([word])
+    bias = {str(word): 100}
+    unstopped, _ = choice(server, prompt="x", max_tokens=3, logit_bias=bias)
+    assert (unstopped["text"], unstopped["finish_reason"]) == (text * 3, "length")
+    stopped, usage = choice(server, prompt="x", max_tokens=3, logit_bias=bias, stop_token_ids=[word])
+    assert (stopped["text"], stopped["finish_reason"], usage["completion_tokens"]) == ("", "stop", 1)
+    kept, _ = choice(
+        server, prompt="x", max_tokens=3, logit_bias=bias, stop_token_ids=[word], include_stop_str_in_output=True
+    )
+    assert (kept["text"], kept["finish_reason"]) == (text, "stop")
+    late, usage = choice(server, prompt="x", max_tokens=3, logit_bias={str(word): 100}, min_tokens=2, stop=[text])
+    assert (late["text"], usage["completion_tokens"]) == (text, 2)  # the stop string ends it at min_tokens, not before
+    by_string, _ = choice(
+        server, prompt="x", max_tokens=3, logit_bias=bias, stop=[text], include_stop_str_in_output=True
+    )
+    assert by_string["text"] == text
+
+
+def test_min_p_one_leaves_the_most_likely_token_alone(server):
+    greedy, _ = choice(server, prompt=UNICODE, max_tokens=12)
+    sampled, _ = choice(server, prompt=UNICODE, max_tokens=12, temperature=1.0, seed=3, min_p=1.0, n=2)
+    assert sampled["text"] == greedy["text"]
+    free, _ = choice(server, prompt=UNICODE, max_tokens=12, temperature=1.0, seed=3, top_k=-1)
+    assert free["text"] != greedy["text"]
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+        ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"top_k": -2}, "top_k"),
+    ],
+)
+def test_bad_extras_are_refused_naming_the_field(server, body, param):
+    answer = complete(server, prompt="x", **{"max_tokens": 2, **body})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+    assert choice(server, prompt="x", max_tokens=1)[1]["completion_tokens"] == 1
+
+
+# -- /tokenize and /detokenize ------------------------------------------------------------------------------------
+
+
+def test_tokenize_answers_vllm_s_fields(server, hf):
+    tokenizer = hf[1]
+    plain = httpx.post(f"{server}/tokenize", json={"model": MODEL, "prompt": UNICODE}).json()
+    assert plain == {
+        "count": len(tokenizer(UNICODE).input_ids),
+        "max_model_len": 128,
+        "tokens": tokenizer(UNICODE).input_ids,
+        "token_strs": None,
+    }
+    strs = httpx.post(f"{server}/tokenize", json={"prompt": UNICODE, "return_token_strs": True}).json()["token_strs"]
+    assert "".join(strs).replace("bytes:", "") and len(strs) == plain["count"]
+    raw = httpx.post(f"{server}/tokenize", json={"prompt": "a" + END_OF_TEXT, "add_special_tokens": False}).json()
+    assert raw["tokens"][-1] == end_token(hf)
+    back = httpx.post(f"{server}/detokenize", json={"model": MODEL, "tokens": plain["tokens"]}).json()
+    assert back == {"prompt": UNICODE}

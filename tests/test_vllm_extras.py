@@ -12,7 +12,11 @@ transformers = pytest.importorskip(
 )
 
 from hf_support import END_OF_TEXT, UNICODE, gpt2_folder, imported  # noqa: E402  (fixtures; after the skip)
-from server_support import make_settings, running_server  # noqa: E402
+from server_support import TEXT_MAX_LEN, make_settings, running_server, save_tiny_model  # noqa: E402
+
+from rnnserve_cli import main  # noqa: E402
+from server.engine.registry import served_names  # noqa: E402
+from server.settings import SettingsError, build_settings, parse_bytes  # noqa: E402
 
 from model.vocabulary import vocabulary_for  # noqa: E402
 from model.weights_io import read_metadata, read_tokenizer  # noqa: E402
@@ -226,3 +230,94 @@ def test_tokenize_answers_vllm_s_fields(server, hf):
     assert raw["tokens"][-1] == end_token(hf)
     back = httpx.post(f"{server}/detokenize", json={"model": MODEL, "tokens": plain["tokens"]}).json()
     assert back == {"prompt": UNICODE}
+
+
+# -- the server's flags: --served-model-name, --max-model-len, a decode memory budget --------------------------
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("two")
+    save_tiny_model(folder, "softy", "softmax", "text")  # a context of TEXT_MAX_LEN tokens
+    save_tiny_model(folder, "lin", "linear", "text", seed=1)
+    return folder
+
+
+def test_served_names_max_model_len_and_the_memory_budget_reach_the_api(two_models):
+    budget = 96 * 1024
+    settings = make_settings(
+        weights=two_models,
+        served_model_name=["softy=chatty"],
+        max_model_len=32,
+        kv_cache_memory=f"{budget // 1024}KiB",
+        max_batch=8,
+        engine_process=False,
+    )
+    with running_server(settings) as (url, _):
+        cards = {card["id"]: card for card in httpx.get(f"{url}/v1/models").json()["data"]}
+        assert set(cards) == {"chatty", "lin"}
+        for card in cards.values():
+            assert card["max_len"] == card["max_model_len"] == 32 < TEXT_MAX_LEN
+            assert card["decode_memory_budget"] == budget // 2
+            assert card["decode_slots"] == min(8, budget // 2 // card["decode_slot_bytes"])
+        assert cards["chatty"]["decode_slots"] < 8  # the budget, not --max-batch, set a softmax model's slots
+        chatty = cards["chatty"]  # its state is the slots' keys and values at 32 positions (and their lengths)
+        slots_state = chatty["decode_slots"] * chatty["state_bytes_per_sequence"]
+        assert slots_state <= chatty["state_bytes_allocated"] < slots_state + chatty["state_bytes_per_sequence"]
+        body = {"model": "chatty", "prompt": "x" * 20, "max_tokens": 20}
+        refused = httpx.post(f"{url}/v1/completions", json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+        assert "at most 32" in refused.json()["error"]["message"]
+        fits = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 8}).json()
+        assert fits["model"] == "chatty" and fits["usage"]["completion_tokens"] == 8
+        assert httpx.post(f"{url}/tokenize", json={"model": "chatty", "prompt": "a"}).json()["max_model_len"] == 32
+        unknown = httpx.post(f"{url}/v1/completions", json={**body, "model": "softy"})
+        assert unknown.status_code == 404
+
+
+def test_without_a_budget_every_engine_takes_max_batch_slots(two_models):
+    with running_server(make_settings(weights=two_models, max_batch=3, engine_process=False)) as (url, _):
+        for card in httpx.get(f"{url}/v1/models").json()["data"]:
+            assert (card["decode_slots"], card["decode_memory_budget"], card["max_len"]) == (3, None, TEXT_MAX_LEN)
+            assert card["decode_slot_bytes"] > card["state_bytes_per_sequence"] > 0
+
+
+def test_a_budget_that_holds_no_sequence_stops_start_up_saying_what_one_needs(two_models, capsys):
+    flags = ["--weights", str(two_models), "--port", "0", "--device", "cpu", "--kv-cache-memory", "4KB"]
+    assert main(["serve", *flags]) == 2
+    error = capsys.readouterr().err
+    assert "one sequence needs" in error and "--kv-cache-memory" in error and "4000 bytes" not in error
+    assert "share of the decode memory budget is 2000 bytes" in error
+
+
+@pytest.mark.parametrize(
+    "names, words",
+    [
+        (["solo"], "name each as STEM=NAME"),
+        (["nope=x"], "no model file is named 'nope'"),
+        (["softy=lin"], "both be served as 'lin'"),
+        (["softy="], "the name is empty"),
+    ],
+)
+def test_served_model_names_that_cannot_work_are_refused(two_models, names, words):
+    paths = sorted(two_models.glob("*.safetensors"))
+    with pytest.raises(SettingsError, match=words):
+        served_names(names, paths)
+    assert served_names(["lin=b"], paths) == {
+        two_models / "lin.safetensors": "b",
+        two_models / "softy.safetensors": "softy",
+    }
+
+
+def test_sizes_take_vllm_s_units():
+    assert [parse_bytes(v) for v in ("2GiB", "500MB", "1024", "1.5G", "3kib")] == [
+        2 * 1024**3,
+        500 * 1000**2,
+        1024,
+        1_500_000_000,
+        3072,
+    ]
+    with pytest.raises(SettingsError, match="a size in bytes"):
+        build_settings(kv_cache_memory="lots")
+    with pytest.raises(SettingsError, match="not both"):
+        build_settings(kv_cache_memory="1G", kv_cache_memory_fraction=0.5)

@@ -71,6 +71,7 @@ def _default(name: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_server_arguments(parser)
     _add_engine_arguments(parser)
+    _add_vllm_arguments(parser)
     _add_request_arguments(parser)
     _add_time_limit_arguments(parser)
     _add_ray_arguments(parser.add_argument_group("Ray Serve (with --ray; pip install 'rnnserve[ray]')"))
@@ -151,7 +152,6 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-waiting", type=int, help=f"requests queued per model (per worker) before 429 {default('max_waiting')}"
     )
-    _add_vllm_arguments(parser)
     parser.add_argument(
         "--scheduler-steps",
         type=int,

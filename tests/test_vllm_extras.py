@@ -3,6 +3,8 @@ a real server on an imported GPT-2 whose end-of-text token logit_bias can force)
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 import torch
@@ -14,7 +16,12 @@ transformers = pytest.importorskip(
 from hf_support import END_OF_TEXT, UNICODE, gpt2_folder, imported  # noqa: E402  (fixtures; after the skip)
 from server_support import TEXT_MAX_LEN, make_settings, running_server, save_tiny_model  # noqa: E402
 
+from conftest import make_tiny_model  # noqa: E402
 from rnnserve_cli import main  # noqa: E402
+from server.engine.core import Engine, EngineLimits  # noqa: E402
+from server.engine.output import LocalOutput  # noqa: E402
+from server.engine.types import GenerationRequest  # noqa: E402
+from server.metrics import Metrics  # noqa: E402
 from server.engine.registry import served_names  # noqa: E402
 from server.settings import SettingsError, build_settings, parse_bytes  # noqa: E402
 
@@ -321,3 +328,38 @@ def test_sizes_take_vllm_s_units():
         build_settings(kv_cache_memory="lots")
     with pytest.raises(SettingsError, match="not both"):
         build_settings(kv_cache_memory="1G", kv_cache_memory_fraction=0.5)
+
+
+# -- per row in one batch ---------------------------------------------------------------------------------------
+
+
+def engine_answers(requests: list[GenerationRequest]) -> list[list[list[int]]]:
+    """Each request's samples' tokens from one engine, the requests queued together (admitted in one step)."""
+    model = make_tiny_model("softmax", seed=2)
+    limits = EngineLimits(max_batch=8, max_waiting=8)
+    engine = Engine("tiny", model, {}, limits, LocalOutput.recording(Metrics(), "tiny", model))
+
+    async def run() -> list[list[list[int]]]:
+        streams = [engine.submit(r, each_event=False) for r in requests]
+        engine.start()
+        return [[result.tokens async for result in stream] for stream in streams]
+
+    try:
+        return asyncio.run(run())
+    finally:
+        engine.stop()
+
+
+def test_rows_with_different_extras_draw_in_one_batch_as_each_alone():
+    settings = [
+        SamplingParams(seed=1),
+        SamplingParams(seed=2, repetition_penalty=1.5),
+        SamplingParams(seed=3, min_p=0.3),
+        SamplingParams(seed=4, min_tokens=5, stop_token_ids=(10, 11), repetition_penalty=0.8),
+        SamplingParams(temperature=0.0, repetition_penalty=2.0),
+    ]
+    requests = [GenerationRequest(f"r{i}", [1, 2, 3, 1, 2], 10, p, n=2) for i, p in enumerate(settings)]
+    together = engine_answers(requests)
+    for request, got in zip(requests, together):
+        assert got == engine_answers([request])[0], request.sampling
+    assert together[0] != together[1]  # the penalty and the seeds make each its own

@@ -57,10 +57,10 @@ class SamplingOptions(BaseModel):
         Float(ge=0.0, le=1.0), 0.0, description="drop tokens less likely than min_p times the most likely; 0 = off"
     )
     repetition_penalty: OrDefault(
-        Float(gt=0.0, le=1e6),
+        Float(ge=0.01, le=100.0),  # bounded so that every penalized logit stays finite, a greedy row's too
         1.0,
         description="a token seen in the prompt or generated: its logit divided by this if positive, multiplied "
-        "if negative (CTRL's, as Hugging Face and vLLM); 1 = off",
+        "if negative (CTRL's, as Hugging Face and vLLM); 0.01-100, 1 = off",
     )
     min_tokens: OrDefault(
         Int(ge=0),

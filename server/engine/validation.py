@@ -94,6 +94,10 @@ def check_stopping(request: GenerationRequest, model_name: str, vocab_size: int)
         raise InvalidRequest(
             f"stop_token_ids names token {bad}; model '{model_name}' has tokens 0..{vocab_size - 1}", "stop_token_ids"
         )
+    if p.min_tokens and len(set(p.stop_token_ids)) >= vocab_size:
+        raise InvalidRequest(
+            "stop_token_ids names every token of the model, so min_tokens would leave none to draw", "stop_token_ids"
+        )
     if p.min_tokens > request.max_new_tokens:
         raise InvalidRequest(
             f"min_tokens ({p.min_tokens}) must be at most max_tokens ({request.max_new_tokens})", "min_tokens"

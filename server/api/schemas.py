@@ -52,7 +52,37 @@ class SamplingOptions(BaseModel):
         Int(ge=-1, le=MAX_TOP_K), 0, description="-1 or 0 = off (as vLLM); more than the vocabulary keeps every token"
     )
     seed: Int(ge=0, lt=2**62) | None = Field(None, description="sample i uses seed + i; default random")
-    # vLLM's extras
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nolone_surrogates(cls, data: Any) -> Any:
+        """JSON may carry lone UTF-16 surrogates (\\ud800); no text can be encoded from them."""
+        if isinstance(data, dict):
+            for name, value in data.items():
+                bad = lone_surrogate(value)
+                if bad is not None:
+                    raise FieldError(
+                        f"{name} contains a lone UTF-16 surrogate (U+{ord(bad):04X}); send valid Unicode text",
+                        str(name),
+                    )
+        return data
+
+    def sampling(self, **extra: Any) -> SamplingParams:
+        """The options as engine parameters, plus endpoint-specific ones (penalties, bias)."""
+        seed = self.seed if self.seed is not None else secrets.randbits(31)
+        top_k = max(self.top_k, 0)  # vLLM's -1 is off, as 0
+        return SamplingParams(
+            temperature=self.temperature, top_k=top_k, top_p=self.top_p, seed=seed, **self.engine_extras(), **extra
+        )
+
+    def engine_extras(self) -> dict[str, Any]:
+        """Further engine parameters a subclass's fields give (TextSamplingOptions)."""
+        return {}
+
+
+class TextSamplingOptions(SamplingOptions):
+    """What every text generation route takes beyond the shared options: vLLM's sampling extras."""
+
     min_p: OrDefault(
         Float(ge=0.0, le=1.0), 0.0, description="drop tokens less likely than min_p times the most likely; 0 = off"
     )
@@ -79,35 +109,14 @@ class SamplingOptions(BaseModel):
         bool, True, description="leave special tokens' text (e.g. <|endoftext|>) out of the output"
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _nolone_surrogates(cls, data: Any) -> Any:
-        """JSON may carry lone UTF-16 surrogates (\\ud800); no text can be encoded from them."""
-        if isinstance(data, dict):
-            for name, value in data.items():
-                bad = lone_surrogate(value)
-                if bad is not None:
-                    raise FieldError(
-                        f"{name} contains a lone UTF-16 surrogate (U+{ord(bad):04X}); send valid Unicode text",
-                        str(name),
-                    )
-        return data
-
-    def sampling(self, **extra: Any) -> SamplingParams:
-        """The options as engine parameters, plus endpoint-specific ones (penalties, bias)."""
-        seed = self.seed if self.seed is not None else secrets.randbits(31)
-        return SamplingParams(
-            temperature=self.temperature,
-            top_k=max(self.top_k, 0),  # vLLM's -1 is off, as 0
-            top_p=self.top_p,
-            seed=seed,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            min_tokens=self.min_tokens,
-            ignore_eos=self.ignore_eos,
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            **extra,
-        )
+    def engine_extras(self) -> dict[str, Any]:
+        return {
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "min_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos,
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
+        }
 
     def output_vocabulary(self, vocabulary: Vocabulary) -> Vocabulary:
         """The vocabulary the answer's text is made with: special tokens' names in it or not (skip_special_tokens)."""

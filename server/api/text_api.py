@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from server.api.errors import FieldError
-from server.api.schemas import MAX_N, Float, Int, OrDefault, SamplingOptions, integral
+from server.api.schemas import MAX_N, Float, Int, OrDefault, TextSamplingOptions, integral
 from model.vocabulary import Vocabulary
 from server.api.textcodec import SampleText, TextChunk
 from server.engine.types import Generation, PromptScores, SampleResult
@@ -32,7 +32,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionRequest(SamplingOptions):
+class CompletionRequest(TextSamplingOptions):
     model: str | None = Field(
         None, description="a text model from GET /v1/models; may be left out when only one is loaded"
     )

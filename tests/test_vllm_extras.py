@@ -23,10 +23,11 @@ from server.engine.output import LocalOutput  # noqa: E402
 from server.engine.types import GenerationRequest  # noqa: E402
 from server.metrics import Metrics  # noqa: E402
 from server.engine.registry import served_names  # noqa: E402
+from server.engine.slot_budget import slot_bytes  # noqa: E402
 from server.settings import SettingsError, build_settings, parse_bytes  # noqa: E402
 
 from model.vocabulary import vocabulary_for  # noqa: E402
-from model.weights_io import read_metadata, read_tokenizer  # noqa: E402
+from model.weights_io import load_model, read_metadata, read_tokenizer  # noqa: E402
 from model.sampling import (  # noqa: E402
     BatchSampling,
     SamplingParams,
@@ -363,3 +364,22 @@ def test_rows_with_different_extras_draw_in_one_batch_as_each_alone():
     for request, got in zip(requests, together):
         assert got == engine_answers([request])[0], request.sampling
     assert together[0] != together[1]  # the penalty and the seeds make each its own
+
+
+def test_a_budget_for_fewer_workers_than_asked_runs_fewer(tmp_path):
+    path = save_tiny_model(tmp_path, "softy", "softmax", "text")
+    one_slot = slot_bytes(load_model(path)[0])
+    settings = make_settings(weights=tmp_path, workers=2, threads=2, kv_cache_memory=one_slot * 3 // 2)
+    with running_server(settings) as (url, _):
+        card = httpx.get(f"{url}/v1/models/softy").json()
+        assert (card["workers"], card["threads"], card["decode_slots"]) == (1, 2, 1)
+        assert card["decode_slot_bytes"] == one_slot
+        answer = httpx.post(f"{url}/v1/completions", json={"prompt": "ab", "max_tokens": 3, "n": 2})
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "n"
+
+
+def test_a_fraction_of_the_memory_is_a_budget_in_proportion():
+    half = build_settings(kv_cache_memory_fraction=0.5).decode_memory_budget("cpu")
+    quarter = build_settings(kv_cache_memory_fraction=0.25).decode_memory_budget("cpu")
+    assert 0 < quarter < half and abs(half - 2 * quarter) <= 2
+    assert build_settings().decode_memory_budget("cpu") is None

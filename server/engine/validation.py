@@ -40,7 +40,9 @@ def check_samples(n: int, max_batch: int) -> None:
     """n samples of one prompt fit this server's decode slots (also for a request that generates nothing)."""
     if not 1 <= n <= max_batch:
         raise InvalidRequest(
-            f"n is {n}; this server decodes at most {max_batch} sequences per model at once (--max-batch)", "n"
+            f"n is {n}; this server decodes at most {max_batch} sequences per model at once (--max-batch, or fewer "
+            "under --kv-cache-memory)",
+            "n",
         )
 
 

@@ -168,12 +168,14 @@ class Slots:
         if params.logit_bias:
             ids, values = zip(*params.logit_bias.items())
             self.bias[row, list(ids)] = torch.tensor(values, device=self.bias.device)
-        self.seen[row] = False
-        if params.repetition_penalty != 1 and prompt:
-            self.seen[row, prompt] = True
-        self.ends[row] = False
+        # A row's `seen` and `ends` count only under a penalty other than 1 and before `until`: a plain request's
+        # row leaves them as they are.
         self.until[row] = len(prompt) + params.min_tokens
+        if params.repetition_penalty != 1:
+            self.seen[row] = False
+            self.seen[row, prompt] = True
         if params.min_tokens:
+            self.ends[row] = False
             ending = [*params.stop_token_ids, *([eos] if eos is not None and not params.ignore_eos else [])]
             self.ends[row, ending] = True
 

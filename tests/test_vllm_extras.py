@@ -13,7 +13,7 @@ transformers = pytest.importorskip(
     "transformers", reason="the Hugging Face side of the comparison (make test installs it)"
 )
 
-from hf_support import END_OF_TEXT, UNICODE, gpt2_folder, imported  # noqa: E402  (fixtures; after the skip)
+from hf_support import END_OF_TEXT, UNICODE, gpt2_folder, imported, save_gpt2_folder  # noqa: E402  (after the skip)
 from server_support import TEXT_MAX_LEN, make_settings, running_server, save_tiny_model  # noqa: E402
 
 from conftest import make_tiny_model  # noqa: E402
@@ -223,7 +223,7 @@ def test_bad_extras_are_refused_naming_the_field(server, body, param):
 # -- /tokenize and /detokenize ------------------------------------------------------------------------------------
 
 
-def test_tokenize_answers_vllm_s_fields(server, hf):
+def test_tokenize_answers_vllm_s_fields(server, hf, imported):
     tokenizer = hf[1]
     plain = httpx.post(f"{server}/tokenize", json={"model": MODEL, "prompt": UNICODE}).json()
     assert plain == {
@@ -233,11 +233,26 @@ def test_tokenize_answers_vllm_s_fields(server, hf):
         "token_strs": None,
     }
     strs = httpx.post(f"{server}/tokenize", json={"prompt": UNICODE, "return_token_strs": True}).json()["token_strs"]
-    assert "".join(strs).replace("bytes:", "") and len(strs) == plain["count"]
-    raw = httpx.post(f"{server}/tokenize", json={"prompt": "a" + END_OF_TEXT, "add_special_tokens": False}).json()
-    assert raw["tokens"][-1] == end_token(hf)
+    shown = vocabulary_for(read_metadata(imported)[0], read_tokenizer(imported)).shown  # as logprobs name them
+    assert strs == [shown[t] for t in plain["tokens"]]
+    written = httpx.post(f"{server}/tokenize", json={"prompt": "a" + END_OF_TEXT, "add_special_tokens": False}).json()
+    assert written["tokens"][-1] == end_token(hf)  # a special token written in the text is read as one
     back = httpx.post(f"{server}/detokenize", json={"model": MODEL, "tokens": plain["tokens"]}).json()
     assert back == {"prompt": UNICODE}
+
+
+def test_add_special_tokens_says_whether_the_tokenizer_s_start_token_comes_first(tmp_path):
+    folder = save_gpt2_folder(tmp_path / "hf", start_token=True)
+    served = tmp_path / "served"
+    assert main(["import", "hf", str(folder), "--out", str(served / "starts.safetensors")]) == 0
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    with running_server(make_settings(weights=served, engine_process=False, max_batch=2)) as (url, _):
+        for add in (True, False):
+            body = {"prompt": "To be", "add_special_tokens": add, "return_token_strs": True}
+            answer = httpx.post(f"{url}/tokenize", json=body).json()
+            assert answer["tokens"] == tokenizer("To be", add_special_tokens=add).input_ids
+            assert (answer["token_strs"][0] == END_OF_TEXT) == add
+        assert answer["tokens"] != httpx.post(f"{url}/tokenize", json={"prompt": "To be"}).json()["tokens"]
 
 
 # -- the server's flags: --served-model-name, --max-model-len, a decode memory budget --------------------------

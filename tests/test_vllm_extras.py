@@ -14,7 +14,7 @@ transformers = pytest.importorskip(
 )
 
 from hf_support import END_OF_TEXT, UNICODE, gpt2_folder, imported, save_gpt2_folder  # noqa: E402  (after the skip)
-from server_support import TEXT_MAX_LEN, make_settings, running_server, save_tiny_model  # noqa: E402
+from server_support import TEXT_MAX_LEN, make_settings, running_server, save_tiny_model, sse_payloads  # noqa: E402
 
 from conftest import make_tiny_model  # noqa: E402
 from rnnserve_cli import main  # noqa: E402
@@ -194,6 +194,10 @@ def test_stop_token_ids_end_a_sample_and_include_stop_str_in_output_keeps_them(s
         server, prompt="x", max_tokens=3, logit_bias=bias, stop=[text], include_stop_str_in_output=True
     )
     assert by_string["text"] == text
+    for extra in ({"stop": [text]}, {"stop_token_ids": [word]}):  # streamed, the same text
+        body = {"prompt": "x", "max_tokens": 3, "logit_bias": bias, "include_stop_str_in_output": True, **extra}
+        chunks = sse_payloads(complete(server, stream=True, **body).text)
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text
 
 
 def test_min_p_one_leaves_the_most_likely_token_alone(server):

@@ -11,7 +11,6 @@ updated in place and returned.
 from __future__ import annotations
 
 import dataclasses
-
 import math
 
 import torch

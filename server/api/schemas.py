@@ -1,4 +1,4 @@
-"""Request fields both generation endpoints share: sampling options, one definition."""
+"""Request fields the generation endpoints share: sampling options (every route) and vLLM's extras (text routes)."""
 
 from __future__ import annotations
 

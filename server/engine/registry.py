@@ -99,7 +99,8 @@ def load_models(settings: Settings) -> list[LoadedModel]:
             model.limit_context(settings.max_model_len)
         warn_about_cache_dtype(path, model, settings, device)
         log.info(
-            "loaded %s as %s (%s %s, %d parameters, vocabulary %s, context %d) on %s in %s, keys and values cached in %s",
+            "loaded %s as %s (%s %s, %d parameters, vocabulary %s, context %d) on %s in %s, "
+            "keys and values cached in %s",
             path,
             names[path],
             model.config.attention,

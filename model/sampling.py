@@ -36,15 +36,28 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    min_p: float = 0.0  # 0 means off: tokens below min_p times the best token's probability are never drawn
+    repetition_penalty: float = 1.0  # 1 means off (see repetition_penalized): prompt and generated tokens alike
+    # vLLM's: the end-of-text and stop token ids cannot be drawn before this many tokens, nor a stop sequence end
+    # the sample (server/engine/stopping.py)
+    min_tokens: int = 0
+    ignore_eos: bool = False  # the end-of-text token does not end the sample
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end a sample as the end-of-text token does
 
     @property
     def adjusts_logits(self) -> bool:
-        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
+        return bool(
+            self.frequency_penalty
+            or self.presence_penalty
+            or self.logit_bias
+            or self.repetition_penalty != 1
+            or self.min_tokens
+        )
 
     @property
     def filters(self) -> bool:
-        """Whether top-k or top-p narrows the draw."""
-        return self.top_k > 0 or self.top_p < 1
+        """Whether top-k, top-p or min-p narrows the draw."""
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
 
 
 @dataclass
@@ -55,9 +68,10 @@ class BatchSampling:
     top_k: torch.Tensor
     top_p: torch.Tensor
     seed: torch.Tensor
-    # Whether any row asks for top-k or top-p, when the caller knows (the engine does); None: read it
-    # off top_k and top_p, two reads back from the device per draw.
+    # Whether any row asks for top-k, top-p or min-p, when the caller knows (the engine does); None: read it
+    # off top_k, top_p and min_p, reads back from the device per draw.
     filters: bool | None = None
+    min_p: torch.Tensor | None = None  # None: no row asks for min-p
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> "BatchSampling":
@@ -70,6 +84,7 @@ class BatchSampling:
             col("top_p", torch.float32),
             col("seed", torch.long),
             filters=any(p.filters for p in params),
+            min_p=col("min_p", torch.float32),
         )
 
 
@@ -115,6 +130,14 @@ def top_k_mask(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
+def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf each token whose probability is below min_p times its row's best token's (min_p 0: keep all).
+    (B, V) logits (after temperature), (B,) min_p -> (B, V). The best token always stays."""
+    probs = logits.softmax(dim=-1)  # (B, V)
+    floor = probs.amax(dim=-1, keepdim=True) * min_p[:, None]  # (B, 1)
+    return logits.masked_fill(probs < floor, float("-inf"))
+
+
 def top_p_mask(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Keep each row's smallest set of tokens whose probability reaches p."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -127,12 +150,15 @@ def top_p_mask(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 def filtered_logits(logits: torch.Tensor, params: BatchSampling) -> torch.Tensor:
-    """(B, V) logits -> the (B, V) logits `sample` draws from: divided by temperature, top-k/top-p applied."""
+    """(B, V) logits -> the (B, V) logits `sample` draws from: divided by temperature, then min-p (on the
+    probabilities after temperature, as vLLM), top-k and top-p applied."""
     filtered = scaled_by_temperature(logits.float(), params.temperature)
-    # Both filters sort the vocabulary: skip them when no row asks (a large share of a
+    # The filters sort the vocabulary: skip them when no row asks (a large share of a
     # small model's decode step on CPU).
     if params.filters is False:
         return filtered
+    if params.min_p is not None and bool((params.min_p > 0).any()):
+        filtered = min_p_mask(filtered, params.min_p)
     if bool((params.top_k > 0).any()):
         filtered = top_k_mask(filtered, params.top_k)
     if bool((params.top_p < 1).any()):
@@ -203,6 +229,23 @@ def penalize(
     (B, V) logits, counts (how often each token was generated so far) and bias; (B,) penalties.
     """
     return logits + bias - counts * frequency[:, None] - (counts > 0) * presence[:, None]
+
+
+def repetition_penalized(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """CTRL's repetition penalty (as Hugging Face's and vLLM's): the logit of each token seen so far (in the prompt
+    or generated) divided by the penalty where positive, multiplied by it where negative; a penalty of 1 changes
+    nothing. (B, V) logits, (B, V) bool seen, (B,) penalties -> (B, V)."""
+    scale = penalty[:, None]
+    penalized = torch.where(logits > 0, logits / scale, logits * scale)
+    return torch.where(seen, penalized, logits)
+
+
+def suppressed_until(
+    logits: torch.Tensor, ends: torch.Tensor, position: torch.Tensor, until: torch.Tensor
+) -> torch.Tensor:
+    """vLLM's min_tokens: the tokens that would end a sample (`ends`, (B, V) bool) set to -inf while a row draws
+    a position before its `until` (its prompt's length plus min_tokens). (B, V) logits, (B,) positions -> (B, V)."""
+    return logits.masked_fill(ends & (position < until)[:, None], float("-inf"))
 
 
 def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ updated in place and returned.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -108,6 +109,16 @@ class Transformer(nn.Module):
 
     def _state_dtype(self, attn: nn.Module) -> torch.dtype:
         return self.kv_cache_dtype if attn.kv_cache and self.kv_cache_dtype is not None else self.dtype
+
+    def limit_context(self, max_len: int) -> None:
+        """Serve at most `max_len` positions, fewer than it was made for (vLLM's --max-model-len): the config says
+        the shorter context, and caches that keep every position (softmax, Reformer) are preallocated for it."""
+        if max_len >= self.config.max_len:
+            return
+        self.config = dataclasses.replace(self.config, max_len=max_len)
+        for block in self.blocks:
+            if hasattr(block.attn, "max_len"):
+                block.attn.max_len = max_len
 
     def state_bytes_per_sequence(self, length: int | None = None) -> int:
         """Bytes of decode state one sequence holds at `length` (default max_len)."""

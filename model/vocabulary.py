@@ -26,6 +26,7 @@ class Vocabulary:
     shown: tuple[str, ...]  # (vocab_size,) how logprobs name each token
     eos: int | None = None  # a generated end-of-text token ends the sample
     tokenizer_json: str | None = field(default=None, repr=False)  # None: a byte model
+    special: frozenset[int] = frozenset()  # special tokens (<|endoftext|>): no bytes in `pieces`, their name shown
 
     @property
     def size(self) -> int:
@@ -44,6 +45,14 @@ class Vocabulary:
         if self.is_bytes:
             return list(text.encode("utf-8"))
         return _tokenizer(self.tokenizer_json).encode(text, add_special_tokens=add_special_tokens).ids
+
+    @functools.cached_property
+    def with_special_text(self) -> "Vocabulary":
+        """The same tokens with each special token's name as its text (vLLM's skip_special_tokens false)."""
+        if not self.special:
+            return self
+        pieces = tuple(self.shown[t].encode("utf-8") if t in self.special else p for t, p in enumerate(self.pieces))
+        return Vocabulary(self.name, pieces, self.shown, self.eos, self.tokenizer_json, self.special)
 
     def decode(self, tokens: list[int]) -> str:
         return b"".join(self.pieces[t] for t in tokens).decode("utf-8", errors="replace")
@@ -100,7 +109,8 @@ def _tokenizer_vocabulary(tokenizer_json: str, size: int, eos: int | None) -> Vo
             pieces.append(piece)
             shown.append(shown_bytes(piece))
     kind = (spec.get("model") or {}).get("type") or "tokenizer"
-    return Vocabulary(f"{kind} ({size} tokens)", tuple(pieces), tuple(shown), eos, tokenizer_json)
+    special_in_range = frozenset(t for t in special if t < size)
+    return Vocabulary(f"{kind} ({size} tokens)", tuple(pieces), tuple(shown), eos, tokenizer_json, special_in_range)
 
 
 def is_byte_level(spec: dict[str, Any]) -> bool:

@@ -8,6 +8,7 @@ handlers reach it through the one dependency `deps.get_server`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 from contextlib import asynccontextmanager
@@ -31,6 +32,7 @@ from server.engine.core import Engine, EngineLimits
 from server.engine.output import LocalOutput
 from server.engine.client import EngineClient
 from server.engine.pool import EnginePool, model_bytes, worker_layout
+from server.engine.slot_budget import MIB, SlotPlan, model_shares, plan_slots
 from server.metrics import Metrics
 from server.api.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestMetricsMiddleware
 from server.engine.registry import EngineRegistry, LoadedModel, load_models
@@ -138,7 +140,10 @@ class Lifecycle:
         )
         budget = usable_cpus()
         threads = budget.engine_threads(len(loaded), settings.threads)
-        engines = [make_engine(m, limits, self.metrics, settings, self.turns, n) for m, n in zip(loaded, threads)]
+        memory = model_shares(settings.decode_memory_budget(settings.torch_device()), len(loaded))
+        engines = [
+            make_engine(m, limits, self.metrics, settings, self.turns, n, memory) for m, n in zip(loaded, threads)
+        ]
         log_thread_shares(budget, engines, settings.threads)
         self.started = await start_engines(engines)
         created = {m.name: int(m.path.stat().st_mtime) for m in loaded}
@@ -207,11 +212,14 @@ def make_engine(
     settings: Settings,
     compile_gate: CompileGate | None = None,
     threads: int | None = None,
+    memory: int | None = None,
 ) -> EngineHandle:
     """The model's engine, with `threads` intra-op CPU threads: on a worker thread of this process, or
-    (--engine-process) in a process of its own."""
+    (--engine-process) in a process of its own; `memory`: its share of the decode memory budget (None: none)."""
     if settings.engine_process:
-        return engine_processes(loaded, limits, metrics, settings, compile_gate, threads or torch.get_num_threads())
+        share = threads or torch.get_num_threads()
+        return engine_processes(loaded, limits, metrics, settings, compile_gate, share, memory)
+    limits = slot_limits(loaded, limits, plan_slots(loaded.name, loaded.model, limits.max_batch, 1, memory))
     output = LocalOutput.recording(metrics, loaded.name, loaded.model)
     return Engine(loaded.name, loaded.model, loaded.info, limits, output, compile_gate, threads, loaded.vocabulary)
 
@@ -223,12 +231,18 @@ def engine_processes(
     settings: Settings,
     compile_gate: CompileGate | None,
     share: int,
+    memory: int | None = None,
 ) -> EngineHandle:
-    """The model's engine process, or a pool of them (server/engine/pool.py) sharing its `share` of threads."""
+    """The model's engine process, or a pool of them (server/engine/pool.py) sharing its `share` of threads and
+    its `memory` share of the decode memory budget."""
     on_cpu = loaded.model.device.type == "cpu"
     # --threads N keeps its meaning, N threads for each model's one engine, unless --workers is given too.
     asked = settings.workers if settings.workers is not None or settings.threads is None else 1
     layout = worker_layout(model_bytes(loaded.model), share, asked, on_cpu)
+    plan = plan_slots(loaded.name, loaded.model, limits.max_batch, layout.workers, memory)
+    if plan.workers < layout.workers:  # the budget holds fewer workers' slots: their threads go to the others
+        layout = worker_layout(model_bytes(loaded.model), share, plan.workers, on_cpu)
+    limits = slot_limits(loaded, limits, plan)
     workers = [
         EngineClient(
             loaded.name, loaded.model, loaded.info, limits, metrics, layout.threads, compile_gate, loaded.vocabulary, i
@@ -236,6 +250,22 @@ def engine_processes(
         for i in range(layout.workers)
     ]
     return workers[0] if len(workers) == 1 else EnginePool(workers)
+
+
+def slot_limits(loaded: LoadedModel, limits: EngineLimits, plan: SlotPlan) -> EngineLimits:
+    """The engine limits with the planned decode slots, said in the log."""
+    if plan.budget is not None:
+        log.info(
+            "model %s: %d decode slots x %d engine workers of %d bytes each (%.1f MiB of its %.1f MiB share of the "
+            "decode memory budget)",
+            loaded.name,
+            plan.rows,
+            plan.workers,
+            plan.slot_bytes,
+            plan.rows * plan.workers * plan.slot_bytes / MIB,
+            plan.budget / MIB,
+        )
+    return dataclasses.replace(limits, max_batch=plan.rows, slot_bytes=plan.slot_bytes, memory_budget=plan.budget)
 
 
 def log_thread_shares(budget: CpuBudget, engines: list[EngineHandle], override: int | None) -> None:

@@ -38,6 +38,10 @@ SERVER_FLAGS = (
     "workers",
     "max_batch",
     "max_waiting",
+    "served_model_name",
+    "max_model_len",
+    "kv_cache_memory",
+    "kv_cache_memory_fraction",
     "scheduler_steps",
     "engine_process",
     "max_body_bytes",
@@ -68,6 +72,7 @@ def _default(name: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_server_arguments(parser)
     _add_engine_arguments(parser)
+    _add_vllm_arguments(parser)
     _add_request_arguments(parser)
     _add_time_limit_arguments(parser)
     _add_ray_arguments(parser.add_argument_group("Ray Serve (with --ray; pip install 'rnnserve[ray]')"))
@@ -169,6 +174,39 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="run each model's engine in a process of its own (as vLLM does), so that request "
         "handling never holds the engine's GIL; the HTTP side talks to it over a pipe "
         f"{default('engine_process')}",
+    )
+
+
+def _add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM's names for the model's name, its context and the memory its decode slots take."""
+    parser.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        action="append",
+        dest="served_model_name",
+        help="the name requests use for the model (default: its file's stem); with several models, STEM=NAME "
+        "for any of them, repeated (env RNNSERVE_SERVED_MODEL_NAME, a JSON list)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        metavar="N",
+        help="cap every text model's context at N tokens (prompt and generated); its decode slots are allocated "
+        "for N (env RNNSERVE_MAX_MODEL_LEN, default: each model's own)",
+    )
+    parser.add_argument(
+        "--kv-cache-memory",
+        metavar="BYTES",
+        help="memory for all models' decode slots (state and per-row buffers), e.g. 2GiB or 500MB: shared equally "
+        "by the models, each takes as many slots as its share holds, at most --max-batch "
+        "(env RNNSERVE_KV_CACHE_MEMORY, default: no budget, --max-batch slots each)",
+    )
+    parser.add_argument(
+        "--kv-cache-memory-fraction",
+        type=float,
+        metavar="F",
+        help="as --kv-cache-memory, a fraction of the machine's RAM (of the GPU's memory on CUDA) "
+        "(env RNNSERVE_KV_CACHE_MEMORY_FRACTION)",
     )
 
 
@@ -303,9 +341,12 @@ def _load_and_serve(sock: socket.socket, settings: Settings, on_started: Callabl
     from server.drain import DrainingServer
     from server.api.header_timeout import protocol_with_header_timeout
     from server.engine.registry import load_models
+    from server.engine.slot_budget import check_decode_budget
 
     try:
         models = load_models(settings)
+        budget = settings.decode_memory_budget(settings.torch_device())
+        check_decode_budget(budget, [(m.name, m.model) for m in models])  # one clear line, before uvicorn runs
     except (SettingsError, WeightsError) as exc:
         return fail(exc)
     except (RuntimeError, MemoryError) as exc:  # e.g. out of memory while loading onto the device

@@ -6,10 +6,11 @@ variables, then the defaults below. Nothing here runs at import time.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, model_validator
+from pydantic import BeforeValidator, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MIB = 1024 * 1024
@@ -17,6 +18,24 @@ MIB = 1024 * 1024
 
 class SettingsError(ValueError):
     """A setting is invalid; the message says which and what is expected."""
+
+
+BYTE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3}
+BYTE_UNITS.update({"t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4})
+
+
+def parse_bytes(value: Any) -> Any:
+    """A size as a number of bytes or with a unit (500MB, 2GiB, 1.5G: decimal units, and binary ones with `i`);
+    anything else is passed on for the field's own check to refuse."""
+    if not isinstance(value, str):
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+    if match is None or match.group(2).lower() not in BYTE_UNITS:
+        raise ValueError(f"a size in bytes, e.g. 2GiB, 500MB or 1048576, got {value!r}")
+    return int(float(match.group(1)) * BYTE_UNITS[match.group(2).lower()])
+
+
+Bytes = Annotated[int, BeforeValidator(parse_bytes)]
 
 
 class Settings(BaseSettings):
@@ -40,6 +59,12 @@ class Settings(BaseSettings):
     workers: int | None = Field(None, ge=1, le=256)
     max_batch: int = Field(64, ge=1, le=65536)  # sequences decoded together, per model
     max_waiting: int = Field(256, ge=0)  # sequences queued per model before 429
+    # vLLM's: the names requests use (a file stem's by default; STEM=NAME for one of several models)
+    served_model_name: list[str] = Field(default_factory=list)
+    max_model_len: int | None = Field(None, ge=1)  # caps every text model's context; None: each model's own
+    # A budget for all models' decode slots (state and per-row buffers), from which each model's slots follow
+    kv_cache_memory: Bytes | None = Field(None, ge=1)
+    kv_cache_memory_fraction: float | None = Field(None, gt=0, le=1)  # of the RAM, or of the GPU's memory on CUDA
     scheduler_steps: int = Field(8, ge=1, le=1024)  # decode steps per scheduling pass when no client watches each
     engine_process: bool = True  # run each model's engine in a process of its own, apart from request handling
     max_body_bytes: int = Field(4 * MIB, ge=1024)
@@ -72,6 +97,21 @@ class Settings(BaseSettings):
         if (self.min_replicas or 0) > self.max_replicas:
             raise ValueError(f"--min-replicas {self.min_replicas} is above --max-replicas {self.max_replicas}")
         return self
+
+    @model_validator(mode="after")
+    def _check_memory_budget(self) -> "Settings":
+        if self.kv_cache_memory is not None and self.kv_cache_memory_fraction is not None:
+            raise ValueError("give either --kv-cache-memory (bytes) or --kv-cache-memory-fraction, not both")
+        return self
+
+    def decode_memory_budget(self, device: str) -> int | None:
+        """Bytes all models' decode slots may take (--kv-cache-memory, or the fraction of the device's memory);
+        None: no budget, every model takes --max-batch slots."""
+        if self.kv_cache_memory is not None:
+            return self.kv_cache_memory
+        if self.kv_cache_memory_fraction is None:
+            return None
+        return int(self.kv_cache_memory_fraction * device_memory(device))
 
     def autoscaling(self) -> bool:
         return self.max_replicas is not None
@@ -129,6 +169,17 @@ class Settings(BaseSettings):
 
     def api_key_value(self) -> str | None:
         return self.api_key.get_secret_value() if self.api_key else None
+
+
+def device_memory(device: str) -> int:
+    """Bytes of memory on `device`: the GPU's total on CUDA, else the machine's RAM."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info()[1]
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def kv_cache_torch_dtype(name: str):

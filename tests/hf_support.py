@@ -33,11 +33,18 @@ def byte_level_tokenizer(vocab_size: int):
     return tokenizer
 
 
-def save_gpt2_folder(folder: Path, seed: int = 0) -> Path:
+def save_gpt2_folder(folder: Path, seed: int = 0, start_token: bool = False) -> Path:
+    """start_token: the tokenizer's post-processor puts <|endoftext|> before every text it encodes (as Llama's
+    puts <s>), so that encoding with and without the special tokens differ."""
     import transformers
+    from tokenizers.processors import TemplateProcessing
 
+    trained = byte_level_tokenizer(400)
+    if start_token:
+        special = (END_OF_TEXT, trained.token_to_id(END_OF_TEXT))
+        trained.post_processor = TemplateProcessing(single=f"{END_OF_TEXT} $A", special_tokens=[special])
     tokenizer = transformers.GPT2TokenizerFast(
-        tokenizer_object=byte_level_tokenizer(400), eos_token=END_OF_TEXT, bos_token=END_OF_TEXT, unk_token=END_OF_TEXT
+        tokenizer_object=trained, eos_token=END_OF_TEXT, bos_token=END_OF_TEXT, unk_token=END_OF_TEXT
     )
     end = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
     config = transformers.GPT2Config(

@@ -240,13 +240,13 @@ def test_a_byte_model_beside_it_keeps_its_byte_tokens(server):
 
 def test_tokenize_and_detokenize_use_each_model_s_tokens(server, hf):
     _, tokenizer = hf
-    ours = httpx.post(f"{server}/tokenize", json={"model": MODEL, "prompt": UNICODE}).json()
+    ours = httpx.post(f"{server}/tokenize", json={"model": MODEL, "prompt": UNICODE, "return_token_strs": True}).json()
     assert ours["tokens"] == tokenizer.encode(UNICODE) and ours["count"] == len(ours["tokens"])
-    assert ours["max_model_len"] == 128 and len(ours["token_strings"]) == ours["count"]
+    assert ours["max_model_len"] == 128 and len(ours["token_strs"]) == ours["count"]
     back = httpx.post(f"{server}/detokenize", json={"model": MODEL, "tokens": ours["tokens"]}).json()
     assert back["prompt"] == UNICODE
-    as_bytes = httpx.post(f"{server}/tokenize", json={"model": "bytes-text", "prompt": "é"}).json()
-    assert (as_bytes["tokens"], as_bytes["token_strings"]) == ([0xC3, 0xA9], ["bytes:\\xc3", "bytes:\\xa9"])
+    as_bytes = httpx.post(f"{server}/tokenize", json={"model": "bytes-text", "prompt": "é", "return_token_strs": True})
+    assert (as_bytes.json()["tokens"], as_bytes.json()["token_strs"]) == ([0xC3, 0xA9], ["bytes:\\xc3", "bytes:\\xa9"])
 
 
 def test_tokenize_refusals_name_the_field(server):

@@ -25,7 +25,8 @@ class ModelCard(BaseModel):
     task: str
     attention: str
     parameters: int
-    max_len: int
+    max_len: int = Field(description="the longest sequence the model takes (its own, or --max-model-len)")
+    max_model_len: int = Field(description="vLLM's name for max_len")
     device: str
     dtype: str
     kv_cache_dtype: str | None = Field(
@@ -63,6 +64,16 @@ class ModelCard(BaseModel):
     state_bytes_allocated: int = Field(
         description="decode state preallocated for all slots (the gauge rnnserve_decode_state_allocated_bytes)"
     )
+    decode_slots: int = Field(
+        description="sequences each engine worker decodes at once: --max-batch, or fewer when the decode memory "
+        "budget (--kv-cache-memory) holds fewer"
+    )
+    decode_slot_bytes: int = Field(
+        description="what one slot takes: a sequence's decode state at max_len and its per-row buffers"
+    )
+    decode_memory_budget: int | None = Field(
+        description="this model's share of --kv-cache-memory (or --kv-cache-memory-fraction), in bytes; null: none"
+    )
     metrics: dict[str, Any] = Field(description="evaluation results stored in the weights file")
     config: dict[str, Any]
     ready: bool
@@ -99,6 +110,7 @@ def describe(engine: EngineHandle, created: int, chat_template: bool = False) ->
         "attention": cfg.attention,
         "parameters": engine.model.num_parameters(),
         "max_len": cfg.max_len,
+        "max_model_len": cfg.max_len,
         "device": str(engine.model.device),
         "dtype": dtype_name(engine.model.dtype),
         "kv_cache_dtype": dtype_name(engine.model.cache_dtype()),
@@ -111,6 +123,9 @@ def describe(engine: EngineHandle, created: int, chat_template: bool = False) ->
         "chat_template": chat_template,
         "state_bytes_per_sequence": engine.state_bytes_per_sequence,  # one sequence at max_len
         "state_bytes_allocated": engine.state_bytes_allocated,  # = rnnserve_decode_state_allocated_bytes
+        "decode_slots": engine.limits.max_batch,
+        "decode_slot_bytes": engine.limits.slot_bytes,
+        "decode_memory_budget": engine.limits.memory_budget,
         "metrics": eval_metrics(engine.info),
         "config": {
             "d_model": cfg.d_model,

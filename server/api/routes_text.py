@@ -171,12 +171,12 @@ async def stream_events(
 async def tokenize(body: TokenizeRequest, request: Request, server: ServerState = Depends(get_server)) -> dict:
     engine = server.engines.for_request(request, body.model, "text")
     vocabulary = engine.vocabulary
-    tokens = vocabulary.encode(body.prompt)
+    tokens = vocabulary.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     return {
-        "tokens": tokens,
-        "token_strings": [vocabulary.shown[t] for t in tokens],
         "count": len(tokens),
         "max_model_len": engine.config.max_len,
+        "tokens": tokens,
+        "token_strs": [vocabulary.shown[t] for t in tokens] if body.return_token_strs else None,
     }
 
 

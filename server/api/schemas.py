@@ -1,4 +1,4 @@
-"""Request fields both generation endpoints share: sampling options, one definition."""
+"""Request fields the generation endpoints share: sampling options (every route) and vLLM's extras (text routes)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from model.sampling import SamplingParams
+from model.vocabulary import Vocabulary
 
 from server.api.errors import FieldError
 
@@ -47,7 +48,9 @@ class SamplingOptions(BaseModel):
     n: OrDefault(Int(ge=1, le=MAX_N), 1, description="samples to draw (at most --max-batch)")
     temperature: OrDefault(Float(ge=0.0, le=10.0), 1.0, description="0 = greedy")
     top_p: OrDefault(Float(gt=0.0, le=1.0), 1.0)
-    top_k: OrDefault(Int(ge=0, le=MAX_TOP_K), 0, description="0 = off; more than the vocabulary keeps every token")
+    top_k: OrDefault(
+        Int(ge=-1, le=MAX_TOP_K), 0, description="-1 or 0 = off (as vLLM); more than the vocabulary keeps every token"
+    )
     seed: Int(ge=0, lt=2**62) | None = Field(None, description="sample i uses seed + i; default random")
 
     @model_validator(mode="before")
@@ -67,7 +70,64 @@ class SamplingOptions(BaseModel):
     def sampling(self, **extra: Any) -> SamplingParams:
         """The options as engine parameters, plus endpoint-specific ones (penalties, bias)."""
         seed = self.seed if self.seed is not None else secrets.randbits(31)
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=seed, **extra)
+        top_k = max(self.top_k, 0)  # vLLM's -1 is off, as 0
+        return SamplingParams(
+            temperature=self.temperature, top_k=top_k, top_p=self.top_p, seed=seed, **self.engine_extras(), **extra
+        )
+
+    def engine_extras(self) -> dict[str, Any]:
+        """Further engine parameters a subclass's fields give (TextSamplingOptions)."""
+        return {}
+
+
+class TextSamplingOptions(SamplingOptions):
+    """What every text generation route takes beyond the shared options: vLLM's sampling extras."""
+
+    min_p: OrDefault(
+        Float(ge=0.0, le=1.0), 0.0, description="drop tokens less likely than min_p times the most likely; 0 = off"
+    )
+    repetition_penalty: OrDefault(
+        Float(ge=0.01, le=100.0),  # bounded so that every penalized logit stays finite, a greedy row's too
+        1.0,
+        description="a token seen in the prompt or generated: its logit divided by this if positive, multiplied "
+        "if negative (CTRL's, as Hugging Face and vLLM); 0.01-100, 1 = off",
+    )
+    min_tokens: OrDefault(
+        Int(ge=0),
+        0,
+        description="the end-of-text and stop tokens are held back, and stop sequences do not end the "
+        "sample, until this many tokens are generated",
+    )
+    ignore_eos: OrDefault(bool, False, description="generate past the end-of-text token")
+    stop_token_ids: list[Int(ge=0)] | None = Field(
+        None, description="token ids that end a sample as the end-of-text token does"
+    )
+    include_stop_str_in_output: OrDefault(
+        bool, False, description="keep the stop sequence or stop token that ended a sample in its text"
+    )
+    skip_special_tokens: OrDefault(
+        bool, True, description="leave special tokens' text (e.g. <|endoftext|>) out of the output"
+    )
+
+    def engine_extras(self) -> dict[str, Any]:
+        return {
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "min_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos,
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
+        }
+
+    def output_vocabulary(self, vocabulary: Vocabulary) -> Vocabulary:
+        """The vocabulary the answer's text is made with: special tokens' names in it or not (skip_special_tokens)."""
+        return vocabulary if self.skip_special_tokens else vocabulary.with_special_text
+
+    def ended_by_stop_token(self, tokens: list[int], finish_reason: str | None, matched_stop: bytes | None) -> bool:
+        """Whether a sample's last token is one of stop_token_ids that ended it (its text then goes, unless
+        include_stop_str_in_output)."""
+        return (
+            finish_reason == "stop" and not matched_stop and bool(tokens) and tokens[-1] in (self.stop_token_ids or ())
+        )
 
 
 def lone_surrogate(value: Any) -> str | None:

@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from server.api.errors import FieldError
-from server.api.schemas import MAX_N, Float, Int, OrDefault, SamplingOptions, integral
+from server.api.schemas import MAX_N, Float, Int, OrDefault, TextSamplingOptions, integral
 from model.vocabulary import Vocabulary
 from server.api.textcodec import SampleText, TextChunk
 from server.engine.types import Generation, PromptScores, SampleResult
@@ -32,7 +32,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class TextGenerationOptions(SamplingOptions):
+class TextGenerationOptions(TextSamplingOptions):
     """What the text endpoints (completions, chat completions) share beyond sampling: the model, stop
     sequences, streaming, penalties and bias."""
 
@@ -213,8 +213,10 @@ class TextCompletion:
         echo = self.body.echo
         prefix, logprobs = (prompt, scores.logprobs if scores else []) if echo else ([], [])
         tops = (scores.top_logprobs or []) if echo and scores else []
+        shown = self.body.output_vocabulary(self.vocabulary)
+        include_stop = self.body.include_stop_str_in_output
         texts = [
-            SampleText(self.body.stop_bytes(), prefix, list(logprobs), list(tops), self.vocabulary)
+            SampleText(self.body.stop_bytes(), prefix, list(logprobs), list(tops), shown, include_stop)
             for _ in range(self.body.samples)
         ]
         self.parts.append(PromptSamples(prompt, scores, texts, [None] * self.body.samples))
@@ -237,7 +239,9 @@ class TextCompletion:
         self._end(part, result.sample, result.finish_reason, result.matched_stop)
 
     def _end(self, part: int, sample: int, finish_reason: str, matched_stop: bytes | None) -> None:
-        self.parts[part].texts[sample].end(matched_stop)
+        text = self.parts[part].texts[sample]
+        generated = text.tokens[len(text.prefix) :]
+        text.end(matched_stop, self.body.ended_by_stop_token(generated, finish_reason, matched_stop))
         self.parts[part].finish[sample] = finish_reason
 
     def opening_choices(self) -> list[dict[str, Any]]:

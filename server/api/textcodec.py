@@ -80,6 +80,7 @@ class SampleText:
     prefix_logprobs: list[float | None] = field(default_factory=list)
     prefix_tops: list[list[tuple[int, float]] | None] = field(default_factory=list)
     vocabulary: Vocabulary = field(default_factory=byte_vocabulary)
+    include_stop: bool = False  # vLLM's include_stop_str_in_output: the stop sequence or stop token stays
     data: bytearray = field(init=False)  # the bytes of every token so far
     tokens: list[int] = field(init=False)
     ends: list[int] = field(init=False)  # (tokens,) where each token's bytes end in `data`
@@ -114,18 +115,30 @@ class SampleText:
         self.logprobs.append(logprob)
         self.tops.append(top)
 
-    def end(self, matched_stop: bytes | None) -> None:
-        """The sample has ended; cut the text from the stop sequence that ended it (the engine found it, in
-        the last token's bytes or reaching back before them) and the tokens that only held what was cut."""
-        if matched_stop and not self.stopped:
-            cut = self.data.find(matched_stop, self.prompt_bytes)
+    def end(self, matched_stop: bytes | None, stop_token: bool = False) -> None:
+        """The sample has ended; cut the text from the stop sequence that ended it (the engine found it ending in
+        the last token's bytes, perhaps beginning before them) and the tokens that only held what was cut. With
+        `include_stop` the stop sequence stays and only what follows it goes. stop_token: the last token is a stop
+        token id that ended the sample: its text goes, unless `include_stop`."""
+        cut = self._stop_cut(matched_stop, stop_token) if not self.stopped else None
+        if cut is not None:
             del self.data[cut:]
             starts = [0, *self.ends[:-1]]
             keep = next((i for i, start in enumerate(starts) if start >= cut and i >= len(self.prefix)), len(starts))
             for kept in (self.tokens, self.ends, self.logprobs, self.tops):
                 del kept[keep:]
             self.ends = [min(e, cut) for e in self.ends]
-        self.stopped = self.stopped or bool(matched_stop)
+        self.stopped = self.stopped or bool(matched_stop) or stop_token
+
+    def _stop_cut(self, matched_stop: bytes | None, stop_token: bool) -> int | None:
+        """Where the text ends after a stop: the byte offset to cut at, or None to keep it all."""
+        last_start = self.ends[-2] if len(self.ends) > 1 else 0
+        if matched_stop:
+            found = self.data.find(matched_stop, max(self.prompt_bytes, last_start - len(matched_stop) + 1))
+            return found + len(matched_stop) if self.include_stop else found
+        if stop_token and not self.include_stop and len(self.tokens) > len(self.prefix):
+            return last_start
+        return None
 
     def generated_logprob(self) -> float:
         """Total log-probability of the generated tokens kept (best_of ranks samples by it)."""

@@ -10,13 +10,20 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from server.api.errors import FieldError
-from server.api.schemas import Int, lone_surrogate
+from server.api.schemas import Int, OrDefault, lone_surrogate
 
 
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: str | None = Field(None, description="a text model from GET /v1/models; may be left out when only one")
     prompt: str = Field(description="the text to tokenize")
+    add_special_tokens: OrDefault(
+        bool,
+        True,
+        description="as the completions route reads a text prompt: the special tokens the tokenizer adds (Llama's "
+        "<s>; none for GPT-2 or byte models); false: the text's own tokens only",
+    )
+    return_token_strs: OrDefault(bool, False, description="also return each token as `logprobs` shows it")
 
     @field_validator("prompt")
     @classmethod
@@ -30,10 +37,12 @@ class TokenizeRequest(BaseModel):
 
 
 class TokenizeResponse(BaseModel):
-    tokens: list[int]
-    token_strings: list[str] = Field(description="each token as `logprobs` shows it")
     count: int
-    max_model_len: int
+    max_model_len: int = Field(description="the longest sequence (prompt and generated tokens) the model takes")
+    tokens: list[int]
+    token_strs: list[str] | None = Field(
+        None, description="each token as `logprobs` shows it, with return_token_strs (else null)"
+    )
 
 
 class DetokenizeRequest(BaseModel):

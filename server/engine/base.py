@@ -25,6 +25,8 @@ class EngineLimits:
     cuda_graphs: bool = True  # capture decode steps on CUDA (linear, Linformer)
     compile_decode: bool = False  # compile decode steps on the CPU (the server passes --compile-decode, default on)
     scheduler_steps: int = 8  # decode steps per scheduling pass when no client watches each step (multi-step)
+    slot_bytes: int = 0  # what one decode slot holds (server/engine/slot_budget.py), for /v1/models; 0: not known
+    memory_budget: int | None = None  # the model's share of the decode memory budget; None: no budget
 
 
 class EngineFacts:

@@ -22,7 +22,7 @@ log = logging.getLogger("rnnserve.registry")
 
 @dataclass
 class LoadedModel:
-    name: str  # file stem: what requests pass as `model`
+    name: str  # what requests pass as `model`: the file stem, or its --served-model-name
     path: Path
     model: Transformer
     info: dict[str, Any]
@@ -99,10 +99,38 @@ def checked_vocabularies(settings: Settings) -> dict[Path, Vocabulary]:
         if path.stem in names:
             raise SettingsError(
                 f"two model files are both named '{path.stem}': {names[path.stem]} and {path}; "
-                "model names come from file names, so rename one"
+                "model names come from file names, so rename one (or give it a --served-model-name STEM=NAME)"
             )
         names[path.stem] = path
+    served_names(settings.served_model_name, list(vocabularies))
     return vocabularies
+
+
+def served_names(given: list[str], paths: list[Path]) -> dict[Path, str]:
+    """The name each file is served under (--served-model-name, vLLM's flag): a bare NAME when one model is served,
+    else STEM=NAME for any of them (the others keep their file stem). Raises SettingsError naming what is wrong."""
+    by_stem = {path.stem: path for path in paths}
+    names = {path: path.stem for path in paths}
+    for entry in given:
+        stem, equals, name = entry.rpartition("=")
+        if not equals:
+            if len(paths) != 1:
+                raise SettingsError(
+                    f"--served-model-name {entry!r}: {len(paths)} models are served ({', '.join(by_stem)}); "
+                    "name each as STEM=NAME"
+                )
+            stem = paths[0].stem
+        if stem not in by_stem:
+            raise SettingsError(
+                f"--served-model-name {entry!r}: no model file is named '{stem}'; served: {', '.join(by_stem)}"
+            )
+        if not name.strip():
+            raise SettingsError(f"--served-model-name {entry!r}: the name is empty")
+        names[by_stem[stem]] = name
+    clash = next((n for n in names.values() if list(names.values()).count(n) > 1), None)
+    if clash is not None:
+        raise SettingsError(f"two models would both be served as '{clash}'; give each its own --served-model-name")
+    return names
 
 
 def load_models(settings: Settings) -> list[LoadedModel]:
@@ -111,22 +139,28 @@ def load_models(settings: Settings) -> list[LoadedModel]:
     loaded = []
     vocabularies = checked_vocabularies(settings)
     chat_templates = checked_chat_templates(settings, vocabularies)
+    names = served_names(settings.served_model_name, list(vocabularies))
     for path, vocabulary in vocabularies.items():
         model, info = load_model(path, device=device, dtype=dtype)
         model.kv_cache_dtype = settings.torch_kv_cache_dtype()
+        if settings.max_model_len is not None and model.config.task == "text":
+            model.limit_context(settings.max_model_len)
         warn_about_cache_dtype(path, model, settings, device)
         log.info(
-            "loaded %s (%s %s, %d parameters, vocabulary %s) on %s in %s, keys and values cached in %s",
+            "loaded %s as %s (%s %s, %d parameters, vocabulary %s, context %d) on %s in %s, "
+            "keys and values cached in %s",
             path,
+            names[path],
             model.config.attention,
             model.config.task,
             model.num_parameters(),
             vocabulary.name,
+            model.config.max_len,
             device,
             dtype,
             model.cache_dtype() or "its own dtypes",
         )
-        loaded.append(LoadedModel(path.stem, path, model, info, vocabulary, chat_templates.get(path)))
+        loaded.append(LoadedModel(names[path], path, model, info, vocabulary, chat_templates.get(path)))
     return loaded
 
 

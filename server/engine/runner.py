@@ -21,7 +21,17 @@ import torch
 
 from model.step_decoders import EagerDecoder
 from model.decoders import make_decoder
-from model.sampling import BatchSampling, force_tokens, penalize, sampling_logprobs, token_logprobs, top_logprobs
+from model.sampling import (
+    BatchSampling,
+    SamplingParams,
+    force_tokens,
+    penalize,
+    repetition_penalized,
+    sampling_logprobs,
+    suppressed_until,
+    token_logprobs,
+    top_logprobs,
+)
 from model.state import ModelState
 from model.transformer import Transformer, with_bos
 
@@ -52,6 +62,12 @@ class Slots:
     bias: torch.Tensor  # (N, V) logit bias
     frequency: torch.Tensor  # (N,) frequency penalty
     presence: torch.Tensor  # (N,) presence penalty
+    seen: (
+        torch.Tensor
+    )  # (N, V) bool: tokens of the prompt or generated so far, kept while a row has a repetition penalty
+    repetition: torch.Tensor  # (N,) repetition penalty (1: off)
+    ends: torch.Tensor  # (N, V) bool: the tokens that end a row's sample, held back while it has min_tokens to go
+    until: torch.Tensor  # (N,) the first position at which `ends` may be drawn (prompt length + min_tokens)
     sampling: BatchSampling  # (N,) each
     state: ModelState
 
@@ -67,7 +83,12 @@ class Slots:
         positions = cfg.max_len + 1
         top = (rows, positions, MAX_TOP_LOGPROBS)
         sampling = BatchSampling(
-            zeros(rows) + 1, zeros(rows, dtype=torch.long), zeros(rows) + 1, zeros(rows, dtype=torch.long)
+            zeros(rows) + 1,
+            zeros(rows, dtype=torch.long),
+            zeros(rows) + 1,
+            zeros(rows, dtype=torch.long),
+            None,
+            zeros(rows),
         )
         return cls(
             logits=zeros(rows, cfg.vocab_out),
@@ -81,6 +102,10 @@ class Slots:
             bias=zeros(rows, cfg.vocab_out),
             frequency=zeros(rows),
             presence=zeros(rows),
+            seen=zeros(rows, cfg.vocab_out, dtype=torch.bool),
+            repetition=zeros(rows) + 1,
+            ends=zeros(rows, cfg.vocab_out, dtype=torch.bool),
+            until=zeros(rows, dtype=torch.long),
             sampling=sampling,
             state=model.new_state(rows),
         )
@@ -99,10 +124,15 @@ class Slots:
             self.bias,
             self.frequency,
             self.presence,
+            self.seen,
+            self.repetition,
+            self.ends,
+            self.until,
             s.temperature,
             s.top_k,
             s.top_p,
             s.seed,
+            s.min_p,
         ]
 
     def copy_rows(self, src: list[int], dst: list[int]) -> None:
@@ -114,13 +144,40 @@ class Slots:
         self.state.copy_rows(s, d)
 
     def batch_sampling(self, rows: int | list[int], filters: bool | None = None) -> BatchSampling:
-        """Rows [0, n), or the rows listed; filters: whether any of them uses top-k or top-p, if known."""
+        """Rows [0, n), or the rows listed; filters: whether any of them uses top-k, top-p or min-p, if known."""
         s, pick = self.sampling, (slice(0, rows) if isinstance(rows, int) else rows)
-        return BatchSampling(s.temperature[pick], s.top_k[pick], s.top_p[pick], s.seed[pick], filters)
+        return BatchSampling(s.temperature[pick], s.top_k[pick], s.top_p[pick], s.seed[pick], filters, s.min_p[pick])
 
     def penalized(self, n: int) -> torch.Tensor:
-        """Rows [0, n)'s logits after penalties and bias: what they draw from."""
-        return penalize(self.logits[:n], self.counts[:n], self.frequency[:n], self.presence[:n], self.bias[:n])
+        """Rows [0, n)'s logits after penalties, bias and min_tokens: what they draw from."""
+        return self.adjusted(slice(0, n))
+
+    def adjusted(self, rows: slice | list[int]) -> torch.Tensor:
+        """The rows' logits after the repetition penalty (on the model's own logits, as Hugging Face applies it),
+        OpenAI's penalties and bias, then min_tokens' hold on the tokens that end a sample: (R, V)."""
+        logits = repetition_penalized(self.logits[rows], self.seen[rows], self.repetition[rows])
+        logits = penalize(logits, self.counts[rows], self.frequency[rows], self.presence[rows], self.bias[rows])
+        return suppressed_until(logits, self.ends[rows], self.position[rows], self.until[rows])
+
+    def fill_adjustments(self, row: int, prompt: list[int], params: SamplingParams, eos: int | None) -> None:
+        """A new sequence's penalties, bias and min_tokens hold (its earlier row's are stale)."""
+        self.frequency[row], self.presence[row] = params.frequency_penalty, params.presence_penalty
+        self.repetition[row] = params.repetition_penalty
+        self.counts[row] = 0
+        self.bias[row] = 0
+        if params.logit_bias:
+            ids, values = zip(*params.logit_bias.items())
+            self.bias[row, list(ids)] = torch.tensor(values, device=self.bias.device)
+        # A row's `seen` and `ends` count only under a penalty other than 1 and before `until`: a plain request's
+        # row leaves them as they are.
+        self.until[row] = len(prompt) + params.min_tokens
+        if params.repetition_penalty != 1:
+            self.seen[row] = False
+            self.seen[row, prompt] = True
+        if params.min_tokens:
+            self.ends[row] = False
+            ending = [*params.stop_token_ids, *([eos] if eos is not None and not params.ignore_eos else [])]
+            self.ends[row, ending] = True
 
 
 @dataclass
@@ -212,12 +269,9 @@ class ModelRunner:
             slots.forced[row, list(positions)] = torch.tensor(values, device=slots.forced.device)
         p = req.sampling
         s.temperature[row], s.top_k[row], s.top_p[row], s.seed[row] = p.temperature, p.top_k, p.top_p, p.seed
-        slots.frequency[row], slots.presence[row] = p.frequency_penalty, p.presence_penalty
-        slots.counts[row] = 0
-        slots.bias[row] = 0
-        if p.logit_bias:
-            ids, values = zip(*p.logit_bias.items())
-            slots.bias[row, list(ids)] = torch.tensor(values, device=slots.bias.device)
+        s.min_p[row] = p.min_p
+        eos = self.model.config.eos_token
+        slots.fill_adjustments(row, req.prompt, p, eos if eos >= 0 else None)
 
     # -- a step -----------------------------------------------------------------
     def execute(
@@ -263,6 +317,7 @@ class ModelRunner:
         slots.generated[:n].scatter_(1, position[:, None], tokens[:, None])
         if needs.adjust:
             slots.counts[:n].scatter_add_(1, tokens[:, None], torch.ones_like(slots.counts[:n, :1]))
+            slots.seen[:n].scatter_(1, tokens[:, None], True)
         drawn = self._record_logprobs(Drawn(tokens), needs, position)
         position += 1
         return drawn
@@ -284,9 +339,7 @@ class ModelRunner:
         """Log-probability of the known token each of `rows` is about to take, under the distribution it
         would otherwise draw from: the particles' weights. Called before `sample` counts the token."""
         slots = self.slots
-        logits = slots.logits[rows]  # (R, V)
-        if needs.adjust:
-            logits = penalize(logits, slots.counts[rows], slots.frequency[rows], slots.presence[rows], slots.bias[rows])
+        logits = slots.adjusted(rows) if needs.adjust else slots.logits[rows]  # (R, V)
         known = slots.forced[rows].gather(1, slots.position[rows][:, None])[:, 0]  # (R,)
         return sampling_logprobs(logits, slots.batch_sampling(rows, needs.filters), known).tolist()
 

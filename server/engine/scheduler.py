@@ -160,7 +160,7 @@ class Scheduler:
         groups: dict[tuple[Submission, int], ParticleGroup] = {}
         for place in places:
             req = place.owner.request
-            stopping = StoppingCriteria(tuple(req.stop), req.max_new_tokens, self.pieces, self.eos)
+            stopping = self.stopping(req)
             seq = Sequence(place.owner, place.sample, len(req.prompt), stopping, particle=place.particle)
             if req.particles is not None:
                 seq.group = groups.setdefault(
@@ -174,6 +174,14 @@ class Scheduler:
             self.rows.append(seq)
             self._live[place.owner] = req.rows
         self._needs = None
+
+    def stopping(self, req: GenerationRequest) -> StoppingCriteria:
+        """What ends one sample of `req`."""
+        p = req.sampling
+        eos = None if p.ignore_eos else self.eos
+        return StoppingCriteria(
+            tuple(req.stop), req.max_new_tokens, self.pieces, eos, frozenset(p.stop_token_ids), p.min_tokens
+        )
 
     def steps_ahead(self, limit: int) -> int:
         """Steps the live rows can run before the scheduler must look again (at most `limit`): one

@@ -26,6 +26,7 @@ def check_generation(request: GenerationRequest, model_name: str, config: ModelC
     if request.max_new_tokens < 1:
         raise InvalidRequest(f"max_tokens must be at least 1 to generate, got {request.max_new_tokens}", "max_tokens")
     check_fits(request.prompt, request.max_new_tokens, model_name, config)
+    check_stopping(request, model_name, config.vocab_size)
     check_samples(request.n, max_batch)
     if request.particles is not None and not 1 <= request.rows <= max_batch:
         raise InvalidRequest(
@@ -39,7 +40,9 @@ def check_samples(n: int, max_batch: int) -> None:
     """n samples of one prompt fit this server's decode slots (also for a request that generates nothing)."""
     if not 1 <= n <= max_batch:
         raise InvalidRequest(
-            f"n is {n}; this server decodes at most {max_batch} sequences per model at once (--max-batch)", "n"
+            f"n is {n}; this server decodes at most {max_batch} sequences per model at once (--max-batch, or fewer "
+            "under --kv-cache-memory)",
+            "n",
         )
 
 
@@ -87,4 +90,22 @@ def check_logit_bias(bias: dict[int, float], model_name: str, vocab_size: int) -
     if bad is not None:
         raise InvalidRequest(
             f"logit_bias names token {bad}; model '{model_name}' has tokens 0..{vocab_size - 1}", "logit_bias"
+        )
+
+
+def check_stopping(request: GenerationRequest, model_name: str, vocab_size: int) -> None:
+    """vLLM's stop_token_ids name tokens of the model; min_tokens fits the budget (as vLLM requires)."""
+    p = request.sampling
+    bad = next((t for t in p.stop_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(
+            f"stop_token_ids names token {bad}; model '{model_name}' has tokens 0..{vocab_size - 1}", "stop_token_ids"
+        )
+    if p.min_tokens and len(set(p.stop_token_ids)) >= vocab_size:
+        raise InvalidRequest(
+            "stop_token_ids names every token of the model, so min_tokens would leave none to draw", "stop_token_ids"
+        )
+    if p.min_tokens > request.max_new_tokens:
+        raise InvalidRequest(
+            f"min_tokens ({p.min_tokens}) must be at most max_tokens ({request.max_new_tokens})", "min_tokens"
         )

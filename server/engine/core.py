@@ -8,20 +8,25 @@ requests join (prompts of one length prefill in one forward; the n samples
 of a prompt copy its row), one token is drawn for every live row, finished
 rows leave (the last live row moves into each hole), and one batched
 decode step feeds the new tokens. A pass is a pipeline of plain data
-(server/engine/step.py): the scheduler's plan, the runner's tokens, the
-scheduler's update, the events; its figures (`StepStats`) go out with its
-events to the engine's output (server/engine/output.py), which records them
-on the API side: the engine calls no metric.
+(server/engine/step.py), each part owning its own: the scheduler's plan
+(`schedule`), the runner's tokens (`execute`), the scheduler's update
+(`update_from_output`: rows advanced, finished, resampled, compacted), the
+runner's share of it (`apply`: row copies, sample reads, row moves), then the
+pass's figures (`StepStats`) with its events to the engine's output
+(server/engine/output.py), which records them on the API side: the engine
+calls no metric. The pass's closing forward (`feed`) runs last, after its
+events went out.
 
 Multi-step (vLLM's name): while no running request is streamed or runs
 particles that weigh known tokens (or several particles a sample: they
 conclude together), nobody sees a step's tokens before its request ends, so the
 engine runs up to `scheduler_steps` of them (never past a row's budget)
 and does the host work above once for all; a row that stops within them
-drops its later tokens, and its state is discarded with the row. A request
-that arrives during such a run ends it early when its client watches each
-step, or when its idle slot would lose more than stopping costs the running
-rows (server/engine/multistep.py).
+drops its later tokens, and its state is discarded with the row. The engine
+runs those unwatched steps one runner call each, and between two of them
+decides whether a request that arrived meanwhile ends the run early: when
+its client watches each step, or when its idle slot would lose more than
+stopping costs the running rows (server/engine/multistep.py).
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ from server.engine.multistep import PassCosts, ends_run_early
 from server.engine.runner import ModelRunner
 from server.engine.scheduler import Placement, QueueFull, Scheduler
 from server.engine.output import EngineOutput, Gauges
-from server.engine.step_events import sample_reads, step_events
+from server.engine.step import AppliedStep, RunnerOutput, SchedulerOutput, StepUpdate
+from server.engine.step_events import step_results
 from server.engine.streams import (
     ENGINE_ERROR,
     SHUTTING_DOWN,
@@ -251,7 +257,7 @@ class Engine(EngineFacts):
         """Move every waiting request that fits into the batch; prompts of one length prefill together."""
         with self._lock:
             gone = self.scheduler.drop_cancelled()
-            taken = self.scheduler.schedule()
+            taken = self.scheduler.take_admissible()
         if gone:
             finish(gone)
         if not taken:  # the usual step: nothing to admit
@@ -284,26 +290,28 @@ class Engine(EngineFacts):
 
     def _step(self) -> None:
         """One pass, as data from part to part (server/engine/step.py)."""
-        plan = self.scheduler.plan_step(self.limits.scheduler_steps)
-        drawn = self.runner.execute(plan, self._ends_run_early)
-        if drawn.steps > 1:
-            self._costs.observe_steps(drawn.ahead_seconds, drawn.steps - 1)
-        boundary_started = time.monotonic()
-        update = self.scheduler.update(plan, drawn, boundary_started)
-        self.runner.copy_particles(update.copies, drawn.last)
-        samples = self.runner.read_samples(sample_reads(self.scheduler.rows, update.outcome))
-        outbox = step_events(self.scheduler.rows, update.outcome, drawn, samples)  # before rows move
-        self.runner.move_rows(self.scheduler.compact(update.outcome.finished), drawn.last)
-        live = self.scheduler.running
+        plan = self.scheduler.schedule(self.limits.scheduler_steps)
+        drawn = self._execute(plan)
+        update = self.scheduler.update_from_output(plan, drawn)
+        applied = self.runner.apply(update, drawn)
+        self._emit(update, drawn, applied)
+        self._forward_seconds = self.runner.feed()  # timed with the next pass, whose record goes out after it
+
+    def _execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """The pass's unwatched steps, while no waiting request should join first, then its watched one."""
+        started, ahead = time.monotonic(), []
+        while len(ahead) < plan.steps - 1 and not self._ends_run_early(plan.steps - 1 - len(ahead)):
+            ahead.append(self.runner.run_ahead(plan))
+        if ahead:
+            self._costs.observe_steps(time.monotonic() - started, len(ahead))
+        return self.runner.execute(plan, started, ahead)
+
+    def _emit(self, update: StepUpdate, drawn: RunnerOutput, applied: AppliedStep) -> None:
+        """The pass's figures and events to the engine's output (figures first: a client that has its answer finds
+        the step counted); the pass boundary's host work timed for `_ends_run_early`."""
         seconds, self._forward_seconds = time.monotonic() - drawn.started + self._forward_seconds, 0.0
-        stats = self.scheduler.make_stats(
-            update.outcome, self.runner.state_bytes(live), update.resamplings, drawn.steps, seconds
-        )
-        self.output.step(stats, outbox)  # figures first: a client that has its answer finds the step counted
-        forward_started = time.monotonic()
-        self._costs.observe_boundary(forward_started - boundary_started)
-        self.runner.decode(drawn.last[:live])
-        self._forward_seconds = time.monotonic() - forward_started
+        self.output.step(*step_results(update, drawn, applied, seconds))
+        self._costs.observe_boundary(time.monotonic() - drawn.ended)
 
     def _ends_run_early(self, steps_left: int) -> bool:
         """Whether waiting requests should join now rather than at the run's end."""

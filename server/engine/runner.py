@@ -3,8 +3,13 @@
 The runner owns a state of `max_batch` rows, allocated once, and per-row
 slot tensors beside it (next-token logits, position, known tokens, drawn
 tokens and their log-probabilities, sampling parameters). It prefills
-rows, samples and decodes the live rows [0, n), copies and moves rows, and
-scores prompts. Only the engine's worker thread calls it.
+rows, samples and decodes the live rows [0, n), carries out a pass's
+`StepUpdate` (row copies, sample reads, compaction moves), and scores
+prompts. Only the engine's worker thread calls it.
+
+A pass's last tokens are fed (`feed`, its closing forward) after its events
+went out, so clients do not wait for the forward; `apply` keeps them,
+moved with their rows, until then.
 
 A non-streamed request's tokens are written into the (rows, max_len)
 `generated` buffer by position as they are drawn, so a step builds no
@@ -15,7 +20,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,7 +33,7 @@ from model.transformer import Transformer, with_bos
 
 from model.particles import RowCopy
 from server.engine.scheduler import Placement
-from server.engine.step import RunnerOutput, SampleRead, SchedulerOutput, StepNeeds
+from server.engine.step import AppliedStep, RunnerOutput, SampleRead, SampleSpan, SchedulerOutput, StepNeeds, StepUpdate
 from server.engine.types import GenerationRequest, PromptScores, TopLogprobs
 
 if TYPE_CHECKING:
@@ -147,6 +153,7 @@ class ModelRunner:
         self.slots: Slots | None = None
         self.decoder: EagerDecoder | None = None
         self._after_bos: tuple[ModelState, torch.Tensor] | None = None  # see _prefill_bos
+        self._unfed: torch.Tensor | None = None  # (live,) the last pass's tokens, until its closing forward
 
     def allocate(self) -> None:
         """Slots, the state after BOS, and the decoder (may capture CUDA graphs, or start compiling
@@ -216,21 +223,19 @@ class ModelRunner:
             slots.bias[row, list(ids)] = torch.tensor(values, device=slots.bias.device)
 
     # -- a step -----------------------------------------------------------------
-    def execute(
-        self, plan: SchedulerOutput, ends_early: Callable[[int], bool] = lambda steps_left: False
-    ) -> RunnerOutput:
-        """Run a pass: up to plan.steps - 1 unwatched steps (draw and feed; `ends_early(steps_left)` may stop
-        them), then the watched one: the known tokens' weights, then the draw. Its tokens are fed later
-        (`decode`), once finished rows have left."""
-        started, earlier = time.monotonic(), []
-        while len(earlier) < plan.steps - 1 and not ends_early(plan.steps - 1 - len(earlier)):
-            tokens = self.sample(plan.rows, plan.needs).tokens
-            self.decode(tokens)
-            earlier.append(tokens)
-        ahead = time.monotonic() - started
+    def run_ahead(self, plan: SchedulerOutput) -> torch.Tensor:
+        """One of a pass's unwatched steps (multi-step): draw and feed at once -> the (n,) tokens drawn."""
+        tokens = self.sample(plan.rows, plan.needs).tokens
+        self.decode(tokens)
+        return tokens
+
+    def execute(self, plan: SchedulerOutput, started: float, ahead: Sequence[torch.Tensor] = ()) -> RunnerOutput:
+        """A pass's watched step, after the `ahead` tokens of its unwatched ones (`run_ahead`; the pass began at
+        `started`): the known tokens' weights, then the draw. Its tokens are fed once finished rows have left
+        (`apply`, then `feed`)."""
         weights = self.known_logprobs(plan.known, plan.needs) if plan.known else []  # before sampling counts them
         drawn = self.sample(plan.rows, plan.needs)
-        per_row = torch.stack([*earlier, drawn.tokens], dim=1) if earlier else drawn.tokens[:, None]  # (n, steps)
+        per_row = torch.stack([*ahead, drawn.tokens], dim=1) if ahead else drawn.tokens[:, None]  # (n, steps)
         return RunnerOutput(
             per_row.tolist(),
             drawn.tokens,
@@ -239,12 +244,29 @@ class ModelRunner:
             _host(drawn.top_values),
             weights,
             started,
-            ahead,
+            time.monotonic(),
         )
 
-    def read_samples(self, reads: dict[int, tuple[int, int, GenerationRequest]]) -> dict[int, SampleRead]:
-        """Finished rows' whole samples: row -> (start, end, request) in, row -> its read out."""
-        return {row: self.read_sample(row, *args) for row, args in reads.items()}
+    def apply(self, update: StepUpdate, output: RunnerOutput) -> AppliedStep:
+        """Carry out what the scheduler made of `output`: copy the resampled rows, read the finished samples, move
+        rows into the holes; the tokens to feed move with their rows and wait for `feed`."""
+        tokens = output.last.clone() if update.copies or update.moves else output.last  # (n,) rows' next inputs
+        self.copy_particles(update.copies, tokens)
+        samples = self.read_samples(update.reads)
+        self.move_rows(update.moves, tokens)
+        self._unfed = tokens[: update.live]
+        return AppliedStep(samples, self.state_bytes(update.live))
+
+    def feed(self) -> float:
+        """The last pass's closing forward: its live rows' tokens in, their next logits to the slots. Its seconds."""
+        started, tokens, self._unfed = time.monotonic(), self._unfed, None
+        if tokens is not None:
+            self.decode(tokens)
+        return time.monotonic() - started
+
+    def read_samples(self, reads: dict[int, SampleSpan]) -> dict[int, SampleRead]:
+        """Finished rows' whole samples: row -> what to read in, row -> its read out."""
+        return {row: self.read_sample(row, span.start, span.end, span.request) for row, span in reads.items()}
 
     def sample(self, n: int, needs: StepNeeds) -> Drawn:
         """Draw a token for rows [0, n) (known tokens kept), written by position with what the rows need."""
@@ -287,7 +309,8 @@ class ModelRunner:
         return sampling_logprobs(logits, slots.batch_sampling(rows, needs.filters), known).tolist()
 
     def copy_particles(self, copies: list[RowCopy], tokens: torch.Tensor) -> None:
-        """Resampling: each copy's row takes its source's state, history and token, and a seed of its own."""
+        """Resampling: each copy's row takes its source's state, history and token (in `tokens`, the runner's
+        own), and a seed of its own."""
         if not copies:
             return
         src, dst = [c.src for c in copies], [c.dst for c in copies]

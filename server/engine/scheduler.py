@@ -2,9 +2,9 @@
 
 Plain data: no threads, no tensors, so its rules are tested without an
 engine. The engine calls it under a lock (submissions arrive from the event
-loop) and feeds it each step's tokens; the runner carries out what it
-decides on the slot tensors (which rows to prefill and copy, which rows to
-move into freed slots).
+loop) and hands it each pass's tokens (`update_from_output`); what it decides
+for the slot tensors (which rows to prefill and copy, which samples to read,
+which rows to move into freed slots) it returns as data the runner carries out.
 
 Live sequences always occupy rows [0, n): when one finishes, the last live
 row moves into its place, so a step runs the model on exactly the live rows.
@@ -18,7 +18,15 @@ from typing import Protocol
 
 from model.particles import ParticleGroup, Resampling, conclude, known_rows, particle_seed, weigh
 from model.vocabulary import Vocabulary
-from server.engine.step import CANCELLED, RunnerOutput, SchedulerOutput, StepNeeds, StepOutcome, StepUpdate
+from server.engine.step import (
+    CANCELLED,
+    RunnerOutput,
+    SampleSpan,
+    SchedulerOutput,
+    StepNeeds,
+    StepOutcome,
+    StepUpdate,
+)
 from server.engine.stopping import StoppingCriteria
 from server.engine.types import GenerationRequest, StepStats
 
@@ -130,7 +138,7 @@ class Scheduler:
             fitting.append(submission)
         return fitting
 
-    def schedule(self) -> list[Submission]:
+    def take_admissible(self) -> list[Submission]:
         """Take every waiting request that fits, in order; they count as admitting until `admitted`."""
         taken = self.admissible()
         for _ in taken:
@@ -183,23 +191,28 @@ class Scheduler:
         left = min(seq.stopping.max_new_tokens - seq.stopping.generated for seq in self.rows)
         return max(1, min(limit, left))
 
-    def plan_step(self, limit: int) -> SchedulerOutput:
+    def schedule(self, limit: int) -> SchedulerOutput:
         """The next pass: the live rows, how many steps they may run (at most `limit`), what they need."""
         needs = self.needs()
         return SchedulerOutput(
             self.running, self.steps_ahead(limit), needs, known_rows(self.rows) if needs.weigh else []
         )
 
-    def update(self, plan: SchedulerOutput, output: RunnerOutput, now: float) -> StepUpdate:
-        """A pass's tokens: weigh the particles at their known tokens (resampling where they must; the runner
-        copies those rows), then advance every row (`update_from_output`)."""
+    def update_from_output(self, plan: SchedulerOutput, output: RunnerOutput) -> StepUpdate:
+        """A pass's tokens: weigh the particles at their known tokens (resampling where they must), advance every
+        row (`advance`), then let finished rows leave (`compact`). What the runner must do about it comes back as
+        data, with the rows as they were before they moved (for the events)."""
         resampling = weigh(self.rows, plan.known, output.known_logprobs) if plan.known else Resampling([], 0)
-        for copy in resampling.copies:  # the copy takes its source's tokens too
-            output.tokens[copy.dst] = list(output.tokens[copy.src])
-        outcome = self.update_from_output(output.tokens, now, output.started)
-        return StepUpdate(outcome, resampling.copies, resampling.samples)
+        tokens = list(output.tokens)  # the runner's lists stay as drawn: a copy takes its source's tokens here
+        for copy in resampling.copies:
+            tokens[copy.dst] = list(tokens[copy.src])
+        outcome = self.advance(tokens, output.ended, output.started)
+        rows, reads = tuple(self.rows), sample_reads(self.rows, outcome)
+        moves = self.compact(outcome.finished)
+        stats = self.make_stats(outcome, 0, resampling.samples, len(tokens[0]) if tokens else 1)
+        return StepUpdate(rows, tokens, outcome, resampling.copies, reads, moves, self.running, stats)
 
-    def update_from_output(self, tokens: list[list[int]], now: float, started: float | None = None) -> StepOutcome:
+    def advance(self, tokens: list[list[int]], now: float, started: float | None = None) -> StepOutcome:
         """Advance every row by the tokens it drew since the last update (one per step, the steps run
         from `started` to `now`); rows that finish (their later tokens are dropped) or were cancelled leave."""
         outcome, started = StepOutcome([None] * len(self.rows)), now if started is None else started
@@ -273,6 +286,18 @@ class Scheduler:
             resamplings=resamplings,
             seconds=seconds,
         )
+
+
+def sample_reads(rows: list[Sequence], outcome: StepOutcome) -> dict[int, SampleSpan]:
+    """The finished rows whose whole sample goes out, for the runner to read: a non-streamed request's, and the
+    chosen particle of each sample that runs several."""
+    reads = {}
+    for i in outcome.finished:
+        seq, reason = rows[i], outcome.reasons[i]
+        several = seq.group is not None and seq.group.particles > 1
+        if reason != CANCELLED and (seq.particle == seq.group.chosen if several else not seq.owner.each_event):
+            reads[i] = SampleSpan(seq.start, seq.position, seq.owner.request)
+    return reads
 
 
 def _advance(seq: Sequence, tokens: list[int], now: float, started: float, outcome: StepOutcome) -> str | None:

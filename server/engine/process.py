@@ -25,11 +25,11 @@ import torch
 from model.transformer import Transformer
 from model.vocabulary import Vocabulary
 
-from server.drain import exit_if_compiling
 from server.engine import messages as msg
 from server.engine.core import Engine, EngineLimits
 from server.engine.output import Gauges
 from server.engine.scheduler import QueueFull
+from server.engine.shutdown import exit_if_compiling
 from server.engine.streams import ENGINE_ERROR, EngineFailure, GenerationStream, Outbox, is_terminal, released
 from server.engine.types import GenerationRequest, PromptScores, StepStats
 from server.engine.validation import InvalidRequest

@@ -7,10 +7,13 @@ variables, then the defaults below. Nothing here runs at import time.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+if TYPE_CHECKING:
+    import torch
 
 MIB = 1024 * 1024
 
@@ -92,7 +95,7 @@ class Settings(BaseSettings):
         name = self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
         return getattr(torch, name)
 
-    def torch_kv_cache_dtype(self):
+    def torch_kv_cache_dtype(self) -> torch.dtype | None:
         """The dtype softmax models store cached keys and values in; None: the model's dtype."""
         return kv_cache_torch_dtype(self.kv_cache_dtype)
 
@@ -119,7 +122,7 @@ class Settings(BaseSettings):
         return self.api_key.get_secret_value() if self.api_key else None
 
 
-def kv_cache_torch_dtype(name: str):
+def kv_cache_torch_dtype(name: str) -> torch.dtype | None:
     """--kv-cache-dtype's value as a torch dtype; None for auto (the model's dtype)."""
     import torch  # imported here so reading settings stays cheap
 

@@ -36,7 +36,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -47,7 +47,7 @@ from model.vocabulary import Vocabulary, byte_vocabulary
 from server.engine.base import EngineFacts, EngineLimits
 from server.engine.multistep import PassCosts, ends_run_early
 from server.engine.runner import ModelRunner
-from server.engine.scheduler import Placement, QueueFull, Scheduler
+from server.engine.scheduler import Placement, QueueFull, Scheduler, Submission
 from server.engine.output import EngineOutput, Gauges
 from server.engine.step import AppliedStep, RunnerOutput, SchedulerOutput, StepUpdate
 from server.engine.step_events import step_results
@@ -82,7 +82,7 @@ class Engine(EngineFacts):
         self,
         name: str,
         model: Transformer,
-        info: dict,
+        info: dict[str, Any],
         limits: EngineLimits,
         output: EngineOutput,
         compile_gate: CompileGate | None = None,
@@ -197,7 +197,7 @@ class Engine(EngineFacts):
         """Log-probability of each token given those before it (the first given BOS), and the `top`
         most likely tokens at each position; computed on the worker thread."""
         loop = asyncio.get_running_loop()
-        future = loop.create_future()
+        future: asyncio.Future[PromptScores] = loop.create_future()
         self.queue_score(tokens, top, reply_in_loop(loop, future))
         return await future
 
@@ -225,7 +225,7 @@ class Engine(EngineFacts):
             self._ready.set()
             while not self._stopping:
                 try:
-                    self.runner.decoder.adopt_compiled()  # a background compile's graphs, between two steps
+                    self.runner.adopt_compiled()  # a background compile's graphs, between two steps
                     self._score_waiting()
                     self._admit()
                     if self.scheduler.rows:
@@ -256,8 +256,8 @@ class Engine(EngineFacts):
     def _admit(self) -> None:
         """Move every waiting request that fits into the batch; prompts of one length prefill together."""
         with self._lock:
-            gone = self.scheduler.drop_cancelled()
-            taken = self.scheduler.take_admissible()
+            gone = streams(self.scheduler.drop_cancelled())
+            taken = streams(self.scheduler.take_admissible())
         if gone:
             finish(gone)
         if not taken:  # the usual step: nothing to admit
@@ -299,7 +299,7 @@ class Engine(EngineFacts):
 
     def _execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """The pass's unwatched steps, while no waiting request should join first, then its watched one."""
-        started, ahead = time.monotonic(), []
+        started, ahead = time.monotonic(), list[torch.Tensor]()
         while len(ahead) < plan.steps - 1 and not self._ends_run_early(plan.steps - 1 - len(ahead)):
             ahead.append(self.runner.run_ahead(plan))
         if ahead:
@@ -321,14 +321,19 @@ class Engine(EngineFacts):
             return ends_run_early(self.scheduler, steps_left, self._costs)
 
     def _fail_running(self, message: str, code: str = ENGINE_ERROR) -> None:
-        finish(self.scheduler.clear_rows(), message, code)
+        finish(streams(self.scheduler.clear_rows()), message, code)
         self.output.gauges(Gauges(0, self.waiting))
 
     def _fail_all(self, message: str, code: str) -> None:
         with self._lock:
-            waiting = self.scheduler.take_waiting()
+            waiting = streams(self.scheduler.take_waiting())
             scores, self._scores = self._scores, []
         finish(waiting, message, code)
         for job in scores:
             job.resolve(error=EngineFailure(message, code))
         self._fail_running(message, code)
+
+
+def streams(submissions: list[Submission]) -> list[GenerationStream]:
+    """The scheduler's submissions as what they are in an engine: the streams `submit` queued."""
+    return cast(list[GenerationStream], submissions)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from model.config import BYTE_VOCAB
 from model.transformer import Transformer
@@ -147,7 +147,7 @@ class EngineRegistry:
         self.engines = {e.name: e for e in engines}
         self.created = created or {}  # unix time of each weights file
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[EngineHandle]:
         return iter(self.engines.values())
 
     def find(self, name: object) -> EngineHandle | None:

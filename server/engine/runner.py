@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -150,18 +150,43 @@ class ModelRunner:
         self.cuda_graphs = cuda_graphs
         self.compile_decode = compile_decode
         self.compile_gate = compile_gate  # shared by a server's engines: their background compiles take turns
-        self.slots: Slots | None = None
-        self.decoder: EagerDecoder | None = None
-        self._after_bos: tuple[ModelState, torch.Tensor] | None = None  # see _prefill_bos
+        self._slots: Slots | None = None
+        self.decoder: EagerDecoder | None = None  # None until allocated
+        self._bos: tuple[ModelState, torch.Tensor] | None = None  # see _prefill_bos
         self._unfed: torch.Tensor | None = None  # (live,) the last pass's tokens, until its closing forward
 
     def allocate(self) -> None:
         """Slots, the state after BOS, and the decoder (may capture CUDA graphs, or start compiling
         in the background): once, at start."""
-        self.slots = Slots.allocate(self.model, self.rows)
-        self._after_bos = self._prefill_bos()
+        self._slots = Slots.allocate(self.model, self.rows)
+        self._bos = self._prefill_bos()
         self.decoder = make_decoder(self.model, self.slots.state, self.cuda_graphs, compiled=self.compile_decode)
         self.decoder.compile(background=True, gate=self.compile_gate)
+
+    @property
+    def slots(self) -> Slots:
+        """The slot tensors, once allocated."""
+        if self._slots is None:
+            raise RuntimeError("the runner's slots are not allocated yet: allocate() first")
+        return self._slots
+
+    @property
+    def stepper(self) -> EagerDecoder:
+        """The decoder that runs the steps, once allocated."""
+        if self.decoder is None:
+            raise RuntimeError("the runner's decoder is not made yet: allocate() first")
+        return self.decoder
+
+    @property
+    def _after_bos(self) -> tuple[ModelState, torch.Tensor]:
+        """The state after BOS alone and its next-token logits, once allocated (see _prefill_bos)."""
+        if self._bos is None:
+            raise RuntimeError("the runner's state after BOS is not computed yet: allocate() first")
+        return self._bos
+
+    def adopt_compiled(self) -> None:
+        """Between two steps: take in the graphs a background compile made."""
+        self.stepper.adopt_compiled()
 
     # -- new sequences --------------------------------------------------------
     def prefill(self, requests: list[GenerationRequest], first: int) -> list[float]:
@@ -179,11 +204,11 @@ class ModelRunner:
 
     def place_copies(self, places: list[Placement]) -> None:
         """Further samples and particles of a prompt copy its prefilled row, with their own seeds."""
-        copies = [place for place in places if place.copy_of is not None]
+        copies = [(place, place.copy_of) for place in places if place.copy_of is not None]
         if copies:
-            self.slots.copy_rows([p.copy_of for p in copies], [p.row for p in copies])
-            self.slots.sampling.seed[[p.row for p in copies]] = torch.tensor(
-                [p.seed for p in copies], device=self.slots.position.device
+            self.slots.copy_rows([source for _, source in copies], [p.row for p, _ in copies])
+            self.slots.sampling.seed[[p.row for p, _ in copies]] = torch.tensor(
+                [p.seed for p, _ in copies], device=self.slots.position.device
             )
 
     def _run_prompts(self, requests: list[GenerationRequest], row_state: ModelState) -> torch.Tensor:
@@ -273,7 +298,7 @@ class ModelRunner:
         slots = self.slots
         position = slots.position[:n]
         source = slots.penalized(n) if needs.adjust else slots.logits[:n]
-        tokens = self.decoder.sample(
+        tokens = self.stepper.sample(
             source, slots.batch_sampling(n, needs.filters), position
         )  # compiled draw, once ready
         if needs.forced:
@@ -329,7 +354,7 @@ class ModelRunner:
     def decode(self, tokens: torch.Tensor) -> None:
         """Feed rows [0, len(tokens)) their drawn tokens: their next logits go to the slots."""
         if len(tokens):
-            self.slots.logits[: len(tokens)] = self.decoder(tokens)
+            self.slots.logits[: len(tokens)] = self.stepper(tokens)
 
     def read_sample(
         self, row: int, start: int, end: int, request: GenerationRequest
@@ -370,5 +395,5 @@ def pair_up(ids: torch.Tensor, values: torch.Tensor) -> list[TopLogprobs]:
     return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
 
-def _host(values: torch.Tensor | None) -> list | None:
+def _host(values: torch.Tensor | None) -> Any:
     return values.tolist() if values is not None else None

@@ -13,6 +13,7 @@ row moves into its place, so a step runs the model on exactly the live rows.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -85,8 +86,7 @@ class Scheduler:
         """vocabulary: a text model's (its tokens' bytes are what stop sequences match); None: bytes."""
         self.max_batch = max_batch
         self.max_waiting = max_waiting
-        tokenized = vocabulary is not None and not vocabulary.is_bytes
-        self.pieces = vocabulary.pieces if tokenized else None
+        self.pieces = vocabulary.pieces if vocabulary is not None and not vocabulary.is_bytes else None
         self.eos = vocabulary.eos if vocabulary is not None else None
         self.waiting: deque[Submission] = deque()
         self.rows: list[Sequence] = []
@@ -151,7 +151,7 @@ class Scheduler:
         self.admitting = 0
 
     # -- rows -----------------------------------------------------------------
-    def placements(self, group: list[Submission]) -> list[Placement]:
+    def placements(self, group: Sequence_[Submission]) -> list[Placement]:
         """Rows for a group prefilled together: one per request first (the prefill writes them),
         then the rest of each request's rows (further samples, particles), copied from its first."""
         first = len(self.rows)
@@ -217,10 +217,7 @@ class Scheduler:
         from `started` to `now`); rows that finish (their later tokens are dropped) or were cancelled leave."""
         outcome, started = StepOutcome([None] * len(self.rows)), now if started is None else started
         for i, seq in enumerate(self.rows):
-            if seq.owner.cancelled:
-                reason = CANCELLED
-            else:
-                reason = _advance(seq, tokens[i], now, started, outcome)
+            reason = CANCELLED if seq.owner.cancelled else _advance(seq, tokens[i], now, started, outcome)
             if reason is not None:
                 outcome.reasons[i] = reason
                 outcome.finished.append(i)
@@ -238,8 +235,9 @@ class Scheduler:
         """Samples whose particles finished draw their answer (a sample's particles finish together)."""
         groups: dict[ParticleGroup, list[Sequence]] = {}
         for i in finished:
-            if self.rows[i].group is not None:
-                groups.setdefault(self.rows[i].group, []).append(self.rows[i])
+            group = self.rows[i].group
+            if group is not None:
+                groups.setdefault(group, []).append(self.rows[i])
         for group, particles in groups.items():
             conclude(group, particles)
 
@@ -293,9 +291,11 @@ def sample_reads(rows: list[Sequence], outcome: StepOutcome) -> dict[int, Sample
     chosen particle of each sample that runs several."""
     reads = {}
     for i in outcome.finished:
-        seq, reason = rows[i], outcome.reasons[i]
-        several = seq.group is not None and seq.group.particles > 1
-        if reason != CANCELLED and (seq.particle == seq.group.chosen if several else not seq.owner.each_event):
+        seq, group = rows[i], rows[i].group
+        if outcome.reasons[i] == CANCELLED:
+            continue
+        several = group is not None and group.particles > 1
+        if seq.particle == group.chosen if group is not None and several else not seq.owner.each_event:
             reads[i] = SampleSpan(seq.start, seq.position, seq.owner.request)
     return reads
 

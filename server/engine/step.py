@@ -14,6 +14,7 @@ step_results()                 -> StepStats and the events per request (pure), t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -50,7 +51,7 @@ class StepNeeds:
     each_step: bool = False  # a client sees every step (streamed tokens, particles' progress and resampling)
 
     @classmethod
-    def of(cls, owners) -> "StepNeeds":
+    def of(cls, owners: Iterable[Any]) -> StepNeeds:
         owners = list(owners)
         requests = [o.request for o in owners]
         return cls(

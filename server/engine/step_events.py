@@ -13,10 +13,11 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence as Rows
 from dataclasses import replace
+from typing import cast
 
-from server.engine.scheduler import Sequence
+from server.engine.scheduler import Sequence, Submission
 from server.engine.step import CANCELLED, AppliedStep, RunnerOutput, SampleRead, StepOutcome, StepUpdate
-from server.engine.streams import DONE, Outbox
+from server.engine.streams import DONE, EventTarget, Outbox
 from server.engine.types import Generation, ParticleSummary, Progress, SampleResult, StepStats
 
 
@@ -39,26 +40,31 @@ def step_events(
     moved; `tokens`: each row's, after resampling; `samples`: what the runner read of the rows the scheduler named."""
     outbox: Outbox = defaultdict(list)
     for i, (seq, reason) in enumerate(zip(rows, outcome.reasons)):
-        stream = seq.owner
+        stream = target(seq.owner)
         if reason == CANCELLED:
             continue
         if seq.group is not None and seq.group.particles > 1:
             _particle_event(outbox, seq, reason, samples.get(i))
-        elif stream.each_event:
+        elif seq.owner.each_event:
             outbox[stream].append(generation(output, tokens[i][-1], i, seq, reason))
         elif reason is not None:
             outbox[stream].append(sample_result(seq, reason, samples[i]))
-    for stream in outcome.completed:
-        outbox[stream].append(DONE)
+    for owner in outcome.completed:
+        outbox[target(owner)].append(DONE)
     return outbox
+
+
+def target(owner: Submission) -> EventTarget:
+    """Where a row's events go: its submission, which in an engine is the request's GenerationStream."""
+    return cast(EventTarget, owner)
 
 
 def _particle_event(outbox: Outbox, seq: Sequence, reason: str | None, read: SampleRead | None) -> None:
     if reason is None:
         if seq.owner.each_event and seq.sample == 0 and seq.particle == 0:  # one per request and step
-            outbox[seq.owner].append(Progress(seq.owner.request.request_id, seq.position - 1))
+            outbox[target(seq.owner)].append(Progress(seq.owner.request.request_id, seq.position - 1))
     elif read is not None:  # the chosen particle
-        outbox[seq.owner].append(sample_result(seq, reason, read))
+        outbox[target(seq.owner)].append(sample_result(seq, reason, read))
 
 
 def sample_result(seq: Sequence, reason: str, read: SampleRead) -> SampleResult:
@@ -80,14 +86,19 @@ def sample_result(seq: Sequence, reason: str, read: SampleRead) -> SampleResult:
 def generation(output: RunnerOutput, token: int, i: int, seq: Sequence, reason: str | None) -> Generation:
     """A streamed row's token of this step (row i)."""
     request = seq.owner.request
-    k = request.top_logprobs
-    top = list(zip(output.top_ids[i][:k], output.top_values[i][:k])) if k else None
+    k, top, logprob = request.top_logprobs, None, None
+    if k:
+        assert output.top_ids is not None and output.top_values is not None  # a row asks: the runner drew them
+        top = list(zip(output.top_ids[i][:k], output.top_values[i][:k]))
+    if request.wants_logprobs:
+        assert output.logprobs is not None  # likewise
+        logprob = output.logprobs[i]
     return Generation(
         request.request_id,
         seq.sample,
         seq.position - 1,
         token,
-        output.logprobs[i] if request.wants_logprobs else None,
+        logprob,
         reason,
         seq.stopping.matched if reason else None,
         top,

@@ -8,8 +8,9 @@ workload each round:
 - text, streamed: 8 requests of a 16-byte prompt, 2 samples each, 48 tokens, every token an event (one step a pass);
 - text, whole: the same requests answered whole (multi-step passes of up to --scheduler-steps);
 - image: 16 whole images (784 pixels each, one particle, as the image route sends them).
-Prints one JSON line per round: each workload's tokens a second. For an A/B, run it from two checkouts in turns
-on a quiet machine: the figures move with whatever else runs.
+Prints one JSON line per round: each workload's tokens a second of wall time, and of this process's CPU time
+(`_cpu`: what the engine's work costs, less moved by other processes on a busy machine than the wall time). For an
+A/B, run it from two checkouts in turns: the figures move with whatever else runs.
 """
 
 from __future__ import annotations
@@ -37,17 +38,17 @@ def image_requests(count: int, pixels: int) -> list[GenerationRequest]:
     return [GenerationRequest(f"i{i}", [], pixels, SamplingParams(seed=i), particles=1) for i in range(count)]
 
 
-def tokens_per_second(engine: Engine, requests: list[GenerationRequest], each_event: bool) -> float:
-    """Submit every request at once, wait for every answer: tokens drawn over wall seconds."""
+def tokens_per_second(engine: Engine, requests: list[GenerationRequest], each_event: bool) -> tuple[float, float]:
+    """Submit every request at once, wait for every answer: tokens drawn over wall seconds, and over CPU seconds."""
 
-    async def run() -> float:
-        start = time.perf_counter()
+    async def run() -> tuple[float, float]:
+        start, cpu_start = time.perf_counter(), time.process_time()
         streams = [engine.submit(r, each_event=each_event) for r in requests]
         events = [[e async for e in s] for s in streams]
-        seconds = time.perf_counter() - start
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         drawn = sum(len(getattr(e, "tokens", [None])) for es in events for e in es)
         assert drawn == sum(r.max_new_tokens * r.n for r in requests), drawn  # no stop sequences: every token
-        return drawn / seconds
+        return drawn / seconds, drawn / cpu_seconds
 
     return asyncio.run(run())
 
@@ -61,7 +62,7 @@ def started_engine(path: Path, threads: int, max_batch: int) -> Engine:
 
 
 def one_round(weights: Path, threads: int) -> dict[str, float]:
-    figures = {}
+    figures: dict[str, tuple[float, float]] = {}
     text = started_engine(weights / "shakespeare-linear.safetensors", threads, max_batch=16)
     try:
         figures["text_streamed"] = tokens_per_second(text, text_requests(8, 48), each_event=True)
@@ -73,7 +74,8 @@ def one_round(weights: Path, threads: int) -> dict[str, float]:
         figures["image"] = tokens_per_second(images, image_requests(16, 784), each_event=False)
     finally:
         images.stop()
-    return {name: round(value, 1) for name, value in figures.items()}
+    wall = {name: round(value[0], 1) for name, value in figures.items()}
+    return wall | {f"{name}_cpu": round(value[1], 1) for name, value in figures.items()}
 
 
 def main() -> None:

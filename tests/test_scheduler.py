@@ -1,4 +1,4 @@
-"""The scheduler's rules as plain data: no thread, no tensor, no model.
+"""The scheduler's rules as plain data: no thread, no model (a pass's device tokens ride along unread).
 
 Admission order and the slot budget, the queue-full rule (requests being
 admitted still hold their slots), row placement for n samples, stop and
@@ -11,10 +11,12 @@ import random
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from model.sampling import SamplingParams
 from server.engine.multistep import PassCosts, ends_run_early, joinable_rows
 from server.engine.scheduler import CANCELLED, QueueFull, Scheduler
+from server.engine.step import RunnerOutput
 from server.engine.stopping import StoppingCriteria
 from server.engine.types import GenerationRequest
 
@@ -102,6 +104,24 @@ def test_rows_end_by_stop_or_length_and_a_request_completes_with_its_last_row():
     assert [(s.owner, s.sample) for s in scheduler.rows] == [(a, 1), (b, 0)]
     second = scheduler.advance([[7], [7]], now=2.0)
     assert second.reasons == ["length", None] and second.completed == [a]
+
+
+def test_update_from_output_says_what_the_runner_must_read_and_move_and_leaves_the_runner_s_tokens_as_drawn():
+    """A pass's update is data for the runner (which rows to read, which to move, how many stay live) and for the
+    events (the rows before they moved); the RunnerOutput it was made from is not edited."""
+    scheduler = Scheduler(max_batch=4, max_waiting=4)
+    a, b = req("a", n=2, max_new=2, stop=[b"\n"]), req("b", max_new=5)
+    scheduler.add(a)
+    scheduler.add(b)
+    admit(scheduler)  # rows: a0, b0, a1
+    plan = scheduler.schedule(1)
+    drawn = RunnerOutput([[ord("\n")], [7], [7]], torch.zeros(3, dtype=torch.long), None, None, None, [], 0.5, 1.0)
+    update = scheduler.update_from_output(plan, drawn)
+    assert drawn.tokens == [[ord("\n")], [7], [7]]
+    assert [(s.owner, s.sample) for s in update.rows] == [(a, 0), (b, 0), (a, 1)]  # as the pass drew them
+    assert update.moves == [(2, 0)] and update.live == scheduler.running == 2 and update.copies == []
+    assert {row: (r.start, r.end, r.request) for row, r in update.reads.items()} == {0: (2, 3, a.request)}
+    assert (update.stats.batch, update.stats.tokens, update.stats.running, update.stats.steps) == (3, 3, 2, 1)
 
 
 def test_compaction_moves_run_at_once_and_leave_rows_as_one_by_one_moves_would():

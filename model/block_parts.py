@@ -27,7 +27,7 @@ class RMSNorm(nn.Module):
         return self.weight * wide.to(x.dtype)
 
 
-def build_norm(cfg: ModelConfig) -> nn.Module:
+def build_norm(cfg: ModelConfig) -> nn.LayerNorm | RMSNorm:
     if cfg.norm == "rms":
         return RMSNorm(cfg.d_model, cfg.ln_eps)
     return nn.LayerNorm(cfg.d_model, eps=cfg.ln_eps)
@@ -67,10 +67,13 @@ class SwiGLUFeedForward(nn.Module):
         return self.down
 
 
-FEED_FORWARDS = {"gelu": GeluFeedForward, "swiglu": SwiGLUFeedForward}
+FEED_FORWARDS: dict[str, type[GeluFeedForward] | type[SwiGLUFeedForward]] = {
+    "gelu": GeluFeedForward,
+    "swiglu": SwiGLUFeedForward,
+}
 
 
-def build_feed_forward(cfg: ModelConfig) -> nn.Module:
+def build_feed_forward(cfg: ModelConfig) -> GeluFeedForward | SwiGLUFeedForward:
     return FEED_FORWARDS[cfg.feed_forward](cfg)
 
 
@@ -96,6 +99,8 @@ def rotary_frequencies(cfg: ModelConfig) -> torch.Tensor:
 class Rotary(nn.Module):
     """Rotary positions: each pair (x_i, x_{i + D/2}) of a query or key turned by position x frequency i (the
     half-split pairing of Hugging Face's Llama). The frequencies stay float32 whatever the model's dtype."""
+
+    frequencies: torch.Tensor  # (D/2,)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -71,6 +71,7 @@ def read_hf_chat_template(folder: Path) -> ChatTemplate | None:
     config = _tokenizer_config(folder)
     special = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token")}
     jinja = folder / TEMPLATE_FILE
+    template: str | None
     if jinja.is_file():
         template = _read_text(jinja)
     else:

@@ -15,9 +15,12 @@ import logging
 import os
 import signal
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from model.transformer import Transformer
 
 log = logging.getLogger("rnnserve.compile_child")
 PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -28,7 +31,7 @@ CHILD_SECONDS = 3600.0  # a compile that takes longer is stopped, and its decode
 class CompileJob:
     """What the child needs to compile exactly what its parent will trace (pickled to it)."""
 
-    model: torch.nn.Module
+    model: Transformer
     rows: int  # the decoder's state rows
     inference_tensors: bool  # whether the parent's state is made of inference tensors
     threads: int  # the parent's intra-op threads: inductor sizes its loops by them

@@ -120,7 +120,7 @@ DYNAMO_OPTIONS = {
 BACKGROUND_COMPILE_NICENESS = 10
 COMPILE_THREAD = "compile-decode"
 # What a background compile holds while it runs, so that a server's models compile in turn (server/engine/compile_gate.py).
-CompileGate = AbstractContextManager
+CompileGate = AbstractContextManager[object]
 
 
 @dataclass(frozen=True)
@@ -301,7 +301,7 @@ class CompiledDecoder(EagerDecoder):
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[0]
-        if self.one_call_steps:  # needs no graph: from the moment the kernels load
+        if self._whole_step is not None and self.one_call_steps:  # needs no graph: from the moment the kernels load
             return self._whole_step(self._tokens(tokens), self._rows(n))
         row_class = self.class_for(n)
         if row_class is not None:
@@ -357,7 +357,7 @@ class CompiledDecoder(EagerDecoder):
             if params.filters is False and row_class is not None
             else None
         )
-        if args is None:
+        if args is None or row_class is None:
             return sample(logits, params, position)
         try:
             return self._draws[row_class](row_class, *args)
@@ -495,15 +495,15 @@ class CompiledDecoder(EagerDecoder):
             # The attention kernels of the layers that have one, and the linear layers' kernel for the twin.
             packed = packs(self.model)
             self.log.kernels = use_cpu_kernels(self.model, build) or (load_kernels(build) if packed else None)
-            if packed and self.log.kernels.ok:
+            if packed and self.log.kernels is not None and self.log.kernels.ok:
                 self._twin = decode_twin(self.model)
-                self._whole_step = self._one_call_step() if self._one_call_allowed else None
+                self._whole_step = self._one_call_step(self._twin) if self._one_call_allowed else None
 
-    def _one_call_step(self) -> WholeLinearStep | None:
+    def _one_call_step(self, twin: Transformer) -> WholeLinearStep | None:
         """The twin's one-call step, or None (the compiled graphs then run the steps): should gathering its
         weights fail, that is logged, and nothing else changes (it runs on a background compile's thread)."""
         try:
-            return whole_linear_step(self._twin)
+            return whole_linear_step(twin)
         except Exception as exc:
             log.warning("the one-call %s step is off (%s: %s)", self.model.config.attention, type(exc).__name__, exc)
             return None
@@ -561,12 +561,14 @@ class CompiledDecoder(EagerDecoder):
     def _draw_scratch(self, rows: int) -> tuple[torch.Tensor, ...]:
         """Inputs of an unfiltered draw for `rows` rows, laid out as `_draw_inputs` lays a caller's out."""
         device = self.model.device
-        return self._draw_inputs(
+        scratch = self._draw_inputs(
             torch.zeros(rows, self.model.config.vocab_out, device=device),
             torch.ones(rows, device=device),
             torch.zeros(rows, dtype=torch.long, device=device),
             torch.zeros(rows, dtype=torch.long, device=device),
         )
+        assert scratch is not None  # made in the layout the draw takes
+        return scratch
 
 
 def first_line(exc: Exception) -> str:

@@ -68,7 +68,7 @@ class ModelConfig:
         if unknown:
             raise ConfigError(f"unknown config keys: {', '.join(unknown)}")
         for f in dataclasses.fields(self):
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            default = f.default_factory() if callable(f.default_factory) else f.default
             object.__setattr__(self, f.name, values.get(f.name, default))
         object.__setattr__(self, "options", {key: given.get(key, option.default) for key, option in declared.items()})
         self._check()

@@ -237,13 +237,13 @@ def use_cpu_kernels(model: torch.nn.Module, build: bool = True) -> KernelBuild |
     layers = _kernel_layers(model)
     if not layers or next(model.parameters()).device.type != "cpu":
         return None
-    build = load_kernels(build)
+    loaded = load_kernels(build)
     for layer in layers:
-        layer.cpu_decode_kernel = build.ok
-    return build
+        setattr(layer, "cpu_decode_kernel", loaded.ok)  # the kernel layers' flag, which nn.Module does not type
+    return loaded
 
 
 def turn_off_cpu_kernels(model: torch.nn.Module) -> None:
     """Back to PyTorch's operators in every layer (the eager path the bench compares with)."""
     for layer in _kernel_layers(model):
-        layer.cpu_decode_kernel = False
+        setattr(layer, "cpu_decode_kernel", False)

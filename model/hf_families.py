@@ -183,8 +183,8 @@ def llama_tensors(weights: dict[str, Any], layers: int) -> dict[str, Any]:
             direct[f"{theirs}self_attn.o_proj.{kind}"] = f"{ours}attn.proj.{kind}"
             for part in ("gate", "up", "down"):
                 direct[f"{theirs}mlp.{part}_proj.{kind}"] = f"{ours}ff.{part}.{kind}"
-            qkv = [weights.get(f"{theirs}self_attn.{p}_proj.{kind}") for p in "qkv"]
-            if all(t is not None for t in qkv):
+            qkv = [weights[name] for p in "qkv" if (name := f"{theirs}self_attn.{p}_proj.{kind}") in weights]
+            if len(qkv) == 3:
                 state[f"{ours}attn.qkv.{kind}"] = torch.cat(qkv, dim=0)
     state.update({direct[name]: tensor for name, tensor in weights.items() if name in direct})
     return state

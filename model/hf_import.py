@@ -50,7 +50,7 @@ def import_folder(folder: Path, out: Path):
     from .weights_io import save_model
 
     hf = read_json(folder / "config.json")
-    family = FAMILIES.get(hf.get("model_type"))
+    family = FAMILIES.get(str(hf.get("model_type")))
     if family is None:
         raise HFImportError(
             f"unsupported architecture {hf.get('model_type')!r} "

@@ -59,9 +59,9 @@ class KindOption:
             return f"{self.key} must be {TYPE_NAMES[self.type]}, got {value!r}"
         if self.choices and value not in self.choices:
             return f"unknown {self.key} {value!r}; expected one of {', '.join(self.choices)}"
-        if self.minimum is not None and value < self.minimum:
+        if self.minimum is not None and isinstance(value, (int, float)) and value < self.minimum:
             return f"{self.key} must be >= {self.minimum}, got {value}"
-        if self.even and value % 2:
+        if self.even and isinstance(value, int) and value % 2:
             return f"{self.key} must be an even number, got {value}"
         return None
 

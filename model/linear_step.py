@@ -15,11 +15,12 @@ keeps the compiled step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
 
-from .linear_attention import LinearAttention
+from .linear_attention import LinearAttention, LinearState
 from .packed_linear import PackedLinear
 from .state import ModelState
 from .transformer import Block, Transformer
@@ -43,9 +44,20 @@ def whole_step_refusal(twin: Transformer) -> str | None:
         return f"{twin.dtype} weights on {twin.device} (it takes float32 on the CPU)"
     if not torch.ops.rnnserve.linear_step_takes_head(cfg.d_head):
         return f"heads of {cfg.d_head} numbers (not a whole number of this CPU route's vectors)"
-    if not all(isinstance(m, PackedLinear) for b in twin.blocks for m in (b.attn.qkv, b.attn.proj, b.ff.up, b.ff.down)):
+    if not all(isinstance(m, PackedLinear) for block in _blocks(twin) for m in _linear_layers(block)):
         return "linear layers that are not packed"
     return None
+
+
+def _blocks(twin: Transformer) -> list[Block]:
+    return [cast(Block, block) for block in twin.blocks]
+
+
+def _linear_layers(block: Block) -> list[nn.Module]:
+    """A block's linear layers, in the order linear_decode_step reads them: PackedLinear in a decode twin (its
+    packing swaps them in, which no static type records)."""
+    attn = cast(LinearAttention, block.attn)
+    return [attn.qkv, attn.proj, block.ff.up, block.ff.down]
 
 
 def _bias(layer: PackedLinear) -> torch.Tensor:
@@ -56,20 +68,22 @@ def _packed(layer: PackedLinear) -> list[torch.Tensor]:
     return [layer.packed, _bias(layer)]
 
 
-def _norm(norm: nn.LayerNorm) -> list[torch.Tensor]:
-    return [norm.weight, norm.bias]
+def _norm(norm: nn.Module) -> list[torch.Tensor]:
+    """A LayerNorm's weight and bias (whole_step_refusal checked the block has LayerNorms)."""
+    layer = cast(nn.LayerNorm, norm)
+    return [layer.weight, layer.bias]
 
 
 def _block_weights(block: Block) -> list[torch.Tensor]:
-    """In the order linear_decode_step reads them."""
-    attn: LinearAttention = block.attn
+    """In the order linear_decode_step reads them (the twin's layers are packed: whole_step_refusal checked)."""
+    qkv, proj, up, down = (cast(PackedLinear, layer) for layer in _linear_layers(block))
     return [
         *_norm(block.ln_attn),
-        *_packed(attn.qkv),
-        *_packed(attn.proj),
+        *_packed(qkv),
+        *_packed(proj),
         *_norm(block.ln_ff),
-        *_packed(block.ff.up),
-        *_packed(block.ff.down),
+        *_packed(up),
+        *_packed(down),
     ]
 
 
@@ -84,13 +98,15 @@ class WholeLinearStep:
 
     @classmethod
     def of(cls, twin: Transformer) -> "WholeLinearStep":
-        weights = [w for block in twin.blocks for w in _block_weights(block)] + _norm(twin.ln_f)
-        head_inside = isinstance(twin.head, PackedLinear)
-        if head_inside:
-            weights += _packed(twin.head)
+        weights = [w for block in _blocks(twin) for w in _block_weights(block)] + _norm(twin.ln_f)
+        head: nn.Module = twin.head
+        head_inside = isinstance(head, PackedLinear)
+        if isinstance(head, PackedLinear):
+            weights += _packed(head)
         # Plain tensors, detached once here rather than every step (the call would not take parameters as they
         # are under inference mode).
         weights = [w.detach().contiguous() for w in weights]
+        assert twin.pos_emb is not None  # whole_step_refusal: learned positions
         embeddings = (twin.tok_emb.weight.detach(), twin.pos_emb.weight.detach())
         return cls(twin, embeddings, weights, head_inside)
 
@@ -101,7 +117,7 @@ class WholeLinearStep:
             state.lengths,
             *self.embeddings,
             self.weights,
-            [layer.sz_t for layer in state.layers],
+            [cast(LinearState, layer).sz_t for layer in state.layers],
             cfg.n_heads,
             cfg.ln_eps,
             cfg.linear_eps,

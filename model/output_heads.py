@@ -109,7 +109,10 @@ class LogisticMixtureHead(nn.Module):
             self.proj.bias[2 * n :] = INITIAL_LOG_SCALE
 
 
-def build_output_head(cfg: ModelConfig, embedding: nn.Embedding) -> nn.Module:
+OutputHead = CategoricalHead | TiedHead | LogisticMixtureHead
+
+
+def build_output_head(cfg: ModelConfig, embedding: nn.Embedding) -> OutputHead:
     if cfg.tied_head:
         return TiedHead(embedding)
     if cfg.output_head == "logistic_mixture":

@@ -29,6 +29,8 @@ from .transformer import Transformer
 class PackedLinear(nn.Module):
     """`linear(x)` as the CPU kernel computes it: x W^T + b, W packed once (float32, CPU)."""
 
+    packed: torch.Tensor  # a buffer: the kernel's layout of the weight
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.out_features = linear.out_features

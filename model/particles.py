@@ -22,6 +22,7 @@ import hashlib
 import math
 import random
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -140,7 +141,7 @@ class Particle(Protocol):
     def start(self) -> int: ...
 
 
-def known_rows(rows: list[Particle]) -> list[int]:
+def known_rows(rows: Sequence[Particle]) -> list[int]:
     """Rows of weighed requests whose next token is a known one."""
     return [i for i, seq in enumerate(rows) if seq.group is not None and seq.position in seq.owner.request.forced]
 
@@ -153,13 +154,15 @@ class Resampling:
     samples: int
 
 
-def weigh(rows: list[Particle], known: list[int], logprobs: list[float]) -> Resampling:
+def weigh(rows: Sequence[Particle], known: list[int], logprobs: list[float]) -> Resampling:
     """Add each known token's log-probability to its row's weight; resample the samples whose
     effective sample size fell too low. The row copies to make, with the copies' new seeds."""
     groups: dict[ParticleGroup, list[int]] = {}
     for i, logprob in zip(known, logprobs):
         rows[i].log_weight += logprob
-        groups.setdefault(rows[i].group, []).append(i)
+        group = rows[i].group
+        assert group is not None, "a known row belongs to a weighed sample"  # known_rows picks rows with a group
+        groups.setdefault(group, []).append(i)
     done = Resampling([], 0)
     for group, members in groups.items():
         members.sort(key=lambda i: rows[i].particle)  # particle order: independent of where rows sit
@@ -172,7 +175,7 @@ def weigh(rows: list[Particle], known: list[int], logprobs: list[float]) -> Resa
     return done
 
 
-def _resample(group: ParticleGroup, particles: list[Particle], members: list[int]) -> list[RowCopy]:
+def _resample(group: ParticleGroup, particles: Sequence[Particle], members: list[int]) -> list[RowCopy]:
     weights = [p.log_weight for p in particles]
     group.log_z += log_mean_exp(weights)
     group.resamplings += 1
@@ -185,7 +188,7 @@ def _resample(group: ParticleGroup, particles: list[Particle], members: list[int
     ]
 
 
-def conclude(group: ParticleGroup, particles: list[Particle]) -> None:
+def conclude(group: ParticleGroup, particles: Sequence[Particle]) -> None:
     """A sample's particles have finished: draw the one it answers with, and sum up the run."""
     particles = sorted(particles, key=lambda p: p.particle)
     weights = [p.log_weight for p in particles]

@@ -62,6 +62,8 @@ class ReformerAttention(Attention):
         # Stored with the weights so a loaded model always hashes the same way.
         self.register_buffer("rotations", draw_rotations(cfg.reformer_rounds, cfg.d_head, cfg.reformer_buckets))
 
+    rotations: torch.Tensor  # (rounds, d_head, buckets // 2), a buffer
+
     @property
     def rounds(self) -> int:
         return self.rotations.shape[0]

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING, cast, overload
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import Capabilities
-from .block_parts import build_feed_forward, build_norm
+from .attention import Attention, Capabilities
+from .block_parts import GeluFeedForward, SwiGLUFeedForward, build_feed_forward, build_norm
 from .config import BOS_TOKEN, ModelConfig
 from .heads import chunk_positions
 from .output_heads import LogisticMixtureHead, build_output_head
@@ -33,6 +34,9 @@ class SequenceTooLong(ValueError):
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + ff(norm(x))."""
 
+    attn: Attention
+    ff: GeluFeedForward | SwiGLUFeedForward
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.ln_attn = build_norm(cfg)
@@ -44,7 +48,7 @@ class Block(nn.Module):
     def start_as_identity(self) -> None:
         """Zero the last layer of both residual branches: the block passes x through unchanged,
         so a model grown by a block computes what it did (gradients still reach both branches)."""
-        for last in (self.attn.proj, self.ff.last_layer()):
+        for last in (cast(nn.Linear, self.attn.proj), self.ff.last_layer()):
             nn.init.zeros_(last.weight)
             if last.bias is not None:
                 nn.init.zeros_(last.bias)
@@ -92,22 +96,26 @@ class Transformer(nn.Module):
     @property
     def capabilities(self) -> Capabilities:
         """What this model's attention kind can do when decoding."""
-        return self.blocks[0].attn.capabilities
+        return self.attentions()[0].capabilities
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
     def new_state(self, batch_size: int) -> ModelState:
         """Empty decoding state for `batch_size` rows, preallocated for max_len."""
-        layers = [blk.attn.new_state(batch_size, self.device, self._state_dtype(blk.attn)) for blk in self.blocks]
+        layers = [attn.new_state(batch_size, self.device, self._state_dtype(attn)) for attn in self.attentions()]
         return ModelState(layers, torch.zeros(batch_size, dtype=torch.long, device=self.device))
 
     def cache_dtype(self) -> torch.dtype | None:
         """The dtype its cached keys and values are stored in; None for kinds that do not take a cache dtype."""
-        attn = self.blocks[0].attn
+        attn = self.attentions()[0]
         return self._state_dtype(attn) if attn.kv_cache else None
 
-    def _state_dtype(self, attn: nn.Module) -> torch.dtype:
+    def attentions(self) -> list[Attention]:
+        """Each block's attention layer, in order."""
+        return [cast(Block, block).attn for block in self.blocks]
+
+    def _state_dtype(self, attn: Attention) -> torch.dtype:
         return self.kv_cache_dtype if attn.kv_cache and self.kv_cache_dtype is not None else self.dtype
 
     def limit_context(self, max_len: int) -> None:
@@ -126,7 +134,19 @@ class Transformer(nn.Module):
         state.lengths.fill_(self.config.max_len if length is None else length)
         return state.nbytes_in_use()
 
-    def forward(self, tokens: torch.Tensor, state: ModelState | None = None):
+    if TYPE_CHECKING:  # what calling the module returns: its forward's result (nn.Module types the call as Any)
+
+        @overload
+        def __call__(self, tokens: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]: ...
+
+        @overload
+        def __call__(self, tokens: torch.Tensor, state: None = None) -> tuple[torch.Tensor, None]: ...
+
+        def __call__(
+            self, tokens: torch.Tensor, state: ModelState | None = None
+        ) -> tuple[torch.Tensor, ModelState | None]: ...
+
+    def forward(self, tokens: torch.Tensor, state: ModelState | None = None) -> tuple[torch.Tensor, ModelState | None]:
         b, t = tokens.shape
         start = state.lengths if state is not None else tokens.new_zeros(b)
         end = int(start.max()) + t

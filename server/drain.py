@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Iterable
@@ -32,7 +30,6 @@ log = logging.getLogger("rnnserve.drain")
 POLL_SECONDS = 0.05
 ANSWER_SECONDS = 5.0  # after the engines stop, failed requests get this long to send their error answers
 SHUTTING_DOWN = "server is shutting down"
-KERNEL_BUILD_WAIT_SECONDS = 20.0  # at exit; the API process kills an engine process that takes 30 s
 
 
 class Drain:
@@ -151,20 +148,3 @@ class DrainingServer(uvicorn.Server):
             await drain_app(self.config.app)
         finally:
             self.should_exit = True
-
-
-def exit_if_compiling() -> None:
-    """Once the drain is over, exit 0 without the interpreter's teardown if a background compile still runs
-    in this process: its C++ destructors abort then ("terminate called without an active exception",
-    status 134). Nothing is left to flush but logs, and a kernel build to let finish."""
-    compiled_decode = sys.modules.get("model.compiled_decode")
-    if compiled_decode is None or not compiled_decode.background_compiles_running():
-        return  # not imported here, so nothing compiles: importing it now would load inductor, seconds at exit
-    from model.cpu_kernels import wait_for_build
-
-    if not wait_for_build(KERNEL_BUILD_WAIT_SECONDS):
-        log.warning("exiting during a build of the CPU decode kernels; the next start may build them again")
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

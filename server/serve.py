@@ -326,7 +326,7 @@ def _serve_on(sock: socket.socket, settings: Settings) -> int:
         code = _load_and_serve(sock, settings, on_started=responder.stop)
     finally:
         responder.stop()  # whatever ended start-up early (a bad file, Ctrl-C): before the socket closes
-    from server.drain import exit_if_compiling
+    from server.engine.shutdown import exit_if_compiling
 
     exit_if_compiling()  # engines on this process's threads (--no-engine-process)
     return code

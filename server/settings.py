@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+if TYPE_CHECKING:
+    import torch
 
 MIB = 1024 * 1024
 
@@ -133,7 +136,7 @@ class Settings(BaseSettings):
         name = self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
         return getattr(torch, name)
 
-    def torch_kv_cache_dtype(self):
+    def torch_kv_cache_dtype(self) -> torch.dtype | None:
         """The dtype softmax models store cached keys and values in; None: the model's dtype."""
         return kv_cache_torch_dtype(self.kv_cache_dtype)
 
@@ -182,7 +185,7 @@ def device_memory(device: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def kv_cache_torch_dtype(name: str):
+def kv_cache_torch_dtype(name: str) -> torch.dtype | None:
     """--kv-cache-dtype's value as a torch dtype; None for auto (the model's dtype)."""
     import torch  # imported here so reading settings stays cheap
 

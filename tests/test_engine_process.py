@@ -18,7 +18,6 @@ import pytest
 
 from model.sampling import SamplingParams
 from server.engine.core import Engine, EngineLimits
-from server.engine.base import EngineHandle
 from server.engine.client import EngineClient
 from server.engine.output import LocalOutput
 from server.engine import messages as msg
@@ -154,15 +153,6 @@ def test_a_pass_s_figures_and_events_cross_the_pipe_in_one_message_and_held_even
     assert api_end.recv() == msg.Step(stats, [(8, ["held until its end", DONE])])
     assert sink.streams == {7: streamed}  # an ended stream is unbound
     assert not api_end.poll(0.1)  # nothing else was sent: no separate record, no deferral
-
-
-def test_the_thread_engine_and_the_process_client_are_one_engine_interface():
-    """Handlers, the registry and the drain see an EngineHandle: both kinds of engine have all of it."""
-    members = {n for n in vars(EngineHandle) if not n.startswith("_")} | set(EngineHandle.__annotations__)
-    for engine in (make(Engine), make(EngineClient)):
-        missing = {n for n in members if not hasattr(engine, n)}
-        assert not missing, f"{type(engine).__name__} lacks {sorted(missing)}"
-    assert {"enqueue", "score", "ready", "metrics", "check_prompt"} <= members
 
 
 def test_refusals_keep_their_kind_across_the_pipe():

@@ -90,3 +90,23 @@ def test_training_imports_nothing_from_the_server():
         if m.split(".")[0] == "training"
     }
     assert not {m: t for m, t in reaching.items() if t}, reaching
+
+
+def test_the_engine_imports_neither_the_http_layer_nor_the_drain():
+    """server/engine/ runs models and hands out events; HTTP (server/api/: status codes, request state) and the
+    server's drain sit above it and call into it, never the other way round."""
+    graph = import_graph()
+    above = ("server.api", "server.drain")
+    reaching = {
+        m: sorted(t for t in targets if any(t == a or t.startswith(f"{a}.") for a in above))
+        for m, targets in graph.items()
+        if m == "server.engine" or m.startswith("server.engine.")
+    }
+    assert not {m: t for m, t in reaching.items() if t}, {m: t for m, t in reaching.items() if t}
+
+
+def test_the_layer_check_sees_an_import_from_above():
+    """The walk counts an engine module's lazy import of the HTTP layer (so the check above can fail)."""
+    source = "def handler():\n    from server.api.errors import APIError\n"
+    node = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom))
+    assert "server.api.errors" in imported("server.engine.registry", ROOT / "server/engine/registry.py", node)

@@ -1,4 +1,4 @@
-"""The scheduler's rules as plain data: no thread, no tensor, no model.
+"""The scheduler's rules as plain data: no thread, no model (a pass's device tokens ride along unread).
 
 Admission order and the slot budget, the queue-full rule (requests being
 admitted still hold their slots), row placement for n samples, stop and
@@ -11,10 +11,12 @@ import random
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from model.sampling import SamplingParams
 from server.engine.multistep import PassCosts, ends_run_early, joinable_rows
 from server.engine.scheduler import CANCELLED, QueueFull, Scheduler
+from server.engine.step import RunnerOutput
 from server.engine.stopping import StoppingCriteria
 from server.engine.types import GenerationRequest
 
@@ -36,7 +38,7 @@ def req(name: str, n: int = 1, prompt=(1, 2), max_new: int = 3, stop=()) -> Req:
 
 def admit(scheduler: Scheduler) -> list[Req]:
     """Schedule, place and register every group, as the engine does after a successful prefill."""
-    taken = scheduler.schedule()
+    taken = scheduler.take_admissible()
     scheduler.register(scheduler.placements(taken))
     scheduler.admitted()
     return taken
@@ -47,7 +49,7 @@ def test_requests_are_admitted_in_order_while_they_fit():
     a, b, c = req("a", n=2), req("b", n=3), req("c", n=1)
     for r in (a, b, c):
         scheduler.add(r)
-    assert scheduler.schedule() == [a]  # b needs 3 of the 2 left; c waits behind it (no overtaking)
+    assert scheduler.take_admissible() == [a]  # b needs 3 of the 2 left; c waits behind it (no overtaking)
     assert scheduler.admitting == 2 and scheduler.waiting_sequences == 4
 
 
@@ -55,7 +57,7 @@ def test_a_request_is_refused_while_another_is_being_admitted():
     """max batch 1, max waiting 0: the one slot is promised to the request being admitted."""
     scheduler = Scheduler(max_batch=1, max_waiting=0)
     scheduler.add(req("first"))  # a free slot takes it, so the empty queue limit does not refuse it
-    taken = scheduler.schedule()
+    taken = scheduler.take_admissible()
     assert [r.request.request_id for r in taken] == ["first"]
     with pytest.raises(QueueFull):
         scheduler.add(req("second"))
@@ -95,13 +97,31 @@ def test_rows_end_by_stop_or_length_and_a_request_completes_with_its_last_row():
     scheduler.add(a)
     scheduler.add(b)
     admit(scheduler)  # rows: a0, b0, a1
-    first = scheduler.update_from_output([[ord("\n")], [7], [7]], now=1.0)
+    first = scheduler.advance([[ord("\n")], [7], [7]], now=1.0)
     assert first.reasons == ["stop", None, None] and first.finished == [0] and first.completed == []
     assert scheduler.rows[0].stopping.matched == b"\n"
     assert scheduler.compact(first.finished) == [(2, 0)]  # a1 moves into a0's row
     assert [(s.owner, s.sample) for s in scheduler.rows] == [(a, 1), (b, 0)]
-    second = scheduler.update_from_output([[7], [7]], now=2.0)
+    second = scheduler.advance([[7], [7]], now=2.0)
     assert second.reasons == ["length", None] and second.completed == [a]
+
+
+def test_update_from_output_says_what_the_runner_must_read_and_move_and_leaves_the_runner_s_tokens_as_drawn():
+    """A pass's update is data for the runner (which rows to read, which to move, how many stay live) and for the
+    events (the rows before they moved); the RunnerOutput it was made from is not edited."""
+    scheduler = Scheduler(max_batch=4, max_waiting=4)
+    a, b = req("a", n=2, max_new=2, stop=[b"\n"]), req("b", max_new=5)
+    scheduler.add(a)
+    scheduler.add(b)
+    admit(scheduler)  # rows: a0, b0, a1
+    plan = scheduler.schedule(1)
+    drawn = RunnerOutput([[ord("\n")], [7], [7]], torch.zeros(3, dtype=torch.long), None, None, None, [], 0.5, 1.0)
+    update = scheduler.update_from_output(plan, drawn)
+    assert drawn.tokens == [[ord("\n")], [7], [7]]
+    assert [(s.owner, s.sample) for s in update.rows] == [(a, 0), (b, 0), (a, 1)]  # as the pass drew them
+    assert update.moves == [(2, 0)] and update.live == scheduler.running == 2 and update.copies == []
+    assert {row: (r.start, r.end, r.request) for row, r in update.reads.items()} == {0: (2, 3, a.request)}
+    assert (update.stats.batch, update.stats.tokens, update.stats.running, update.stats.steps) == (3, 3, 2, 1)
 
 
 def test_compaction_moves_run_at_once_and_leave_rows_as_one_by_one_moves_would():
@@ -132,7 +152,7 @@ def test_cancelled_rows_leave_without_drawing_a_token():
         scheduler.add(r)
     admit(scheduler)  # rows a0, b0, a1
     a.cancelled = True
-    outcome = scheduler.update_from_output([[1], [2], [3]], now=1.0)
+    outcome = scheduler.advance([[1], [2], [3]], now=1.0)
     assert outcome.reasons == [CANCELLED, None, CANCELLED] and outcome.tokens == 1
     assert outcome.completed == [a] and scheduler.rows[1].position == 3  # only b moved on
     scheduler.compact(outcome.finished)
@@ -145,9 +165,9 @@ def test_stats_time_first_tokens_once_per_request_and_gaps_per_sequence():
     a.submitted_at = 10.0
     scheduler.add(a)
     admit(scheduler)
-    first = scheduler.update_from_output([[1], [1]], now=10.5)
+    first = scheduler.advance([[1], [1]], now=10.5)
     assert first.first_token_seconds == [0.5] and first.token_gaps == {}
-    second = scheduler.update_from_output([[1], [1]], now=10.75)
+    second = scheduler.advance([[1], [1]], now=10.75)
     stats = scheduler.make_stats(second, state_bytes=123)
     assert stats.token_gaps == {0.25: 2}  # both sequences drew their second token 0.25 s after the first
     assert (stats.batch, stats.tokens, stats.running, stats.waiting, stats.state_bytes) == (2, 2, 2, 0, 123)
@@ -161,7 +181,7 @@ def test_steps_ahead_stay_within_every_rows_budget_and_are_one_while_a_client_wa
         scheduler.add(r)
     admit(scheduler)
     assert scheduler.steps_ahead(8) == 5 and scheduler.steps_ahead(3) == 3 and scheduler.steps_ahead(1) == 1
-    scheduler.update_from_output([[1, 1, 1], [1, 1, 1]], now=1.0)
+    scheduler.advance([[1, 1, 1], [1, 1, 1]], now=1.0)
     assert scheduler.steps_ahead(8) == 2  # b has 2 tokens left
     streamed = req("s", max_new=50)
     streamed.each_event = True
@@ -195,9 +215,9 @@ def test_several_steps_at_once_advance_rows_until_a_stop_and_share_out_their_tim
     for r in (a, b):
         scheduler.add(r)
     admit(scheduler)
-    first = scheduler.update_from_output([[1, 1], [1]], now=1.0, started=0.0)  # first tokens
+    first = scheduler.advance([[1, 1], [1]], now=1.0, started=0.0)  # first tokens
     assert first.token_gaps == {0.5: 1} and first.tokens == 3  # a's second token: half of its update's time
-    outcome = scheduler.update_from_output([[7, ord("\n"), 7, 7], [7, 7, 7, 7]], now=3.0)
+    outcome = scheduler.advance([[7, ord("\n"), 7, 7], [7, 7, 7, 7]], now=3.0)
     assert outcome.reasons == ["stop", None] and outcome.tokens == 2 + 4  # a's tokens after its stop are dropped
     assert [s.position for s in scheduler.rows] == [2 + 4, 2 + 5] and scheduler.rows[0].stopping.generated == 4
     assert outcome.token_gaps == {1.0: 2, 0.5: 4}  # 2 s shared among the tokens each row kept

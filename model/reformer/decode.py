@@ -124,7 +124,8 @@ def _gather(state: LSHCache, positions: torch.Tensor) -> tuple[torch.Tensor, tor
     length, d = state.k.shape[2:]
     rows = torch.arange(b * h, device=positions.device).view(b, h, 1, 1) * length
     flat = (positions + rows).view(-1)  # flat key index: (b, h) row times length plus position
-    return tuple(x.view(-1, d).index_select(0, flat).view(b, h, r, width, d) for x in (state.k, state.v))
+    keys, values = (x.view(-1, d).index_select(0, flat).view(b, h, r, width, d) for x in (state.k, state.v))
+    return keys, values
 
 
 def _attend_with_itself(q, keys, values, k, v, candidates):

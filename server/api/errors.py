@@ -244,7 +244,7 @@ def label_named_model(request: Request, body: Any) -> None:
     """Label a refused request's metrics with the model it named, when that model is loaded."""
     server = getattr(request.app.state, "server", None)
     if server is not None and isinstance(body, dict):
-        server.engines.label(request, body.get("model"))
+        server.label_model(request, body.get("model"))
 
 
 HTTP_ERROR_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}

@@ -30,9 +30,9 @@ router = APIRouter()
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, server: ServerState = Depends(get_server)
 ) -> Response | dict[str, Any]:
-    server.engines.label(request, body.model)
+    server.label_model(request, body.model)
     check_accept(request, body.stream)
-    engine = server.engines.for_request(request, body.model, "text")
+    engine = server.engine_for(request, body.model, "text")
     prompt = chat_prompt(engine, server.engines.chat_templates.get(engine.name), body)
     with engine_refusals(engine):
         check_logit_bias(body.bias(), engine.name, engine.config.vocab_size)

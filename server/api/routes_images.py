@@ -136,7 +136,7 @@ class ImageJob:
     openapi_extra={"requestBody": IMAGE_REQUEST_BODY},
 )
 async def complete_image(request: Request, server: ServerState = Depends(get_server)) -> Response:
-    server.engines.label(request, await named_model(request))
+    server.label_model(request, await named_model(request))
     try:
         given = await read_input(request)
         occluded = given.occluded()
@@ -144,7 +144,7 @@ async def complete_image(request: Request, server: ServerState = Depends(get_ser
         raise invalid_request(str(exc), exc.param, exc.code) from None
     options = given.options
     answer = image_answer_type(request.headers.get("accept"), options.stream)
-    engine = server.engines.for_request(request, options.model, "mnist")
+    engine = server.engine_for(request, options.model, "mnist")
     plan = plan_particles(options.particles, occluded, options.n, engine.limits.max_batch, options.temperature)
     job = ImageJob(f"imgcmpl-{uuid.uuid4().hex}", engine, Canvases(occluded, options.n), plan)
     stream = await submit(engine, generation_request(job, options), each_event=options.stream)

@@ -44,9 +44,9 @@ router = APIRouter()
 async def create_completion(
     body: CompletionRequest, request: Request, server: ServerState = Depends(get_server)
 ) -> Response | dict[str, Any]:
-    server.engines.label(request, body.model)
+    server.label_model(request, body.model)
     check_accept(request, body.stream)
-    engine = server.engines.for_request(request, body.model, "text")
+    engine = server.engine_for(request, body.model, "text")
     with engine_refusals(engine):
         check_logit_bias(body.bias(), engine.name, engine.config.vocab_size)
     completion = TextCompletion(body, engine.name, f"cmpl-{uuid.uuid4().hex}", engine.vocabulary)
@@ -169,7 +169,7 @@ async def stream_events(
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=errors(400, 401, 404, 413, 415))
 async def tokenize(body: TokenizeRequest, request: Request, server: ServerState = Depends(get_server)) -> dict:
-    engine = server.engines.for_request(request, body.model, "text")
+    engine = server.engine_for(request, body.model, "text")
     vocabulary = engine.vocabulary
     tokens = vocabulary.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     return {
@@ -182,7 +182,7 @@ async def tokenize(body: TokenizeRequest, request: Request, server: ServerState 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=errors(400, 401, 404, 413, 415))
 async def detokenize(body: DetokenizeRequest, request: Request, server: ServerState = Depends(get_server)) -> dict:
-    engine = server.engines.for_request(request, body.model, "text")
+    engine = server.engine_for(request, body.model, "text")
     size = engine.vocabulary.size
     bad = next((t for t in body.tokens if t >= size), None)
     if bad is not None:

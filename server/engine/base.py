@@ -4,7 +4,7 @@ its limits, and what it answers without asking its worker (the model's config, t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from model.config import ModelConfig
 from model.transformer import Transformer
@@ -53,20 +53,29 @@ class EngineFacts:
         check_samples(samples, self.limits.max_batch)
 
 
+@runtime_checkable
 class EngineHandle(Protocol):
-    """One model's engine as the API process uses it: `Engine` (on a worker thread here) and `EngineClient` (the
-    stand-in for an engine process) both are one. Handlers, the registry, the drain and the app see only this."""
+    """One model's engine as the API process uses it: `Engine` (on a worker thread here), `EngineClient` (the
+    stand-in for an engine process) and `EnginePool` (a model's several engine processes) are each one, checked
+    by mypy and at run time (tests/test_engine_interface.py). Handlers, the registry, the drain and the app see
+    only this. (An engine process calls its `Engine`'s wider `submit` itself: that is the engine's own side.)"""
 
     name: str
     model: Transformer
-    info: dict
+    info: dict[str, Any]
     limits: EngineLimits
     vocabulary: Vocabulary  # what a text model's tokens stand for: bytes, or its tokenizer's
     threads: int  # each worker's
     workers: int
-    metrics: ModelMetrics | None  # the model's series the handlers record into
     state_bytes_per_sequence: int
-    state_bytes_allocated: int
+
+    @property
+    def metrics(self) -> ModelMetrics | None:
+        """The model's series the handlers record into."""
+
+    @property
+    def state_bytes_allocated(self) -> int:
+        """Bytes of all its slots' state, known once started."""
 
     @property
     def config(self) -> ModelConfig: ...

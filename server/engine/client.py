@@ -11,7 +11,8 @@ import signal
 import threading
 import time
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.multiprocessing
@@ -25,6 +26,8 @@ from server.engine.output import record_gauges
 from server.engine.process import EngineSpec, rebuild_error, serve_engine
 from server.metrics import Metrics
 from server.engine.streams import (
+    Event,
+    EventTarget,
     ENGINE_RESTARTING,
     SHUTTING_DOWN,
     EngineFailure,
@@ -66,7 +69,7 @@ class EngineClient(EngineFacts):
         self,
         name: str,
         model: Transformer,
-        info: dict,
+        info: dict[str, Any],
         limits: EngineLimits,
         metrics: Metrics,
         threads: int | None = None,
@@ -85,14 +88,14 @@ class EngineClient(EngineFacts):
         self.metrics = metrics.for_model(name, model.config.attention, model.config.task == "mnist", worker)
         self.threads = threads or torch.get_num_threads()  # the engine process's intra-op threads
         self._compile_gate = compile_gate  # server/engine/compile_gate.py: the engines compile in turn
-        self._process: torch.multiprocessing.Process | None = None
+        self._process: BaseProcess | None = None
         self._conn: Connection | None = None
         self._reader: threading.Thread | None = None
         self._send_lock = threading.Lock()
         self._reaping = threading.Lock()
         self._lock = threading.Lock()  # the two tables below: the event loop adds, the reader thread removes
         self._streams: dict[int, RemoteStream] = {}
-        self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}  # answers awaited
+        self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}  # answers awaited
         self._keys = itertools.count()
         self._compiled = threading.Event()
         self._alive = False
@@ -146,10 +149,9 @@ class EngineClient(EngineFacts):
             self._compile_gate,
             self.vocabulary,
         )
-        self._process = context.Process(
-            target=serve_engine, args=(theirs, spec), name=f"engine-{self.name}-{self.worker}"
-        )
-        self._process.start()
+        process = context.Process(target=serve_engine, args=(theirs, spec), name=f"engine-{self.name}-{self.worker}")
+        self._process = process
+        process.start()
         theirs.close()
         self._conn = ours
         started = self._first_message()
@@ -161,10 +163,10 @@ class EngineClient(EngineFacts):
             self.metrics.engine_restarted()
         self._alive = True
         self._reader = threading.Thread(
-            target=self._read, args=(self._conn, self._process), name=f"engine-{self.name}-reader", daemon=True
+            target=self._read, args=(self._conn, process), name=f"engine-{self.name}-reader", daemon=True
         )
         self._reader.start()
-        log.info("model %s: engine process %d started", self.name, self._process.pid)
+        log.info("model %s: engine process %d started", self.name, process.pid)
 
     def _first_message(self) -> msg.Started:
         assert self._conn is not None and self._process is not None
@@ -176,7 +178,8 @@ class EngineClient(EngineFacts):
         if isinstance(message, msg.Started):
             return message
         self._end_process()
-        raise EngineFailure(f"model {self.name!r}: the engine process failed to start: {message.message}")
+        why = message.message if isinstance(message, msg.StartFailed) else f"it sent {type(message).__name__} first"
+        raise EngineFailure(f"model {self.name!r}: the engine process failed to start: {why}")
 
     def _next_start_message(self) -> object:
         assert self._conn is not None and self._process is not None
@@ -255,7 +258,8 @@ class EngineClient(EngineFacts):
             self._check_alive()
             self._pending[key] = (loop, future)
         self._send(msg.Score(key, tokens, top))
-        return await future
+        scores: PromptScores = await future
+        return scores
 
     def _check_alive(self) -> None:
         """(With the lock held.) Refuse work once the engine process is gone: nothing would answer it."""
@@ -273,6 +277,8 @@ class EngineClient(EngineFacts):
         """Send to the engine process; if it is gone, what waits on it fails (the reader sees it exit)."""
         try:
             with self._send_lock:
+                if self._conn is None:
+                    raise ValueError("no engine process was started")
                 self._conn.send(message)
         except (OSError, ValueError) as exc:  # broken pipe, or closed
             if not self._stopping:
@@ -339,8 +345,8 @@ class EngineClient(EngineFacts):
             case _:
                 raise ValueError(f"unknown message {type(message).__name__}")
 
-    def _hand_over(self, batch: list[tuple[int, list]]) -> None:
-        pairs = []
+    def _hand_over(self, batch: msg.TaggedEvents) -> None:
+        pairs: list[tuple[EventTarget, list[Event]]] = []
         with self._lock:
             for key, items in batch:
                 stream = self._streams.get(key)
@@ -351,7 +357,9 @@ class EngineClient(EngineFacts):
                 pairs.append((stream, items))
         hand_over(pairs)
 
-    def _answer(self, key: int, result, error: msg.ErrorDescription | None = None, refused: bool = False) -> None:
+    def _answer(
+        self, key: int, result: object, error: msg.ErrorDescription | None = None, refused: bool = False
+    ) -> None:
         """Settle what waits on `key`: a submit (accepted, or refused with why) or a score."""
         with self._lock:
             waiting = self._pending.pop(key, None)

@@ -37,7 +37,7 @@ class CompileTurns:
         self._held.handle = handle
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         handle = self._held.handle
         self._held.handle = None
         fcntl.flock(handle, fcntl.LOCK_UN)
@@ -49,8 +49,8 @@ class CompileTurns:
         except FileNotFoundError:
             pass
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, str]:
         return {"path": self.path}
 
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["path"])
+    def __setstate__(self, state: dict[str, str]) -> None:
+        CompileTurns.__init__(self, state["path"])

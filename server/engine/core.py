@@ -8,20 +8,25 @@ requests join (prompts of one length prefill in one forward; the n samples
 of a prompt copy its row), one token is drawn for every live row, finished
 rows leave (the last live row moves into each hole), and one batched
 decode step feeds the new tokens. A pass is a pipeline of plain data
-(server/engine/step.py): the scheduler's plan, the runner's tokens, the
-scheduler's update, the events; its figures (`StepStats`) go out with its
-events to the engine's output (server/engine/output.py), which records them
-on the API side: the engine calls no metric.
+(server/engine/step.py), each part owning its own: the scheduler's plan
+(`schedule`), the runner's tokens (`execute`), the scheduler's update
+(`update_from_output`: rows advanced, finished, resampled, compacted), the
+runner's share of it (`apply`: row copies, sample reads, row moves), then the
+pass's figures (`StepStats`) with its events to the engine's output
+(server/engine/output.py), which records them on the API side: the engine
+calls no metric. The pass's closing forward (`feed`) runs last, after its
+events went out.
 
 Multi-step (vLLM's name): while no running request is streamed or runs
 particles that weigh known tokens (or several particles a sample: they
 conclude together), nobody sees a step's tokens before its request ends, so the
 engine runs up to `scheduler_steps` of them (never past a row's budget)
 and does the host work above once for all; a row that stops within them
-drops its later tokens, and its state is discarded with the row. A request
-that arrives during such a run ends it early when its client watches each
-step, or when its idle slot would lose more than stopping costs the running
-rows (server/engine/multistep.py).
+drops its later tokens, and its state is discarded with the row. The engine
+runs those unwatched steps one runner call each, and between two of them
+decides whether a request that arrived meanwhile ends the run early: when
+its client watches each step, or when its idle slot would lose more than
+stopping costs the running rows (server/engine/multistep.py).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -42,9 +47,10 @@ from model.vocabulary import Vocabulary, byte_vocabulary
 from server.engine.base import EngineFacts, EngineLimits
 from server.engine.multistep import PassCosts, ends_run_early
 from server.engine.runner import ModelRunner
-from server.engine.scheduler import Placement, QueueFull, Scheduler
+from server.engine.scheduler import Placement, QueueFull, Scheduler, Submission
 from server.engine.output import EngineOutput, Gauges
-from server.engine.step_events import sample_reads, step_events
+from server.engine.step import AppliedStep, RunnerOutput, SchedulerOutput, StepUpdate
+from server.engine.step_events import step_results
 from server.engine.streams import (
     ENGINE_ERROR,
     SHUTTING_DOWN,
@@ -76,7 +82,7 @@ class Engine(EngineFacts):
         self,
         name: str,
         model: Transformer,
-        info: dict,
+        info: dict[str, Any],
         limits: EngineLimits,
         output: EngineOutput,
         compile_gate: CompileGate | None = None,
@@ -191,7 +197,7 @@ class Engine(EngineFacts):
         """Log-probability of each token given those before it (the first given BOS), and the `top`
         most likely tokens at each position; computed on the worker thread."""
         loop = asyncio.get_running_loop()
-        future = loop.create_future()
+        future: asyncio.Future[PromptScores] = loop.create_future()
         self.queue_score(tokens, top, reply_in_loop(loop, future))
         return await future
 
@@ -219,7 +225,7 @@ class Engine(EngineFacts):
             self._ready.set()
             while not self._stopping:
                 try:
-                    self.runner.decoder.adopt_compiled()  # a background compile's graphs, between two steps
+                    self.runner.adopt_compiled()  # a background compile's graphs, between two steps
                     self._score_waiting()
                     self._admit()
                     if self.scheduler.rows:
@@ -250,8 +256,8 @@ class Engine(EngineFacts):
     def _admit(self) -> None:
         """Move every waiting request that fits into the batch; prompts of one length prefill together."""
         with self._lock:
-            gone = self.scheduler.drop_cancelled()
-            taken = self.scheduler.schedule()
+            gone = streams(self.scheduler.drop_cancelled())
+            taken = streams(self.scheduler.take_admissible())
         if gone:
             finish(gone)
         if not taken:  # the usual step: nothing to admit
@@ -284,26 +290,28 @@ class Engine(EngineFacts):
 
     def _step(self) -> None:
         """One pass, as data from part to part (server/engine/step.py)."""
-        plan = self.scheduler.plan_step(self.limits.scheduler_steps)
-        drawn = self.runner.execute(plan, self._ends_run_early)
-        if drawn.steps > 1:
-            self._costs.observe_steps(drawn.ahead_seconds, drawn.steps - 1)
-        boundary_started = time.monotonic()
-        update = self.scheduler.update(plan, drawn, boundary_started)
-        self.runner.copy_particles(update.copies, drawn.last)
-        samples = self.runner.read_samples(sample_reads(self.scheduler.rows, update.outcome))
-        outbox = step_events(self.scheduler.rows, update.outcome, drawn, samples)  # before rows move
-        self.runner.move_rows(self.scheduler.compact(update.outcome.finished), drawn.last)
-        live = self.scheduler.running
+        plan = self.scheduler.schedule(self.limits.scheduler_steps)
+        drawn = self._execute(plan)
+        update = self.scheduler.update_from_output(plan, drawn)
+        applied = self.runner.apply(update, drawn)
+        self._emit(update, drawn, applied)
+        self._forward_seconds = self.runner.feed()  # timed with the next pass, whose record goes out after it
+
+    def _execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """The pass's unwatched steps, while no waiting request should join first, then its watched one."""
+        started, ahead = time.monotonic(), list[torch.Tensor]()
+        while len(ahead) < plan.steps - 1 and not self._ends_run_early(plan.steps - 1 - len(ahead)):
+            ahead.append(self.runner.run_ahead(plan))
+        if ahead:
+            self._costs.observe_steps(time.monotonic() - started, len(ahead))
+        return self.runner.execute(plan, started, ahead)
+
+    def _emit(self, update: StepUpdate, drawn: RunnerOutput, applied: AppliedStep) -> None:
+        """The pass's figures and events to the engine's output (figures first: a client that has its answer finds
+        the step counted); the pass boundary's host work timed for `_ends_run_early`."""
         seconds, self._forward_seconds = time.monotonic() - drawn.started + self._forward_seconds, 0.0
-        stats = self.scheduler.make_stats(
-            update.outcome, self.runner.state_bytes(live), update.resamplings, drawn.steps, seconds
-        )
-        self.output.step(stats, outbox)  # figures first: a client that has its answer finds the step counted
-        forward_started = time.monotonic()
-        self._costs.observe_boundary(forward_started - boundary_started)
-        self.runner.decode(drawn.last[:live])
-        self._forward_seconds = time.monotonic() - forward_started
+        self.output.step(*step_results(update, drawn, applied, seconds))
+        self._costs.observe_boundary(time.monotonic() - drawn.ended)
 
     def _ends_run_early(self, steps_left: int) -> bool:
         """Whether waiting requests should join now rather than at the run's end."""
@@ -313,14 +321,19 @@ class Engine(EngineFacts):
             return ends_run_early(self.scheduler, steps_left, self._costs)
 
     def _fail_running(self, message: str, code: str = ENGINE_ERROR) -> None:
-        finish(self.scheduler.clear_rows(), message, code)
+        finish(streams(self.scheduler.clear_rows()), message, code)
         self.output.gauges(Gauges(0, self.waiting))
 
     def _fail_all(self, message: str, code: str) -> None:
         with self._lock:
-            waiting = self.scheduler.take_waiting()
+            waiting = streams(self.scheduler.take_waiting())
             scores, self._scores = self._scores, []
         finish(waiting, message, code)
         for job in scores:
             job.resolve(error=EngineFailure(message, code))
         self._fail_running(message, code)
+
+
+def streams(submissions: list[Submission]) -> list[GenerationStream]:
+    """The scheduler's submissions as what they are in an engine: the streams `submit` queued."""
+    return cast(list[GenerationStream], submissions)

@@ -10,12 +10,13 @@ the events on (a client that has its answer finds the step counted when it scrap
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from server.engine.output import Gauges
 from server.engine.types import GenerationRequest, PromptScores, StepStats
 
 ErrorDescription = tuple[str, str]  # (code, message): see process.describe_error
-TaggedEvents = list[tuple[int, list]]  # (the API process's key of a stream, its events)
+TaggedEvents = list[tuple[int, list[Any]]]  # (the API process's key of a stream, its events)
 
 
 # -- API -> engine ----------------------------------------------------------------

@@ -20,7 +20,7 @@ from model.sampling import SamplingParams
 from model.particles import ParticleSummary
 from server.engine.core import Engine, EngineLimits
 from server.engine.output import LocalOutput
-from server.engine.types import GenerationRequest
+from server.engine.types import GenerationRequest, SampleResult
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,8 @@ async def _complete(
     done = []
     for row, stream in zip(forced.tolist(), streams):
         (result,) = [r async for r in stream]
+        # Not streamed, with particles: one whole sample, with its particles' summary.
+        assert isinstance(result, SampleResult) and result.particles is not None
         done.append((row[:first_unknown] + result.tokens, result.particles))
     return done
 

@@ -18,24 +18,34 @@ import signal
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from model.transformer import Transformer
 from model.vocabulary import Vocabulary
 
-from server.drain import exit_if_compiling
 from server.engine import messages as msg
 from server.engine.core import Engine, EngineLimits
 from server.engine.output import Gauges
 from server.engine.scheduler import QueueFull
-from server.engine.streams import ENGINE_ERROR, EngineFailure, GenerationStream, Outbox, is_terminal, released
+from server.engine.shutdown import exit_if_compiling
+from server.engine.streams import (
+    ENGINE_ERROR,
+    EngineFailure,
+    Event,
+    EventTarget,
+    GenerationStream,
+    Outbox,
+    is_terminal,
+    released,
+)
 from server.engine.types import GenerationRequest, PromptScores, StepStats
 from server.engine.validation import InvalidRequest
 
 if TYPE_CHECKING:
     from model.compiled_decode import CompileGate
+    from server.metrics import ModelMetrics
 
 log = logging.getLogger("rnnserve.engine_process")
 PROCESS_NAME_PREFIX = "rnnserve:"  # an engine process's name is this and its model's name
@@ -48,7 +58,7 @@ class EngineSpec:
 
     name: str
     model: Transformer
-    info: dict
+    info: dict[str, Any]
     limits: EngineLimits
     threads: int | None
     log_level: int
@@ -57,9 +67,7 @@ class EngineSpec:
 
 
 # -- errors across the pipe ---------------------------------------------------
-def describe_error(error: Exception | None) -> tuple[str, str] | None:
-    if error is None:
-        return None
+def describe_error(error: Exception) -> msg.ErrorDescription:
     if isinstance(error, QueueFull):
         return ("queue_full", str(error))
     return (getattr(error, "code", ENGINE_ERROR), str(error))
@@ -91,15 +99,15 @@ class PipeSink:
     """The engine's output and its streams' event sink in an engine process: everything goes over the pipe,
     each stream's events tagged with the API process's key of it."""
 
-    metrics = None  # kept by the API process
+    metrics: ModelMetrics | None = None  # kept by the API process
 
     def __init__(self, pipe: Pipe):
         self.pipe = pipe
         self.lock = threading.Lock()  # held while a stream is bound, so its first events find its key
-        self.keys: dict[GenerationStream, int] = {}
+        self.keys: dict[EventTarget, int] = {}
         self.streams: dict[int, GenerationStream] = {}
 
-    def put_events(self, batch: list[tuple[GenerationStream, list]]) -> None:
+    def put_events(self, batch: list[tuple[EventTarget, list[Event]]]) -> None:
         self.pipe.send(msg.Events(self._tagged(batch)))
 
     def step(self, stats: StepStats, outbox: Outbox) -> None:
@@ -109,7 +117,7 @@ class PipeSink:
     def gauges(self, gauges: Gauges) -> None:
         self.pipe.send(msg.GaugesNow(gauges))
 
-    def _tagged(self, batch: list[tuple[GenerationStream, list]]) -> msg.TaggedEvents:
+    def _tagged(self, batch: list[tuple[EventTarget, list[Event]]]) -> msg.TaggedEvents:
         with self.lock:
             tagged = [(self.keys[stream], items) for stream, items in batch]
             for stream, items in batch:
@@ -177,7 +185,7 @@ class EngineServer:
 
     def score(self, key: int, tokens: list[int], top: int) -> None:
         def reply(result: PromptScores | None, error: Exception | None) -> None:
-            self.pipe.send(msg.Scored(key, result, describe_error(error)))
+            self.pipe.send(msg.Scored(key, result, describe_error(error) if error is not None else None))
 
         try:
             self.engine.queue_score(tokens, top, reply)

@@ -1,11 +1,13 @@
-"""Loading the served models and finding the engine a request names."""
+"""Loading the served models and holding their engines: which engine a model name stands for.
+
+A name that stands for none raises a `ModelLookupError`; server/api/ tells the client (404 or 400)."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from model.chat_template import ChatTemplate, ChatTemplateError
 from model.config import BYTE_VOCAB, ModelConfig
@@ -14,7 +16,6 @@ from model.vocabulary import Vocabulary, byte_vocabulary, vocabulary_for
 from model.weights_io import load_model, read_chat_template, read_metadata, read_tokenizer
 
 from server.engine.base import EngineHandle
-from server.api.errors import APIError
 from server.settings import Settings, SettingsError
 
 log = logging.getLogger("rnnserve.registry")
@@ -206,6 +207,22 @@ def data_by_file_name(metrics: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+class ModelLookupError(LookupError):
+    """No loaded engine fits what a request asked for; the message says what is loaded."""
+
+
+class ModelNotLoaded(ModelLookupError):
+    """The named model, or any model of the task, is not loaded."""
+
+
+class WrongModelTask(ModelLookupError):
+    """The named model is loaded but serves another task."""
+
+
+class ModelRequired(ModelLookupError):
+    """No model named, and several of the task are loaded."""
+
+
 class EngineRegistry:
     """The engines by model name, in load order."""
 
@@ -219,56 +236,37 @@ class EngineRegistry:
         self.created = created or {}  # unix time of each weights file
         self.chat_templates = chat_templates or {}  # by model name: the text models that can chat
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[EngineHandle]:
         return iter(self.engines.values())
 
-    def for_request(self, request, name: str | None, task: str) -> EngineHandle:
-        """`get`, and label the request's metrics with the model it chose."""
-        engine = self.get(name, task)
-        request.state.model, request.state.attention = engine.name, engine.attention
-        return engine
-
-    def label(self, request, name: object) -> None:
-        """Label a request's metrics with the model it names, if loaded, before its other fields are checked:
-        a refusal then counts under that model; an unknown name stays "none", so label values stay bounded."""
-        engine = self.engines.get(name) if isinstance(name, str) else None
-        if engine is not None:
-            request.state.model, request.state.attention = engine.name, engine.attention
+    def find(self, name: object) -> EngineHandle | None:
+        """The engine of a model name, if one is loaded under it (anything else: None)."""
+        return self.engines.get(name) if isinstance(name, str) else None
 
     def get(self, name: str | None, task: str) -> EngineHandle:
-        """The named engine, or the task's only one when no name is given; 404/400 with the choices otherwise."""
+        """The named engine, or the task's only one when no name is given; a ModelLookupError with the choices
+        otherwise."""
         if not name:
             return self.only(task)
         engine = self.engines.get(name)
         if engine is None:
-            raise APIError(
-                404, f"model '{name}' is not loaded; loaded models: {self._names()}", "model", "model_not_found"
-            )
+            raise ModelNotLoaded(f"model '{name}' is not loaded; loaded models: {self._names()}")
         if engine.config.task != task:
-            raise APIError(
-                400,
+            raise WrongModelTask(
                 f"model '{name}' is a {engine.config.task} model and cannot serve {task} requests; "
-                f"{task} models loaded: {self._names(task)}",
-                "model",
-                "wrong_model_task",
+                f"{task} models loaded: {self._names(task)}"
             )
         return engine
 
     def only(self, task: str) -> EngineHandle:
-        """A request without `model`: the one loaded model of the task, else a 400 listing the choices."""
+        """A request without `model`: the one loaded model of the task, else a ModelLookupError listing the
+        choices."""
         candidates = [e for e in self.engines.values() if e.config.task == task]
         if len(candidates) == 1:
             return candidates[0]
         if not candidates:
-            raise APIError(
-                404, f"no {task} model is loaded; loaded models: {self._names()}", "model", "model_not_found"
-            )
-        raise APIError(
-            400,
-            f"`model` is required: {len(candidates)} {task} models are loaded: {self._names(task)}",
-            "model",
-            "model_required",
-        )
+            raise ModelNotLoaded(f"no {task} model is loaded; loaded models: {self._names()}")
+        raise ModelRequired(f"`model` is required: {len(candidates)} {task} models are loaded: {self._names(task)}")
 
     def _names(self, task: str | None = None) -> str:
         names = [n for n, e in self.engines.items() if task is None or e.config.task == task]

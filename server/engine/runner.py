@@ -3,8 +3,13 @@
 The runner owns a state of `max_batch` rows, allocated once, and per-row
 slot tensors beside it (next-token logits, position, known tokens, drawn
 tokens and their log-probabilities, sampling parameters). It prefills
-rows, samples and decodes the live rows [0, n), copies and moves rows, and
-scores prompts. Only the engine's worker thread calls it.
+rows, samples and decodes the live rows [0, n), carries out a pass's
+`StepUpdate` (row copies, sample reads, compaction moves), and scores
+prompts. Only the engine's worker thread calls it.
+
+A pass's last tokens are fed (`feed`, its closing forward) after its events
+went out, so clients do not wait for the forward; `apply` keeps them,
+moved with their rows, until then.
 
 A non-streamed request's tokens are written into the (rows, max_len + 1)
 `generated` buffer by position as they are drawn, so a step builds no
@@ -15,7 +20,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,7 +43,7 @@ from model.transformer import Transformer, with_bos
 
 from model.particles import RowCopy
 from server.engine.scheduler import Placement
-from server.engine.step import RunnerOutput, SampleRead, SchedulerOutput, StepNeeds
+from server.engine.step import AppliedStep, RunnerOutput, SampleRead, SampleSpan, SchedulerOutput, StepNeeds, StepUpdate
 from server.engine.types import GenerationRequest, PromptScores, TopLogprobs
 
 if TYPE_CHECKING:
@@ -132,7 +138,7 @@ class Slots:
             s.top_k,
             s.top_p,
             s.seed,
-            s.min_p,
+            *([s.min_p] if s.min_p is not None else []),
         ]
 
     def copy_rows(self, src: list[int], dst: list[int]) -> None:
@@ -146,7 +152,8 @@ class Slots:
     def batch_sampling(self, rows: int | list[int], filters: bool | None = None) -> BatchSampling:
         """Rows [0, n), or the rows listed; filters: whether any of them uses top-k, top-p or min-p, if known."""
         s, pick = self.sampling, (slice(0, rows) if isinstance(rows, int) else rows)
-        return BatchSampling(s.temperature[pick], s.top_k[pick], s.top_p[pick], s.seed[pick], filters, s.min_p[pick])
+        min_p = s.min_p[pick] if s.min_p is not None else None
+        return BatchSampling(s.temperature[pick], s.top_k[pick], s.top_p[pick], s.seed[pick], filters, min_p)
 
     def penalized(self, n: int) -> torch.Tensor:
         """Rows [0, n)'s logits after penalties, bias and min_tokens: what they draw from."""
@@ -204,17 +211,43 @@ class ModelRunner:
         self.cuda_graphs = cuda_graphs
         self.compile_decode = compile_decode
         self.compile_gate = compile_gate  # shared by a server's engines: their background compiles take turns
-        self.slots: Slots | None = None
-        self.decoder: EagerDecoder | None = None
-        self._after_bos: tuple[ModelState, torch.Tensor] | None = None  # see _prefill_bos
+        self._slots: Slots | None = None
+        self.decoder: EagerDecoder | None = None  # None until allocated
+        self._bos: tuple[ModelState, torch.Tensor] | None = None  # see _prefill_bos
+        self._unfed: torch.Tensor | None = None  # (live,) the last pass's tokens, until its closing forward
 
     def allocate(self) -> None:
         """Slots, the state after BOS, and the decoder (may capture CUDA graphs, or start compiling
         in the background): once, at start."""
-        self.slots = Slots.allocate(self.model, self.rows)
-        self._after_bos = self._prefill_bos()
+        self._slots = Slots.allocate(self.model, self.rows)
+        self._bos = self._prefill_bos()
         self.decoder = make_decoder(self.model, self.slots.state, self.cuda_graphs, compiled=self.compile_decode)
         self.decoder.compile(background=True, gate=self.compile_gate)
+
+    @property
+    def slots(self) -> Slots:
+        """The slot tensors, once allocated."""
+        if self._slots is None:
+            raise RuntimeError("the runner's slots are not allocated yet: allocate() first")
+        return self._slots
+
+    @property
+    def stepper(self) -> EagerDecoder:
+        """The decoder that runs the steps, once allocated."""
+        if self.decoder is None:
+            raise RuntimeError("the runner's decoder is not made yet: allocate() first")
+        return self.decoder
+
+    @property
+    def _after_bos(self) -> tuple[ModelState, torch.Tensor]:
+        """The state after BOS alone and its next-token logits, once allocated (see _prefill_bos)."""
+        if self._bos is None:
+            raise RuntimeError("the runner's state after BOS is not computed yet: allocate() first")
+        return self._bos
+
+    def adopt_compiled(self) -> None:
+        """Between two steps: take in the graphs a background compile made."""
+        self.stepper.adopt_compiled()
 
     # -- new sequences --------------------------------------------------------
     def prefill(self, requests: list[GenerationRequest], first: int) -> list[float]:
@@ -232,11 +265,11 @@ class ModelRunner:
 
     def place_copies(self, places: list[Placement]) -> None:
         """Further samples and particles of a prompt copy its prefilled row, with their own seeds."""
-        copies = [place for place in places if place.copy_of is not None]
+        copies = [(place, place.copy_of) for place in places if place.copy_of is not None]
         if copies:
-            self.slots.copy_rows([p.copy_of for p in copies], [p.row for p in copies])
-            self.slots.sampling.seed[[p.row for p in copies]] = torch.tensor(
-                [p.seed for p in copies], device=self.slots.position.device
+            self.slots.copy_rows([source for _, source in copies], [p.row for p, _ in copies])
+            self.slots.sampling.seed[[p.row for p, _ in copies]] = torch.tensor(
+                [p.seed for p, _ in copies], device=self.slots.position.device
             )
 
     def _run_prompts(self, requests: list[GenerationRequest], row_state: ModelState) -> torch.Tensor:
@@ -269,26 +302,25 @@ class ModelRunner:
             slots.forced[row, list(positions)] = torch.tensor(values, device=slots.forced.device)
         p = req.sampling
         s.temperature[row], s.top_k[row], s.top_p[row], s.seed[row] = p.temperature, p.top_k, p.top_p, p.seed
-        s.min_p[row] = p.min_p
+        if s.min_p is not None:  # allocated with the slots: every row has one
+            s.min_p[row] = p.min_p
         eos = self.model.config.eos_token
         slots.fill_adjustments(row, req.prompt, p, eos if eos >= 0 else None)
 
     # -- a step -----------------------------------------------------------------
-    def execute(
-        self, plan: SchedulerOutput, ends_early: Callable[[int], bool] = lambda steps_left: False
-    ) -> RunnerOutput:
-        """Run a pass: up to plan.steps - 1 unwatched steps (draw and feed; `ends_early(steps_left)` may stop
-        them), then the watched one: the known tokens' weights, then the draw. Its tokens are fed later
-        (`decode`), once finished rows have left."""
-        started, earlier = time.monotonic(), []
-        while len(earlier) < plan.steps - 1 and not ends_early(plan.steps - 1 - len(earlier)):
-            tokens = self.sample(plan.rows, plan.needs).tokens
-            self.decode(tokens)
-            earlier.append(tokens)
-        ahead = time.monotonic() - started
+    def run_ahead(self, plan: SchedulerOutput) -> torch.Tensor:
+        """One of a pass's unwatched steps (multi-step): draw and feed at once -> the (n,) tokens drawn."""
+        tokens = self.sample(plan.rows, plan.needs).tokens
+        self.decode(tokens)
+        return tokens
+
+    def execute(self, plan: SchedulerOutput, started: float, ahead: Sequence[torch.Tensor] = ()) -> RunnerOutput:
+        """A pass's watched step, after the `ahead` tokens of its unwatched ones (`run_ahead`; the pass began at
+        `started`): the known tokens' weights, then the draw. Its tokens are fed once finished rows have left
+        (`apply`, then `feed`)."""
         weights = self.known_logprobs(plan.known, plan.needs) if plan.known else []  # before sampling counts them
         drawn = self.sample(plan.rows, plan.needs)
-        per_row = torch.stack([*earlier, drawn.tokens], dim=1) if earlier else drawn.tokens[:, None]  # (n, steps)
+        per_row = torch.stack([*ahead, drawn.tokens], dim=1) if ahead else drawn.tokens[:, None]  # (n, steps)
         return RunnerOutput(
             per_row.tolist(),
             drawn.tokens,
@@ -297,19 +329,36 @@ class ModelRunner:
             _host(drawn.top_values),
             weights,
             started,
-            ahead,
+            time.monotonic(),
         )
 
-    def read_samples(self, reads: dict[int, tuple[int, int, GenerationRequest]]) -> dict[int, SampleRead]:
-        """Finished rows' whole samples: row -> (start, end, request) in, row -> its read out."""
-        return {row: self.read_sample(row, *args) for row, args in reads.items()}
+    def apply(self, update: StepUpdate, output: RunnerOutput) -> AppliedStep:
+        """Carry out what the scheduler made of `output`: copy the resampled rows, read the finished samples, move
+        rows into the holes; the tokens to feed move with their rows and wait for `feed`."""
+        tokens = output.last.clone() if update.copies or update.moves else output.last  # (n,) rows' next inputs
+        self.copy_particles(update.copies, tokens)
+        samples = self.read_samples(update.reads)
+        self.move_rows(update.moves, tokens)
+        self._unfed = tokens[: update.live]
+        return AppliedStep(samples, self.state_bytes(update.live))
+
+    def feed(self) -> float:
+        """The last pass's closing forward: its live rows' tokens in, their next logits to the slots. Its seconds."""
+        started, tokens, self._unfed = time.monotonic(), self._unfed, None
+        if tokens is not None:
+            self.decode(tokens)
+        return time.monotonic() - started
+
+    def read_samples(self, reads: dict[int, SampleSpan]) -> dict[int, SampleRead]:
+        """Finished rows' whole samples: row -> what to read in, row -> its read out."""
+        return {row: self.read_sample(row, span.start, span.end, span.request) for row, span in reads.items()}
 
     def sample(self, n: int, needs: StepNeeds) -> Drawn:
         """Draw a token for rows [0, n) (known tokens kept), written by position with what the rows need."""
         slots = self.slots
         position = slots.position[:n]
         source = slots.penalized(n) if needs.adjust else slots.logits[:n]
-        tokens = self.decoder.sample(
+        tokens = self.stepper.sample(
             source, slots.batch_sampling(n, needs.filters), position
         )  # compiled draw, once ready
         if needs.forced:
@@ -344,7 +393,8 @@ class ModelRunner:
         return sampling_logprobs(logits, slots.batch_sampling(rows, needs.filters), known).tolist()
 
     def copy_particles(self, copies: list[RowCopy], tokens: torch.Tensor) -> None:
-        """Resampling: each copy's row takes its source's state, history and token, and a seed of its own."""
+        """Resampling: each copy's row takes its source's state, history and token (in `tokens`, the runner's
+        own), and a seed of its own."""
         if not copies:
             return
         src, dst = [c.src for c in copies], [c.dst for c in copies]
@@ -363,7 +413,7 @@ class ModelRunner:
     def decode(self, tokens: torch.Tensor) -> None:
         """Feed rows [0, len(tokens)) their drawn tokens: their next logits go to the slots."""
         if len(tokens):
-            self.slots.logits[: len(tokens)] = self.decoder(tokens)
+            self.slots.logits[: len(tokens)] = self.stepper(tokens)
 
     def read_sample(
         self, row: int, start: int, end: int, request: GenerationRequest
@@ -388,7 +438,7 @@ class ModelRunner:
             logits, _ = self.model(with_bos(x, self.model.config.bos))
             scores = PromptScores(token_logprobs(logits[0], x[0]).tolist())
             if top:
-                scores.top_logprobs = pair_up(*top_logprobs(logits[0], top))
+                scores.top_logprobs = [*pair_up(*top_logprobs(logits[0], top))]
             return scores
         logits = self.model(x)[0][0, :-1]  # (T - 1, V): position t predicts token t + 1
         scores = PromptScores([None, *token_logprobs(logits, x[0, 1:]).tolist()])
@@ -412,5 +462,5 @@ def pair_up(ids: torch.Tensor, values: torch.Tensor) -> list[TopLogprobs]:
     return [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
 
 
-def _host(values: torch.Tensor | None) -> list | None:
+def _host(values: torch.Tensor | None) -> Any:
     return values.tolist() if values is not None else None

@@ -2,9 +2,9 @@
 
 Plain data: no threads, no tensors, so its rules are tested without an
 engine. The engine calls it under a lock (submissions arrive from the event
-loop) and feeds it each step's tokens; the runner carries out what it
-decides on the slot tensors (which rows to prefill and copy, which rows to
-move into freed slots).
+loop) and hands it each pass's tokens (`update_from_output`); what it decides
+for the slot tensors (which rows to prefill and copy, which samples to read,
+which rows to move into freed slots) it returns as data the runner carries out.
 
 Live sequences always occupy rows [0, n): when one finishes, the last live
 row moves into its place, so a step runs the model on exactly the live rows.
@@ -13,12 +13,21 @@ row moves into its place, so a step runs the model on exactly the live rows.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 from typing import Protocol
 
 from model.particles import ParticleGroup, Resampling, conclude, known_rows, particle_seed, weigh
 from model.vocabulary import Vocabulary
-from server.engine.step import CANCELLED, RunnerOutput, SchedulerOutput, StepNeeds, StepOutcome, StepUpdate
+from server.engine.step import (
+    CANCELLED,
+    RunnerOutput,
+    SampleSpan,
+    SchedulerOutput,
+    StepNeeds,
+    StepOutcome,
+    StepUpdate,
+)
 from server.engine.stopping import StoppingCriteria
 from server.engine.types import GenerationRequest, StepStats
 
@@ -77,8 +86,7 @@ class Scheduler:
         """vocabulary: a text model's (its tokens' bytes are what stop sequences match); None: bytes."""
         self.max_batch = max_batch
         self.max_waiting = max_waiting
-        tokenized = vocabulary is not None and not vocabulary.is_bytes
-        self.pieces = vocabulary.pieces if tokenized else None
+        self.pieces = vocabulary.pieces if vocabulary is not None and not vocabulary.is_bytes else None
         self.eos = vocabulary.eos if vocabulary is not None else None
         self.waiting: deque[Submission] = deque()
         self.rows: list[Sequence] = []
@@ -130,7 +138,7 @@ class Scheduler:
             fitting.append(submission)
         return fitting
 
-    def schedule(self) -> list[Submission]:
+    def take_admissible(self) -> list[Submission]:
         """Take every waiting request that fits, in order; they count as admitting until `admitted`."""
         taken = self.admissible()
         for _ in taken:
@@ -143,7 +151,7 @@ class Scheduler:
         self.admitting = 0
 
     # -- rows -----------------------------------------------------------------
-    def placements(self, group: list[Submission]) -> list[Placement]:
+    def placements(self, group: Sequence_[Submission]) -> list[Placement]:
         """Rows for a group prefilled together: one per request first (the prefill writes them),
         then the rest of each request's rows (further samples, particles), copied from its first."""
         first = len(self.rows)
@@ -191,31 +199,33 @@ class Scheduler:
         left = min(seq.stopping.max_new_tokens - seq.stopping.generated for seq in self.rows)
         return max(1, min(limit, left))
 
-    def plan_step(self, limit: int) -> SchedulerOutput:
+    def schedule(self, limit: int) -> SchedulerOutput:
         """The next pass: the live rows, how many steps they may run (at most `limit`), what they need."""
         needs = self.needs()
         return SchedulerOutput(
             self.running, self.steps_ahead(limit), needs, known_rows(self.rows) if needs.weigh else []
         )
 
-    def update(self, plan: SchedulerOutput, output: RunnerOutput, now: float) -> StepUpdate:
-        """A pass's tokens: weigh the particles at their known tokens (resampling where they must; the runner
-        copies those rows), then advance every row (`update_from_output`)."""
+    def update_from_output(self, plan: SchedulerOutput, output: RunnerOutput) -> StepUpdate:
+        """A pass's tokens: weigh the particles at their known tokens (resampling where they must), advance every
+        row (`advance`), then let finished rows leave (`compact`). What the runner must do about it comes back as
+        data, with the rows as they were before they moved (for the events)."""
         resampling = weigh(self.rows, plan.known, output.known_logprobs) if plan.known else Resampling([], 0)
-        for copy in resampling.copies:  # the copy takes its source's tokens too
-            output.tokens[copy.dst] = list(output.tokens[copy.src])
-        outcome = self.update_from_output(output.tokens, now, output.started)
-        return StepUpdate(outcome, resampling.copies, resampling.samples)
+        tokens = list(output.tokens)  # the runner's lists stay as drawn: a copy takes its source's tokens here
+        for copy in resampling.copies:
+            tokens[copy.dst] = list(tokens[copy.src])
+        outcome = self.advance(tokens, output.ended, output.started)
+        rows, reads = tuple(self.rows), sample_reads(self.rows, outcome)
+        moves = self.compact(outcome.finished)
+        stats = self.make_stats(outcome, 0, resampling.samples, len(tokens[0]) if tokens else 1)
+        return StepUpdate(rows, tokens, outcome, resampling.copies, reads, moves, self.running, stats)
 
-    def update_from_output(self, tokens: list[list[int]], now: float, started: float | None = None) -> StepOutcome:
+    def advance(self, tokens: list[list[int]], now: float, started: float | None = None) -> StepOutcome:
         """Advance every row by the tokens it drew since the last update (one per step, the steps run
         from `started` to `now`); rows that finish (their later tokens are dropped) or were cancelled leave."""
         outcome, started = StepOutcome([None] * len(self.rows)), now if started is None else started
         for i, seq in enumerate(self.rows):
-            if seq.owner.cancelled:
-                reason = CANCELLED
-            else:
-                reason = _advance(seq, tokens[i], now, started, outcome)
+            reason = CANCELLED if seq.owner.cancelled else _advance(seq, tokens[i], now, started, outcome)
             if reason is not None:
                 outcome.reasons[i] = reason
                 outcome.finished.append(i)
@@ -233,8 +243,9 @@ class Scheduler:
         """Samples whose particles finished draw their answer (a sample's particles finish together)."""
         groups: dict[ParticleGroup, list[Sequence]] = {}
         for i in finished:
-            if self.rows[i].group is not None:
-                groups.setdefault(self.rows[i].group, []).append(self.rows[i])
+            group = self.rows[i].group
+            if group is not None:
+                groups.setdefault(group, []).append(self.rows[i])
         for group, particles in groups.items():
             conclude(group, particles)
 
@@ -281,6 +292,20 @@ class Scheduler:
             resamplings=resamplings,
             seconds=seconds,
         )
+
+
+def sample_reads(rows: list[Sequence], outcome: StepOutcome) -> dict[int, SampleSpan]:
+    """The finished rows whose whole sample goes out, for the runner to read: a non-streamed request's, and the
+    chosen particle of each sample that runs several."""
+    reads = {}
+    for i in outcome.finished:
+        seq, group = rows[i], rows[i].group
+        if outcome.reasons[i] == CANCELLED:
+            continue
+        several = group is not None and group.particles > 1
+        if seq.particle == group.chosen if group is not None and several else not seq.owner.each_event:
+            reads[i] = SampleSpan(seq.start, seq.position, seq.owner.request)
+    return reads
 
 
 def _advance(seq: Sequence, tokens: list[int], now: float, started: float, outcome: StepOutcome) -> str | None:

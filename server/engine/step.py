@@ -1,22 +1,26 @@
-"""The data one engine step passes along, as vLLM's engine core does: plain objects, each made by one part.
+"""The data one engine pass hands along, as vLLM's engine core does: each object made by one part, read by the next,
+edited by none.
 
-Scheduler.plan_step()   -> SchedulerOutput   which rows run, how many steps, what they ask for
-ModelRunner.execute()   -> RunnerOutput      the drawn tokens (host lists) and the known tokens' weights
-Scheduler.update()      -> StepUpdate        rows advanced, finished, resampled; what to read and move
-ModelRunner.read_samples() -> finished rows' whole samples (host lists)
-step_events()           -> the events per request (pure)
-Scheduler.make_stats()  -> StepStats         the figures, recorded where the events arrive (server/engine/output.py)
+Scheduler.schedule()           -> SchedulerOutput  which rows run, how many steps at most, what they ask for
+ModelRunner.execute()          -> RunnerOutput     the drawn tokens (host lists) and the known tokens' weights
+                                                   (the engine runs the unwatched steps before it, one call each,
+                                                   and decides between two of them whether the run ends early)
+Scheduler.update_from_output() -> StepUpdate       rows advanced, finished, resampled; the row copies, sample reads
+                                                   and compaction moves the runner makes; the pass's figures
+ModelRunner.apply()            -> AppliedStep      the finished rows' whole samples, the state bytes in use
+step_results()                 -> StepStats and the events per request (pure), to the engine's output
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from model.particles import RowCopy
-from server.engine.types import TopLogprobs
+from server.engine.types import GenerationRequest, StepStats, TopLogprobs
 
 
 @dataclass
@@ -47,7 +51,7 @@ class StepNeeds:
     each_step: bool = False  # a client sees every step (streamed tokens, particles' progress and resampling)
 
     @classmethod
-    def of(cls, owners) -> "StepNeeds":
+    def of(cls, owners: Iterable[Any]) -> StepNeeds:
         owners = list(owners)
         requests = [o.request for o in owners]
         return cls(
@@ -71,7 +75,7 @@ class SchedulerOutput:
     known: list[int] = field(default_factory=list)  # rows whose next token is known and weighed (particles)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunnerOutput:
     """What the runner drew in one pass, for rows [0, n)."""
 
@@ -82,20 +86,43 @@ class RunnerOutput:
     top_values: list[list[float]] | None
     known_logprobs: list[float]  # per SchedulerOutput.known row: its known token's log-probability (its weight)
     started: float  # time.monotonic() when the pass began
-    ahead_seconds: float = 0.0  # time spent in the unwatched steps before the last
+    ended: float  # time.monotonic() when its last step's tokens were drawn
 
     @property
     def steps(self) -> int:
         return len(self.tokens[0]) if self.tokens else 1
 
 
-@dataclass
-class StepUpdate:
-    """What the scheduler made of a pass's tokens (computed before rows move)."""
+SampleRead = tuple[list[int], "list[float] | None", "list[TopLogprobs] | None"]  # tokens, logprobs, top
 
+
+@dataclass(frozen=True)
+class SampleSpan:
+    """A finished row's whole sample for the runner to read: positions [start, end) and what its request asks."""
+
+    start: int
+    end: int
+    request: GenerationRequest
+
+
+@dataclass(frozen=True)
+class StepUpdate:
+    """What the scheduler made of a pass's tokens, and what the runner is to do about it, in its order: copy the
+    resampled rows, read the finished samples (rows not moved yet), then move rows into the holes."""
+
+    rows: tuple[Any, ...]  # the scheduler's Sequences as they were before compaction, row by row (for the events)
+    tokens: list[list[int]]  # (n, steps run): each row's tokens after resampling (a copy takes its source's)
     outcome: StepOutcome
     copies: list[RowCopy]  # resampling: rows that take another row's state, history and token
-    resamplings: int  # samples resampled
+    reads: dict[int, SampleSpan]  # finished rows whose whole sample goes out
+    moves: list[tuple[int, int]]  # compaction: (src, dst) rows, every source past `live`, every destination in it
+    live: int  # rows left running: the closing forward feeds rows [0, live)
+    stats: StepStats  # the pass's figures but for what the runner and the clock know (state_bytes, seconds)
 
 
-SampleRead = tuple[list[int], "list[float] | None", "list[TopLogprobs] | None"]  # tokens, logprobs, top
+@dataclass(frozen=True)
+class AppliedStep:
+    """What the runner did with a StepUpdate: the samples it read, and the state its live rows hold."""
+
+    samples: dict[int, SampleRead]
+    state_bytes: int

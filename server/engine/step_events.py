@@ -1,4 +1,5 @@
-"""What one engine step hands to each request: built from the step's outcome before rows move.
+"""What one engine pass hands out: each request's events, built from the rows as they were before they moved, and
+the pass's figures.
 
 A streamed request gets a Generation per token; a non-streamed one a
 SampleResult per finished sample, which the runner read for it in one go.
@@ -10,52 +11,60 @@ run, and each sample's chosen particle as a SampleResult once it finishes.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence as Rows
+from dataclasses import replace
+from typing import cast
 
-from server.engine.scheduler import Sequence
-from server.engine.step import CANCELLED, RunnerOutput, SampleRead, StepOutcome
-from server.engine.streams import DONE, Outbox
-from server.engine.types import Generation, GenerationRequest, ParticleSummary, Progress, SampleResult
+from server.engine.scheduler import Sequence, Submission
+from server.engine.step import CANCELLED, AppliedStep, RunnerOutput, SampleRead, StepOutcome, StepUpdate
+from server.engine.streams import DONE, EventTarget, Outbox
+from server.engine.types import Generation, ParticleSummary, Progress, SampleResult, StepStats
 
 
-def sample_reads(rows: list[Sequence], outcome: StepOutcome) -> dict[int, tuple[int, int, GenerationRequest]]:
-    """The finished rows whose whole sample goes out (row -> (start, end, request), for the runner to read): a
-    non-streamed request's, and the chosen particle of each sample that runs several."""
-    reads = {}
-    for i in outcome.finished:
-        seq, reason = rows[i], outcome.reasons[i]
-        several = seq.group is not None and seq.group.particles > 1
-        if reason != CANCELLED and (seq.particle == seq.group.chosen if several else not seq.owner.each_event):
-            reads[i] = (seq.start, seq.position, seq.owner.request)
-    return reads
+def step_results(
+    update: StepUpdate, output: RunnerOutput, applied: AppliedStep, seconds: float
+) -> tuple[StepStats, Outbox]:
+    """A pass's figures (its update's, with the state the runner holds and the pass's wall time) and its events."""
+    stats = replace(update.stats, state_bytes=applied.state_bytes, seconds=seconds)
+    return stats, step_events(update.rows, update.outcome, update.tokens, output, applied.samples)
 
 
 def step_events(
-    rows: list[Sequence], outcome: StepOutcome, output: RunnerOutput, samples: dict[int, SampleRead]
+    rows: Rows[Sequence],
+    outcome: StepOutcome,
+    tokens: list[list[int]],
+    output: RunnerOutput,
+    samples: dict[int, SampleRead],
 ) -> Outbox:
-    """The step's events per request, DONE for each request that completed. `samples`: what the runner read
-    of the rows `sample_reads` named. A pure function of the step's data: rows have not moved yet."""
+    """The step's events per request, DONE for each request that completed. `rows`: as they were before they
+    moved; `tokens`: each row's, after resampling; `samples`: what the runner read of the rows the scheduler named."""
     outbox: Outbox = defaultdict(list)
     for i, (seq, reason) in enumerate(zip(rows, outcome.reasons)):
-        stream = seq.owner
+        stream = target(seq.owner)
         if reason == CANCELLED:
             continue
         if seq.group is not None and seq.group.particles > 1:
             _particle_event(outbox, seq, reason, samples.get(i))
-        elif stream.each_event:
-            outbox[stream].append(generation(output, i, seq, reason))
+        elif seq.owner.each_event:
+            outbox[stream].append(generation(output, tokens[i][-1], i, seq, reason))
         elif reason is not None:
             outbox[stream].append(sample_result(seq, reason, samples[i]))
-    for stream in outcome.completed:
-        outbox[stream].append(DONE)
+    for owner in outcome.completed:
+        outbox[target(owner)].append(DONE)
     return outbox
+
+
+def target(owner: Submission) -> EventTarget:
+    """Where a row's events go: its submission, which in an engine is the request's GenerationStream."""
+    return cast(EventTarget, owner)
 
 
 def _particle_event(outbox: Outbox, seq: Sequence, reason: str | None, read: SampleRead | None) -> None:
     if reason is None:
         if seq.owner.each_event and seq.sample == 0 and seq.particle == 0:  # one per request and step
-            outbox[seq.owner].append(Progress(seq.owner.request.request_id, seq.position - 1))
+            outbox[target(seq.owner)].append(Progress(seq.owner.request.request_id, seq.position - 1))
     elif read is not None:  # the chosen particle
-        outbox[seq.owner].append(sample_result(seq, reason, read))
+        outbox[target(seq.owner)].append(sample_result(seq, reason, read))
 
 
 def sample_result(seq: Sequence, reason: str, read: SampleRead) -> SampleResult:
@@ -74,17 +83,22 @@ def sample_result(seq: Sequence, reason: str, read: SampleRead) -> SampleResult:
     )
 
 
-def generation(output: RunnerOutput, i: int, seq: Sequence, reason: str | None) -> Generation:
-    """A streamed row's token of this step."""
+def generation(output: RunnerOutput, token: int, i: int, seq: Sequence, reason: str | None) -> Generation:
+    """A streamed row's token of this step (row i)."""
     request = seq.owner.request
-    k = request.top_logprobs
-    top = list(zip(output.top_ids[i][:k], output.top_values[i][:k])) if k else None
+    k, top, logprob = request.top_logprobs, None, None
+    if k:
+        assert output.top_ids is not None and output.top_values is not None  # a row asks: the runner drew them
+        top = list(zip(output.top_ids[i][:k], output.top_values[i][:k]))
+    if request.wants_logprobs:
+        assert output.logprobs is not None  # likewise
+        logprob = output.logprobs[i]
     return Generation(
         request.request_id,
         seq.sample,
         seq.position - 1,
-        output.tokens[i][-1],
-        output.logprobs[i] if request.wants_logprobs else None,
+        token,
+        logprob,
         reason,
         seq.stopping.matched if reason else None,
         top,

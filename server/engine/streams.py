@@ -15,9 +15,9 @@ import asyncio
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Protocol
+from typing import Any, AsyncIterator, Callable, Iterable, Protocol
 
-from server.engine.types import Generation, GenerationError, GenerationRequest, SampleResult
+from server.engine.types import Generation, GenerationError, GenerationRequest, Progress, PromptScores, SampleResult
 
 
 ENGINE_ERROR, SHUTTING_DOWN, ENGINE_RESTARTING = "engine_error", "shutting_down", "engine_restarting"
@@ -44,15 +44,26 @@ class _EndOfStream:
 
 DONE = _EndOfStream()
 
+Event = Generation | SampleResult | Progress | GenerationError | _EndOfStream  # what a stream hands its reader
 
-def is_terminal(item) -> bool:
+
+def is_terminal(item: object) -> bool:
     return item is DONE or isinstance(item, GenerationError)
 
 
 class EventSink(Protocol):
     """Where the engine thread hands a step's events: an event loop, or the pipe to another process."""
 
-    def put_events(self, batch: list[tuple["GenerationStream", list]]) -> None: ...
+    def put_events(self, batch: list[tuple[EventTarget, list[Event]]]) -> None: ...
+
+
+class EventTarget(Protocol):
+    """What events are handed to: a GenerationStream (or, in the HTTP process, an engine process's stream)."""
+
+    @property
+    def sink(self) -> EventSink: ...
+
+    def release(self, items: list[Event]) -> list[Event]: ...
 
 
 @dataclass(frozen=True)
@@ -62,7 +73,7 @@ class LoopSink:
 
     loop: asyncio.AbstractEventLoop
 
-    def put_events(self, batch: list[tuple["GenerationStream", list]]) -> None:
+    def put_events(self, batch: list[tuple[EventTarget, list[Event]]]) -> None:
         call_in_loop(self.loop, _put_all, batch)
 
 
@@ -73,10 +84,10 @@ class GenerationStream:
         self.request = request
         self.sink = sink
         # Lists of events, one list per hand-over: a whole image is one put and one get, not 785.
-        self.queue: asyncio.Queue[list] = asyncio.Queue()
+        self.queue: asyncio.Queue[list[Event]] = asyncio.Queue()
         # False: the handler only wants the whole answer, so results are held until the end.
         self.each_event = each_event
-        self._held: list = []  # engine thread only
+        self._held: list[Event] = []  # engine thread only
         self.cancelled = False
         self.submitted_at = time.monotonic()
         self.first_token_at: float | None = None
@@ -84,7 +95,7 @@ class GenerationStream:
     def cancel(self) -> None:
         self.cancelled = True
 
-    def release(self, items: list) -> list:
+    def release(self, items: list[Event]) -> list[Event]:
         """(Engine thread.) What to hand over now: everything when streaming, else nothing until the end."""
         if self.each_event:
             return items
@@ -94,20 +105,21 @@ class GenerationStream:
         ready, self._held = self._held, []
         return ready
 
-    def __aiter__(self):
+    def __aiter__(self) -> AsyncIterator[Generation | SampleResult | Progress]:
         return self._events()
 
-    async def _events(self) -> AsyncIterator[Generation | SampleResult]:
+    async def _events(self) -> AsyncIterator[Generation | SampleResult | Progress]:
         while True:
             for item in await self.queue.get():
                 if item is DONE:
                     return
                 if isinstance(item, GenerationError):
                     raise EngineFailure(item.message, item.code)
+                assert not isinstance(item, _EndOfStream)  # DONE is the one end-of-stream marker
                 yield item
 
 
-Outbox = dict[GenerationStream, list]
+Outbox = dict[EventTarget, list[Event]]
 
 
 def deliver(outbox: Outbox) -> None:
@@ -115,26 +127,29 @@ def deliver(outbox: Outbox) -> None:
     hand_over(released(outbox))
 
 
-def released(outbox: Outbox) -> list[tuple[GenerationStream, list]]:
+def released(outbox: Outbox) -> list[tuple[EventTarget, list[Event]]]:
     """(Engine thread.) What each stream hands over now (see `GenerationStream.release`); streams with nothing left out."""
     return [(stream, ready) for stream, items in outbox.items() if (ready := stream.release(items))]
 
 
-def hand_over(pairs: list[tuple[GenerationStream, list]]) -> None:
+def hand_over(pairs: list[tuple[EventTarget, list[Event]]]) -> None:
     """Put each stream's released events on its sink, grouped: one hand-over per sink."""
-    by_sink: dict[EventSink, list] = defaultdict(list)
+    by_sink: dict[EventSink, list[tuple[EventTarget, list[Event]]]] = defaultdict(list)
     for stream, items in pairs:
         by_sink[stream.sink].append((stream, items))
     for sink, batch in by_sink.items():
         sink.put_events(batch)
 
 
-def finish(streams, message: str | None = None, code: str = ENGINE_ERROR) -> None:
+def finish(streams: Iterable[GenerationStream], message: str | None = None, code: str = ENGINE_ERROR) -> None:
     """End streams: cleanly (message None) or with an error (`code`: see EngineFailure)."""
-    deliver({s: [DONE if message is None else GenerationError(s.request.request_id, message, code)] for s in streams})
+    outbox: Outbox = {
+        s: [DONE if message is None else GenerationError(s.request.request_id, message, code)] for s in streams
+    }
+    deliver(outbox)
 
 
-ScoreReply = Callable[[object, "Exception | None"], None]  # (result, error): called on the engine thread
+ScoreReply = Callable[[PromptScores | None, Exception | None], None]  # (result, error): called on the engine thread
 
 
 @dataclass
@@ -145,17 +160,17 @@ class ScoreJob:
     top: int
     reply: ScoreReply
 
-    def resolve(self, result=None, error: Exception | None = None) -> None:
+    def resolve(self, result: PromptScores | None = None, error: Exception | None = None) -> None:
         """(Engine thread.) Hand over the result, or the error."""
         self.reply(result, error)
 
 
-def reply_in_loop(loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> ScoreReply:
+def reply_in_loop(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any]) -> ScoreReply:
     """A reply that settles `future` on its event loop."""
     return lambda result, error: call_in_loop(loop, settle, future, result, error)
 
 
-def settle(future: asyncio.Future, result, error: Exception | None) -> None:
+def settle(future: asyncio.Future[Any], result: object, error: Exception | None) -> None:
     if future.done():  # the caller went away
         return
     if error is not None:
@@ -164,13 +179,14 @@ def settle(future: asyncio.Future, result, error: Exception | None) -> None:
         future.set_result(result)
 
 
-def call_in_loop(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+def call_in_loop(loop: asyncio.AbstractEventLoop, callback: Callable[..., object], *args: object) -> None:
     try:
         loop.call_soon_threadsafe(callback, *args)
     except RuntimeError:  # that loop is closed: nobody is listening
         pass
 
 
-def _put_all(batch: list[tuple[GenerationStream, list]]) -> None:
+def _put_all(batch: list[tuple[EventTarget, list[Event]]]) -> None:
     for stream, items in batch:
+        assert isinstance(stream, GenerationStream)  # an event loop's sink serves the streams of that loop
         stream.queue.put_nowait(items)

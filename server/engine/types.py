@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from model.particles import ParticleSummary
+from model.particles import ParticleSummary as ParticleSummary  # re-exported: events carry it
 from model.sampling import SamplingParams
 
 

@@ -92,3 +92,27 @@ def test_a_capped_run_from_before_its_draws_were_built_for_its_width_carries_a_c
         capped = text.split("### AVX2, emulated")[1]
         assert ("Caveat: this run's compiled draws" in capped) is caveat, utc
         assert "Caveat" not in text.split("### AVX2, emulated")[0]  # the uncapped run's table
+
+
+def test_the_imported_llama_table_is_the_newest_run_s_with_hugging_face_s_figure_beside(tmp_path):
+    from benchmarks.docs_tables import imported_tables
+
+    assert imported_tables(tmp_path) == "No run yet."
+    for day, ours in (("2026-12-01", 150.0), ("2026-12-06", 300.0)):
+        rows = [
+            {"contestant": "rnnserve softmax (imported, float32)", "batch": 16, "dtype": "float32"},
+            {"contestant": "Hugging Face generate, static cache", "batch": 16, "dtype": "float32"},
+        ]
+        rows[0] |= {"tokens_per_s": ours, "vs_hf_static": ours / 100.0}
+        rows[1] |= {"tokens_per_s": 100.0, "vs_hf_static": 1.0}
+        report = {
+            "environment": {"cpu_class": "AVX2", "processor": "Some CPU", "torch_threads": 2},
+            "sizes": {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3},
+            "parameters": 134e6,
+            "throughput": rows,
+            "settings": {"new_tokens": 128, "rounds": 3},
+        }
+        (tmp_path / f"llama-small-{day}.json").write_text(json.dumps(report))
+    table = imported_tables(tmp_path)
+    assert "llama-small-2026-12-06.json" in table and "30 layers" in table and "AVX2 (Some CPU), 2 threads" in table
+    assert "| float32 | 16 | 300.0 | 100.0 | 3.00x |" in table

@@ -6,6 +6,7 @@ twin (`rnnserve linearize`, fine-tuned on text tokenized by the same tokenizer) 
 from __future__ import annotations
 
 import json
+import math
 
 import httpx
 import pytest
@@ -62,6 +63,7 @@ def test_its_loss_is_per_byte_of_the_validation_text(linearized, corpus, hf):
     assert evaluation["bytes"] == len(valid.encode()) and evaluation["tokens"] == len(tokenizer.encode(valid))
     per_byte = evaluation["loss_nats_per_token"] * evaluation["tokens"] / evaluation["bytes"]
     assert evaluation["loss_nats_per_byte"] == pytest.approx(per_byte)
+    assert evaluation["perplexity"] == pytest.approx(math.exp(evaluation["loss_nats_per_token"]))
     model, _ = load_model(linearized)
     assert model.config.vocab_size == len(tokenizer)
 

@@ -115,6 +115,7 @@ def evaluate_text(
         "bits_per_byte": nats / math.log(2),
         "bytes": count,
         "loss_nats_per_token": total / tokens,
+        "perplexity": math.exp(total / tokens),  # per token, as Hugging Face's and lm-eval's reports give it
         "tokens": tokens,
         "tokenizer": vocabulary.name,
     }
@@ -170,6 +171,8 @@ def format_metric(result: dict[str, Any]) -> str:
             f"{result['loss_nats_per_byte']:.4f} nats/byte ({result['bits_per_byte']:.4f} bits/byte) "
             f"over {result['bytes']} bytes"
         )
+        if "loss_nats_per_token" in result:  # a tokenizer's model: per token too, the figure its peers report
+            text += f"; {result['loss_nats_per_token']:.4f} nats/token, perplexity {result['perplexity']:.2f}"
     checkpoint = result.get("checkpoint")
     return text + (f" (step {checkpoint['step']:,}, {checkpoint['weights']})" if checkpoint else "")
 

@@ -283,12 +283,17 @@ def main(argv: list[str] | None = None) -> int:
         served_requests=4 if tiny else Gpt2Settings.served_requests,
     )
     report = run(settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    write_report(report, args.out)
+    return 0
+
+
+def write_report(report: dict, out: Path | None) -> None:
+    """The results as JSON, into `out` or onto standard output."""
     text = json.dumps(report, indent=1, default=str)
-    if args.out:
-        args.out.write_text(text + "\n")
+    if out:
+        out.write_text(text + "\n")
     else:
         print(text)
-    return 0
 
 
 if __name__ == "__main__":

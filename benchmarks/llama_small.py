@@ -14,7 +14,6 @@ Not yet beside them: a linearized twin (`rnnserve linearize` does not take rotar
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -26,7 +25,7 @@ from model.hf_import import import_folder
 from model.weights_io import load_model
 
 from .decode import DecodeSettings, environment, machine_load
-from .gpt2_small import CORPUS, Gpt2Settings, measure_throughput
+from .gpt2_small import CORPUS, Gpt2Settings, measure_throughput, write_report
 
 SMOLLM_135M = dict(
     hidden_size=576,
@@ -91,11 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     settings = Gpt2Settings(sizes={}, new_tokens=args.new_tokens, rounds=args.rounds)
     report = run(TINY if args.tiny else SMOLLM_135M, settings, lambda line: print(line, file=sys.stderr, flush=True))
-    text = json.dumps(report, indent=1, default=str)
-    if args.out:
-        args.out.write_text(text + "\n")
-    else:
-        print(text)
+    write_report(report, args.out)
     return 0
 
 

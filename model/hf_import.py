@@ -176,7 +176,7 @@ def read_tokenizer(folder: Path) -> str:
     vocab.json and merges.txt."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from .vocabulary import is_byte_level
+    from .vocabulary import TOKENIZERS_TAKEN, piece_scheme
 
     if (folder / "tokenizer.json").is_file():
         try:
@@ -185,11 +185,8 @@ def read_tokenizer(folder: Path) -> str:
             raise HFImportError(
                 f"{folder / 'tokenizer.json'}: not a tokenizer the tokenizers library reads ({exc})"
             ) from exc
-        if not is_byte_level(json.loads(stored)):
-            raise HFImportError(
-                f"{folder / 'tokenizer.json'}: not a byte-level BPE (its decoder is not ByteLevel); "
-                "expected GPT-2's kind of tokenizer"
-            )
+        if piece_scheme(json.loads(stored)) is None:
+            raise HFImportError(f"{folder / 'tokenizer.json'}: its tokens' bytes cannot be told; {TOKENIZERS_TAKEN}")
         return stored
     vocab, merges = folder / "vocab.json", folder / "merges.txt"
     if not (vocab.is_file() and merges.is_file()):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,8 +94,10 @@ def _tokenizer_vocabulary(tokenizer_json: str, size: int, eos: int | None) -> Vo
     special = {i for i, added in tokenizer.get_added_tokens_decoder().items() if added.special}
     if eos is not None:
         special.add(eos)
-    if not is_byte_level(spec):
-        raise ValueError("the stored tokenizer is not a byte-level BPE (GPT-2's kind): its tokens' bytes are unknown")
+    scheme = piece_scheme(spec)
+    if scheme is None:
+        raise ValueError(f"the stored tokenizer's pieces are not bytes rnnserve can read: {TOKENIZERS_TAKEN}")
+    piece_of = _byte_level_piece if scheme == "byte_level" else _metaspace_piece
     pieces, shown = [], []
     for token in range(size):
         symbol = tokenizer.id_to_token(token)
@@ -105,7 +108,7 @@ def _tokenizer_vocabulary(tokenizer_json: str, size: int, eos: int | None) -> Vo
             pieces.append(b"")
             shown.append(symbol)
         else:
-            piece = _byte_level_piece(symbol)
+            piece = piece_of(symbol)
             pieces.append(piece)
             shown.append(shown_bytes(piece))
     kind = (spec.get("model") or {}).get("type") or "tokenizer"
@@ -113,11 +116,34 @@ def _tokenizer_vocabulary(tokenizer_json: str, size: int, eos: int | None) -> Vo
     return Vocabulary(f"{kind} ({size} tokens)", tuple(pieces), tuple(shown), eos, tokenizer_json, special_in_range)
 
 
-def is_byte_level(spec: dict[str, Any]) -> bool:
-    """GPT-2's scheme: each byte is written as one printable symbol (decoder ByteLevel)."""
+TOKENIZERS_TAKEN = (
+    "expected a byte-level BPE (GPT-2's, Llama 3's, Qwen2's: decoder ByteLevel) or a SentencePiece BPE with byte "
+    "fallback (Llama 2's, Mistral's: decoders Replace '▁' and ByteFallback)"
+)
+METASPACE = "▁"  # SentencePiece's mark for a space
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token: one byte of a character not in the vocabulary
+
+
+def piece_scheme(spec: dict[str, Any]) -> str | None:
+    """How a tokenizer's symbols stand for the bytes of the text: "byte_level" (GPT-2's scheme: each byte written as
+    one printable symbol), "metaspace" (SentencePiece BPE: text with spaces as '▁', and <0xNN> tokens for bytes the
+    vocabulary lacks), or None (a tokenizer whose pieces rnnserve cannot tell)."""
     decoder = spec.get("decoder") or {}
-    kinds = [d.get("type") for d in decoder.get("decoders", [])] if decoder.get("type") == "Sequence" else []
-    return decoder.get("type") == "ByteLevel" or "ByteLevel" in kinds
+    parts = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+    kinds = {part.get("type") for part in parts}
+    if "ByteLevel" in kinds:
+        return "byte_level"
+    spaces = "Metaspace" in kinds or any(
+        part.get("type") == "Replace" and (part.get("pattern") or {}).get("String") == METASPACE for part in parts
+    )
+    return "metaspace" if spaces and "ByteFallback" in kinds else None
+
+
+def _metaspace_piece(symbol: str) -> bytes:
+    """A SentencePiece symbol's bytes: '▁' is a space, <0xNN> the byte NN. (SentencePiece's decoder also drops the
+    space a text begins with; a piece keeps it, as a continuation after a prompt does.)"""
+    byte = BYTE_TOKEN.fullmatch(symbol)
+    return bytes((int(byte.group(1), 16),)) if byte else symbol.replace(METASPACE, " ").encode("utf-8")
 
 
 @functools.cache

@@ -135,7 +135,7 @@ def word_level_tokenizer():
         ),
         (
             lambda f: word_level_tokenizer().save(str(f / "tokenizer.json")),
-            "not a byte-level BPE (its decoder is not ByteLevel); expected GPT-2's kind of tokenizer",
+            "its tokens' bytes cannot be told; expected a byte-level BPE",
         ),
     ],
 )

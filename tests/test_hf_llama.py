@@ -41,6 +41,30 @@ def llama_tokenizer():
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=START, eos_token=END)
 
 
+def sentencepiece_tokenizer():
+    """A SentencePiece-style BPE as Llama 2's and Mistral's tokenizer.json have it: spaces as '▁', <0xNN> tokens for
+    the bytes of characters the vocabulary lacks, <s> before every text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    base = Tokenizer(models.BPE(unk_token="<unk>"))
+    base.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    base.train_from_iterator(CORPUS[:3], trainers.BpeTrainer(vocab_size=150, special_tokens=["<unk>", START, END]))
+    spec = json.loads(base.to_str())["model"]
+    vocab = dict(spec["vocab"])
+    vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in spec["merges"]]
+    tokenizer = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tokenizer.add_special_tokens(["<unk>", START, END])
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{START} $A", special_tokens=[(START, tokenizer.token_to_id(START))]
+    )
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=START, eos_token=END)
+
+
 FAMILIES = {
     "llama": lambda ids: transformers.LlamaConfig(
         **SIZES,
@@ -62,8 +86,10 @@ FAMILIES = {
 CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 
 
-def save_folder(folder: Path, family: str, dtype: torch.dtype = torch.float32, shard: str | None = None) -> Path:
-    tokenizer = llama_tokenizer()
+def save_folder(
+    folder: Path, family: str, dtype: torch.dtype = torch.float32, shard: str | None = None, tokenizer=None
+) -> Path:
+    tokenizer = tokenizer or llama_tokenizer()
     ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
     config = FAMILIES[family](ids)
     config._attn_implementation = "eager"
@@ -171,3 +197,39 @@ def test_a_served_llama_continues_text_as_hugging_face_does(tmp_path):
         answer = client.completions.create(model="llama", prompt=prompt, max_tokens=64, temperature=0)
     assert answer.usage.prompt_tokens == ids.shape[1] and answer.usage.completion_tokens == len(expected)
     assert answer.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_a_mistral_with_a_sentencepiece_tokenizer_continues_text_as_vllm_shows_it(tmp_path):
+    tokenizer = sentencepiece_tokenizer()
+    folder = save_folder(tmp_path / "mistral", "mistral", tokenizer=tokenizer)
+    imported(folder)
+    model = hf_model(folder)
+    prompt = "Grüße, 世界! To be"  # characters the vocabulary lacks take byte-fallback tokens
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    assert ids[0, 0] == tokenizer.bos_token_id and any(
+        t.startswith("<0x") for t in tokenizer.convert_ids_to_tokens(ids[0])
+    )
+    model.generation_config.eos_token_id = None
+    # Drawn text stays whole characters: a random model's stray byte tokens make invalid UTF-8, which SentencePiece
+    # and a byte decoder mark with U+FFFD in different places (the prompt above keeps its byte tokens).
+    byte_tokens = [tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)]
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False, suppress_tokens=byte_tokens
+    )[0]
+    # vLLM's text of a continuation: the whole sequence's text past the prompt's (SentencePiece drops only the
+    # space the whole text begins with)
+    expected = tokenizer.decode(out, skip_special_tokens=True)[
+        len(tokenizer.decode(ids[0], skip_special_tokens=True)) :
+    ]
+    with running_server(make_settings(weights=tmp_path, max_batch=4)) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        answer = client.completions.create(
+            model="mistral",
+            prompt=prompt,
+            max_tokens=32,
+            temperature=0,
+            logit_bias={str(t): -100 for t in byte_tokens},
+            extra_body={"ignore_eos": True},
+        )
+    assert answer.usage.prompt_tokens == ids.shape[1]
+    assert answer.choices[0].text == expected

@@ -118,6 +118,22 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {
             ),
         ),
     ),
+    "hybrid": AttentionKind(
+        "model.hybrid_attention:HybridAttention",
+        (
+            KindOption("hybrid_window", 64, "exact softmax over the last W positions, linear attention before", (), 1),
+            KindOption(
+                "hybrid_feature_map",
+                "elu",
+                "phi of the linear part over tokens older than the window (as linear_feature_map)",
+                choices=("elu", "t2r", "hedgehog"),
+            ),
+            KindOption(
+                "hybrid_features", 0, "outputs per head of a learned map's projection (0: the head size)", (), 0
+            ),
+            KindOption("hybrid_eps", 1e-6, "added to the shared normaliser", minimum=0.0),
+        ),
+    ),
     "reformer": AttentionKind(
         "model.reformer_attention:ReformerAttention",
         (

@@ -34,6 +34,7 @@ from server.engine.pool import EnginePool, model_bytes, worker_layout
 from server.metrics import Metrics
 from server.api.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestMetricsMiddleware
 from server.engine.registry import EngineRegistry, LoadedModel, load_models
+from server.engine.watchdog import Watched, Watchdog
 from server.api.routes_images import router as images_router
 from server.api.routes_models import router as models_router
 from server.api.routes_playground import mount_static
@@ -121,6 +122,7 @@ class Lifecycle:
         self.turns = CompileTurns.new()  # the engines' background compiles take turns (server/engine/compile_gate.py)
         self.started: list[EngineHandle] = []
         self.freezing: asyncio.Task | None = None
+        self.watchdog: Watchdog | None = None
 
     async def start(self, app: FastAPI, on_started: Callable[[], None] | None = None) -> None:
         """Load the models (unless given), start their engines and put the server state on the app."""
@@ -140,6 +142,9 @@ class Lifecycle:
         engines = [make_engine(m, limits, self.metrics, settings, self.turns, n) for m, n in zip(loaded, threads)]
         log_thread_shares(budget, engines, settings.threads)
         self.started = await start_engines(engines)
+        if settings.watchdog_seconds > 0:
+            self.watchdog = Watchdog(watched_engines(engines), settings.watchdog_seconds)
+            self.watchdog.start()
         created = {m.name: int(m.path.stat().st_mtime) for m in loaded}
         app.state.server = ServerState(settings, self.metrics, EngineRegistry(engines, created))
         log.info("serving %s", ", ".join(engine.name for engine in engines))
@@ -159,6 +164,8 @@ class Lifecycle:
     def stop(self) -> None:
         if self.freezing is not None:
             self.freezing.cancel()
+        if self.watchdog is not None:
+            self.watchdog.stop()
         for engine in self.started:
             engine.stop()
         self.turns.remove()
@@ -234,6 +241,14 @@ def engine_processes(
         for i in range(layout.workers)
     ]
     return workers[0] if len(workers) == 1 else EnginePool(workers)
+
+
+def watched_engines(engines: list[EngineHandle]) -> list[Watched]:
+    """What the watchdog looks after: each engine thread, and each engine process of a pool."""
+    watched: list[Watched] = []
+    for engine in engines:
+        watched += engine.clients if isinstance(engine, EnginePool) else [engine]  # type: ignore[list-item]
+    return watched
 
 
 def log_thread_shares(budget: CpuBudget, engines: list[EngineHandle], override: int | None) -> None:

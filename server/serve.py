@@ -45,6 +45,7 @@ SERVER_FLAGS = (
     "drain_seconds",
     "body_timeout",
     "header_timeout",
+    "watchdog_seconds",
 )
 RAY_FLAGS = (
     "replicas",
@@ -190,6 +191,14 @@ def _add_time_limit_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="a request line and headers not all arrived by then (from the connection's opening, or "
         f"a request's first byte) get 408 and the connection closed {default('header_timeout')}",
+    )
+    parser.add_argument(
+        "--watchdog-seconds",
+        type=float,
+        metavar="SECONDS",
+        help="an engine that has requests in flight and makes no progress for this long is hung: its requests "
+        "get 503 engine_restarting, /health says the model is not ready, and its engine process is killed and "
+        f"restarted; 0 turns the watch off {default('watchdog_seconds')}",
     )
     parser.add_argument(
         "--drain-seconds",

@@ -33,6 +33,7 @@ from server.engine.scheduler import QueueFull
 from server.engine.streams import ENGINE_ERROR, EngineFailure, GenerationStream, Outbox, is_terminal, released
 from server.engine.types import GenerationRequest, PromptScores, StepStats
 from server.engine.validation import InvalidRequest
+from server.engine.watchdog import Heartbeat
 
 if TYPE_CHECKING:
     from model.compiled_decode import CompileGate
@@ -54,6 +55,7 @@ class EngineSpec:
     log_level: int
     compile_gate: CompileGate | None = None  # server/engine/compile_gate.py: the engines compile in turn
     vocabulary: Vocabulary | None = None  # a text model's tokens; None: bytes
+    heartbeat: Heartbeat | None = None  # shared with the API process's watchdog (server/engine/watchdog.py)
 
 
 # -- errors across the pipe ---------------------------------------------------
@@ -197,6 +199,8 @@ def serve_engine(conn: Connection, spec: EngineSpec) -> None:
     engine = Engine(
         spec.name, spec.model, spec.info, spec.limits, sink, spec.compile_gate, spec.threads, spec.vocabulary
     )
+    if spec.heartbeat is not None:
+        engine.heartbeat = spec.heartbeat
     try:
         engine.start()
     except EngineFailure as exc:

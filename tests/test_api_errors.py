@@ -107,6 +107,16 @@ def test_a_body_that_is_not_utf8_says_where_and_that_json_is_utf8(client, path, 
     still_serving(client)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize", "/v1/images/completions"])
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32"])
+def test_a_json_body_in_utf16_or_utf32_is_a_400_saying_json_is_utf8(client, path, encoding):
+    """Python's JSON parser reads UTF-16 and UTF-32 too; JSON on the wire is UTF-8 (RFC 8259), as OpenAI's is."""
+    body = '{"model": "words", "prompt": "to be", "max_tokens": 2}'.encode(encoding)
+    error = error_of(client.post(path, content=body, headers={"content-type": "application/json"}), 400)
+    assert error["code"] == "invalid_json" and error["message"].endswith("JSON bodies must be UTF-8 encoded"), error
+    still_serving(client)
+
+
 @pytest.mark.parametrize("path, limit", [("/v1/completions", ""), ("/v1/images/completions", " (200 levels)")])
 def test_a_body_nested_too_deeply_says_so(client, path, limit):
     error = error_of(client.post(path, content=b'{"prompt": ' + b"[" * 100_000, headers=JSON), 400)

@@ -111,7 +111,20 @@ def not_utf8(body: bytes) -> str | None:
             f"the body is not UTF-8: byte 0x{body[exc.start]:02x} at offset {exc.start} ({exc.reason}); "
             "JSON bodies must be UTF-8 encoded"
         )
+    if b"\x00" in body:  # UTF-8, but JSON in UTF-8 never holds a raw NUL: ASCII text in UTF-16 or UTF-32
+        return (
+            f"the body holds a NUL byte at offset {body.index(0)}: it looks UTF-16 or UTF-32 encoded; "
+            "JSON bodies must be UTF-8 encoded"
+        )
     return None
+
+
+async def utf8_body(request: Request) -> None:
+    """A route dependency: refuse a JSON body that is not UTF-8, which Python's JSON parser reads anyway (it
+    detects UTF-16 and UTF-32), as JSON on the wire is UTF-8 (RFC 8259) and OpenAI's API reads nothing else."""
+    problem = not_utf8(await request.body())
+    if problem:
+        raise APIError(400, problem, None, "invalid_json")
 
 
 def too_deep(limit: int | None) -> str:

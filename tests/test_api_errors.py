@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -50,17 +52,31 @@ def test_malformed_json_says_where(client):
     still_serving(client)
 
 
-@pytest.mark.parametrize("headers", [{}, {"content-type": "text/plain"}])
+@pytest.mark.parametrize("headers", [{}, {"content-type": "text/plain"}, {"content-type": "application/jsonx"}])
 def test_a_body_without_the_json_content_type_is_a_415_naming_it(client, headers):
     error = error_of(client.post("/v1/completions", content=b'{"prompt": "a"}', headers=headers), 415)
     assert "Content-Type: application/json" in error["message"]
 
 
-@pytest.mark.parametrize("headers", [{}, {"content-type": "text/plain"}])
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"content-type": "text/plain"}, {"content-type": "application/jsonx"}, {"content-type": "multipart/form"}],
+)
 def test_an_image_body_of_another_content_type_is_a_415_naming_the_ones_read(client, headers):
-    error = error_of(client.post("/v1/images/completions", content=b'{"keep_rows": 3}', headers=headers), 415)
+    body = b'{"model": "digits", "pixels": [[0]], "keep_rows": 0}'  # read as JSON, it would be answered
+    error = error_of(client.post("/v1/images/completions", content=body, headers=headers), 415)
     assert "application/json" in error["message"] and "multipart/form-data" in error["message"]
     still_serving(client)
+
+
+@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON", "application/x+json"])
+def test_json_content_types_with_parameters_case_or_a_json_suffix_are_read(client, content_type):
+    body = b'{"model": "words", "prompt": "a", "max_tokens": 2}'
+    answer = client.post("/v1/completions", content=body, headers={"content-type": content_type})
+    assert answer.status_code == 200, answer.text
+    image = json.dumps({"model": "digits", "pixels": GRID, "keep_rows": 27}).encode()
+    answer = client.post("/v1/images/completions", content=image, headers={"content-type": content_type})
+    assert answer.status_code == 200, answer.text
 
 
 def test_per_pixel_errors_fold_into_one_short_message(client):

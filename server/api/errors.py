@@ -127,6 +127,17 @@ async def utf8_body(request: Request) -> None:
         raise APIError(400, problem, None, "invalid_json")
 
 
+def media_type(content_type: str | None) -> str:
+    """A Content-Type header's type and subtype, lower case, without parameters ("" for none)."""
+    return (content_type or "").split(";")[0].strip().lower()
+
+
+def is_json(content_type: str | None) -> bool:
+    """application/json, or a type with JSON's suffix (RFC 6839): what FastAPI parses as JSON."""
+    kind = media_type(content_type)
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
 def too_deep(limit: int | None) -> str:
     allows = f"the JSON parser allows ({limit} levels)" if limit else "the JSON parser allows"
     return f"the body nests arrays or objects deeper than {allows}; a request nests at most {NESTING_NEEDED}"
@@ -247,9 +258,8 @@ def _is_empty_body(errors: list[dict[str, Any]], parsed: Any) -> bool:
 
 def _not_json(request: Request, exc: RequestValidationError) -> bool:
     """A JSON endpoint's body came without a JSON content type (so it was not parsed)."""
-    content_type = request.headers.get("content-type", "")
     whole_body = any(tuple(e.get("loc", ())) == ("body",) for e in exc.errors())
-    return whole_body and "json" not in content_type
+    return whole_body and not is_json(request.headers.get("content-type"))
 
 
 def label_named_model(request: Request, body: Any) -> None:

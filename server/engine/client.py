@@ -147,6 +147,7 @@ class EngineClient(EngineFacts):
             self._compile_gate,
             self.vocabulary,
             self.heartbeat,
+            self.worker,
         )
         self._hung_for = None
         self.heartbeat.beat()  # the new process's silence counts from its start

@@ -189,7 +189,7 @@ class EngineClient(EngineFacts):
             if self._conn.poll(START_SECONDS):
                 return self._conn.recv()
         except (EOFError, OSError):
-            return msg.StartFailed(f"it exited with code {self._end_process()} (its log above says why)")
+            return msg.StartFailed(describe_early_exit(self._end_process()))
         return msg.StartFailed(f"it did not start within {START_SECONDS:.0f} s")
 
     def stop(self) -> None:
@@ -414,6 +414,15 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+def describe_early_exit(code: int | None) -> str:
+    """Why an engine process ended before it started: a signal, which it could not log about (SIGKILL from an
+    operator or the kernel's OOM killer), or an exit code, which follows its own log lines."""
+    if code is not None and code < 0:
+        hint = " (an operator, or the kernel's OOM killer: see `dmesg`)" if code == -signal.SIGKILL else ""
+        return f"it was {describe_exit(code)}{hint} before it had started"
+    return f"it exited with code {code} before it had started (its log above says why)"
 
 
 class Backoff:

@@ -153,3 +153,21 @@ def test_a_restart_killed_while_starting_logs_the_signal_and_the_next_try_serves
         assert failed and "killed by SIGKILL" in failed[0] and "log above" not in failed[0], log
         answer = httpx.post(f"{url}/v1/completions", json=completion(url, 4), timeout=60)
         assert answer.status_code == 200
+
+
+def test_not_ready_during_the_restart_back_off_says_when_to_retry(folder):
+    with serving_process(folder, "--max-batch", "2", "--threads", "1") as url:
+        [pid] = engine_pids(MODEL)
+        server = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        known = children_of(server)
+        os.kill(pid, signal.SIGKILL)
+        for _ in range(4):  # each start that fails doubles the back-off: 0.5 s, then 1, 2, 4, 8 s
+            child = kill_the_next_child(server, known, 60)
+            assert child is not None, "no engine process was started again"
+            known.add(child)
+        refused = httpx.post(f"{url}/v1/completions", json=completion(url, 4), timeout=60)
+        health = httpx.get(f"{url}/health", timeout=10)
+        for answer in (refused, health):
+            assert answer.status_code == 503 and answer.json()["error"]["code"] == "not_ready", answer.text
+            assert 1 <= int(answer.headers["retry-after"]) <= 30, answer.headers
+        assert wait_until_healthy(url, 120), (folder / "server.log").read_text()

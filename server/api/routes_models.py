@@ -157,7 +157,10 @@ async def get_model(model_id: str, server: ServerState = Depends(get_server)) ->
 async def health(server: ServerState = Depends(get_server)) -> Response:
     not_ready = server.engines.not_ready()
     if not_ready:
-        return error_response(503, f"models not ready: {', '.join(not_ready)}", None, "not_ready")
+        retry = min(e.retry_after_seconds() for e in server.engines if e.name in not_ready)
+        return error_response(
+            503, f"models not ready: {', '.join(not_ready)}", None, "not_ready", {"Retry-After": str(retry)}
+        )
     return JSONResponse({"status": "ok", "models": {e.name: "ready" for e in server.engines}})
 
 

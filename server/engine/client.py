@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import signal
 import threading
 import time
@@ -99,7 +100,7 @@ class EngineClient(EngineFacts):
         self._alive = self._stopping = False
         self._stopped = threading.Event()
         self._lifecycle = threading.Lock()  # starting (or restarting) against stopping
-        self._started_at = 0.0
+        self._started_at = self._next_try_at = 0.0  # time.monotonic(): the last start, the next restart attempt
         self._backoff, self.restarts = Backoff(), 0
         self.heartbeat = Heartbeat()  # the engine process's loop stamps it (server/engine/watchdog.py)
         self._hung_for: float | None = None  # the watchdog found it silent this long with work: being killed
@@ -220,7 +221,7 @@ class EngineClient(EngineFacts):
         """(A thread of its own.) Start a new engine process after a back-off that doubles while the
         engine keeps dying young, so a model that cannot run does not spin the CPU."""
         delay = self._backoff.next_delay(time.monotonic() - self._started_at)
-        while not self._stopped.wait(delay):
+        while not self._stopped.wait(self._wait_until_next_try(delay)):
             with self._lifecycle:
                 if self._stopping:
                     return
@@ -232,6 +233,14 @@ class EngineClient(EngineFacts):
                     continue
             log.info("model %s: engine restarted (restart %d); serving again", self.name, self.restarts)
             return
+
+    def _wait_until_next_try(self, delay: float) -> float:
+        self._next_try_at = time.monotonic() + delay
+        return delay
+
+    def retry_after_seconds(self) -> int:
+        """Until the next restart attempt (at least a second: a start takes seconds)."""
+        return max(1, math.ceil(self._next_try_at - time.monotonic()))
 
     # -- the watchdog's calls (server/engine/watchdog.py; its thread) ----------------------------------------
     def has_work(self) -> bool:

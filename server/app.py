@@ -70,7 +70,7 @@ def build_app(
         description="Image completion, streaming text and metrics for RNN-mode transformers.",
     )
     errors.install(app)
-    openapi.install(app, settings.max_batch)
+    openapi.install(app, settings.max_batch, settings.api_key_value() is not None)
     routers = (models_router, text_router, images_router, playground_router)
     for router in routers:
         app.include_router(router)

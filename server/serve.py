@@ -170,7 +170,10 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, help=f"largest request body accepted {default('max_body_bytes')}")
     parser.add_argument(
         "--api-key",
-        help="require 'Authorization: Bearer KEY' except on /health and /metrics (env RNNSERVE_API_KEY, default none)",
+        help="require 'Authorization: Bearer KEY' on every route but these, open without it: the probes /health and "
+        "/metrics; the API's documentation /docs, /docs/oauth2-redirect, /redoc, /openapi.json and its files under "
+        "/static-offline-docs/; the playground page / and /playground (it asks for the key) and its files under "
+        "/playground/static/ (env RNNSERVE_API_KEY, default none)",
     )
     parser.add_argument(
         "--log-level", choices=("critical", "error", "warning", "info", "debug"), help=_default("log_level")

@@ -343,6 +343,8 @@ class Engine(EngineFacts):
         for stream in streams:
             stream.cancel()
         hand_over([(s, [GenerationError(s.request.request_id, message, ENGINE_RESTARTING)]) for s in streams])
+        for job in list(self._scores):  # should the engine reach them later, their settled futures ignore it
+            job.resolve(error=EngineFailure(message, ENGINE_RESTARTING))
 
     def _fail_running(self, message: str, code: str = ENGINE_ERROR) -> None:
         finish(self.scheduler.clear_rows(), message, code)

@@ -63,8 +63,20 @@ def compile_in_child(job: CompileJob, target: Callable[[CompileJob], None]) -> C
         child.join()
         return ChildOutcome(f"the compile did not finish within {CHILD_SECONDS:.0f} s")
     if child.exitcode not in (0, PARTLY_COMPILED):
-        return ChildOutcome(f"the compile process exited with code {child.exitcode} (its log above says why)")
+        return ChildOutcome(describe_failed_child(child.exitcode))
     return ChildOutcome(None, optional_left_out=child.exitcode == PARTLY_COMPILED)
+
+
+def describe_failed_child(code: int) -> str:
+    """A signal ended it without a word of its own (SIGKILL: an operator or the OOM killer); an exit code follows
+    its own log lines."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"the compile process was killed by {name} (an operator, or the kernel's OOM killer: see `dmesg`)"
+    return f"the compile process exited with code {code} (its log above says why)"
 
 
 def become_compile_child(job: CompileJob) -> None:

@@ -169,6 +169,20 @@ def same_cache_keys_in_every_process() -> None:
     copyreg.pickle(torch.memory_format, _reduce_memory_format)
 
 
+def progress_bars_lock_this_process_only() -> None:
+    """Give tqdm a thread lock before tracing makes its first progress bar. torch.fx's interpreter makes a
+    (disabled) tqdm bar while tracing, and tqdm's first bar otherwise makes a lock shared across processes: a
+    POSIX semaphore, registered with multiprocessing's resource tracker and released only by a clean exit. A
+    compile child is killed with its process group when the server stops mid-compile, so the tracker, shared with
+    the server, found it at shutdown and warned of a leaked semaphore. No bar here is shared between processes."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # torch.fx makes no bar then
+        return
+    if "_lock" not in vars(tqdm):  # none made yet (once made, the semaphore exists: replacing it frees nothing)
+        tqdm.set_lock(threading.RLock())
+
+
 @dataclass
 class CompileLog:
     """What was compiled and how long it took (seconds per shape class), and what failed."""
@@ -435,6 +449,7 @@ class CompiledDecoder(EagerDecoder):
     def compile_now(self, batch: int | None = None, verb: str = "compiled") -> CompileLog:
         """Compile the shape classes here and now, one log line each; a failure leaves decoding eager."""
         same_cache_keys_in_every_process()
+        progress_bars_lock_this_process_only()
         self.use_kernels()  # first, so that the graphs call them
         for row_class in self._classes_to_compile(batch):
             if row_class.fewest in self.ready or self.log.error is not None:

@@ -37,6 +37,7 @@ from server.metrics import Metrics
 from server.api.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestMetricsMiddleware
 from server.engine.registry import EngineRegistry, LoadedModel, load_models
 from server.api.routes_chat import router as chat_router
+from server.engine.watchdog import Watched, Watchdog
 from server.api.routes_images import router as images_router
 from server.api.routes_models import router as models_router
 from server.api.routes_playground import mount_static
@@ -72,7 +73,7 @@ def build_app(
         description="Image completion, streaming text and metrics for RNN-mode transformers.",
     )
     errors.install(app)
-    openapi.install(app, settings.max_batch)
+    openapi.install(app, settings.max_batch, settings.api_key_value() is not None)
     routers = (models_router, text_router, chat_router, images_router, playground_router)
     for router in routers:
         app.include_router(router)
@@ -124,6 +125,7 @@ class Lifecycle:
         self.turns = CompileTurns.new()  # the engines' background compiles take turns (server/engine/compile_gate.py)
         self.started: list[EngineHandle] = []
         self.freezing: asyncio.Task | None = None
+        self.watchdog: Watchdog | None = None
 
     async def start(self, app: FastAPI, on_started: Callable[[], None] | None = None) -> None:
         """Load the models (unless given), start their engines and put the server state on the app."""
@@ -146,6 +148,9 @@ class Lifecycle:
         ]
         log_thread_shares(budget, engines, settings.threads)
         self.started = await start_engines(engines)
+        if settings.watchdog_seconds > 0:
+            self.watchdog = Watchdog(watched_engines(engines), settings.watchdog_seconds)
+            self.watchdog.start()
         created = {m.name: int(m.path.stat().st_mtime) for m in loaded}
         chat_templates = {m.name: m.chat_template for m in loaded if m.chat_template is not None}
         app.state.server = ServerState(settings, self.metrics, EngineRegistry(engines, created, chat_templates))
@@ -166,6 +171,8 @@ class Lifecycle:
     def stop(self) -> None:
         if self.freezing is not None:
             self.freezing.cancel()
+        if self.watchdog is not None:
+            self.watchdog.stop()
         for engine in self.started:
             engine.stop()
         self.turns.remove()
@@ -266,6 +273,14 @@ def slot_limits(loaded: LoadedModel, limits: EngineLimits, plan: SlotPlan) -> En
             plan.budget / MIB,
         )
     return dataclasses.replace(limits, max_batch=plan.rows, slot_bytes=plan.slot_bytes, memory_budget=plan.budget)
+
+
+def watched_engines(engines: list[EngineHandle]) -> list[Watched]:
+    """What the watchdog looks after: each engine thread, and each engine process of a pool."""
+    watched: list[Watched] = []
+    for engine in engines:
+        watched += engine.clients if isinstance(engine, EnginePool) else [engine]  # type: ignore[list-item]
+    return watched
 
 
 def log_thread_shares(budget: CpuBudget, engines: list[EngineHandle], override: int | None) -> None:

@@ -2,7 +2,8 @@
 
 The same standalone (`DrainingServer` below, on SIGTERM) and under Ray Serve
 (`ray_app`, when a replica is stopped):
- 1. `Drain.begin()`: /health answers 503 at once, every new request a JSON 503;
+ 1. `Drain.begin()`: /health answers 503 at once, every new request a JSON 503, but /metrics answers on, so
+    that a Prometheus scrape still gets the last figures;
  2. requests in flight get up to --drain-seconds to finish;
  3. past it the engines stop, so what still runs ends with "server is shutting
     down": a JSON 503, or on a stream an SSE error event and then [DONE];
@@ -30,6 +31,7 @@ log = logging.getLogger("rnnserve.drain")
 POLL_SECONDS = 0.05
 ANSWER_SECONDS = 5.0  # after the engines stop, failed requests get this long to send their error answers
 SHUTTING_DOWN = "server is shutting down"
+ANSWERED_WHILE_DRAINING = frozenset({"/metrics"})  # read-only, quick, and wanted to the end
 
 
 class Drain:
@@ -94,6 +96,9 @@ class DrainMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.drain.draining and scope["path"] in ANSWERED_WHILE_DRAINING:
             await self.app(scope, receive, send)
             return
         if self.drain.draining:

@@ -50,6 +50,7 @@ SERVER_FLAGS = (
     "drain_seconds",
     "body_timeout",
     "header_timeout",
+    "watchdog_seconds",
 )
 RAY_FLAGS = (
     "replicas",
@@ -215,7 +216,10 @@ def _add_request_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, help=f"largest request body accepted {default('max_body_bytes')}")
     parser.add_argument(
         "--api-key",
-        help="require 'Authorization: Bearer KEY' except on /health and /metrics (env RNNSERVE_API_KEY, default none)",
+        help="require 'Authorization: Bearer KEY' on every route but these, open without it: the probes /health and "
+        "/metrics; the API's documentation /docs, /docs/oauth2-redirect, /redoc, /openapi.json and its files under "
+        "/static-offline-docs/; the playground page / and /playground (it asks for the key) and its files under "
+        "/playground/static/ (env RNNSERVE_API_KEY, default none)",
     )
     parser.add_argument(
         "--log-level", choices=("critical", "error", "warning", "info", "debug"), help=_default("log_level")
@@ -236,6 +240,14 @@ def _add_time_limit_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="a request line and headers not all arrived by then (from the connection's opening, or "
         f"a request's first byte) get 408 and the connection closed {default('header_timeout')}",
+    )
+    parser.add_argument(
+        "--watchdog-seconds",
+        type=float,
+        metavar="SECONDS",
+        help="an engine that has requests in flight and makes no progress for this long is hung: its requests "
+        "get 503 engine_restarting, /health says the model is not ready, and its engine process is killed and "
+        f"restarted; 0 turns the watch off {default('watchdog_seconds')}",
     )
     parser.add_argument(
         "--drain-seconds",

@@ -76,6 +76,9 @@ class Settings(BaseSettings):
     drain_seconds: float = Field(30.0, ge=0)  # after SIGTERM, in-flight requests get this long to finish
     body_timeout: float = Field(30.0, gt=0)  # a request body must arrive within this many seconds (408)
     header_timeout: float = Field(10.0, gt=0)  # a request's line and headers must arrive within this many seconds (408)
+    # An engine with work that shows no progress this long is hung: its requests fail, it restarts; 0: never.
+    # Far above a step of any model served here; adopting a background compile pauses the watch.
+    watchdog_seconds: float = Field(60.0, ge=0)
     # Ray Serve (`--ray`, or the import path `server.rayserve.app:build`); ignored by a plain server.
     replicas: int = Field(1, ge=1)  # fixed replica count, when not autoscaling
     min_replicas: int | None = Field(None, ge=0)  # autoscaling: set max_replicas (min defaults to 1)

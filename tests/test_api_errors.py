@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -50,17 +52,31 @@ def test_malformed_json_says_where(client):
     still_serving(client)
 
 
-@pytest.mark.parametrize("headers", [{}, {"content-type": "text/plain"}])
+@pytest.mark.parametrize("headers", [{}, {"content-type": "text/plain"}, {"content-type": "application/jsonx"}])
 def test_a_body_without_the_json_content_type_is_a_415_naming_it(client, headers):
     error = error_of(client.post("/v1/completions", content=b'{"prompt": "a"}', headers=headers), 415)
     assert "Content-Type: application/json" in error["message"]
 
 
-@pytest.mark.parametrize("headers", [{}, {"content-type": "text/plain"}])
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"content-type": "text/plain"}, {"content-type": "application/jsonx"}, {"content-type": "multipart/form"}],
+)
 def test_an_image_body_of_another_content_type_is_a_415_naming_the_ones_read(client, headers):
-    error = error_of(client.post("/v1/images/completions", content=b'{"keep_rows": 3}', headers=headers), 415)
+    body = b'{"model": "digits", "pixels": [[0]], "keep_rows": 0}'  # read as JSON, it would be answered
+    error = error_of(client.post("/v1/images/completions", content=body, headers=headers), 415)
     assert "application/json" in error["message"] and "multipart/form-data" in error["message"]
     still_serving(client)
+
+
+@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON", "application/x+json"])
+def test_json_content_types_with_parameters_case_or_a_json_suffix_are_read(client, content_type):
+    body = b'{"model": "words", "prompt": "a", "max_tokens": 2}'
+    answer = client.post("/v1/completions", content=body, headers={"content-type": content_type})
+    assert answer.status_code == 200, answer.text
+    image = json.dumps({"model": "digits", "pixels": GRID, "keep_rows": 27}).encode()
+    answer = client.post("/v1/images/completions", content=image, headers={"content-type": content_type})
+    assert answer.status_code == 200, answer.text
 
 
 def test_per_pixel_errors_fold_into_one_short_message(client):
@@ -104,6 +120,16 @@ def test_a_body_that_is_not_utf8_says_where_and_that_json_is_utf8(client, path, 
     assert error["message"].startswith(f"the body is not UTF-8: {where} (")
     assert error["message"].endswith("JSON bodies must be UTF-8 encoded")
     assert error["param"] is None and error["code"] == "invalid_json"
+    still_serving(client)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize", "/v1/images/completions"])
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32"])
+def test_a_json_body_in_utf16_or_utf32_is_a_400_saying_json_is_utf8(client, path, encoding):
+    """Python's JSON parser reads UTF-16 and UTF-32 too; JSON on the wire is UTF-8 (RFC 8259), as OpenAI's is."""
+    body = '{"model": "words", "prompt": "to be", "max_tokens": 2}'.encode(encoding)
+    error = error_of(client.post(path, content=body, headers={"content-type": "application/json"}), 400)
+    assert error["code"] == "invalid_json" and error["message"].endswith("JSON bodies must be UTF-8 encoded"), error
     still_serving(client)
 
 
@@ -273,16 +299,17 @@ def test_a_prompt_too_long_by_itself_is_blamed_and_otherwise_max_tokens_is(clien
 
 
 @pytest.mark.parametrize(
-    "path, body",
+    "path, body, field",
     [
-        ("/v1/completions", '{"prompt": "a", "max_tokens": ' + "9" * 5000 + "}"),
-        ("/v1/images/completions", '{"keep_rows": ' + "9" * 5000 + ', "pixels": [[0]]}'),
+        ("/v1/completions", '{"prompt": "a", "max_tokens": ' + "9" * 5000 + "}", "max_tokens"),
+        ("/v1/images/completions", '{"keep_rows": ' + "9" * 5000 + ', "pixels": [[0]]}', "keep_rows"),
+        ("/v1/images/completions", '{"keep_rows": 3, "pixels": [[0, ' + "9" * 5000 + "]]}", "pixels"),
     ],
 )
-def test_an_integer_of_thousands_of_digits_gets_a_400_with_a_code_saying_why(client, path, body):
+def test_an_integer_of_thousands_of_digits_gets_a_400_naming_the_field(client, path, body, field):
     error = error_of(client.post(path, content=body, headers={"content-type": "application/json"}), 400)
-    assert error["code"] == "invalid_json", error
-    assert "digits" in error["message"] or "number out of range" in error["message"], error
+    assert error["code"] == "invalid_json" and error["param"] == field, error
+    assert error["message"].startswith(f"{field}: integer too large (5000 digits, the most read is "), error
     still_serving(client)
 
 

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from rnnserve_cli import SUBCOMMANDS, main
 
 REPO = Path(__file__).resolve().parents[1]
+HAS_RAY = importlib.util.find_spec("ray") is not None
+NO_RAY = "Ray Serve is not installed: pip install -e '.[ray]' (.ci/run installs it)"
 
 # Prints, per subcommand, whether its help came out and which heavy modules were imported by then.
 HELP_PROBE = """
@@ -83,17 +88,26 @@ def test_serve_names_a_missing_model_file_before_importing_torch(tmp_path):
     assert f"--model file not found: {missing}" in done.stderr
 
 
+def ray_status(tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAY_TMPDIR": str(tmp_path), "RAY_ADDRESS": ""}
+    command = [str(Path(sys.executable).parent / "rnnserve"), "ray-status"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+
+
+@pytest.mark.skipif(not HAS_RAY, reason=NO_RAY)
 def test_ray_status_without_a_cluster_says_so_in_one_line(tmp_path):
     """Ray's own `serve status` needs the dashboard; ours asks the cluster, and names the missing one."""
-    env = {**os.environ, "RAY_TMPDIR": str(tmp_path), "RAY_ADDRESS": ""}
-    done = subprocess.run(
-        [str(Path(sys.executable).parent / "rnnserve"), "ray-status"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    done = ray_status(tmp_path)
     assert done.returncode == 2, done.stderr
     assert done.stdout == ""
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("rnnserve ray-status: no Ray cluster at 'auto'") and "rnnserve serve --ray" in line
+
+
+@pytest.mark.skipif(HAS_RAY, reason="Ray is installed: the missing extra cannot be seen")
+def test_ray_status_without_the_ray_extra_says_so_in_one_line(tmp_path):
+    done = ray_status(tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    (line,) = done.stderr.strip().splitlines()
+    assert line == "rnnserve ray-status: Ray Serve is not installed: pip install 'rnnserve[ray]'"

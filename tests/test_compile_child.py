@@ -164,3 +164,33 @@ def test_a_process_with_several_models_adopts_every_graph_its_compile_children_b
     for report in reports:
         assert report["compiled"], report
         assert report["misses"] == 0 and report["hits"] >= len(report["classes"]), report
+
+
+# A compile in a spawned child that then dies by SIGKILL, as a compile child does when its server stops mid-compile
+# (its group is killed): whatever process-shared object the compile made is never released by the child, and the
+# resource tracker the child shares with its parent warns about it when the parent exits.
+KILLED_AFTER_TRACING = """
+import os, signal, sys
+sys.path[:0] = [".", "tests"]
+import torch.multiprocessing
+
+def compile_and_die():
+    from conftest import make_tiny_model
+    from model.compiled_decode import compile_fresh
+    compile_fresh(make_tiny_model("linear", seed=4), 2)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if __name__ == "__main__":
+    child = torch.multiprocessing.get_context("spawn").Process(target=compile_and_die)
+    child.start()
+    child.join()
+    print("child", child.exitcode, flush=True)
+"""
+
+
+def test_a_compile_killed_with_its_child_leaves_no_semaphore_behind(tmp_path):
+    script = tmp_path / "killed_after_tracing.py"  # a file: the spawned child imports its main module
+    script.write_text(KILLED_AFTER_TRACING)
+    done = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.stdout.split() == ["child", "-9"], done.stderr
+    assert "leaked semaphore" not in done.stderr, done.stderr

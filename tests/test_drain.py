@@ -146,6 +146,9 @@ def test_sigterm_refuses_new_work_and_lets_requests_in_flight_finish(server_fact
     threads, answers = send_in_background(server.url, [blank_digit(True), blank_digit(False)])
     server.process.send_signal(signal.SIGTERM)
     check_refuses_new_work(server.url)
+    scraped = httpx.get(f"{server.url}/metrics")  # Prometheus keeps scraping to the end: the last figures count
+    assert scraped.status_code == 200, scraped.text
+    assert metric_value(scraped.text, "rnnserve_decode_state_allocated_bytes", model=MODEL) > 0
     for thread in threads:
         thread.join(timeout=120)
     assert server.exit_code() == 0, server.log.read_text()

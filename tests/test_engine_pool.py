@@ -9,6 +9,7 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -112,6 +113,11 @@ def test_over_http_two_workers_answer_and_are_reported(tmp_path):
     with running_server(Settings(weights=tmp_path, compile_decode=False, workers=2)) as (url, _):
         [card] = httpx.get(f"{url}/v1/models").json()["data"]
         assert card["workers"] == 2 and card["threads"] == max(1, usable_cpus().cpus // 2)
+        processes = card["engine_processes"]
+        assert [p["worker"] for p in processes] == [0, 1] and len({p["pid"] for p in processes}) == 2
+        for process in processes:  # `ps` tells them apart: the model and the worker in the command line
+            command = Path(f"/proc/{process['pid']}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+            assert command == f"rnnserve engine: model digits, worker {process['worker']}", command
         answers = asyncio.run(post_all(f"{url}/v1/images/completions", [image_body(seed) for seed in range(4)]))
         assert [answer.status_code for answer in answers] == [200] * 4
         metrics = httpx.get(f"{url}/metrics").text

@@ -114,3 +114,60 @@ def wait_until_healthy(url: str, seconds: float) -> bool:
             return True
         time.sleep(0.2)
     return False
+
+
+def children_of(parent: int) -> set[int]:
+    children = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                children.add(int(entry.name))
+        except (OSError, ValueError, IndexError):  # exited meanwhile
+            pass
+    return children
+
+
+def kill_the_next_child(parent: int, known: set[int], seconds: float) -> int | None:
+    """SIGKILL the first child of `parent` not in `known` (a restarted engine process, while it imports torch)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        new = children_of(parent) - known
+        if new:
+            child = min(new)
+            os.kill(child, signal.SIGKILL)
+            return child
+        time.sleep(0.005)
+    return None
+
+
+def test_a_restart_killed_while_starting_logs_the_signal_and_the_next_try_serves(folder):
+    with serving_process(folder, "--max-batch", "2", "--threads", "1") as url:
+        [pid] = engine_pids(MODEL)
+        server = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        known = children_of(server)
+        os.kill(pid, signal.SIGKILL)
+        assert kill_the_next_child(server, known, 30) is not None, "no engine process was started again"
+        assert wait_until_healthy(url, 120), (folder / "server.log").read_text()
+        log = (folder / "server.log").read_text()
+        failed = [line for line in log.splitlines() if "restarting the engine failed" in line]
+        assert failed and "killed by SIGKILL" in failed[0] and "log above" not in failed[0], log
+        answer = httpx.post(f"{url}/v1/completions", json=completion(url, 4), timeout=60)
+        assert answer.status_code == 200
+
+
+def test_not_ready_during_the_restart_back_off_says_when_to_retry(folder):
+    with serving_process(folder, "--max-batch", "2", "--threads", "1") as url:
+        [pid] = engine_pids(MODEL)
+        server = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        known = children_of(server)
+        os.kill(pid, signal.SIGKILL)
+        for _ in range(4):  # each start that fails doubles the back-off: 0.5 s, then 1, 2, 4, 8 s
+            child = kill_the_next_child(server, known, 60)
+            assert child is not None, "no engine process was started again"
+            known.add(child)
+        refused = httpx.post(f"{url}/v1/completions", json=completion(url, 4), timeout=60)
+        health = httpx.get(f"{url}/health", timeout=10)
+        for answer in (refused, health):
+            assert answer.status_code == 503 and answer.json()["error"]["code"] == "not_ready", answer.text
+            assert 1 <= int(answer.headers["retry-after"]) <= 30, answer.headers
+        assert wait_until_healthy(url, 120), (folder / "server.log").read_text()

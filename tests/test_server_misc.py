@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import re
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -15,6 +17,8 @@ from server.engine.registry import check_model_files
 from server.serve import add_arguments, settings_from_args
 from server.settings import SettingsError, build_settings
 from server_support import make_settings, metric_value, running_server, save_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
 
 METRIC_NAMES = (
     "rnnserve_generated_tokens_total",
@@ -335,6 +339,35 @@ def test_api_key_required_except_health_and_metrics(guarded):
     assert guarded.post("/v1/completions", headers=KEY, json={"prompt": "a", "max_tokens": 2}).status_code == 200
     assert guarded.get("/health").status_code == 200
     assert guarded.get("/metrics").status_code == 200
+
+
+def test_the_openapi_document_declares_the_bearer_key_on_exactly_the_routes_that_need_it(guarded):
+    from server.api.middleware import is_open
+
+    document = guarded.get("/openapi.json").json()
+    assert document["components"]["securitySchemes"]["apiKey"] | {"description": ""} == {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "",
+    }
+    for path, operations in document["paths"].items():
+        for method, operation in operations.items():
+            expected = None if is_open(path) else [{"apiKey": []}]
+            assert operation.get("security") == expected, f"{method.upper()} {path}"
+
+
+def test_the_api_key_s_help_and_docs_name_exactly_the_open_routes():
+    from server.api.middleware import OPEN_PATHS, OPEN_PREFIXES
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    [action] = [a for a in parser._actions if "--api-key" in a.option_strings]
+    [row] = [
+        line for line in (REPO / "docs" / "operations.md").read_text().splitlines() if line.startswith("| `--api-key")
+    ]
+    for text in (action.help, row):
+        named = set(re.findall(r"(/[\w./{}-]*)", text))
+        assert named == set(OPEN_PATHS) | set(OPEN_PREFIXES), text
 
 
 def test_body_over_the_limit_is_413(guarded):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from typing import Any
 
@@ -112,7 +113,31 @@ def not_utf8(body: bytes) -> str | None:
             f"the body is not UTF-8: byte 0x{body[exc.start]:02x} at offset {exc.start} ({exc.reason}); "
             "JSON bodies must be UTF-8 encoded"
         )
+    if b"\x00" in body:  # UTF-8, but JSON in UTF-8 never holds a raw NUL: ASCII text in UTF-16 or UTF-32
+        return (
+            f"the body holds a NUL byte at offset {body.index(0)}: it looks UTF-16 or UTF-32 encoded; "
+            "JSON bodies must be UTF-8 encoded"
+        )
     return None
+
+
+async def utf8_body(request: Request) -> None:
+    """A route dependency: refuse a JSON body that is not UTF-8, which Python's JSON parser reads anyway (it
+    detects UTF-16 and UTF-32), as JSON on the wire is UTF-8 (RFC 8259) and OpenAI's API reads nothing else."""
+    problem = not_utf8(await request.body())
+    if problem:
+        raise APIError(400, problem, None, "invalid_json")
+
+
+def media_type(content_type: str | None) -> str:
+    """A Content-Type header's type and subtype, lower case, without parameters ("" for none)."""
+    return (content_type or "").split(";")[0].strip().lower()
+
+
+def is_json(content_type: str | None) -> bool:
+    """application/json, or a type with JSON's suffix (RFC 6839): what FastAPI parses as JSON."""
+    kind = media_type(content_type)
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
 
 
 def too_deep(limit: int | None) -> str:
@@ -145,7 +170,7 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
 def _describe(err: dict[str, Any]) -> tuple[str | None, str]:
     """One pydantic error -> (top-level field, "where: what is wrong (got ...)")."""
     if err.get("type") == "json_invalid":
-        return None, _json_invalid(err)
+        return _json_invalid(err)
     cause = (err.get("ctx") or {}).get("error")
     loc = _field_path(err)
     if not loc and err.get("type") in WHOLE_BODY_TYPES:
@@ -171,16 +196,31 @@ def _field_path(err: dict[str, Any]) -> list:
     return [p for p in err.get("loc", ()) if p not in ("body", "query", "path")]
 
 
-def _json_invalid(err: dict[str, Any]) -> str:
-    """A body the JSON parser refused: FastAPI's (`loc` has the character) or pydantic's (`input` is the body)."""
+def _json_invalid(err: dict[str, Any]) -> tuple[str | None, str]:
+    """A body the JSON parser refused: FastAPI's (`loc` has the character) or pydantic's (`input` is the body);
+    (the field at fault if known, why)."""
     body = err.get("input")
     reason = (err.get("ctx") or {}).get("error", "invalid JSON")
     if isinstance(body, bytes) and (problem := not_utf8(body)):
-        return problem
+        return None, problem
     if reason.startswith("recursion limit exceeded"):
-        return too_deep(JITER_DEPTH)
+        return None, too_deep(JITER_DEPTH)
+    if reason.startswith("number out of range") and isinstance(body, (bytes, str)):  # pydantic's parser
+        return integer_too_large(body)
     where = next((p for p in err.get("loc", ()) if isinstance(p, int)), None)
-    return f"the body is not valid JSON: {reason}" + (f" at character {where}" if where is not None else "")
+    return None, f"the body is not valid JSON: {reason}" + (f" at character {where}" if where is not None else "")
+
+
+def integer_too_large(body: bytes | str) -> tuple[str | None, str]:
+    """A number longer than the JSON parsers read (Python's cap on an integer's digits; pydantic's parser has the
+    same): (the field it was sent in, when found, a message naming it)."""
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    cap = sys.get_int_max_str_digits()
+    number = re.search(rf"\d{{{cap + 1},}}", text)
+    keys = re.findall(r'"((?:[^"\\]|\\.){1,100})"\s*:', text[: number.start()]) if number else []
+    digits = f"{len(number.group())} digits" if number else f"more than {cap} digits"
+    message = f"integer too large ({digits}, the most read is {cap}); no field takes a number that long"
+    return (keys[-1], f"{keys[-1]}: {message}") if keys else (None, f"the body holds an {message}")
 
 
 def _json_kind(value: Any) -> str:
@@ -235,9 +275,8 @@ def _is_empty_body(errors: list[dict[str, Any]], parsed: Any) -> bool:
 
 def _not_json(request: Request, exc: RequestValidationError) -> bool:
     """A JSON endpoint's body came without a JSON content type (so it was not parsed)."""
-    content_type = request.headers.get("content-type", "")
     whole_body = any(tuple(e.get("loc", ())) == ("body",) for e in exc.errors())
-    return whole_body and "json" not in content_type
+    return whole_body and not is_json(request.headers.get("content-type"))
 
 
 def label_named_model(request: Request, body: Any) -> None:
@@ -251,9 +290,10 @@ HTTP_ERROR_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_a
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    unparsed = _unparsed_body(exc.__cause__) if exc.status_code == 400 else None
+    unparsed = await _unparsed_body(exc.__cause__, request) if exc.status_code == 400 else None
     if unparsed is not None:
-        return error_response(400, unparsed, None, "invalid_json")
+        param, message = unparsed
+        return error_response(400, message, param, "invalid_json")
     if exc.status_code == 404:
         message = f"no route {request.method} {request.url.path}; see GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /v1/images/completions"
     elif exc.status_code == 405:
@@ -264,17 +304,16 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return error_response(exc.status_code, message, None, code, getattr(exc, "headers", None))
 
 
-def _unparsed_body(cause: BaseException | None) -> str | None:
-    """Why FastAPI could not read a JSON body, where its "There was an error parsing the body" does not say."""
+async def _unparsed_body(cause: BaseException | None, request: Request) -> tuple[str | None, str] | None:
+    """Why FastAPI could not read a JSON body, where its "There was an error parsing the body" does not say:
+    (the field at fault if known, why)."""
     if isinstance(cause, UnicodeDecodeError) and isinstance(cause.object, bytes):
-        return not_utf8(cause.object)  # None for UTF-8 read as UTF-16 (a body starting with a NUL byte)
+        problem = not_utf8(cause.object)
+        return (None, problem) if problem else None
     if isinstance(cause, RecursionError):  # Python's json parser: as deep as the recursion limit, which others move
-        return too_deep(None)
+        return None, too_deep(None)
     if isinstance(cause, ValueError) and "digits" in str(cause):  # Python's cap on an integer's length
-        return (
-            f"the body is not valid JSON for this server: an integer has more than {sys.get_int_max_str_digits()} "
-            "digits; no field takes a number that long"
-        )
+        return integer_too_large(await request.body())  # read already: FastAPI failed to parse it
     return None
 
 

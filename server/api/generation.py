@@ -29,7 +29,8 @@ class ClientGone(Exception):
 def engine_refusals(engine: EngineHandle) -> Iterator[None]:
     """Turn an engine's refusals into 503 (not ready) / 429 (queue full) / 400 (bad request) answers."""
     if not engine.ready:  # a stopped engine would never answer
-        raise APIError(503, f"model '{engine.name}' is not ready; see GET /health", "model", "not_ready")
+        retry = {"Retry-After": str(engine.retry_after_seconds())}
+        raise APIError(503, f"model '{engine.name}' is not ready; see GET /health", "model", "not_ready", retry)
     try:
         yield
     except QueueFull as exc:

@@ -16,10 +16,19 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from server.api.middleware import is_open
+
 UNUSED_SCHEMAS = ("HTTPValidationError", "ValidationError")
+BEARER_SCHEME = {
+    "type": "http",
+    "scheme": "bearer",
+    "description": "the server's --api-key, sent as 'Authorization: Bearer KEY'",
+}
 
 
-def install(app: FastAPI, max_batch: int) -> None:
+def install(app: FastAPI, max_batch: int, api_key_required: bool = False) -> None:
+    """`api_key_required`: --api-key is set, so the document declares the key on the routes that need it."""
+
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
@@ -30,6 +39,8 @@ def install(app: FastAPI, max_batch: int) -> None:
             if text_lengths:
                 limits["max_tokens"] = limits["max_completion_tokens"] = max(text_lengths)
             _cap(schema, limits)
+            if api_key_required:
+                _require_key(schema)
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -43,6 +54,15 @@ def _drop_422(schema: dict[str, Any]) -> None:
     schemas = schema.get("components", {}).get("schemas", {})
     for name in UNUSED_SCHEMAS:
         schemas.pop(name, None)
+
+
+def _require_key(schema: dict[str, Any]) -> None:
+    """Declare the bearer key, and require it on every operation the API key middleware guards."""
+    schema.setdefault("components", {}).setdefault("securitySchemes", {})["apiKey"] = BEARER_SCHEME
+    for path, operations in schema.get("paths", {}).items():
+        if not is_open(path):
+            for operation in operations.values():
+                operation["security"] = [{"apiKey": []}]
 
 
 def _cap(node: Any, limits: dict[str, int]) -> None:

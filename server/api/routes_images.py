@@ -26,7 +26,7 @@ from server.api import imaging
 from server.api.deps import ServerState, get_server
 from server.engine.base import EngineHandle
 from server.engine.streams import GenerationStream
-from server.api.errors import APIError, invalid_request, raise_validation
+from server.api.errors import APIError, invalid_request, is_json, media_type, raise_validation
 from server.api.imaging import PIXELS, SIDE, ImageError, OccludedImage
 from server.api.image_api import IMAGE_REQUEST_BODY, IMAGE_RESPONSES, ImageCompletionRequest, ImageOptions
 from server.api.image_particles import ParticlePlan, entry_report, plan_particles, usage_report
@@ -215,12 +215,12 @@ async def named_model(request: Request) -> object:
     """The `model` field as sent, read before the other fields are checked (None if the body cannot be read:
     read_input then says why). Starlette keeps the body and the parsed form, so nothing is read twice; the body is
     read first so that a form that fails to parse here fails the same way there, not with "stream consumed"."""
-    content_type = request.headers.get("content-type", "")
+    content_type = request.headers.get("content-type")
     try:
         await request.body()
-        if content_type.startswith("multipart/form-data"):
+        if media_type(content_type) == "multipart/form-data":
             return (await request.form()).get("model")
-        if content_type.startswith("application/json"):
+        if is_json(content_type):
             body = json.loads(await request.body())
             return body.get("model") if isinstance(body, dict) else None
     except Exception:  # a malformed body of any kind: read_input reports it with its own message
@@ -230,9 +230,9 @@ async def named_model(request: Request) -> object:
 
 async def read_input(request: Request) -> ImageInput:
     content_type = request.headers.get("content-type", "")
-    if content_type.startswith("multipart/form-data"):
+    if media_type(content_type) == "multipart/form-data":
         return await _from_form(request)
-    if content_type.startswith("application/json"):
+    if is_json(content_type):
         return await _from_json(request)
     sent = f"content type '{content_type}' is not supported" if content_type else "the body has no content type"
     raise APIError(

@@ -10,11 +10,18 @@ from pydantic import BaseModel, Field
 
 from server.api.deps import ServerState, get_server
 from server.engine.base import EngineHandle
+from server.engine.client import EngineClient
+from server.engine.pool import EnginePool
 from server.api.errors import APIError, error_response
 from server.engine.registry import eval_metrics
 from server.api.responses import errors
 
 router = APIRouter()
+
+
+class EngineProcess(BaseModel):
+    worker: int = Field(description="the worker's index, 0 to workers - 1")
+    pid: int | None = Field(description="its process ID (a restarted worker gets a new one)")
 
 
 class ModelCard(BaseModel):
@@ -77,6 +84,9 @@ class ModelCard(BaseModel):
     metrics: dict[str, Any] = Field(description="evaluation results stored in the weights file")
     config: dict[str, Any]
     ready: bool
+    engine_processes: list[EngineProcess] = Field(
+        description="the model's engine processes (one per worker; none with --no-engine-process)"
+    )
 
 
 class ModelList(BaseModel):
@@ -134,7 +144,15 @@ def describe(engine: EngineHandle, created: int, chat_template: bool = False) ->
             "pos_encoding": cfg.pos_encoding,
         },
         "ready": engine.ready,
+        "engine_processes": engine_processes(engine),
     }
+
+
+def engine_processes(engine: EngineHandle) -> list[dict[str, int | None]]:
+    """Each engine process of the model, by worker index, with its PID (to find it in `ps`, or kill it); none for
+    an engine on a thread of this process."""
+    workers = engine.clients if isinstance(engine, EnginePool) else [engine]
+    return [{"worker": w.worker, "pid": w.pid} for w in workers if isinstance(w, EngineClient)]
 
 
 @router.get("/v1/models", response_model=ModelList, responses=errors(401))
@@ -164,7 +182,10 @@ def card(server: ServerState, name: str) -> dict[str, Any]:
 async def health(server: ServerState = Depends(get_server)) -> Response:
     not_ready = server.engines.not_ready()
     if not_ready:
-        return error_response(503, f"models not ready: {', '.join(not_ready)}", None, "not_ready")
+        retry = min(e.retry_after_seconds() for e in server.engines if e.name in not_ready)
+        return error_response(
+            503, f"models not ready: {', '.join(not_ready)}", None, "not_ready", {"Retry-After": str(retry)}
+        )
     return JSONResponse({"status": "ok", "models": {e.name: "ready" for e in server.engines}})
 
 

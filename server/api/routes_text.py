@@ -30,14 +30,14 @@ from server.api.generation import (
     sse_stream,
     submit,
 )
-from server.api.errors import invalid_request
+from server.api.errors import invalid_request, utf8_body
 from server.api.responses import errors
 from server.api.text_api import CompletionRequest, CompletionResponse, TextCompletion
 from server.api.tokenize_api import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from server.engine.types import GenerationRequest, PromptScores
 from server.engine.validation import check_logit_bias
 
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(utf8_body)])
 
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=COMPLETION_RESPONSES)

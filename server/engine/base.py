@@ -46,6 +46,10 @@ class EngineFacts:
     def attention(self) -> str:
         return self.model.config.attention
 
+    def retry_after_seconds(self) -> int:
+        """When a client refused because the engine is not ready should try again: at least a second."""
+        return 1
+
     def check_prompt(self, tokens: list[int], samples: int) -> None:
         """Raise InvalidRequest unless `tokens` are valid and fit this model's context, and `samples` of them
         would fit --max-batch (a request that generates nothing is held to the limits of one that does)."""
@@ -96,6 +100,8 @@ class EngineHandle(Protocol):
     def cpu_route(self) -> str | None: ...
 
     def check_prompt(self, tokens: list[int], samples: int) -> None: ...
+
+    def retry_after_seconds(self) -> int: ...
 
     def start(self) -> None: ...
 

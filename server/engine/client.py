@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import signal
 import threading
 import time
@@ -40,6 +41,7 @@ from server.engine.streams import (
 )
 from server.engine.types import GenerationError, GenerationRequest, PromptScores
 from server.engine.validation import check_generation, check_scoring
+from server.engine.watchdog import Heartbeat
 
 if TYPE_CHECKING:
     from model.compiled_decode import CompileGate
@@ -98,17 +100,17 @@ class EngineClient(EngineFacts):
         self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = {}  # answers awaited
         self._keys = itertools.count()
         self._compiled = threading.Event()
-        self._alive = False
-        self._stopping = False
+        self._alive = self._stopping = False
         self._stopped = threading.Event()
         self._lifecycle = threading.Lock()  # starting (or restarting) against stopping
-        self._started_at = 0.0
-        self._backoff = Backoff()
-        self.restarts = 0
+        self._started_at = self._next_try_at = 0.0  # time.monotonic(): the last start, the next restart attempt
+        self._backoff, self.restarts = Backoff(), 0
+        self.heartbeat = Heartbeat()  # the engine process's loop stamps it (server/engine/watchdog.py)
+        self._hung_for: float | None = None  # the watchdog found it silent this long with work: being killed
 
     @property
     def ready(self) -> bool:
-        return self._alive and not self._stopping
+        return self._alive and not self._stopping and self._hung_for is None
 
     @property
     def stopping(self) -> bool:
@@ -148,7 +150,11 @@ class EngineClient(EngineFacts):
             logging.getLogger("rnnserve").getEffectiveLevel(),
             self._compile_gate,
             self.vocabulary,
+            self.heartbeat,
+            self.worker,
         )
+        self._hung_for = None
+        self.heartbeat.beat()  # the new process's silence counts from its start
         process = context.Process(target=serve_engine, args=(theirs, spec), name=f"engine-{self.name}-{self.worker}")
         self._process = process
         process.start()
@@ -187,7 +193,7 @@ class EngineClient(EngineFacts):
             if self._conn.poll(START_SECONDS):
                 return self._conn.recv()
         except (EOFError, OSError):
-            return msg.StartFailed(f"it exited with code {self._end_process()} (its log above says why)")
+            return msg.StartFailed(describe_early_exit(self._end_process()))
         return msg.StartFailed(f"it did not start within {START_SECONDS:.0f} s")
 
     def stop(self) -> None:
@@ -218,7 +224,7 @@ class EngineClient(EngineFacts):
         """(A thread of its own.) Start a new engine process after a back-off that doubles while the
         engine keeps dying young, so a model that cannot run does not spin the CPU."""
         delay = self._backoff.next_delay(time.monotonic() - self._started_at)
-        while not self._stopped.wait(delay):
+        while not self._stopped.wait(self._wait_until_next_try(delay)):
             with self._lifecycle:
                 if self._stopping:
                     return
@@ -230,6 +236,40 @@ class EngineClient(EngineFacts):
                     continue
             log.info("model %s: engine restarted (restart %d); serving again", self.name, self.restarts)
             return
+
+    def _wait_until_next_try(self, delay: float) -> float:
+        self._next_try_at = time.monotonic() + delay
+        return delay
+
+    def retry_after_seconds(self) -> int:
+        """Until the next restart attempt (at least a second: a start takes seconds)."""
+        return max(1, math.ceil(self._next_try_at - time.monotonic()))
+
+    # -- the watchdog's calls (server/engine/watchdog.py; its thread) ----------------------------------------
+    def has_work(self) -> bool:
+        with self._lock:
+            return self._alive and not self._stopping and bool(self._streams or self._pending)
+
+    def hung(self, silent_seconds: float) -> None:
+        """Kill the silent engine process: the reader sees it die, fails its requests with 503
+        engine_restarting and restarts it, as for any engine process that dies."""
+        with self._lock:
+            if not self._alive or self._hung_for is not None:
+                return
+            self._hung_for = silent_seconds
+            in_flight = len(self._streams) + len(self._pending)
+        process = self._process
+        assert process is not None
+        log.error(
+            "model %s: its engine process %d (worker %d) has made no progress for %.1f s with %d request(s) in "
+            "flight; killing it (SIGKILL) to restart it",
+            self.name,
+            process.pid,
+            self.worker,
+            silent_seconds,
+            in_flight,
+        )
+        process.kill()
 
     # -- requests (event loop) --------------------------------------------------
     async def enqueue(self, request: GenerationRequest, each_event: bool = True) -> GenerationStream:
@@ -307,18 +347,21 @@ class EngineClient(EngineFacts):
         if self._stopping:
             self._fail_everything(f"model {self.name!r}: the server is shutting down", SHUTTING_DOWN)
             return
+        why = describe_exit(code)
+        if self._hung_for is not None:
+            why += f" by the watchdog: no progress for {self._hung_for:.1f} s"
         log.error(
             "model %s: its engine process %d died (%s) with %d request(s) in flight; they fail with 503 "
             "engine_restarting and the engine restarts",
             self.name,
             process.pid,
-            describe_exit(code),
+            why,
             len(self._streams) + len(self._pending),
         )
         self.metrics.engine_gone()  # before the clients hear of it: they find the gauges at zero
         self.state_bytes_allocated = 0
         self._fail_everything(
-            f"model {self.name!r}: its engine process died ({describe_exit(code)}); it is restarting, retry shortly",
+            f"model {self.name!r}: its engine process died ({why}); it is restarting, retry shortly",
             ENGINE_RESTARTING,
         )
         threading.Thread(target=self._restart, name=f"engine-{self.name}-restart", daemon=True).start()
@@ -388,6 +431,15 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+def describe_early_exit(code: int | None) -> str:
+    """Why an engine process ended before it started: a signal, which it could not log about (SIGKILL from an
+    operator or the kernel's OOM killer), or an exit code, which follows its own log lines."""
+    if code is not None and code < 0:
+        hint = " (an operator, or the kernel's OOM killer: see `dmesg`)" if code == -signal.SIGKILL else ""
+        return f"it was {describe_exit(code)}{hint} before it had started"
+    return f"it exited with code {code} before it had started (its log above says why)"
 
 
 class Backoff:

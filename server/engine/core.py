@@ -53,18 +53,23 @@ from server.engine.step import AppliedStep, RunnerOutput, SchedulerOutput, StepU
 from server.engine.step_events import step_results
 from server.engine.streams import (
     ENGINE_ERROR,
+    ENGINE_RESTARTING,
     SHUTTING_DOWN,
     EngineFailure,
+    Event,
     EventSink,
+    EventTarget,
     GenerationStream,
     LoopSink,
     ScoreJob,
     ScoreReply,
     finish,
+    hand_over,
     reply_in_loop,
 )
-from server.engine.types import GenerationRequest, PromptScores
+from server.engine.types import GenerationError, GenerationRequest, PromptScores
 from server.engine.validation import check_generation, check_scoring
+from server.engine.watchdog import Heartbeat
 
 if TYPE_CHECKING:
     from model.compiled_decode import CompileGate
@@ -112,11 +117,13 @@ class Engine(EngineFacts):
         self._scores: list[ScoreJob] = []  # scoring waits for the worker, bounded like the queue
         self._forward_seconds = 0.0  # a pass's closing forward runs after its record: timed with the next pass
         self._costs = PassCosts()
+        self.heartbeat = Heartbeat()  # stamped by the worker's loop; an engine process's is its client's
+        self._hung = False  # the watchdog found it silent with work (server/engine/watchdog.py); until its next beat
 
     # -- public API (event-loop side) ---------------------------------------
     @property
     def ready(self) -> bool:
-        return self._ready.is_set() and not self._stopping
+        return self._ready.is_set() and not self._stopping and not self._hung
 
     @property
     def cuda_graphs(self) -> bool:
@@ -224,8 +231,11 @@ class Engine(EngineFacts):
             self.output.gauges(Gauges(0, 0, idle=True, state_allocated=self.state_bytes_allocated))
             self._ready.set()
             while not self._stopping:
+                self.heartbeat.beat()
+                self._hung = False
                 try:
-                    self.runner.adopt_compiled()  # a background compile's graphs, between two steps
+                    with self.heartbeat.paused():  # tracing a compile's graphs may take minutes: not a hang
+                        self.runner.adopt_compiled()  # a background compile's graphs, between two steps
                     self._score_waiting()
                     self._admit()
                     if self.scheduler.rows:
@@ -315,10 +325,40 @@ class Engine(EngineFacts):
 
     def _ends_run_early(self, steps_left: int) -> bool:
         """Whether waiting requests should join now rather than at the run's end."""
+        self.heartbeat.beat()  # once a step of a multi-step run
         if not self.scheduler.waiting:  # the usual step; read without the lock: a stale answer moves a join by a step
             return False
         with self._lock:  # submissions append to the queue (and drop cancelled requests from it) meanwhile
             return ends_run_early(self.scheduler, steps_left, self._costs)
+
+    # -- the watchdog's calls (server/engine/watchdog.py; its thread) ----------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.scheduler.rows or self.scheduler.waiting or self._scores)
+
+    def hung(self, silent_seconds: float) -> None:
+        """A thread cannot be killed: say the engine is not ready and end its requests (they are cancelled, so
+        should the step ever return, the engine drops them); it serves again once its loop beats again."""
+        if self._hung:
+            return
+        self._hung = True
+        owners = [seq.owner for seq in list(self.scheduler.rows)] + list(self.scheduler.waiting)
+        streams = [cast(GenerationStream, owner) for owner in dict.fromkeys(owners)]  # an engine's submissions
+        log.error(
+            "model %s: its engine thread has made no progress for %.1f s with %d request(s) in flight; they fail "
+            "with 503 engine_restarting and the model is not ready until the engine moves again",
+            self.name,
+            silent_seconds,
+            len(streams),
+        )
+        message = f"model {self.name!r}: its engine stopped making progress; retry shortly"
+        for stream in streams:
+            stream.cancel()
+        failed: list[tuple[EventTarget, list[Event]]] = [
+            (s, [GenerationError(s.request.request_id, message, ENGINE_RESTARTING)]) for s in streams
+        ]
+        hand_over(failed)
+        for job in list(self._scores):  # should the engine reach them later, their settled futures ignore it
+            job.resolve(error=EngineFailure(message, ENGINE_RESTARTING))
 
     def _fail_running(self, message: str, code: str = ENGINE_ERROR) -> None:
         finish(streams(self.scheduler.clear_rows()), message, code)

@@ -100,6 +100,10 @@ class EnginePool(EngineFacts):
     def restarts(self) -> int:
         return sum(w.restarts for w in self.clients)
 
+    def retry_after_seconds(self) -> int:
+        """Until the first worker's next restart attempt."""
+        return min(w.retry_after_seconds() for w in self.clients)
+
     def start(self) -> None:
         """Start the workers at once (each takes seconds to spawn and import torch; they compile in turn,
         through the compile gate); if one cannot start, stop them all and raise its error."""

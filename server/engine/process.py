@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+import setproctitle
 import torch
 
 from model.transformer import Transformer
@@ -42,6 +43,7 @@ from server.engine.streams import (
 )
 from server.engine.types import GenerationRequest, PromptScores, StepStats
 from server.engine.validation import InvalidRequest
+from server.engine.watchdog import Heartbeat
 
 if TYPE_CHECKING:
     from model.compiled_decode import CompileGate
@@ -64,6 +66,8 @@ class EngineSpec:
     log_level: int
     compile_gate: CompileGate | None = None  # server/engine/compile_gate.py: the engines compile in turn
     vocabulary: Vocabulary | None = None  # a text model's tokens; None: bytes
+    heartbeat: Heartbeat | None = None  # shared with the API process's watchdog (server/engine/watchdog.py)
+    worker: int = 0  # which of the model's engine processes (server/engine/pool.py)
 
 
 # -- errors across the pipe ---------------------------------------------------
@@ -196,7 +200,7 @@ class EngineServer:
 def serve_engine(conn: Connection, spec: EngineSpec) -> None:
     """The engine process's main: build and run `spec`'s engine until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the API process stops us
-    name_this_process(f"{PROCESS_NAME_PREFIX}{spec.name}")
+    name_this_process(spec.name, spec.worker)
     logging.basicConfig(level=spec.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
@@ -205,6 +209,8 @@ def serve_engine(conn: Connection, spec: EngineSpec) -> None:
     engine = Engine(
         spec.name, spec.model, spec.info, spec.limits, sink, spec.compile_gate, spec.threads, spec.vocabulary
     )
+    if spec.heartbeat is not None:
+        engine.heartbeat = spec.heartbeat
     try:
         engine.start()
     except EngineFailure as exc:
@@ -220,12 +226,14 @@ def serve_engine(conn: Connection, spec: EngineSpec) -> None:
     exit_if_compiling()
 
 
-def name_this_process(name: str) -> None:
-    """Set the name `ps`, `top` and /proc/PID/comm show (Linux keeps 15 bytes), so an operator can tell which
-    model an engine process serves; elsewhere nothing happens."""
+def name_this_process(model: str, worker: int) -> None:
+    """Name the process so an operator can tell which model and worker it serves: its title (what `ps -f`,
+    `ps aux` and `top -c` show, /proc/PID/cmdline) names both; its short name (`ps`, `top`, /proc/PID/comm,
+    Linux keeps 15 bytes) is the prefix and the model's name. Elsewhere than Linux, only the title."""
+    setproctitle.setproctitle(f"rnnserve engine: model {model}, worker {worker}")
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+        libc.prctl(PR_SET_NAME, f"{PROCESS_NAME_PREFIX}{model}".encode()[:15], 0, 0, 0)
     except (OSError, AttributeError):
         pass
 

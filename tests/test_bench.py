@@ -32,7 +32,7 @@ from model.cpu_kernels import packed_linear_wins
 from model import ModelConfig, build_model
 from model.registry import capabilities
 from model.weights_io import save_model
-from conftest import KINDS
+from conftest import CONSTANT_STATE_KINDS, KINDS
 from server_support import free_port, metric_value, save_tiny_model, stop_process, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -594,7 +594,7 @@ def test_flatness_alternates_two_states_of_each_constant_state_kind(quick_result
     result, _, stdout = quick_result
     positions = [p["position"] for p in result["positions"]["linear"]]
     near, far = min(positions, key=lambda p: abs(p - 100)), max(positions)  # quick sweep ends below 16,000
-    assert [f["kind"] for f in result["flatness"]] == ["linear", "linformer"]
+    assert [f["kind"] for f in result["flatness"]] == list(CONSTANT_STATE_KINDS)
     for f in result["flatness"]:
         assert (f["near"], f["far"]) == (near, far) and f["steps"] == FLAT_ROUNDS * FLAT_STEPS_PER_ROUND
         assert (

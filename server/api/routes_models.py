@@ -74,6 +74,10 @@ class ModelCard(BaseModel):
     decode_memory_budget: int | None = Field(
         description="this model's share of --kv-cache-memory (or --kv-cache-memory-fraction), in bytes; null: none"
     )
+    prefix_cache_memory: int = Field(
+        description="bytes of decode states each engine worker keeps by prefix (--prefix-cache-memory); 0: no "
+        "prefix cache (turned off, or a Reformer model, whose state is not cached)"
+    )
     metrics: dict[str, Any] = Field(description="evaluation results stored in the weights file")
     config: dict[str, Any]
     ready: bool
@@ -126,6 +130,7 @@ def describe(engine: EngineHandle, created: int, chat_template: bool = False) ->
         "decode_slots": engine.limits.max_batch,
         "decode_slot_bytes": engine.limits.slot_bytes,
         "decode_memory_budget": engine.limits.memory_budget,
+        "prefix_cache_memory": engine.limits.prefix_cache_memory,
         "metrics": eval_metrics(engine.info),
         "config": {
             "d_model": cfg.d_model,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -24,6 +25,7 @@ from server.engine.runner import ModelRunner
 from server.engine.types import GenerationRequest
 from server.metrics import Metrics
 from conftest import make_tiny_model
+from server_support import TEXT_MAX_LEN, metric_value, save_tiny_model, serving_process
 
 CACHED_KINDS = ["linear", "linformer", "softmax", "softmax+llama"]
 STEMS = ([5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 20], [30, 31], [40])  # share prefixes with each other
@@ -174,3 +176,37 @@ def test_a_weighed_prompt_takes_its_likelihood_from_the_cache_as_from_a_full_pre
 
     with torch.inference_mode():
         assert likelihoods(1 << 24) == pytest.approx(likelihoods(0), abs=1e-4)
+
+
+def test_a_server_answers_a_repeated_long_prefix_from_its_cache_as_a_server_without_one(tmp_path):
+    """Real `rnnserve serve` processes: the second request with the first's long prompt and more reports
+    cached_tokens, counts them in /metrics, and answers as a server with --prefix-cache-memory 0 does."""
+    save_tiny_model(tmp_path, "tiny", "linear", "text", seed=5)
+    prefix = "the same long system prompt, "
+    assert len(prefix) + 10 < TEXT_MAX_LEN
+    bodies = [
+        {"model": "tiny", "prompt": prefix, "max_tokens": 6, "temperature": 0, "logprobs": 1},
+        {"model": "tiny", "prompt": prefix + "and more", "max_tokens": 6, "temperature": 0, "logprobs": 1},
+    ]
+
+    def serve(*flags: str) -> tuple[list[dict], str, dict]:
+        with serving_process(tmp_path, *flags) as url:
+            answers = [httpx.post(f"{url}/v1/completions", json=body, timeout=60).json() for body in bodies]
+            models = httpx.get(f"{url}/v1/models", timeout=30).json()
+            return answers, httpx.get(f"{url}/metrics", timeout=30).text, models
+
+    cached, metrics, models = serve("--prefix-cache-memory", "1MiB")
+    plain, plain_metrics, plain_models = serve("--prefix-cache-memory", "0")
+    assert [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in cached] == [0, len(prefix)]
+    assert [a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in plain] == [0, 0]
+    for with_cache, without in zip(cached, plain):
+        assert with_cache["choices"][0]["text"] == without["choices"][0]["text"]
+        lp_cached = with_cache["choices"][0]["logprobs"]["token_logprobs"]
+        assert lp_cached == pytest.approx(without["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4)
+    assert metric_value(metrics, "rnnserve_prefix_cache_hit_tokens_total", model="tiny") == len(prefix) + 1  # + BOS
+    queried = 2 * (len(prefix) + 1) + len("and more")
+    assert metric_value(metrics, "rnnserve_prefix_cache_queried_tokens_total", model="tiny") == queried
+    assert metric_value(metrics, "rnnserve_prefix_cache_entries", model="tiny") == 2
+    assert metric_value(plain_metrics, "rnnserve_prefix_cache_hit_tokens_total", model="tiny") == 0
+    assert models["data"][0]["prefix_cache_memory"] == 1 << 20
+    assert plain_models["data"][0]["prefix_cache_memory"] == 0

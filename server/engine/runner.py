@@ -409,10 +409,34 @@ class ModelRunner:
         rows into the holes; the tokens to feed move with their rows and wait for `feed`."""
         tokens = output.last.clone() if update.copies or update.moves else output.last  # (n,) rows' next inputs
         self.copy_particles(update.copies, tokens)
+        self._remember_finished(update)
         samples = self.read_samples(update.reads)
         self.move_rows(update.moves, tokens)
         self._unfed = tokens[: update.live]
         return AppliedStep(samples, self.state_bytes(update.live))
+
+    def _remember_finished(self, update: StepUpdate) -> None:
+        """Keep the state of each finished text row (no particles) after all it read, its generated tokens
+        included, so a conversation's next turn, which repeats them, prefills only what is new. Before the rows
+        move: a finished row's state is still its own."""
+        if self.prefix_cache is None:
+            return
+        for i in update.outcome.finished:
+            request: GenerationRequest = update.rows[i].owner.request
+            if request.particles is None and request.prompt:
+                self._remember_sequence(request, i)
+
+    def _remember_sequence(self, request: GenerationRequest, row: int) -> None:
+        """Row `row`'s state, keyed by every token it has read: its lead, prompt and the generated tokens fed."""
+        assert self.prefix_cache is not None  # the caller checked
+        read = self._read_tokens(request)
+        fed = int(self.slots.state.lengths[row]) - len(read)  # generated tokens the state has read
+        if fed <= 0:
+            return  # nothing beyond the prompt, whose state is kept already
+        start = len(request.prompt)
+        tokens = [*read, *self.slots.generated[row, start : start + fed].tolist()]
+        if not self.prefix_cache.holds(tokens):
+            self.prefix_cache.insert(tokens, take_snapshot(self.slots.state, row, self.slots.logits[row]))
 
     def feed(self) -> float:
         """The last pass's closing forward: its live rows' tokens in, their next logits to the slots. Its seconds."""

@@ -222,7 +222,9 @@ def test_a_server_answers_a_repeated_long_prefix_from_its_cache_as_a_server_with
     assert metric_value(metrics, "rnnserve_prefix_cache_hit_tokens_total", model="tiny") == len(prefix) + 1  # + BOS
     queried = 2 * (len(prefix) + 1) + len("and more")
     assert metric_value(metrics, "rnnserve_prefix_cache_queried_tokens_total", model="tiny") == queried
-    assert metric_value(metrics, "rnnserve_prefix_cache_entries", model="tiny") == 2
+    # two prompts' states, and two finished sequences' (prompt and generated tokens)
+    assert metric_value(metrics, "rnnserve_prefix_cache_entries", model="tiny") == 4
+    assert 0 < metric_value(metrics, "rnnserve_prefix_cache_bytes", model="tiny") <= 1 << 20
     assert metric_value(plain_metrics, "rnnserve_prefix_cache_hit_tokens_total", model="tiny") == 0
     assert models["data"][0]["prefix_cache_memory"] == 1 << 20
     assert plain_models["data"][0]["prefix_cache_memory"] == 0

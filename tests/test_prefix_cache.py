@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from model.sampling import SamplingParams
 from server.engine.core import Engine, EngineLimits
 from server.engine.output import LocalOutput
-from server.engine.prefix_cache import PrefixCache, Snapshot
+from server.engine.prefix_cache import LOGIT_BYTES, PrefixCache, Snapshot, take_snapshot
 from server.engine.runner import ModelRunner
 from server.engine.types import GenerationRequest
 from server.metrics import Metrics
@@ -55,6 +55,19 @@ def test_an_evicted_branch_is_pruned_from_the_trie():
     cache.insert([1, 2, 3], snapshot(400))
     cache.insert([4], snapshot(400))
     assert cache.lookup([1, 2, 3]) is None and not cache._root.children.get(1)
+
+
+@pytest.mark.parametrize("kind", ["linear", "linformer", "softmax", "softmax+llama"])
+def test_a_cached_prefix_holds_the_state_of_its_length_and_the_logits(kind):
+    """The memory arithmetic docs/operations.md gives: a state at the prefix's length (constant for linear and
+    Linformer, growing for softmax), plus float32 logits."""
+    model = make_tiny_model(kind)
+    state = model.new_state(2)
+    with torch.inference_mode():
+        model(torch.arange(1, 12)[None].expand(2, -1), state)
+    taken = take_snapshot(state, 1, torch.zeros(model.config.vocab_out))
+    assert taken.length == 11
+    assert taken.nbytes == model.state_bytes_per_sequence(11) + LOGIT_BYTES * model.config.vocab_out
 
 
 def make_engine(kind: str, prefix_bytes: int, seed: int = 3) -> Engine:
@@ -227,4 +240,6 @@ def test_a_server_answers_a_repeated_long_prefix_from_its_cache_as_a_server_with
     assert 0 < metric_value(metrics, "rnnserve_prefix_cache_bytes", model="tiny") <= 1 << 20
     assert metric_value(plain_metrics, "rnnserve_prefix_cache_hit_tokens_total", model="tiny") == 0
     assert models["data"][0]["prefix_cache_memory"] == 1 << 20
+    assert models["data"][0]["prefix_cache_bytes_per_prefix"] > models["data"][0]["state_bytes_per_sequence"]
     assert plain_models["data"][0]["prefix_cache_memory"] == 0
+    assert plain_models["data"][0]["prefix_cache_bytes_per_prefix"] is None

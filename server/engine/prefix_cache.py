@@ -22,6 +22,9 @@ import torch
 from model.state import ModelState
 
 
+LOGIT_BYTES = 4  # a snapshot's next-token logits are float32
+
+
 @dataclass
 class Snapshot:
     """The state of one row after `length` tokens, and the next-token logits there."""

@@ -26,6 +26,14 @@ class KVCache(RowState):
         per_position = 2 * h * d * self.k.element_size()
         return int(lengths.sum()) * per_position
 
+    def snapshot_row(self, row: int, length: int) -> list[torch.Tensor]:
+        # Positions past `length` are masked out of every later step: only the written prefix is kept.
+        return [self.k[row, :, :length].clone(), self.v[row, :, :length].clone()]  # (KV, length, D) each
+
+    def restore_row(self, row: int, saved: list[torch.Tensor], length: int) -> None:
+        self.k[row, :, :length] = saved[0]
+        self.v[row, :, :length] = saved[1]
+
 
 class SoftmaxAttention(Attention):
     # The cache grows by position, so steps read a prefix of changing length: no CUDA graph (torch.compile

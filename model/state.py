@@ -47,6 +47,20 @@ class RowState:
         for t, o in zip(self.tensors(), other.tensors(), strict=True):
             t[dst] = o.to(t.dtype)
 
+    # Whether `snapshot_row` keeps everything the row's future depends on (a prefix cache may reuse it).
+    snapshots_exact = True
+
+    def snapshot_row(self, row: int, length: int) -> list[torch.Tensor]:
+        """A copy of what row `row` holds after `length` tokens: the whole row for a constant-size state."""
+        del length
+        return [t[row].clone() for t in self.tensors()]
+
+    def restore_row(self, row: int, saved: list[torch.Tensor], length: int) -> None:
+        """Write a `snapshot_row` copy back into row `row`."""
+        del length
+        for t, s in zip(self.tensors(), saved, strict=True):
+            t[row].copy_(s)
+
     def slice(self, start: int, stop: int) -> "RowState":
         """A view of rows [start, stop): in-place updates write through to self."""
         return dataclasses.replace(self, **{name: t[start:stop] for name, t in _tensor_fields(self)})

@@ -29,6 +29,7 @@ from server.api.deps import ServerState
 from server.drain import Drain, DrainMiddleware
 from server.engine.base import EngineHandle
 from server.engine.core import Engine, EngineLimits
+from server.engine.runner import caches_prefixes
 from server.engine.output import LocalOutput
 from server.engine.client import EngineClient
 from server.engine.pool import EnginePool, model_bytes, worker_layout
@@ -139,6 +140,7 @@ class Lifecycle:
             cuda_graphs=settings.cuda_graphs,
             compile_decode=settings.compile_decode,
             scheduler_steps=settings.scheduler_steps,
+            prefix_cache_memory=settings.prefix_cache_memory,
         )
         budget = usable_cpus()
         threads = budget.engine_threads(len(loaded), settings.threads)
@@ -272,7 +274,10 @@ def slot_limits(loaded: LoadedModel, limits: EngineLimits, plan: SlotPlan) -> En
             plan.rows * plan.workers * plan.slot_bytes / MIB,
             plan.budget / MIB,
         )
-    return dataclasses.replace(limits, max_batch=plan.rows, slot_bytes=plan.slot_bytes, memory_budget=plan.budget)
+    prefix = limits.prefix_cache_memory if caches_prefixes(loaded.model) else 0  # Reformer's: none
+    return dataclasses.replace(
+        limits, max_batch=plan.rows, slot_bytes=plan.slot_bytes, memory_budget=plan.budget, prefix_cache_memory=prefix
+    )
 
 
 def watched_engines(engines: list[EngineHandle]) -> list[Watched]:

@@ -207,6 +207,25 @@ class Metrics:
         self.engine_restarts = s.counter(
             "rnnserve_engine_restarts", "Engine processes started again after one died.", MODEL_LABELS
         )
+        self._declare_prefix_cache_series(s)
+
+    def _declare_prefix_cache_series(self, s) -> None:
+        self.prefix_queried = s.counter(
+            "rnnserve_prefix_cache_queried_tokens",
+            "Tokens (start token and prompt) looked up in the prefix cache of decode states.",
+            MODEL_LABELS,
+        )
+        self.prefix_hit = s.counter(
+            "rnnserve_prefix_cache_hit_tokens",
+            "Of the tokens looked up in the prefix cache, those whose state it held (not prefilled again).",
+            MODEL_LABELS,
+        )
+        self.prefix_bytes = s.gauge(
+            "rnnserve_prefix_cache_bytes", "Bytes of decode states the prefix cache holds.", MODEL_LABELS
+        )
+        self.prefix_entries = s.gauge(
+            "rnnserve_prefix_cache_entries", "Decode states (prefixes) the prefix cache holds.", MODEL_LABELS
+        )
 
     def _bound(self, metric, *labels: str):
         """metric.labels(*labels), memoised: the lookup costs more than an observe, and the
@@ -285,9 +304,13 @@ class Metrics:
     def register_model(self, model: str, attention: str, images: bool) -> None:
         """Create a model's series at zero so dashboards see them before traffic (image series for image models only)."""
         labels = (model, attention)
-        for metric in (self.generated_tokens, self.decode_steps, self.engine_restarts) + (
-            (self.completed_images, self.resamplings) if images else ()
-        ):
+        for metric in (
+            self.generated_tokens,
+            self.decode_steps,
+            self.engine_restarts,
+            self.prefix_queried,
+            self.prefix_hit,
+        ) + ((self.completed_images, self.resamplings) if images else ()):
             self._bound(metric, *labels).inc(0)
         gauges = (
             self.running,
@@ -296,6 +319,8 @@ class Metrics:
             self.tokens_per_second,
             self.state_in_use,
             self.state_allocated,
+            self.prefix_bytes,
+            self.prefix_entries,
         )
         for metric in gauges + ((self.images_per_second,) if images else ()):
             self._bound(metric, *labels).set(0)
@@ -343,6 +368,16 @@ class ModelMetrics:
             m.inter_tokens(*labels, gap, count)
         if stats.resamplings:
             m._bound(m.resamplings, *labels).inc(stats.resamplings)
+        if stats.prefix_bytes is not None:
+            self.prefix_cache(stats)
+
+    def prefix_cache(self, stats: StepStats) -> None:
+        """The prefix cache's tokens looked up and found since the last step, and what it holds."""
+        m, labels = self.metrics, self.labels
+        m._bound(m.prefix_queried, *labels).inc(stats.prefix_queried)
+        m._bound(m.prefix_hit, *labels).inc(stats.prefix_hit)
+        m._set(m.prefix_bytes, labels, stats.prefix_bytes or 0, self.worker)
+        m._set(m.prefix_entries, labels, stats.prefix_entries or 0, self.worker)
 
     def idle(self, waiting: int) -> None:
         """Nothing is running: the batch is empty and the rate windows slide on. The allocated state is set

@@ -42,6 +42,7 @@ SERVER_FLAGS = (
     "max_model_len",
     "kv_cache_memory",
     "kv_cache_memory_fraction",
+    "prefix_cache_memory",
     "scheduler_steps",
     "engine_process",
     "max_body_bytes",
@@ -208,6 +209,13 @@ def _add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="F",
         help="as --kv-cache-memory, a fraction of the machine's RAM (of the GPU's memory on CUDA) "
         "(env RNNSERVE_KV_CACHE_MEMORY_FRACTION)",
+    )
+    parser.add_argument(
+        "--prefix-cache-memory",
+        metavar="BYTES",
+        help="memory each engine keeps decode states in by prefix, e.g. 256MiB, so a prompt that starts as an "
+        "earlier one did prefills only its new tokens; 0 turns the prefix cache off "
+        "(env RNNSERVE_PREFIX_CACHE_MEMORY, default 256MiB)",
     )
 
 

@@ -68,6 +68,8 @@ class Settings(BaseSettings):
     # A budget for all models' decode slots (state and per-row buffers), from which each model's slots follow
     kv_cache_memory: Bytes | None = Field(None, ge=1)
     kv_cache_memory_fraction: float | None = Field(None, gt=0, le=1)  # of the RAM, or of the GPU's memory on CUDA
+    # Bytes of decode states each engine keeps by prefix (server/engine/prefix_cache.py); 0: no prefix cache
+    prefix_cache_memory: Bytes = Field(256 * MIB, ge=0)
     scheduler_steps: int = Field(8, ge=1, le=1024)  # decode steps per scheduling pass when no client watches each
     engine_process: bool = True  # run each model's engine in a process of its own, apart from request handling
     max_body_bytes: int = Field(4 * MIB, ge=1024)

@@ -30,6 +30,7 @@ class Req:
     submitted_at: float = 0.0
     first_token_at: float | None = None
     each_event: bool = False  # streamed
+    cached_tokens: int = 0  # prompt tokens the prefix cache gave
 
 
 def req(name: str, n: int = 1, prompt=(1, 2), max_new: int = 3, stop=()) -> Req:

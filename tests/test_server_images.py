@@ -188,6 +188,21 @@ def test_same_seed_same_completion_and_mask_lists(server):
     assert via_png["data"][0]["pixels"] == first["data"][0]["pixels"]
 
 
+@pytest.mark.parametrize("model", ["linear-mnist", "softmax-mnist"])
+def test_the_same_digit_asked_again_takes_its_known_pixels_from_the_prefix_cache(server, model):
+    """Its known pixels before the hole are not prefilled again (usage says how many), and with the same seed the
+    completion and the particles' likelihood are those of the first, fully prefilled request."""
+    grey, hole = digit(12), tail_hole()
+    body = dict(pixels=grey.tolist(), mask=hole.astype(int).tolist(), seed=3, model=model)
+    first, second = complete(server, **body), complete(server, **body)
+    known_before_hole = int(np.argmax(hole.reshape(-1)))
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == known_before_hole
+    assert second["data"][0]["pixels"] == first["data"][0]["pixels"]
+    likelihoods = [answer["usage"]["particles"]["known_log_likelihood"] for answer in (first, second)]
+    assert likelihoods[1] == pytest.approx(likelihoods[0], abs=1e-3)
+
+
 def test_multipart_upload_and_png_strip(server):
     grey, hole = digit(6), tail_hole()
     files = {"image": ("digit.png", rgba_with_hole(grey, hole), "image/png")}

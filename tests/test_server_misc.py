@@ -67,6 +67,7 @@ def test_settings_defaults(clean_env):
     assert (s.host, s.port, str(s.weights), s.device) == ("127.0.0.1", 8000, "weights", "auto")
     assert (s.max_batch, s.max_waiting, s.api_key, s.models) == (64, 256, None, [])
     assert s.cuda_graphs is True and s.compile_decode is True
+    assert s.prefix_cache_memory == 256 * 1024 * 1024  # the prefix cache is on, within 256 MiB per engine
 
 
 def test_flags_override_env_over_defaults(clean_env):
@@ -88,6 +89,10 @@ def test_flags_override_env_over_defaults(clean_env):
     clean_env.setenv("RNNSERVE_COMPILE_DECODE", "false")
     assert settings_from_args(parser.parse_args([])).compile_decode is False
     assert settings_from_args(parser.parse_args(["--compile-decode"])).compile_decode is True
+    clean_env.setenv("RNNSERVE_PREFIX_CACHE_MEMORY", "2MiB")
+    assert settings_from_args(parser.parse_args([])).prefix_cache_memory == 2 * 1024 * 1024
+    assert settings_from_args(parser.parse_args(["--prefix-cache-memory", "0"])).prefix_cache_memory == 0
+    assert settings_from_args(parser.parse_args(["--prefix-cache-memory", "1.5kB"])).prefix_cache_memory == 1500
 
 
 def test_bad_settings_name_the_flag(clean_env):

@@ -27,6 +27,10 @@ class LSHCache(RowState):
     members: torch.Tensor  # (B, H, R, n_buckets, L) positions in each bucket, in order
     counts: torch.Tensor  # (B, H, R, n_buckets) int64, occupancy of each bucket
 
+    # Its bucket lists are laid out per bucket over the whole context, not by position: a prefix is not a slice of
+    # them, so a prefix cache leaves this kind out rather than copy max_len-sized rows.
+    snapshots_exact = False
+
     def nbytes_in_use(self, lengths: torch.Tensor) -> int:
         _, h, _, d = self.k.shape
         rounds = self.buckets.shape[2]

@@ -16,6 +16,7 @@ from server.api.image_particles import DEFAULT_PARTICLES, MAX_PARTICLES
 from server.api.imaging import SIDE
 from server.api.responses import GENERATION_ERRORS, SSE
 from server.api.schemas import Int, OrDefault, SamplingOptions
+from server.api.text_api import PromptTokensDetails
 
 Grid = list[list[Int()]]
 
@@ -88,6 +89,7 @@ class ImageUsage(BaseModel):
     pixels_generated: int
     seconds: float
     pixels_per_second: float | None
+    prompt_tokens_details: PromptTokensDetails  # cached_tokens: known pixels the prefix cache held
     particles: ParticleUsage
 
 

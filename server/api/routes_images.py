@@ -106,10 +106,12 @@ class ImageJob:
     plan: ParticlePlan
     started: float = field(default_factory=time.monotonic)
     summaries: dict[int, ParticleSummary] = field(default_factory=dict)  # per sample, once finished
+    cached_tokens: int = 0  # known pixels whose decode state the prefix cache held (its samples share one prefill)
 
-    def finished(self, sample: int, summary: ParticleSummary | None) -> None:
+    def finished(self, sample: int, summary: ParticleSummary | None, cached_tokens: int = 0) -> None:
         if summary is not None:
             self.summaries[sample] = summary
+        self.cached_tokens = max(self.cached_tokens, cached_tokens)
 
     def usage(self) -> dict[str, Any]:
         seconds = time.monotonic() - self.started
@@ -118,6 +120,7 @@ class ImageJob:
             "pixels_generated": pixels,
             "seconds": round(seconds, 4),
             "pixels_per_second": round(pixels / seconds, 1) if seconds > 0 else None,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
             **usage_report(self.plan, [self.summaries[i] for i in sorted(self.summaries)]),
         }
 
@@ -159,7 +162,7 @@ async def complete_image(request: Request, server: ServerState = Depends(get_ser
         return Response(status_code=499)
     for result in results:
         job.canvases.fill(result)
-        job.finished(result.sample, result.particles)
+        job.finished(result.sample, result.particles, result.cached_tokens)
     job.record()
     return finished_image_response(job, answer, options.n)
 
@@ -327,7 +330,7 @@ async def row_events(job: ImageJob, stream: GenerationStream) -> AsyncIterator[s
         for payload in _fixed_rows(job, event):
             yield sse(payload)
         if event.finish_reason is not None:
-            job.finished(event.sample, event.particles)
+            job.finished(event.sample, event.particles, event.cached_tokens)
             entry = job.entry(event.sample)
             entry.pop("pixels")
             yield sse({"object": "image.completion", **entry})

@@ -12,6 +12,7 @@ from server.api.deps import ServerState, get_server
 from server.engine.base import EngineHandle
 from server.engine.client import EngineClient
 from server.engine.pool import EnginePool
+from server.engine.prefix_cache import LOGIT_BYTES
 from server.api.errors import APIError, error_response
 from server.engine.registry import eval_metrics
 from server.api.responses import errors
@@ -81,6 +82,14 @@ class ModelCard(BaseModel):
     decode_memory_budget: int | None = Field(
         description="this model's share of --kv-cache-memory (or --kv-cache-memory-fraction), in bytes; null: none"
     )
+    prefix_cache_memory: int = Field(
+        description="bytes of decode states each engine worker keeps by prefix (--prefix-cache-memory); 0: no "
+        "prefix cache (turned off, or a Reformer model, whose state is not cached)"
+    )
+    prefix_cache_bytes_per_prefix: int | None = Field(
+        description="what one cached prefix holds at max_len (its decode state and next-token logits; a linear or "
+        "Linformer state is that size at any length, a softmax one grows with it); null: no prefix cache"
+    )
     metrics: dict[str, Any] = Field(description="evaluation results stored in the weights file")
     config: dict[str, Any]
     ready: bool
@@ -136,6 +145,10 @@ def describe(engine: EngineHandle, created: int, chat_template: bool = False) ->
         "decode_slots": engine.limits.max_batch,
         "decode_slot_bytes": engine.limits.slot_bytes,
         "decode_memory_budget": engine.limits.memory_budget,
+        "prefix_cache_memory": engine.limits.prefix_cache_memory,
+        "prefix_cache_bytes_per_prefix": (
+            engine.state_bytes_per_sequence + LOGIT_BYTES * cfg.vocab_out if engine.limits.prefix_cache_memory else None
+        ),
         "metrics": eval_metrics(engine.info),
         "config": {
             "d_model": cfg.d_model,

@@ -171,10 +171,15 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose decode state the prefix cache held: not prefilled again
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -194,6 +199,7 @@ class PromptSamples:
     scores: PromptScores | None
     texts: list[SampleText]
     finish: list[str | None]
+    cached: int = 0  # its tokens the prefix cache gave (its samples share one prefill)
 
 
 @dataclass
@@ -225,6 +231,7 @@ class TextCompletion:
         self.generated_tokens += 1
         self.parts[part].texts[event.sample].push(event.token, event.logprob, event.top_logprobs)
         if event.finish_reason:
+            self.parts[part].cached = max(self.parts[part].cached, event.cached_tokens)
             self._end(part, event.sample, event.finish_reason, event.matched_stop)
 
     def add_result(self, part: int, result: SampleResult) -> None:
@@ -236,6 +243,7 @@ class TextCompletion:
         ):
             text.push(token, logprob, top)
         self.generated_tokens += count
+        self.parts[part].cached = max(self.parts[part].cached, result.cached_tokens)
         self._end(part, result.sample, result.finish_reason, result.matched_stop)
 
     def _end(self, part: int, sample: int, finish_reason: str, matched_stop: bytes | None) -> None:
@@ -303,12 +311,13 @@ class TextCompletion:
             "choices": choices,
         }
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         prompt = sum(len(part.prompt) for part in self.parts)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": self.generated_tokens,
             "total_tokens": prompt + self.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(part.cached for part in self.parts)},
         }
 
 

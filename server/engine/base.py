@@ -27,6 +27,7 @@ class EngineLimits:
     scheduler_steps: int = 8  # decode steps per scheduling pass when no client watches each step (multi-step)
     slot_bytes: int = 0  # what one decode slot holds (server/engine/slot_budget.py), for /v1/models; 0: not known
     memory_budget: int | None = None  # the model's share of the decode memory budget; None: no budget
+    prefix_cache_memory: int = 0  # bytes of decode states the engine keeps by prefix (server/engine/prefix_cache.py)
 
 
 class EngineFacts:

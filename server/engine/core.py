@@ -67,7 +67,7 @@ from server.engine.streams import (
     hand_over,
     reply_in_loop,
 )
-from server.engine.types import GenerationError, GenerationRequest, PromptScores
+from server.engine.types import GenerationError, GenerationRequest, PromptScores, StepStats
 from server.engine.validation import check_generation, check_scoring
 from server.engine.watchdog import Heartbeat
 
@@ -107,7 +107,9 @@ class Engine(EngineFacts):
         self.output = output
         self.metrics = output.metrics  # the model's series, for the handlers (None in an engine process)
         self.scheduler = Scheduler(limits.max_batch, limits.max_waiting, self.vocabulary)
-        self.runner = ModelRunner(model, limits.max_batch, limits.cuda_graphs, limits.compile_decode, compile_gate)
+        self.runner = ModelRunner(
+            model, limits.max_batch, limits.cuda_graphs, limits.compile_decode, compile_gate, limits.prefix_cache_memory
+        )
         self._lock = threading.Lock()  # the scheduler's queue: submissions come from the event loop
         self._wakeup = threading.Event()
         self._ready = threading.Event()
@@ -119,6 +121,7 @@ class Engine(EngineFacts):
         self._costs = PassCosts()
         self.heartbeat = Heartbeat()  # stamped by the worker's loop; an engine process's is its client's
         self._hung = False  # the watchdog found it silent with work (server/engine/watchdog.py); until its next beat
+        self._prefix_counted = (0, 0)  # the prefix cache's queried and hit tokens already in a pass's figures
 
     # -- public API (event-loop side) ---------------------------------------
     @property
@@ -295,6 +298,8 @@ class Engine(EngineFacts):
         """Write the group's rows, then register them: a failure leaves none of the group decoding."""
         places: list[Placement] = self.scheduler.placements(group)
         likelihoods = self.runner.prefill([s.request for s in group], places[0].row)
+        for stream, cached in zip(group, self.runner.cached):
+            stream.cached_tokens = cached
         self.runner.place_copies(places)
         self.scheduler.register(places, dict(zip(group, likelihoods)))
 
@@ -320,8 +325,21 @@ class Engine(EngineFacts):
         """The pass's figures and events to the engine's output (figures first: a client that has its answer finds
         the step counted); the pass boundary's host work timed for `_ends_run_early`."""
         seconds, self._forward_seconds = time.monotonic() - drawn.started + self._forward_seconds, 0.0
-        self.output.step(*step_results(update, drawn, applied, seconds))
+        stats, outbox = step_results(update, drawn, applied, seconds)
+        self.output.step(self._prefix_figures(stats), outbox)
         self._costs.observe_boundary(time.monotonic() - drawn.ended)
+
+    def _prefix_figures(self, stats: StepStats) -> StepStats:
+        """The pass's figures with the prefix cache's: tokens looked up and found since the last pass, and what
+        it holds."""
+        cache = self.runner.prefix_cache
+        if cache is None:
+            return stats
+        queried, hit = cache.queried_tokens, cache.hit_tokens
+        stats.prefix_queried, stats.prefix_hit = queried - self._prefix_counted[0], hit - self._prefix_counted[1]
+        stats.prefix_bytes, stats.prefix_entries = cache.bytes_held, cache.entries
+        self._prefix_counted = (queried, hit)
+        return stats
 
     def _ends_run_early(self, steps_left: int) -> bool:
         """Whether waiting requests should join now rather than at the run's end."""

@@ -42,6 +42,7 @@ from model.state import ModelState
 from model.transformer import Transformer, with_bos
 
 from model.particles import RowCopy
+from server.engine.prefix_cache import Hit, PrefixCache, restore_snapshot, take_snapshot
 from server.engine.scheduler import Placement
 from server.engine.step import AppliedStep, RunnerOutput, SampleRead, SampleSpan, SchedulerOutput, StepNeeds, StepUpdate
 from server.engine.types import GenerationRequest, PromptScores, TopLogprobs
@@ -205,7 +206,10 @@ class ModelRunner:
         cuda_graphs: bool,
         compile_decode: bool = False,
         compile_gate: CompileGate | None = None,
+        prefix_cache_bytes: int = 0,
     ):
+        """prefix_cache_bytes: the budget of the prefix cache of decode states (0, or a kind whose state cannot be
+        snapshot exactly: no cache)."""
         self.model = model.eval()
         self.rows = rows
         self.cuda_graphs = cuda_graphs
@@ -215,6 +219,10 @@ class ModelRunner:
         self.decoder: EagerDecoder | None = None  # None until allocated
         self._bos: tuple[ModelState, torch.Tensor] | None = None  # see _prefill_bos
         self._unfed: torch.Tensor | None = None  # (live,) the last pass's tokens, until its closing forward
+        self.prefix_cache = (
+            PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 and caches_prefixes(model) else None
+        )
+        self.cached: list[int] = []  # the last prefill's prompt tokens per request that the prefix cache gave
 
     def allocate(self) -> None:
         """Slots, the state after BOS, and the decoder (may capture CUDA graphs, or start compiling
@@ -251,17 +259,81 @@ class ModelRunner:
 
     # -- new sequences --------------------------------------------------------
     def prefill(self, requests: list[GenerationRequest], first: int) -> list[float]:
-        """One forward over prompts of equal length, into rows [first, first + len(requests)).
-        Returns each prompt's log-likelihood under its sampling distribution (0.0 where not weighed)."""
+        """Prompts of equal length into rows [first, first + len(requests)): each takes the longest prefix of what
+        it reads from the prefix cache and runs only the rest, one by one; the others run in one forward per run
+        of neighbouring rows. Returns each prompt's log-likelihood under its sampling distribution (0.0 where not
+        weighed); `cached` then holds each request's prompt tokens the cache gave."""
+        hits = [self._lookup(r) for r in requests]
+        likelihoods = [0.0] * len(requests)
+        self.cached = [0] * len(requests)
+        for start, stop in _runs([i for i, hit in enumerate(hits) if hit is None]):
+            likelihoods[start:stop] = self._prefill_run(requests[start:stop], first + start)
+        for i, hit in enumerate(hits):
+            if hit is not None:
+                self.cached[i], likelihoods[i] = self._prefill_hit(requests[i], first + i, hit)
+        for i, request in enumerate(requests):
+            self._fill_row(first + i, request)
+            self._remember(request, first + i, likelihoods[i])
+        return likelihoods
+
+    def _prefill_run(self, requests: list[GenerationRequest], first: int) -> list[float]:
+        """One forward over prompts of equal length, into rows [first, first + len(requests))."""
         rows = slice(first, first + len(requests))
         logits = self._run_prompts(requests, self.slots.state.slice(rows.start, rows.stop))  # (count, lead + P, V)
         self.slots.logits[rows] = logits[:, -1].float()
-        for row, request in enumerate(requests, start=first):
-            self._fill_row(row, request)
         return [
             prompt_log_likelihood(logits[i, :-1], r) if r.particles is not None and r.prompt else 0.0
             for i, r in enumerate(requests)
         ]
+
+    def _read_tokens(self, request: GenerationRequest) -> list[int]:
+        """What the model reads for a prompt: its lead, then the prompt."""
+        return [*self.model.config.prompt_lead(len(request.prompt)), *request.prompt]
+
+    def _lookup(self, request: GenerationRequest) -> Hit | None:
+        """The longest cached prefix of what `request` reads; None for an empty prompt (its state is computed
+        once at start). A weighed request (particles) takes only a prefix whose likelihood under its sampling
+        distribution is known: it needs its whole prompt's."""
+        if self.prefix_cache is None or not request.prompt:
+            return None
+        if request.particles is None:
+            return self.prefix_cache.lookup(self._read_tokens(request))
+        key = _likelihood_key(request)
+        return self.prefix_cache.lookup(self._read_tokens(request), lambda snapshot: key in snapshot.likelihoods)
+
+    def _prefill_hit(self, request: GenerationRequest, row: int, hit: Hit) -> tuple[int, float]:
+        """Restore the cached state into `row` and run the tokens after it -> the prompt tokens the cache gave,
+        and the prompt's log-likelihood (0.0 unless weighed)."""
+        tokens, state, snapshot = self._read_tokens(request), self.slots.state, hit.snapshot
+        state.reset_rows([row])
+        restore_snapshot(state, row, snapshot)
+        predicting = snapshot.logits[None]  # (1, V): the logits that predict the first token after the prefix
+        if hit.length < len(tokens):
+            rest = torch.tensor([tokens[hit.length :]], device=self.model.device)  # (1, T - hit)
+            logits, _ = self.model(rest, state.slice(row, row + 1))  # (1, T - hit, V)
+            predicting = torch.cat([predicting, logits[0, :-1].float()])  # (T - hit, V)
+            self.slots.logits[row] = logits[0, -1].float()
+        else:  # all of it: the snapshot's logits are the next token's
+            self.slots.logits[row] = snapshot.logits
+        likelihood = 0.0
+        if request.particles is not None:
+            before = snapshot.likelihoods[_likelihood_key(request)]
+            rest_likelihood = prompt_log_likelihood(predicting, request) if hit.length < len(tokens) else 0.0
+            likelihood = before + rest_likelihood
+        return max(0, hit.length - (len(tokens) - len(request.prompt))), likelihood
+
+    def _remember(self, request: GenerationRequest, row: int, likelihood: float) -> None:
+        """Keep the state after the prompt, unless the cache already holds it; a weighed request's prompt
+        likelihood goes with it."""
+        if self.prefix_cache is None or not request.prompt:
+            return
+        tokens = self._read_tokens(request)
+        snapshot = self.prefix_cache.snapshot_of(tokens)
+        if snapshot is None:
+            snapshot = take_snapshot(self.slots.state, row, self.slots.logits[row])
+            self.prefix_cache.insert(tokens, snapshot)
+        if request.particles is not None:
+            snapshot.likelihoods[_likelihood_key(request)] = likelihood
 
     def place_copies(self, places: list[Placement]) -> None:
         """Further samples and particles of a prompt copy its prefilled row, with their own seeds."""
@@ -337,10 +409,34 @@ class ModelRunner:
         rows into the holes; the tokens to feed move with their rows and wait for `feed`."""
         tokens = output.last.clone() if update.copies or update.moves else output.last  # (n,) rows' next inputs
         self.copy_particles(update.copies, tokens)
+        self._remember_finished(update)
         samples = self.read_samples(update.reads)
         self.move_rows(update.moves, tokens)
         self._unfed = tokens[: update.live]
         return AppliedStep(samples, self.state_bytes(update.live))
+
+    def _remember_finished(self, update: StepUpdate) -> None:
+        """Keep the state of each finished text row (no particles) after all it read, its generated tokens
+        included, so a conversation's next turn, which repeats them, prefills only what is new. Before the rows
+        move: a finished row's state is still its own."""
+        if self.prefix_cache is None:
+            return
+        for i in update.outcome.finished:
+            request: GenerationRequest = update.rows[i].owner.request
+            if request.particles is None and request.prompt:
+                self._remember_sequence(request, i)
+
+    def _remember_sequence(self, request: GenerationRequest, row: int) -> None:
+        """Row `row`'s state, keyed by every token it has read: its lead, prompt and the generated tokens fed."""
+        assert self.prefix_cache is not None  # the caller checked
+        read = self._read_tokens(request)
+        fed = int(self.slots.state.lengths[row]) - len(read)  # generated tokens the state has read
+        if fed <= 0:
+            return  # nothing beyond the prompt, whose state is kept already
+        start = len(request.prompt)
+        tokens = [*read, *self.slots.generated[row, start : start + fed].tolist()]
+        if not self.prefix_cache.holds(tokens):
+            self.prefix_cache.insert(tokens, take_snapshot(self.slots.state, row, self.slots.logits[row]))
 
     def feed(self) -> float:
         """The last pass's closing forward: its live rows' tokens in, their next logits to the slots. Its seconds."""
@@ -445,6 +541,28 @@ class ModelRunner:
         if top:
             scores.top_logprobs = [None, *pair_up(*top_logprobs(logits, top))]
         return scores
+
+
+def caches_prefixes(model: Transformer) -> bool:
+    """Whether the model's decode state can be snapshot at any prefix exactly (not Reformer's bucket lists)."""
+    return all(layer.snapshots_exact for layer in model.new_state(1).layers)
+
+
+def _likelihood_key(request: GenerationRequest) -> tuple[float, ...]:
+    """What a prompt's log-likelihood under a request's sampling distribution depends on besides its tokens."""
+    p = request.sampling
+    return (p.temperature, p.top_k, p.top_p, p.min_p)
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """Sorted indices as [start, stop) runs of neighbours: [0, 1, 3] -> [(0, 2), (3, 4)]."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
 
 
 def prompt_log_likelihood(logits: torch.Tensor, request: GenerationRequest) -> float:

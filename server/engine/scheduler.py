@@ -44,6 +44,7 @@ class Submission(Protocol):
     submitted_at: float  # time.monotonic() at submission
     first_token_at: float | None
     each_event: bool  # the client sees each token as it is drawn (streaming)
+    cached_tokens: int  # prompt tokens its prefill took from the prefix cache
 
 
 @dataclass(slots=True)

@@ -80,6 +80,7 @@ def sample_result(seq: Sequence, reason: str, read: SampleRead) -> SampleResult:
         seq.stopping.matched,
         top,
         _summary(seq),
+        seq.owner.cached_tokens,
     )
 
 
@@ -103,6 +104,7 @@ def generation(output: RunnerOutput, token: int, i: int, seq: Sequence, reason: 
         seq.stopping.matched if reason else None,
         top,
         _summary(seq) if reason else None,
+        seq.owner.cached_tokens if reason else 0,
     )
 
 

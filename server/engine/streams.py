@@ -91,6 +91,7 @@ class GenerationStream:
         self.cancelled = False
         self.submitted_at = time.monotonic()
         self.first_token_at: float | None = None
+        self.cached_tokens = 0  # (engine thread) prompt tokens its prefill took from the prefix cache
 
     def cancel(self) -> None:
         self.cancelled = True

@@ -69,6 +69,7 @@ class Generation:
     matched_stop: bytes | None = None  # the stop sequence that ended the sample (finish_reason "stop")
     top_logprobs: TopLogprobs | None = None  # when the request asks for them
     particles: ParticleSummary | None = None  # on a sample's last token, for requests with particles
+    cached_tokens: int = 0  # on a sample's last token: prompt tokens the prefix cache gave (not prefilled)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,7 @@ class SampleResult:
     matched_stop: bytes | None = None  # the stop sequence that ended the sample (finish_reason "stop")
     top_logprobs: list[TopLogprobs] | None = None  # one list per token when asked for
     particles: ParticleSummary | None = None  # for requests with particles
+    cached_tokens: int = 0  # prompt tokens the prefix cache gave (not prefilled)
 
 
 @dataclass
@@ -129,3 +131,7 @@ class StepStats:
     seconds: float = (
         0.0  # wall time of the update's steps: draws, forwards (the previous update's closing one) and bookkeeping
     )
+    prefix_queried: int = 0  # tokens looked up in the prefix cache since the last pass
+    prefix_hit: int = 0  # of those, tokens found cached
+    prefix_bytes: int | None = None  # bytes the prefix cache holds (None: no cache)
+    prefix_entries: int | None = None  # states it holds

@@ -1,0 +1,150 @@
+"""A prefix cache of decode states: a token trie whose nodes hold the model's state after that prefix.
+
+The key is every token the model READ (its lead, the start token for models that read one first, then the
+prompt), so two prompts share a node exactly when the model's state after them is the same. A node may hold a
+snapshot at any token position, not only at block boundaries: a linear or Linformer state is constant-size, a
+softmax cache keeps only its first `length` positions (model/state.py `RowState.snapshot_row`). With the
+snapshot goes the logits of its last position, so a request whose whole input is cached runs no forward at all,
+and one that goes on runs only its new tokens: its state and logits are those of a full prefill.
+
+Entries are evicted least recently used first, within a byte budget. The engine's single worker thread restores
+an entry before it inserts any other, so an entry being restored is never evicted mid-use.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from model.state import ModelState
+
+
+LOGIT_BYTES = 4  # a snapshot's next-token logits are float32
+
+
+@dataclass
+class Snapshot:
+    """The state of one row after `length` tokens, and the next-token logits there."""
+
+    layers: list[list[torch.Tensor]]  # per layer, the row's tensors (softmax: its first `length` positions)
+    length: int
+    logits: torch.Tensor  # (V,) float32
+    # log p(prompt) under each sampling distribution a weighed request (particles) asked it with: such a request
+    # needs its whole prompt's likelihood, so it takes a snapshot only where it knows the part before it.
+    likelihoods: dict[tuple[float, ...], float] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        held = sum(t.numel() * t.element_size() for tensors in self.layers for t in tensors)
+        return held + self.logits.numel() * self.logits.element_size()
+
+
+@dataclass
+class _Node:
+    children: dict[int, _Node] = field(default_factory=dict)
+    snapshot: Snapshot | None = None
+    parent: _Node | None = None
+    token: int = -1
+
+
+@dataclass(frozen=True)
+class Hit:
+    """The longest cached prefix of a request's input: `length` tokens, with its snapshot."""
+
+    length: int
+    snapshot: Snapshot
+
+
+class PrefixCache:
+    """Snapshots of one engine's states keyed by the tokens read, within `budget` bytes (LRU)."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self._root = _Node()
+        self._recent: OrderedDict[tuple[int, ...], _Node] = OrderedDict()  # least recently used first
+        self.bytes_held = 0
+        self.queried_tokens = 0  # tokens looked up, and those found cached: counters for the metrics
+        self.hit_tokens = 0
+
+    @property
+    def entries(self) -> int:
+        return len(self._recent)
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget > 0
+
+    def holds(self, tokens: list[int]) -> bool:
+        """Whether a snapshot after exactly `tokens` is kept."""
+        return tuple(tokens) in self._recent
+
+    def snapshot_of(self, tokens: list[int]) -> Snapshot | None:
+        """The snapshot after exactly `tokens`, if kept."""
+        node = self._recent.get(tuple(tokens))
+        return node.snapshot if node is not None else None
+
+    def lookup(self, tokens: list[int], usable: Callable[[Snapshot], bool] | None = None) -> Hit | None:
+        """The longest prefix of `tokens` with a snapshot (that `usable` accepts, if given); it becomes the most
+        recently used. Counted in `queried_tokens` and `hit_tokens`."""
+        self.queried_tokens += len(tokens)
+        node, best, best_key = self._root, None, None
+        for i, token in enumerate(tokens):
+            child = node.children.get(token)
+            if child is None:
+                break
+            node = child
+            if node.snapshot is not None and (usable is None or usable(node.snapshot)):
+                best, best_key = Hit(i + 1, node.snapshot), tuple(tokens[: i + 1])
+        if best is None or best_key is None:
+            return None
+        self._recent.move_to_end(best_key)
+        self.hit_tokens += best.length
+        return best
+
+    def insert(self, tokens: list[int], snapshot: Snapshot) -> bool:
+        """Keep `snapshot` as the state after `tokens`, evicting the least recently used entries to fit.
+        False when it cannot fit at all (larger than the budget)."""
+        size = snapshot.nbytes
+        if not tokens or size > self.budget:
+            return False
+        key = tuple(tokens)
+        if key in self._recent:  # the same state again: only its use is new
+            self._recent.move_to_end(key)
+            return True
+        while self.bytes_held + size > self.budget:
+            self._evict_oldest()
+        node = self._root
+        for token in tokens:
+            child = node.children.get(token)
+            if child is None:
+                child = node.children[token] = _Node(parent=node, token=token)
+            node = child
+        node.snapshot = snapshot
+        self._recent[key] = node
+        self.bytes_held += size
+        return True
+
+    def _evict_oldest(self) -> None:
+        _, node = self._recent.popitem(last=False)
+        assert node.snapshot is not None  # every listed node holds one
+        self.bytes_held -= node.snapshot.nbytes
+        node.snapshot = None
+        while node.parent is not None and not node.children and node.snapshot is None:  # prune the bare branch
+            del node.parent.children[node.token]
+            node = node.parent
+
+
+def take_snapshot(state: ModelState, row: int, logits: torch.Tensor) -> Snapshot:
+    """Row `row` of `state` as it is now, with its (V,) next-token logits."""
+    length = int(state.lengths[row])
+    return Snapshot([layer.snapshot_row(row, length) for layer in state.layers], length, logits.detach().clone())
+
+
+def restore_snapshot(state: ModelState, row: int, snapshot: Snapshot) -> None:
+    """Write `snapshot` into row `row` of `state`: the row is as it was after the snapshot's tokens."""
+    state.lengths[row] = snapshot.length
+    for layer, saved in zip(state.layers, snapshot.layers, strict=True):
+        layer.restore_row(row, saved, snapshot.length)

@@ -208,13 +208,13 @@ def imported_tables(results: Path = RESULTS) -> str:
     if not runs:
         return "No run yet."
     report = json.loads(runs[-1].read_text())
-    sizes = report["sizes"]
+    sizes, first = report["sizes"], report["throughput"][0]
     lines = [
         f"From `{runs[-1].name}`: a Llama of SmolLM-135M's shape ({sizes['num_hidden_layers']} layers, "
         f"{sizes['hidden_size']} dims, {sizes['num_attention_heads']} query and {sizes['num_key_value_heads']} "
         f"key/value heads, {report['parameters'] / 1e6:.0f}M parameters, random weights), {cpu_class(report)} "
-        f"({processor(report)}), {threads(report)} threads, {report['settings']['new_tokens']} new tokens a row, "
-        f"best of {report['settings']['rounds']} turns.",
+        f"({processor(report)}), {threads(report)} threads, {first['new_tokens']} new tokens a row, "
+        f"best of {len(first['seconds'])} turns, 1-minute load {report['load_after']['load_1min']:.1f} at the end.",
         "",
         "| dtype | batch | rnnserve softmax, tokens/s | Hugging Face generate, static cache | ratio |",
         "|---|---:|---:|---:|---:|",

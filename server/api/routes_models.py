@@ -140,15 +140,7 @@ def describe(engine: EngineHandle, created: int, chat_template: bool = False) ->
         "cpu_route": engine.cpu_route,
         "tokenizer": engine.vocabulary.name if cfg.task == "text" else None,
         "chat_template": chat_template,
-        "state_bytes_per_sequence": engine.state_bytes_per_sequence,  # one sequence at max_len
-        "state_bytes_allocated": engine.state_bytes_allocated,  # = rnnserve_decode_state_allocated_bytes
-        "decode_slots": engine.limits.max_batch,
-        "decode_slot_bytes": engine.limits.slot_bytes,
-        "decode_memory_budget": engine.limits.memory_budget,
-        "prefix_cache_memory": engine.limits.prefix_cache_memory,
-        "prefix_cache_bytes_per_prefix": (
-            engine.state_bytes_per_sequence + LOGIT_BYTES * cfg.vocab_out if engine.limits.prefix_cache_memory else None
-        ),
+        **memory(engine),
         "metrics": eval_metrics(engine.info),
         "config": {
             "d_model": cfg.d_model,
@@ -158,6 +150,22 @@ def describe(engine: EngineHandle, created: int, chat_template: bool = False) ->
         },
         "ready": engine.ready,
         "engine_processes": engine_processes(engine),
+    }
+
+
+def memory(engine: EngineHandle) -> dict[str, int | None]:
+    """The model's decode state, decode slots and prefix cache, in bytes."""
+    cached = engine.limits.prefix_cache_memory
+    return {
+        "state_bytes_per_sequence": engine.state_bytes_per_sequence,  # one sequence at max_len
+        "state_bytes_allocated": engine.state_bytes_allocated,  # = rnnserve_decode_state_allocated_bytes
+        "decode_slots": engine.limits.max_batch,
+        "decode_slot_bytes": engine.limits.slot_bytes,
+        "decode_memory_budget": engine.limits.memory_budget,
+        "prefix_cache_memory": cached,
+        "prefix_cache_bytes_per_prefix": (
+            engine.state_bytes_per_sequence + LOGIT_BYTES * engine.config.vocab_out if cached else None
+        ),
     }
 
 

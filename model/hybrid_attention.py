@@ -81,9 +81,13 @@ class HybridAttention(Attention):
         q, k, v = (split_heads(t, self.n_heads).float() for t in self.qkv(x).chunk(3, dim=-1))  # (B, H, T, D)
         positions = chunk_positions(start, x.shape[1])  # (B, T)
         past = self._past(state, start, q) if state is not None else self._empty_past(q)
-        y = self._attend(q, k, v, positions, past)
+        # The past's keys beside the chunk's, mapped once: attending and advancing the state both read them.
+        keys, values = torch.cat([past.k, k], dim=2), torch.cat([past.v, v], dim=2)  # (B, H, L, D)
+        key_pos = torch.cat([past.positions, positions], dim=1)  # (B, L)
+        phi_k = self.feature_map(keys)  # (B, H, L, F)
+        y = self._attend(q, keys, values, key_pos, phi_k, positions, past)
         if state is not None:
-            self._advance(state, k, v, positions, past)
+            self._advance(state, k, v, values, key_pos, phi_k, positions, past)
         return self.proj(merge_heads(y.to(x.dtype))), state
 
     def _empty_past(self, q: torch.Tensor) -> Past:
@@ -103,10 +107,9 @@ class HybridAttention(Attention):
         slots = positions.remainder(self.window)[:, None, :, None].expand(-1, self.n_heads, -1, self.d_head)
         return Past(state.k.gather(2, slots), state.v.gather(2, slots), positions, state.s.clone(), state.z.clone())
 
-    def _attend(self, q, k, v, positions: torch.Tensor, past: Past) -> torch.Tensor:
+    def _attend(self, q, keys, values, key_positions, phi_k, positions: torch.Tensor, past: Past) -> torch.Tensor:
         """Queries (B, H, T, D) at `positions` (B, T) over the past's keys and the chunk's own -> (B, H, T, D)."""
-        keys, values = torch.cat([past.k, k], dim=2), torch.cat([past.v, v], dim=2)  # (B, H, L, D)
-        key_pos = torch.cat([past.positions, positions], dim=1)[:, None, None, :]  # (B, 1, 1, L)
+        key_pos = key_positions[:, None, None, :]  # (B, 1, 1, L)
         query_pos = positions[:, None, :, None]  # (B, 1, T, 1)
         written = key_pos >= 0
         in_window = written & (key_pos <= query_pos) & (key_pos > query_pos - self.window)
@@ -114,7 +117,7 @@ class HybridAttention(Attention):
         scores = (q @ keys.transpose(-1, -2)) * self.d_head**-0.5  # (B, H, T, L)
         scores = scores.masked_fill(~in_window, float("-inf"))
         window = torch.exp(scores - scores.amax(-1, keepdim=True))  # each query's own key is in its window
-        phi_q, phi_k = self.feature_map(q), self.feature_map(keys)  # (B, H, T, F), (B, H, L, F)
+        phi_q = self.feature_map(q)  # (B, H, T, F)
         linear = (phi_q @ phi_k.transpose(-1, -2)).masked_fill(~older, 0.0)  # (B, H, T, L)
         g = torch.sigmoid(self.mix.float())[None, :, None, None]  # (1, H, 1, 1)
         weights = g * window + (1 - g) * linear
@@ -122,12 +125,10 @@ class HybridAttention(Attention):
         denominator = weights.sum(-1) + (1 - g[..., 0]) * (phi_q @ past.z[..., None])[..., 0]  # (B, H, T)
         return numerator / (denominator[..., None] + self.eps)
 
-    def _advance(self, state: HybridState, k, v, positions: torch.Tensor, past: Past) -> None:
+    def _advance(self, state: HybridState, k, v, values, key_pos, phi_k, positions: torch.Tensor, past: Past) -> None:
         """The keys that leave the window by the chunk's end go into the sums; the last W keys into the ring."""
-        keys, values = torch.cat([past.k, k], dim=2), torch.cat([past.v, v], dim=2)  # (B, H, L, D)
-        key_pos = torch.cat([past.positions, positions], dim=1)  # (B, L)
         leaving = (key_pos >= 0) & (key_pos <= positions[:, -1:] - self.window)  # (B, L)
-        phi_k = self.feature_map(keys) * leaving[:, None, :, None]  # (B, H, L, F)
+        phi_k = phi_k * leaving[:, None, :, None]  # (B, H, L, F)
         state.s.copy_(past.s + phi_k.transpose(-1, -2) @ values)
         state.z.copy_(past.z + phi_k.sum(2))
         last = min(k.shape[2], self.window)

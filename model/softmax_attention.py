@@ -54,6 +54,7 @@ class SoftmaxAttention(Attention):
         self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
         self.max_len = cfg.max_len
         self.window = cfg.sliding_window  # 0: every earlier position
+        self.grouped = self.n_kv_heads != self.n_heads  # grouped-query attention: a key head per query group
         # Queries, then keys and values of n_kv_heads heads each (fewer than n_heads in grouped-query attention).
         self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.d_head, bias=cfg.qkv_bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.attn_out_bias)
@@ -81,12 +82,11 @@ class SoftmaxAttention(Attention):
 
     def _attend_chunk(self, q, k, v) -> torch.Tensor:
         """A whole sequence from position 0, no cache (training, scoring)."""
-        grouped = self.n_kv_heads != self.n_heads
         if not self.window:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.grouped)
         positions = torch.arange(q.shape[2], device=q.device)
         visible = self._visible(positions, positions[:, None])  # (T, T)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=grouped)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=self.grouped)
 
     def _visible(self, keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
         """Which key positions each query position sees: the earlier ones, within the window if there is one."""
@@ -110,9 +110,8 @@ class SoftmaxAttention(Attention):
         mask = self._visible(torch.arange(used, device=q.device), pos[:, :, None])  # (B, T, L)
         if t == 1 and q.device.type == "cpu":
             return attend_one_query(q, keys.to(q.dtype), values.to(q.dtype), mask[:, None])
-        grouped = self.n_kv_heads != self.n_heads
         return F.scaled_dot_product_attention(
-            q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None], enable_gqa=grouped
+            q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask[:, None], enable_gqa=self.grouped
         )
 
     def _kernel_applies(self, q: torch.Tensor, state: KVCache) -> bool:
@@ -124,7 +123,7 @@ class SoftmaxAttention(Attention):
             and q.dtype == torch.float32
             and state.k.dtype in (torch.float32, torch.bfloat16)
             and q.stride(-1) == 1
-            and self.n_kv_heads == self.n_heads
+            and not self.grouped
             and not self.window
         )
 

@@ -530,16 +530,13 @@ class ModelRunner:
         tokens at each position. A model that reads its start token first scores the first token given it;
         otherwise nothing predicts the first token, whose entries are None (as in OpenAI's API)."""
         x = torch.tensor([tokens], device=self.model.device)
-        if self.model.config.reads_bos_first:
-            logits, _ = self.model(with_bos(x, self.model.config.bos))
-            scores = PromptScores(token_logprobs(logits[0], x[0]).tolist())
-            if top:
-                scores.top_logprobs = [*pair_up(*top_logprobs(logits[0], top))]
-            return scores
-        logits = self.model(x)[0][0, :-1]  # (T - 1, V): position t predicts token t + 1
-        scores = PromptScores([None, *token_logprobs(logits, x[0, 1:]).tolist()])
+        if self.model.config.reads_bos_first:  # (T, V): position t predicts token t
+            logits, predicted, unscored = self.model(with_bos(x, self.model.config.bos))[0][0], x[0], []
+        else:  # (T - 1, V): position t predicts token t + 1
+            logits, predicted, unscored = self.model(x)[0][0, :-1], x[0, 1:], [None]
+        scores = PromptScores([*unscored, *token_logprobs(logits, predicted).tolist()])
         if top:
-            scores.top_logprobs = [None, *pair_up(*top_logprobs(logits, top))]
+            scores.top_logprobs = [*unscored, *pair_up(*top_logprobs(logits, top))]
         return scores
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .attention import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
@@ -79,8 +80,10 @@ class HybridAttention(Attention):
 
     def forward(self, x: torch.Tensor, start: torch.Tensor, state: HybridState | None):
         q, k, v = (split_heads(t, self.n_heads).float() for t in self.qkv(x).chunk(3, dim=-1))  # (B, H, T, D)
+        if state is None:  # a whole sequence from position 0: training and scoring
+            return self.proj(merge_heads(self._attend_in_blocks(q, k, v).to(x.dtype))), None
         positions = chunk_positions(start, x.shape[1])  # (B, T)
-        past = self._past(state, start, q) if state is not None else self._empty_past(q)
+        past = self._past(state, start, q)
         # The past's keys beside the chunk's, mapped once: attending and advancing the state both read them.
         keys, values = torch.cat([past.k, k], dim=2), torch.cat([past.v, v], dim=2)  # (B, H, L, D)
         key_pos = torch.cat([past.positions, positions], dim=1)  # (B, L)
@@ -90,16 +93,41 @@ class HybridAttention(Attention):
             self._advance(state, k, v, values, key_pos, phi_k, positions, past)
         return self.proj(merge_heads(y.to(x.dtype))), state
 
-    def _empty_past(self, q: torch.Tensor) -> Past:
-        b, h, _, d = q.shape
-        none = q.new_zeros(b, h, 0, d)
-        return Past(
-            none,
-            none,
-            q.new_zeros(b, 0, dtype=torch.long),
-            q.new_zeros(b, h, self.features, d),
-            q.new_zeros(b, h, self.features),
-        )
+    def _attend_in_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The same sums as `_attend` for a whole sequence (B, H, T, D) from position 0, in blocks of W positions:
+        a query's window lies in its own block and the one before, and every older key sits in that block or in
+        the sums of the blocks before it, so the work grows as T W rather than T^2."""
+        b, h, t, d = q.shape
+        w = self.window
+        n = -(-t // w)  # blocks; the last is padded with zeros that no real query reaches
+        q, k, v = (F.pad(x, (0, 0, 0, n * w - t)) for x in (q, k, v))
+        phi_q = self.feature_map(q).view(b, h, n, w, -1)  # (B, H, N, W, F)
+        phi_k = self.feature_map(k).view(b, h, n, w, -1)
+        q, k, v = (x.view(b, h, n, w, d) for x in (q, k, v))
+        keys, values, phi_keys = (torch.cat([F.pad(x, (0, 0, 0, 0, 1, 0))[:, :, :n], x], dim=3) for x in (k, v, phi_k))
+        in_window, older = self._block_masks(n, q.device)  # (N, W, 2W) each: the block before, then its own
+        scores = (q @ keys.transpose(-1, -2)) * self.d_head**-0.5  # (B, H, N, W, 2W)
+        scores = scores.masked_fill(~in_window, float("-inf"))
+        window = torch.exp(scores - scores.amax(-1, keepdim=True))
+        linear = (phi_q @ phi_keys.transpose(-1, -2)).masked_fill(~older, 0.0)  # (B, H, N, W, 2W)
+        # Keys two blocks back or more: their sums, blocks 0 .. c-2 for block c.
+        s_old = F.pad((phi_k.transpose(-1, -2) @ v).cumsum(2), (0, 0, 0, 0, 2, 0))[:, :, :n]  # (B, H, N, F, D)
+        z_old = F.pad(phi_k.sum(3).cumsum(2), (0, 0, 2, 0))[:, :, :n]  # (B, H, N, F)
+        g = torch.sigmoid(self.mix.float())[None, :, None, None, None]  # (1, H, 1, 1, 1)
+        weights = g * window + (1 - g) * linear
+        numerator = weights @ values + (1 - g) * (phi_q @ s_old)  # (B, H, N, W, D)
+        denominator = weights.sum(-1) + (1 - g[..., 0]) * (phi_q @ z_old[..., None])[..., 0]  # (B, H, N, W)
+        y = numerator / (denominator[..., None] + self.eps)
+        return y.reshape(b, h, n * w, d)[:, :, :t]
+
+    def _block_masks(self, blocks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """For query i of a block and key j of [block before, own block] (j = W + i is the query itself): whether
+        j is in i's window, and whether it is older than the window. Block 0 has no block before it."""
+        w = self.window
+        i = torch.arange(w, device=device)[:, None]
+        j = torch.arange(2 * w, device=device)[None, :]
+        exists = (torch.arange(blocks, device=device) > 0)[:, None, None] | (j >= w)  # (N, 1 or W, 2W)
+        return exists & (j > i) & (j <= i + w), exists & (j <= i)
 
     def _past(self, state: HybridState, start: torch.Tensor, q: torch.Tensor) -> Past:
         """The ring's keys and values ordered by position (start - W .. start - 1) and the sums, as copies."""

@@ -35,12 +35,13 @@ def reference(attn, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("feature_map", ["elu", "hedgehog"])
-def test_the_parallel_form_is_the_formula_query_by_query(feature_map):
+@pytest.mark.parametrize("length", [3, 5, 10, 17])  # shorter than the window, one block, two, a padded last block
+def test_the_parallel_form_is_the_formula_query_by_query(feature_map, length):
     model = make_tiny_model("hybrid", hybrid_window=5, hybrid_feature_map=feature_map)
     attn = model.blocks[0].attn
     with torch.no_grad():
         attn.mix.copy_(torch.tensor([-1.0, 0.0, 0.5, 2.0]))  # a different share per head
-        x = torch.randn(2, 17, model.config.d_model, generator=torch.Generator().manual_seed(0))
+        x = torch.randn(2, length, model.config.d_model, generator=torch.Generator().manual_seed(0))
         got, _ = attn(x, torch.zeros(2, dtype=torch.long), None)
         torch.testing.assert_close(got, reference(attn, x), atol=1e-5, rtol=0)
 

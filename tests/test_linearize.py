@@ -167,7 +167,7 @@ def test_a_model_that_is_not_softmax_is_refused_in_one_line(tmp_path, corpus, ca
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert (
         line == f"rnnserve linearize: error: {path} is a linear model; linearize turns a softmax model into a "
-        "linear one"
+        "linear or hybrid one"
     )
     assert linearize(tmp_path, tmp_path / "none.safetensors", corpus, "--out", str(tmp_path / "x.safetensors")) == 2
     assert "rnnserve linearize: error: " in capsys.readouterr().err
@@ -238,7 +238,7 @@ def test_attention_transfer_teaches_the_maps_softmax_s_weights(softmax_file, cor
 
     frozen = {n: p.clone() for n, p in student.named_parameters() if "feature_map" not in n}
     before = divergence_now()
-    transfer(student, teacher, batch, 60, 1e-2, gen, log=lambda line: None)
+    transfer(student, teacher, batch, 60, 1e-2, gen, log=lambda line: None, loss="weight-ce")
     assert divergence_now() < 0.5 * before
     for name, value in student.named_parameters():  # only the maps learned
         if name in frozen:
@@ -268,3 +268,96 @@ def test_a_first_stage_needs_a_learned_map(tmp_path, softmax_file, corpus, capsy
         == 2
     )
     assert "elu has none" in capsys.readouterr().err and not out.exists()
+
+
+def test_output_transfer_teaches_a_hybrid_s_maps_and_mix_to_stand_in_for_softmax(softmax_file, corpus):
+    from training.attention_transfer import output_step, transfer
+    from training.data import load_text
+
+    teacher, _ = load_model(softmax_file)
+    config = teacher.config.replace(attention="hybrid", hybrid_window=4, hybrid_feature_map="hedgehog")
+    student = build_model(config)
+    init_from(str(softmax_file), student)
+    data = load_text(corpus).train
+    gen = torch.Generator().manual_seed(0)
+
+    def batch() -> torch.Tensor:
+        starts = torch.randint(0, data.shape[0] - 16, (8,), generator=gen)
+        return data[starts[:, None] + torch.arange(16)].long()  # (8, 16)
+
+    probe = batch()
+
+    def error_now() -> float:  # the layers' mean relative output error on a fixed batch, no step taken
+        value = output_step(student, probe, teacher)
+        student.zero_grad(set_to_none=True)
+        return value
+
+    frozen = {n: p.clone() for n, p in student.named_parameters() if "feature_map" not in n and ".mix" not in n}
+    mixes = [block.attn.mix.clone() for block in student.blocks]
+    before = error_now()
+    transfer(student, teacher, batch, 60, 1e-2, gen, log=lambda line: None)
+    assert error_now() < 0.5 * before
+    assert any(not torch.equal(block.attn.mix, mix) for block, mix in zip(student.blocks, mixes))
+    for name, value in student.named_parameters():  # the projections and everything else stayed the teacher's
+        if name in frozen:
+            assert torch.equal(value, frozen[name]), name
+
+
+def test_linearize_into_a_hybrid_with_lora_trains_low_rank_corrections_only(tmp_path, softmax_file, corpus):
+    out = tmp_path / "hybrid.safetensors"
+    flags = ["--out", str(out), "--kind", "hybrid", "--window", "4", "--transfer-steps", "2", "--lora-rank", "2"]
+    assert linearize(tmp_path, softmax_file, corpus, *flags, "--lr", "1e-2") == 0
+    softmax, _ = load_model(softmax_file)
+    hybrid, info = load_model(out)
+    assert hybrid.config.attention == "hybrid" and hybrid.config.hybrid_window == 4
+    assert hybrid.config.hybrid_feature_map == "hedgehog"
+    teacher = dict(softmax.named_parameters())
+    names = {name for name, _ in hybrid.named_parameters()}
+    assert not [n for n in names if "parametrizations" in n or "lora" in n]  # adapters merged into the weights
+    moved = 0
+    for name, value in hybrid.named_parameters():
+        if name not in teacher:
+            continue
+        change = value.detach() - teacher[name].detach()
+        if name.endswith(("attn.qkv.weight", "attn.proj.weight")):
+            assert torch.linalg.matrix_rank(change) <= 2, name  # W + B A with rank-2 B A
+            moved += int(change.abs().max() > 0)
+        else:
+            assert torch.equal(change, torch.zeros_like(change)), name  # frozen
+    assert moved == 2 * softmax.config.n_layers
+    _, stage = read_metadata(tmp_path / "lin.transfer.safetensors")
+    assert stage["attention_transfer"]["loss"] == "output-mse"
+
+
+def test_a_lora_run_resumes_and_its_checkpoint_evaluates_as_merged(tmp_path, softmax_file, corpus):
+    from training.loading import load_evaluated
+
+    out = tmp_path / "hybrid.safetensors"
+    flags = ["--out", str(out), "--kind", "hybrid", "--window", "4", "--lora-rank", "2", "--lr", "1e-2"]
+    assert linearize(tmp_path, softmax_file, corpus, *flags, "--checkpoint-every", "1") == 0
+    ckpt = tmp_path / "lin.ckpt"
+    merged, _ = load_evaluated(ckpt, torch.device("cpu"))
+    saved, _ = load_model(out)
+    expected = dict(saved.named_parameters())
+    assert {name for name, _ in merged.named_parameters()} == expected.keys()
+    for name, value in merged.named_parameters():
+        assert torch.allclose(value, expected[name], atol=1e-6), name
+    # the same run continued two steps further from its checkpoint
+    assert linearize(tmp_path, softmax_file, corpus, *flags, "--resume", "--extend", "--steps", "4") == 0
+    assert read_metadata(out)[1]["steps"] == 4
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (["--lora-alpha", "8"], "--lora-alpha scales the adapters: add --lora-rank R"),
+        (["--lora-rank", "-1"], "--lora-rank must be 0"),
+        (["--window", "8"], "--window sizes a hybrid's softmax window: add --kind hybrid"),
+        (["--kind", "hybrid", "--window", "0"], "--window must be at least 1"),
+        (["--kind", "hybrid", "--transfer-steps", "1", "--transfer-loss", "weight-ce"], "output-mse"),
+    ],
+)
+def test_linearize_flags_that_do_not_fit_are_refused_naming_them(tmp_path, softmax_file, corpus, capsys, flags, said):
+    out = tmp_path / "refused.safetensors"
+    assert linearize(tmp_path, softmax_file, corpus, "--out", str(out), *flags) == 2
+    assert said in capsys.readouterr().err and not out.exists()

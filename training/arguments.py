@@ -78,6 +78,15 @@ def _add_optimisation_arguments(opt) -> None:
     opt.add_argument("--weight-decay", type=float, default=0.01)
     opt.add_argument("--seed", type=int, default=0)
     opt.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="train low-rank adapters of the attention projections (q, k, v, output) of this rank, and a "
+        "linearized model's feature maps, with every other weight frozen; merged into the weights when "
+        "saved (default 0: train every weight)",
+    )
+    opt.add_argument("--lora-alpha", type=float, help="the adapters' scale is alpha / rank (default: 2 x rank)")
+    opt.add_argument(
         "--ema-decay",
         type=float,
         default=0.0,
@@ -166,8 +175,18 @@ def _add_run_arguments(run) -> None:
 
 
 def add_linearize_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="FILE", help="the softmax model (.safetensors) to turn into a linear one")
-    parser.add_argument("--out", required=True, help="the linear model's file, e.g. weights/mnist-hedgehog.safetensors")
+    parser.add_argument("model", metavar="FILE", help="the softmax model (.safetensors) to turn into an RNN")
+    parser.add_argument("--out", required=True, help="the RNN's file, e.g. weights/mnist-hybrid.safetensors")
+    parser.add_argument(
+        "--kind",
+        choices=("linear", "hybrid"),
+        default="linear",
+        help="linear: linear attention over every past token; hybrid: exact softmax over a window of the last "
+        "--window tokens and linear attention before it (both a constant-size state; default linear)",
+    )
+    parser.add_argument(
+        "--window", type=int, help="--kind hybrid: positions of exact softmax attention (default: the kind's, 64)"
+    )
     parser.add_argument(
         "--feature-map",
         choices=kind_options()["linear_feature_map"].choices,
@@ -189,10 +208,18 @@ def add_linearize_arguments(parser: argparse.ArgumentParser) -> None:
         "--transfer-steps",
         type=int,
         default=0,
-        help="first teach the feature maps alone to copy FILE's attention weights for this many steps "
-        "(Hedgehog's first stage; t2r or hedgehog), then fine-tune the whole model (default 0: no first stage)",
+        help="first teach the feature maps (and a hybrid's mix) alone to stand in for FILE's attention for this "
+        "many steps (attention transfer), then fine-tune (the whole model, or adapters with --lora-rank); "
+        "default 0: no first stage",
     )
     parser.add_argument("--transfer-lr", type=float, default=1e-2, help="the first stage's learning rate")
+    parser.add_argument(
+        "--transfer-loss",
+        choices=("output-mse", "weight-ce"),
+        default="output-mse",
+        help="what the first stage matches: each layer's attention output (output-mse, LoLCATs; default) or, "
+        "for --kind linear, each query's attention weights (weight-ce, Hedgehog)",
+    )
     _add_optimisation_arguments(parser.add_argument_group("fine-tuning (as `rnnserve train`)"))
     _add_run_arguments(parser.add_argument_group("run (as `rnnserve train`)"))
 

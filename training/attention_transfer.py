@@ -1,11 +1,14 @@
-"""Hedgehog's first stage (Zhang et al. 2024): teach a linearized model's feature maps to copy the softmax model's
-attention weights before the whole model is fine-tuned (`rnnserve linearize --transfer-steps N`).
+"""The first stage of linearizing (`rnnserve linearize --transfer-steps N`): teach a linearized model's new
+attention parts (feature maps, and a hybrid's window/linear mix) to stand in for the softmax attention they replace,
+before anything else is trained.
 
-Every weight but the maps' is still the softmax model's, so each layer's queries and keys are the teacher's own,
-read from its forward pass. The student's weight on key j for query i, phi(q_i)·phi(k_j) normalised over j <= i,
-is pulled toward the teacher's softmax(q_i·k_j / sqrt(D)) by cross-entropy, layer by layer. Only a random subset
-of query rows is scored per batch: a 784-pixel image's full T x T weights per head and layer would leave room for
-few sequences. Only the feature maps learn; the fine-tuning that follows starts from them.
+Every other weight is still the softmax model's, so each layer can be taught on the teacher's own inputs, read from
+the teacher's forward pass, one layer at a time (a layer's graph is freed before the next is built). Two losses:
+- `output-mse` (LoLCATs, Zhang et al. 2025): each layer's attention output against the teacher's, mean squared
+  error relative to the teacher output's mean square (so layers weigh alike); any kind, any map.
+- `weight-ce` (Hedgehog, Zhang et al. 2024): a linear model's weight on key j for query i, phi(q_i)·phi(k_j)
+  normalised over j <= i, against the teacher's softmax(q_i·k_j / sqrt(D)), cross-entropy at a random subset of
+  query rows (a 784-pixel image's full T x T weights per head and layer would leave room for few sequences).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ WEIGHT_EPS = 1e-6  # as linear attention's own denominator guard
 @dataclass(frozen=True)
 class TransferResult:
     steps: int
-    first_loss: float  # cross-entropy (nats per query row) of the first batch, before any step
+    first_loss: float  # of the first batch, before any step
     last_loss: float  # the mean of the last few batches
     seconds: float
 
@@ -65,30 +68,80 @@ def transfer_loss(student: Transformer, pairs: list[tuple[torch.Tensor, torch.Te
     return total / len(pairs)
 
 
-def feature_map_parameters(student: Transformer) -> list[torch.nn.Parameter]:
-    return [p for block in student.blocks for p in block.attn.feature_map.parameters()]
+def teacher_attention_io(teacher: Transformer, tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's attention input (after its norm) and output in the teacher's forward pass: (B, T, C) each."""
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    hooks = [b.attn.register_forward_hook(lambda _, args, out: seen.append((args[0], out[0]))) for b in teacher.blocks]
+    try:
+        with torch.no_grad():
+            teacher.token_log_probs(tokens)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [(x.float(), y.float()) for x, y in seen]
+
+
+def output_step(student: Transformer, tokens: torch.Tensor, teacher: Transformer) -> float:
+    """Back-propagate each layer's relative output error in turn (gradients accumulate); returns their mean."""
+    total = 0.0
+    pairs = teacher_attention_io(teacher, tokens)
+    start = tokens.new_zeros(tokens.shape[0])
+    for block, (x, target) in zip(student.blocks, pairs):
+        y, _ = block.attn(x.to(block.attn.proj.weight.dtype), start, None)  # (B, T, C)
+        loss = (y.float() - target).pow(2).mean() / (target.pow(2).mean() + WEIGHT_EPS) / len(pairs)
+        loss.backward()
+        total += float(loss.detach())
+    return total
+
+
+def weight_step(student: Transformer, tokens: torch.Tensor, teacher: Transformer, generator: torch.Generator) -> float:
+    pairs = teacher_queries_keys(teacher, tokens)
+    length = pairs[0][1].shape[2]
+    rows = torch.randperm(length, generator=generator)[: min(QUERY_ROWS, length)].sort().values
+    loss = transfer_loss(student, pairs, rows.to(student.device))
+    loss.backward()
+    return float(loss.detach())
+
+
+def taught_parameters(student: Transformer) -> list[torch.nn.Parameter]:
+    """What the first stage trains: the feature maps and, in a hybrid, the per-head mix."""
+    maps = [p for block in student.blocks for p in block.attn.feature_map.parameters()]
+    mixes = [block.attn.mix for block in student.blocks if isinstance(getattr(block.attn, "mix", None), torch.Tensor)]
+    return maps + mixes
 
 
 def transfer(
-    student: Transformer, teacher: Transformer, next_batch, steps: int, lr: float, generator: torch.Generator, log
+    student: Transformer,
+    teacher: Transformer,
+    next_batch,
+    steps: int,
+    lr: float,
+    generator: torch.Generator,
+    log,
+    loss: str = "output-mse",
 ) -> TransferResult:
-    """`steps` AdamW steps on the feature maps alone; `next_batch()` gives (B, T) token batches."""
-    parameters = feature_map_parameters(student)
+    """`steps` AdamW steps on the taught parameters alone; `next_batch()` gives (B, T) token batches."""
+    parameters = taught_parameters(student)
     if not parameters:
         raise ValueError("the feature map has no parameters to teach (elu): attention transfer needs t2r or hedgehog")
+    student.requires_grad_(False)
+    for parameter in parameters:
+        parameter.requires_grad_(True)
     opt = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)
     losses, started = [], time.monotonic()
-    for step in range(steps):
-        pairs = teacher_queries_keys(teacher, next_batch().to(student.device))
-        length = pairs[0][1].shape[2]
-        rows = torch.randperm(length, generator=generator)[: min(QUERY_ROWS, length)].sort().values
-        loss = transfer_loss(student, pairs, rows.to(student.device))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-        if (step + 1) % 50 == 0 or step + 1 == steps:
-            log(f"attention transfer step {step + 1} loss {statistics_tail(losses):.4f}")
+    try:
+        for step in range(steps):
+            tokens = next_batch().to(student.device)
+            opt.zero_grad(set_to_none=True)
+            if loss == "output-mse":
+                losses.append(output_step(student, tokens, teacher))
+            else:
+                losses.append(weight_step(student, tokens, teacher, generator))
+            opt.step()
+            if (step + 1) % 50 == 0 or step + 1 == steps:
+                log(f"attention transfer step {step + 1} {loss} {statistics_tail(losses):.4f}")
+    finally:
+        student.requires_grad_(True)
     return TransferResult(steps, losses[0], statistics_tail(losses), time.monotonic() - started)
 
 

@@ -47,6 +47,7 @@ from model.config import ConfigError
 from model.weights_io import TOKENIZER_KEY
 
 from .averaging import WeightAverage
+from .lora import add_lora, merge_lora
 from .errors import TrainError
 
 FORMAT = 2  # 1: the torch.save dict
@@ -106,6 +107,8 @@ class RunSettings:
     teacher_digests: tuple[str, ...] = ()  # of each --teacher's config and tensors (older: its file); none: no teacher
     distill_weight: float = 0.0  # the teachers' share of the loss
     teacher_shares: tuple[float, ...] = ()  # each teacher's share of their mixture; none: equal shares
+    lora_rank: int = 0  # of the attention projections' adapters (0: every weight trained)
+    lora_alpha: float = 0.0  # their scale's numerator
 
     @classmethod
     def from_header(cls, saved: dict[str, Any]) -> RunSettings:
@@ -380,12 +383,15 @@ def model_of(path: Path, device: torch.device) -> tuple[Transformer, dict[str, A
     """The model a run's checkpoint would save now (its weight average if it keeps one), float32, and what it is."""
     ckpt = read_checkpoint(path)
     model = build_model(ckpt.config)
+    if ckpt.run is not None and ckpt.run.lora_rank:
+        add_lora(model, ckpt.run.lora_rank, ckpt.run.lora_alpha)
     try:
         model.load_state_dict(ckpt.model)
     except (RuntimeError, KeyError) as exc:
         raise TrainError(f"{path}: checkpoint does not fit its own config: {exc}") from exc
     if ckpt.average is not None:  # the resume's check: the average must cover every parameter
         WeightAverage.start(model, 0.0, ckpt.average).swap_into(model)
+    merge_lora(model)
     weights = "moving average of the weights" if ckpt.average is not None else "last step's weights"
     return model.to(device).eval(), {
         "step": ckpt.progress.step,

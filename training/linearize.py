@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from model.kinds import ATTENTION_KINDS
+from model.kinds import ATTENTION_KINDS, kind_options
 from model.transformer import build_model
 from model.vocabulary import vocabulary_for
 from model.config import ConfigError
@@ -49,15 +49,15 @@ def train_arguments(args: argparse.Namespace) -> argparse.Namespace:
         raise LinearizeError(f"{args.model}: {exc}") from exc
     if config.attention != "softmax":
         raise LinearizeError(
-            f"{args.model} is a {config.attention} model; linearize turns a softmax model into a linear one"
+            f"{args.model} is a {config.attention} model; linearize turns a softmax model into a linear or hybrid one"
         )
     try:
-        config.replace(attention="linear")
+        config.replace(attention=args.kind)
     except ConfigError as exc:
-        raise LinearizeError(f"{args.model}: {exc}; linearize takes GPT-2's kind of block so far") from exc
+        raise LinearizeError(f"{args.model}: {exc}") from exc
     parser = argparse.ArgumentParser()
     add_train_arguments(parser)
-    train = parser.parse_args(["--task", config.task, "--attention", "linear", "--data", args.data, "--out", args.out])
+    train = parser.parse_args(["--task", config.task, "--attention", args.kind, "--data", args.data, "--out", args.out])
     for name, value in vars(args).items():
         if hasattr(train, name):  # data, out, eval data, and train's fine-tuning and run flags
             setattr(train, name, value)
@@ -73,13 +73,25 @@ def train_arguments(args: argparse.Namespace) -> argparse.Namespace:
         "mixtures": config.mixtures,
     }
     vars(train).update(architecture)
-    linear_options = ATTENTION_KINDS["linear"].option_keys  # train's defaults, bar the two below
-    vars(train).update({key: value for key, value in config.options.items() if key not in linear_options})
-    train.linear_feature_map, train.linear_features = args.feature_map, args.features
+    own_options = ATTENTION_KINDS[args.kind].option_keys  # train's defaults, bar those set below
+    vars(train).update({key: value for key, value in config.options.items() if key not in own_options})
+    vars(train).update(kind_options_of(args))
     train.init_from = args.model
     train.teacher = None if args.no_teacher else [args.model, *(args.teacher or [])]
     train.command_line = args.command_line
     return train
+
+
+def kind_options_of(args: argparse.Namespace) -> dict[str, object]:
+    """The linearized kind's options from this command's flags."""
+    if args.kind == "linear":
+        if args.window is not None:
+            raise LinearizeError("--window sizes a hybrid's softmax window: add --kind hybrid")
+        return {"linear_feature_map": args.feature_map, "linear_features": args.features}
+    window = kind_options()["hybrid_window"].train_default if args.window is None else args.window
+    if not isinstance(window, int) or window < 1:
+        raise LinearizeError(f"--window must be at least 1 position, got {window}")
+    return {"hybrid_feature_map": args.feature_map, "hybrid_features": args.features, "hybrid_window": window}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,8 +116,13 @@ def first_stage(args: argparse.Namespace, train: argparse.Namespace) -> Path:
     if path.is_file():
         print(f"first stage: {path} exists, fine-tuning from it", file=sys.stderr)
         return path
-    if args.feature_map == "elu":
+    if args.feature_map == "elu" and args.kind == "linear":
         raise LinearizeError("--transfer-steps teaches a learned feature map; elu has none (use hedgehog or t2r)")
+    if args.transfer_loss == "weight-ce" and args.kind != "linear":
+        raise LinearizeError(
+            "--transfer-loss weight-ce compares pure linear attention weights with softmax's; "
+            f"a {args.kind} model learns from the layers' outputs (--transfer-loss output-mse)"
+        )
     torch.set_num_threads(train.threads)
     inherited = inherited_from(train)
     student = build_model(build_config(train, inherited))
@@ -116,15 +133,22 @@ def first_stage(args: argparse.Namespace, train: argparse.Namespace) -> Path:
     generator = torch.Generator().manual_seed(train.seed)
     batches = Batches(data, student.config.max_len, train.batch_size or 16, generator, 0)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    result = transfer(student, teacher, batches.next, args.transfer_steps, args.transfer_lr, generator, log)
+    result = transfer(
+        student, teacher, batches.next, args.transfer_steps, args.transfer_lr, generator, log, args.transfer_loss
+    )
     info = {
         "command": train.command_line,
-        "attention_transfer": {"steps": result.steps, "first_loss": result.first_loss, "last_loss": result.last_loss},
+        "attention_transfer": {
+            "steps": result.steps,
+            "loss": args.transfer_loss,
+            "first_loss": result.first_loss,
+            "last_loss": result.last_loss,
+        },
         "examples_seen": result.steps * batches.batch_size,
         "wall_time_s": round(result.seconds, 1),
         "lineage": inherited_lineage(args.model),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     save_model(student, path, info, tokenizer=inherited.tokenizer)
-    log(f"first stage: {path} (attention cross-entropy {result.first_loss:.4f} -> {result.last_loss:.4f})")
+    log(f"first stage: {path} ({args.transfer_loss} {result.first_loss:.4f} -> {result.last_loss:.4f})")
     return path

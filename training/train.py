@@ -63,6 +63,7 @@ from .errors import TrainError
 from .evaluate import device_description, evaluate_file, print_table, resolve_device
 from .lineage import inherited_lineage
 from .presets import PRESETS
+from .lora import add_lora, merge_lora
 from .warm_start import init_from
 
 SAVE_DTYPES = {name: getattr(torch, name) for name in SAVE_DTYPE_NAMES}
@@ -273,12 +274,26 @@ def check_args(args: argparse.Namespace) -> None:
             f"--distill-weight must be in (0, 1] (the teachers' share of the loss), got {args.distill_weight}"
         )
     check_teacher_shares(args.teacher_shares, args.teacher or [])
+    check_lora(args)
+
+
+def check_lora(args: argparse.Namespace) -> None:
+    """--lora-rank >= 0; --lora-alpha only beside it, positive; resolves the alpha's default."""
+    if args.lora_rank < 0:
+        raise TrainError(f"--lora-rank must be 0 (no adapters) or a positive rank, got {args.lora_rank}")
+    if args.lora_alpha is not None and not args.lora_rank:
+        raise TrainError("--lora-alpha scales the adapters: add --lora-rank R")
+    if args.lora_alpha is not None and not args.lora_alpha > 0:
+        raise TrainError(f"--lora-alpha must be positive, got {args.lora_alpha}")
+    if args.lora_rank and args.lora_alpha is None:
+        args.lora_alpha = 2.0 * args.lora_rank
 
 
 def make_optimizer(model: Transformer, lr: float, weight_decay: float) -> torch.optim.AdamW:
     # No weight decay on 1-D parameters (biases, norm gains): the usual AdamW split.
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    trained = [p for p in model.parameters() if p.requires_grad]  # all, bar the base weights under LoRA
+    decay = [p for p in trained if p.dim() >= 2]
+    no_decay = [p for p in trained if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
@@ -437,6 +452,12 @@ def train(args: argparse.Namespace, stop_after: int | None = None) -> dict[str, 
     preset = PRESETS[args.preset]
     batch_size, lr = args.batch_size or preset.batch_size, args.lr or preset.lr
     model = build_model(cfg).to(device)
+    starts_anew = not (args.resume and resume_path(args) is not None)
+    if starts_anew and args.init_from:  # before any adapter: the file's weights are the frozen base
+        init_from(args.init_from, model)
+    if args.lora_rank:
+        trainable = add_lora(model, args.lora_rank, args.lora_alpha)
+        print(f"LoRA rank {args.lora_rank}: {trainable:,} trainable parameters, the rest frozen", file=sys.stderr)
     opt = make_optimizer(model, lr, args.weight_decay)
     batches = Batches(data, cfg.max_len, batch_size, torch.Generator().manual_seed(args.seed), args.max_shift)
     distillation = (
@@ -457,12 +478,12 @@ def train(args: argparse.Namespace, stop_after: int | None = None) -> dict[str, 
         distillation.digests if distillation else (),
         distillation.weight if distillation else 0.0,
         distillation.given_shares if distillation else (),
+        args.lora_rank,
+        args.lora_alpha if args.lora_rank else 0.0,
     )
     writer = CheckpointWriter(checkpoint_path(args), args.checkpoint_precision, run, inherited.tokenizer)
     prog, saved_average = resume(args, writer, model, opt, batches) if args.resume else (Progress(), None)
-    if prog.step == 0:  # a new run; a resumed one keeps the weights and lineage of its checkpoint
-        if args.init_from:
-            init_from(args.init_from, model)
+    if prog.step == 0:  # a new run; a resumed one keeps the lineage of its checkpoint
         prog.lineage = inherited_lineage(args.init_from)
     average = WeightAverage.start(model, args.ema_decay, saved_average) if args.ema_decay else None
     print(
@@ -477,8 +498,10 @@ def train(args: argparse.Namespace, stop_after: int | None = None) -> dict[str, 
     if stop.signum is not None:
         raise TrainingStopped(stop.signum, prog.step, writer.path if args.checkpoint_every else None)
     info = training_info(args, data_path, prog, device, batch_size, lr, distillation)
-    with average.swapped_in(model) if average is not None else nullcontext():
-        save_and_evaluate(model, args, info, device, inherited.tokenizer)
+    if average is not None:  # the run is over: the model keeps the average for good
+        average.swap_into(model)
+    merge_lora(model)  # the saved file holds plain weights
+    save_and_evaluate(model, args, info, device, inherited.tokenizer)
     return info
 
 

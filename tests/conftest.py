@@ -212,6 +212,7 @@ SLOW_MODULES = frozenset(
         "test_engine_restart",
         "test_eval_checkpoints",
         "test_kv_cache_dtype",
+        "test_linearized_llama",
         "test_openai_client",
         "test_openapi_contract",
         "test_playground",

@@ -103,9 +103,8 @@ class LinearAttention(Attention):
         # Rotary positions turn q and k before the feature map (as LoLCATs linearizes Llama): phi then sees the
         # queries and keys softmax scored.
         self.rotary = Rotary(cfg) if cfg.pos_encoding == "rotary" else None
-        self.feature_map = make_feature_map(
-            cfg.linear_feature_map, cfg.n_kv_heads, cfg.d_head, cfg.linear_features
-        )  # per key head: a group's queries share its map
+        # Per key head: a group's queries share its map, so phi(k) and the sums are one per key head.
+        self.feature_map = make_feature_map(cfg.linear_feature_map, cfg.n_kv_heads, cfg.d_head, cfg.linear_features)
         self.features = feature_count(cfg.linear_feature_map, cfg.d_head, cfg.linear_features)  # F
         self.cpu_decode_kernel = False  # the chunk (prefill) kernel; model/cpu_kernels.py turns it on
 

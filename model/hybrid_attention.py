@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .attention import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
@@ -68,12 +69,8 @@ class HybridAttention(Attention):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.d_head, self.window = (
-            cfg.n_heads,
-            cfg.n_kv_heads,
-            cfg.d_head,
-            cfg.hybrid_window,
-        )
+        self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+        self.window = cfg.hybrid_window
         self.eps = cfg.hybrid_eps
         # The same layers, names and shapes as softmax attention's for the same block options, so that a softmax
         # model's weights load into its hybrid twin (a warm start copies them by name, training/warm_start.py).
@@ -96,14 +93,15 @@ class HybridAttention(Attention):
     def forward(self, x: torch.Tensor, start: torch.Tensor, state: HybridState | None):
         positions = chunk_positions(start, x.shape[1])  # (B, T)
         q, k, v = self._project(x, positions)  # (B, H, T, D), (B, KV, T, D) twice
-        past = self._past(state, start) if state is not None else self._empty_past(k)
+        if state is None:  # a whole sequence from position 0: training and scoring
+            return self.proj(merge_heads(self._attend_in_blocks(q, k, v).to(x.dtype))), None
+        past = self._past(state, start)
         # The past's keys beside the chunk's, mapped once: attending and advancing the state both read them.
         keys, values = torch.cat([past.k, k], dim=2), torch.cat([past.v, v], dim=2)  # (B, KV, L, D)
         key_pos = torch.cat([past.positions, positions], dim=1)  # (B, L)
         phi_k = self.feature_map(keys)  # (B, KV, L, F)
         y = self._attend(q, keys, values, key_pos, phi_k, positions, past)
-        if state is not None:
-            self._advance(state, k, v, values, key_pos, phi_k, positions, past)
+        self._advance(state, k, v, values, key_pos, phi_k, positions, past)
         return self.proj(merge_heads(y.to(x.dtype))), state
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
@@ -115,16 +113,46 @@ class HybridAttention(Attention):
             q, k = self.rotary(q, positions), self.rotary(k, positions)
         return q, k, v
 
-    def _empty_past(self, k: torch.Tensor) -> Past:
-        b, kv, _, d = k.shape
-        none = k.new_zeros(b, kv, 0, d)
-        return Past(
-            none,
-            none,
-            k.new_zeros(b, 0, dtype=torch.long),
-            k.new_zeros(b, kv, self.features, d),
-            k.new_zeros(b, kv, self.features),
+    def _attend_in_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The same sums as `_attend` for a whole sequence from position 0, q (B, H, T, D) over k, v (B, KV, T, D),
+        in blocks of W positions: a query's window lies in its own block and the one before, and every older key
+        sits in that block or in the sums of the blocks before it, so the work grows as T W rather than T^2. A key
+        head's group of query heads is worked on as (B, KV, G, ...), the keys with a group axis of 1."""
+        b, h, t, d = q.shape
+        kv_heads, w = k.shape[1], self.window
+        n = -(-t // w)  # blocks; the last is padded with zeros that no real query reaches
+        q, k, v = (F.pad(x, (0, 0, 0, n * w - t)) for x in (q, k, v))
+        phi_q = self.feature_map(q).view(b, kv_heads, -1, n, w, self.features)  # (B, KV, G, N, W, F)
+        phi_k = self.feature_map(k).view(b, kv_heads, 1, n, w, self.features)  # (B, KV, 1, N, W, F)
+        q = q.view(b, kv_heads, -1, n, w, d)
+        k, v = (x.view(b, kv_heads, 1, n, w, d) for x in (k, v))
+        # The block before beside each block's own: (B, KV, 1, N, 2W, D or F)
+        keys, values, phi_keys = (
+            torch.cat([F.pad(x, (0, 0, 0, 0, 1, 0))[:, :, :, :n], x], dim=4) for x in (k, v, phi_k)
         )
+        in_window, older = self._block_masks(n, q.device)  # (N, W, 2W) each: the block before, then its own
+        scores = (q @ keys.transpose(-1, -2)) * self.d_head**-0.5  # (B, KV, G, N, W, 2W)
+        scores = scores.masked_fill(~in_window, float("-inf"))
+        window = torch.exp(scores - scores.amax(-1, keepdim=True))
+        linear = (phi_q @ phi_keys.transpose(-1, -2)).masked_fill(~older, 0.0)  # (B, KV, G, N, W, 2W)
+        # Keys two blocks back or more: their sums, blocks 0 .. c-2 for block c.
+        s_old = F.pad((phi_k.transpose(-1, -2) @ v).cumsum(3), (0, 0, 0, 0, 2, 0))[:, :, :, :n]  # (B, KV, 1, N, F, D)
+        z_old = F.pad(phi_k.sum(4).cumsum(3), (0, 0, 2, 0))[:, :, :, :n]  # (B, KV, 1, N, F)
+        g = torch.sigmoid(self.mix.float()).view(1, kv_heads, -1, 1, 1, 1)  # (1, KV, G, 1, 1, 1)
+        weights = g * window + (1 - g) * linear
+        numerator = weights @ values + (1 - g) * (phi_q @ s_old)  # (B, KV, G, N, W, D)
+        denominator = weights.sum(-1) + (1 - g[..., 0]) * (phi_q @ z_old[..., None])[..., 0]  # (B, KV, G, N, W)
+        y = numerator / (denominator[..., None] + self.eps)
+        return y.reshape(b, h, n * w, d)[:, :, :t]
+
+    def _block_masks(self, blocks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """For query i of a block and key j of [block before, own block] (j = W + i is the query itself): whether
+        j is in i's window, and whether it is older than the window. Block 0 has no block before it."""
+        w = self.window
+        i = torch.arange(w, device=device)[:, None]
+        j = torch.arange(2 * w, device=device)[None, :]
+        exists = (torch.arange(blocks, device=device) > 0)[:, None, None] | (j >= w)  # (N, 1 or W, 2W)
+        return exists & (j > i) & (j <= i + w), exists & (j <= i)
 
     def _past(self, state: HybridState, start: torch.Tensor) -> Past:
         """The ring's keys and values ordered by position (start - W .. start - 1) and the sums, as copies."""

@@ -480,7 +480,7 @@ def train(args: argparse.Namespace, stop_after: int | None = None) -> dict[str, 
         raise TrainingStopped(stop.signum, prog.step, writer.path if args.checkpoint_every else None)
     info = training_info(args, data_path, prog, device, batch_size, lr, distillation)
     with average.swapped_in(model) if average is not None else nullcontext():
-        save_and_evaluate(model, args, info, device, inherited)
+        save_and_evaluate(model, args, info, device, inherited.tokenizer)
     return info
 
 
@@ -489,17 +489,13 @@ def average_of(average: WeightAverage | None) -> dict[str, torch.Tensor] | None:
 
 
 def save_and_evaluate(
-    model: Transformer, args: argparse.Namespace, info: dict[str, Any], device: torch.device, inherited: Inherited
+    model: Transformer, args: argparse.Namespace, info: dict[str, Any], device: torch.device, tokenizer: str | None
 ) -> None:
-    """Save the model (with its tokenizer and chat template, if it has them); evaluate the saved 16-bit file itself
-    (the numbers describe what ships) and store the result."""
+    """Save the model (with its tokenizer, if it has one, and the chat template of the file it started from);
+    evaluate the saved 16-bit file itself (the numbers describe what ships) and store the result."""
+    chat_template = inherited_from(args).chat_template
     save_model(
-        model,
-        args.out,
-        info,
-        dtype=SAVE_DTYPES[args.save_dtype],
-        tokenizer=inherited.tokenizer,
-        chat_template=inherited.chat_template,
+        model, args.out, info, dtype=SAVE_DTYPES[args.save_dtype], tokenizer=tokenizer, chat_template=chat_template
     )
     if args.no_eval:
         return

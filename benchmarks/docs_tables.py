@@ -203,7 +203,8 @@ def tables(results: Path = RESULTS) -> str:
 
 def imported_tables(results: Path = RESULTS) -> str:
     """The newest `python -m benchmarks.llama_small` run (`llama-small-DATE.json`): tokens/s of the imported
-    model against Hugging Face `generate` with its static cache, per dtype and batch, measured in turns."""
+    model and of its linearized twin against Hugging Face `generate` with its static cache, per dtype and batch,
+    measured in turns."""
     runs = sorted(path for path in results.glob("llama-small-*.json") if IMPORTED_FILE.fullmatch(path.name))
     if not runs:
         return "No run yet."
@@ -216,17 +217,30 @@ def imported_tables(results: Path = RESULTS) -> str:
         f"({processor(report)}), {threads(report)} threads, {first['new_tokens']} new tokens a row, "
         f"best of {len(first['seconds'])} turns, 1-minute load {report['load_after']['load_1min']:.1f} at the end.",
         "",
-        "| dtype | batch | rnnserve softmax, tokens/s | Hugging Face generate, static cache | ratio |",
-        "|---|---:|---:|---:|---:|",
+        "| dtype | batch | rnnserve softmax, tokens/s | linearized (linear attention), tokens/s "
+        "| Hugging Face generate, static cache | softmax / HF | linearized / HF |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for row in report["throughput"]:
-        if row["contestant"].startswith("rnnserve"):
+    rows = report["throughput"]
+    for row in rows:
+        if row["contestant"].startswith("rnnserve softmax"):
             hf = row["tokens_per_s"] / row["vs_hf_static"]
+            linear = _linearized_row(rows, row["dtype"], row["batch"])
+            linear_speed = f"{linear['tokens_per_s']:.1f}" if linear else "not run"
+            linear_ratio = _ratio(linear["vs_hf_static"]) if linear else "-"
             lines.append(
-                f"| {row['dtype']} | {row['batch']} | {row['tokens_per_s']:.1f} | {hf:.1f} | "
-                f"{_ratio(row['vs_hf_static'])} |"
+                f"| {row['dtype']} | {row['batch']} | {row['tokens_per_s']:.1f} | {linear_speed} | {hf:.1f} | "
+                f"{_ratio(row['vs_hf_static'])} | {linear_ratio} |"
             )
     return "\n".join(lines)
+
+
+def _linearized_row(rows: list[dict], dtype: str, batch: int) -> dict | None:
+    """The linearized twin's row at this dtype and batch (runs from before it was measured have none)."""
+    found = [
+        r for r in rows if r["contestant"].startswith("rnnserve linear") and (r["dtype"], r["batch"]) == (dtype, batch)
+    ]
+    return found[0] if found else None
 
 
 def with_tables(page: str, generated: str, begin: str = BEGIN, end: str = END) -> str:

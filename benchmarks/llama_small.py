@@ -6,9 +6,10 @@ with `save_pretrained` in float32 and in bfloat16 beside a small byte-level BPE,
 `rnnserve import hf`'s own function (the bfloat16 folder gives a bfloat16 file). In one run, for each dtype:
 tokens/s at batch 1 and 16 of the imported model through the decode step the server runs (compiled) and of
 Hugging Face `generate` with its static KV cache on the same folder, the contestants taking turns round by round.
-Results go to a JSON file (--out); docs/benchmarks.md has the table (`python -m benchmarks.docs_tables`).
-
-Not yet beside them: a linearized twin (`rnnserve linearize` does not take rotary, grouped-query blocks yet).
+Beside them, the imported model linearized: its linear-attention twin (hedgehog feature map, rotary positions and
+grouped-query attention kept: sums per key head) holding every one of its weights, the feature map as drawn (what
+`rnnserve linearize` starts from; training changes no shape, so not the speed). Results go to a JSON file (--out);
+docs/benchmarks.md has the table (`python -m benchmarks.docs_tables`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from model.hf_import import import_folder
+from model.transformer import Transformer, build_model
 from model.weights_io import load_model
 
 from .decode import DecodeSettings, environment, machine_load
@@ -40,6 +42,7 @@ SMOLLM_135M = dict(
 )
 TINY = {**SMOLLM_135M, "num_hidden_layers": 2, "hidden_size": 72, "intermediate_size": 96, "vocab_size": 1000}
 START, END = "<s>", "</s>"
+LINEARIZED_MAP = "hedgehog"  # the map linearizing with attention transfer learns (LoLCATs)
 
 
 def write_llama_folder(folder: Path, sizes: dict, dtype: torch.dtype, seed: int) -> None:
@@ -61,6 +64,14 @@ def write_llama_folder(folder: Path, sizes: dict, dtype: torch.dtype, seed: int)
     tokenizer.save_pretrained(folder)
 
 
+def linearized_twin(model: Transformer) -> Transformer:
+    """The linear twin of an imported softmax model, with every one of its weights (the same names and shapes)."""
+    twin = build_model(model.config.replace(attention="linear", linear_feature_map=LINEARIZED_MAP))
+    missing, unexpected = twin.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and all(".feature_map." in name for name in missing), (missing, unexpected)
+    return twin.to(model.dtype).eval()
+
+
 def run(sizes: dict, s: Gpt2Settings, progress=print) -> dict:
     report = {"environment": environment(DecodeSettings()) | machine_load(), "sizes": sizes, "throughput": []}
     with tempfile.TemporaryDirectory(prefix="llama-small-") as tmp:
@@ -72,7 +83,10 @@ def run(sizes: dict, s: Gpt2Settings, progress=print) -> dict:
             import_folder(folder, file)
             model, _ = load_model(file, dtype=dtype)
             report["parameters"] = model.num_parameters()
-            models = {f"rnnserve softmax (imported, {name})": model}
+            models = {
+                f"rnnserve softmax (imported, {name})": model,
+                f"rnnserve linear (linearized, {name})": linearized_twin(model),
+            }
             report["throughput"] += measure_throughput(models, folder, s, progress, dtype)
     report["load_after"] = machine_load()
     return report

@@ -39,7 +39,7 @@ BLOCK_OPTIONS: tuple[KindOption, ...] = (
 )
 
 # Options only some attention kinds implement, and which value each kind without them must keep.
-NEEDS_KIND_SUPPORT = {"kv_heads": 0, "sliding_window": 0}
+NEEDS_KIND_SUPPORT = {"kv_heads": 0, "sliding_window": 0, "qkv_bias": True, "attn_out_bias": True}
 
 
 def block_options() -> dict[str, KindOption]:

@@ -10,7 +10,9 @@ sums over phi(k) of F numbers per head whatever the length. Three maps, chosen b
     "The Hedgehog & the Porcupine"): spiky and monotone like exp, so it can mimic softmax attention's
     weights. W starts as the identity; phi has twice the projection's outputs.
 Both learned maps' projections are per head and start where the model's behaviour is closest to the
-softmax model it was made from; their parameters are `feature_map.weight` and `feature_map.bias`.
+softmax model it was made from; their parameters are `feature_map.weight` and `feature_map.bias`. In
+grouped-query attention they are per key head: the query heads of a group are mapped by their key head's
+projection, so that phi(k) is one for the whole group and the sums over it are held once per key head.
 """
 
 from __future__ import annotations
@@ -53,8 +55,14 @@ class ProjectedFeatureMap(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
-        # (B, H, T, D) x (H, P, D) -> (B, H, T, P)
-        return torch.einsum("bhtd,hpd->bhtp", x, self.weight.float()) + self.bias.float()[:, None, :]
+        """(B, H, T, D) -> (B, H, T, P); H is the map's heads, or a multiple of them (a group of query heads
+        per key head, side by side, each group mapped by its key head's projection)."""
+        heads = self.weight.shape[0]
+        if x.shape[1] == heads:  # (B, H, T, D) x (H, P, D) -> (B, H, T, P)
+            return torch.einsum("bhtd,hpd->bhtp", x, self.weight.float()) + self.bias.float()[:, None, :]
+        grouped = x.unflatten(1, (heads, -1))  # (B, KV, G, T, D)
+        projected = torch.einsum("bjgtd,jpd->bjgtp", grouped, self.weight.float()) + self.bias.float()[:, None, None]
+        return projected.flatten(1, 2)
 
 
 class T2RFeatureMap(ProjectedFeatureMap):

@@ -71,7 +71,8 @@ class AttentionKind:
     cls: str  # "module:Class"
     options: tuple[KindOption, ...] = ()
     # What it implements of imported models' attention (model/architecture.py): "rotary" positions, "kv_heads"
-    # (grouped-query attention), a "sliding_window". A model of a kind without one cannot set it.
+    # (grouped-query attention), a "sliding_window", projections without biases ("qkv_bias", "attn_out_bias").
+    # A model of a kind without one cannot set it.
     implements: tuple[str, ...] = ()
 
     @property
@@ -81,7 +82,8 @@ class AttentionKind:
 
 ATTENTION_KINDS: dict[str, AttentionKind] = {
     "softmax": AttentionKind(
-        "model.softmax_attention:SoftmaxAttention", implements=("rotary", "kv_heads", "sliding_window")
+        "model.softmax_attention:SoftmaxAttention",
+        implements=("rotary", "kv_heads", "sliding_window", "qkv_bias", "attn_out_bias"),
     ),
     "linear": AttentionKind(
         "model.linear_attention:LinearAttention",
@@ -103,6 +105,7 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {
                 minimum=0,
             ),
         ),
+        implements=("rotary", "kv_heads", "qkv_bias", "attn_out_bias"),
     ),
     "linformer": AttentionKind(
         "model.linformer_attention:LinformerAttention",
@@ -133,6 +136,7 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {
             ),
             KindOption("hybrid_eps", 1e-6, "added to the shared normaliser", minimum=0.0),
         ),
+        implements=("rotary", "kv_heads", "qkv_bias", "attn_out_bias"),
     ),
     "reformer": AttentionKind(
         "model.reformer_attention:ReformerAttention",

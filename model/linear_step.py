@@ -8,8 +8,8 @@ to the eager model on the machine's route, tests/test_cpu_kernels.py on the
 others that can be forced there), without a graph's wrappers or an operator
 call per layer. A categorical head runs inside the call; any other head (the
 logistic mixture, a tied one) runs after it, on the final hidden state.
-Anything else (learned feature maps, sinusoidal positions, GPT-2's tanh GELU)
-keeps the compiled step.
+Anything else (learned feature maps, sinusoidal or rotary positions, grouped-query
+attention, GPT-2's tanh GELU) keeps the compiled step.
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ def whole_step_refusal(twin: Transformer) -> str | None:
         return f"{cfg.attention} attention (it takes linear attention)"
     if cfg.linear_feature_map != "elu":
         return f"{cfg.linear_feature_map} features (it takes elu + 1)"
-    if twin.pos_emb is None:
+    if twin.pos_emb is None:  # rotary positions among them: the call adds a position embedding, turns nothing
         return f"{cfg.pos_encoding} positions (it takes learned ones)"
+    if cfg.n_kv_heads != cfg.n_heads:  # it reads one state per query head; the compiled step takes the others
+        return f"kv_heads {cfg.n_kv_heads} (it takes one key head per query head)"
     if (cfg.norm, cfg.feed_forward) != ("layer", "gelu") or not all((cfg.qkv_bias, cfg.attn_out_bias, cfg.ff_bias)):
         return f"{cfg.norm} norms and a {cfg.feed_forward} feed-forward (it takes GPT-2's block with its biases)"
     if cfg.gelu != "exact":

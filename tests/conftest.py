@@ -70,12 +70,13 @@ BLOCK_VARIANTS = {
 
 def make_tiny_config(kind: str, **overrides) -> ModelConfig:
     """A tiny config of `kind` ("linear+hedgehog": linear attention with that feature map; "softmax+llama": softmax
-    with a Llama's block); keyword overrides replace any field."""
-    kind, _, variant = kind.partition("+")
-    if variant in BLOCK_VARIANTS:
-        overrides = {**BLOCK_VARIANTS[variant], **overrides}
-    elif variant:
-        overrides = {"linear_feature_map": variant, "linear_features": 6, **overrides}  # F != the head size
+    with a Llama's block; "hybrid+qwen2+t2r": both); keyword overrides replace any field."""
+    kind, *variants = kind.split("+")
+    for variant in reversed(variants):
+        if variant in BLOCK_VARIANTS:
+            overrides = {**BLOCK_VARIANTS[variant], **overrides}
+        else:  # F != the head size
+            overrides = {f"{kind}_feature_map": variant, f"{kind}_features": 6, **overrides}
     fields = dict(
         attention=kind,
         task="text",
@@ -211,6 +212,7 @@ SLOW_MODULES = frozenset(
         "test_engine_restart",
         "test_eval_checkpoints",
         "test_kv_cache_dtype",
+        "test_linearized_llama",
         "test_openai_client",
         "test_openapi_contract",
         "test_playground",

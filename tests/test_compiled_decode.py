@@ -57,8 +57,9 @@ def compiled_decoder(
     return decoder
 
 
-# A Llama's block (rotary positions, grouped-query attention, SwiGLU, RMSNorm) compiles to the eager step too.
-@pytest.mark.parametrize("kind", [*COMPILABLE_KINDS, "softmax+llama"])
+# A Llama's block (rotary positions, grouped-query attention, SwiGLU, RMSNorm) compiles to the eager step too, under
+# softmax and linearized.
+@pytest.mark.parametrize("kind", [*COMPILABLE_KINDS, "softmax+llama", "linear+llama"])
 def test_compiled_steps_give_eager_log_probabilities_as_rows_finish_and_join(kind):
     model = shared_tiny_model(kind)  # made outside inference mode, as models are loaded
     with torch.inference_mode():

@@ -102,9 +102,13 @@ def test_the_imported_llama_table_is_the_newest_run_s_with_hugging_face_s_figure
         rows = [
             {"contestant": "rnnserve softmax (imported, float32)", "batch": 16, "dtype": "float32"},
             {"contestant": "Hugging Face generate, static cache", "batch": 16, "dtype": "float32"},
+            {"contestant": "rnnserve softmax (imported, bfloat16)", "batch": 1, "dtype": "bfloat16"},
+            {"contestant": "rnnserve linear (linearized, float32)", "batch": 16, "dtype": "float32"},
         ]
         rows[0] |= {"tokens_per_s": ours, "vs_hf_static": ours / 100.0, "new_tokens": 128, "seconds": [1.0, 1.1, 1.2]}
         rows[1] |= {"tokens_per_s": 100.0, "vs_hf_static": 1.0, "new_tokens": 128, "seconds": [2.0, 2.1, 2.2]}
+        rows[2] |= {"tokens_per_s": 20.0, "vs_hf_static": 2.0, "new_tokens": 128, "seconds": [1.0]}
+        rows[3] |= {"tokens_per_s": 2 * ours, "vs_hf_static": 2 * ours / 100.0, "new_tokens": 128, "seconds": [1.0]}
         report = {
             "environment": {"cpu_class": "AVX2", "processor": "Some CPU", "torch_threads": 2},
             "sizes": {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3},
@@ -115,4 +119,5 @@ def test_the_imported_llama_table_is_the_newest_run_s_with_hugging_face_s_figure
         (tmp_path / f"llama-small-{day}.json").write_text(json.dumps(report))
     table = imported_tables(tmp_path)
     assert "llama-small-2026-12-06.json" in table and "30 layers" in table and "AVX2 (Some CPU), 2 threads" in table
-    assert "| float32 | 16 | 300.0 | 100.0 | 3.00x |" in table and "best of 3 turns" in table
+    assert "| float32 | 16 | 300.0 | 600.0 | 100.0 | 3.00x | 6.00x |" in table and "best of 3 turns" in table
+    assert "| bfloat16 | 1 | 20.0 | not run | 10.0 | 2.00x | - |" in table  # a dtype whose twin did not run

@@ -90,6 +90,8 @@ def test_a_single_row_steps_as_a_batch_row_does():
         ("linear+hedgehog", {}, "hedgehog features"),
         ("linear", {"pos_encoding": "sinusoidal"}, "sinusoidal positions"),
         ("linear", {"gelu": "tanh"}, "tanh GELU"),
+        ("linear", {"kv_heads": 2}, "kv_heads 2"),
+        ("linear+llama", {}, "rotary positions"),
     ],
 )
 def test_models_it_does_not_take_are_named_with_why(kind, overrides, named):

@@ -179,12 +179,13 @@ def test_out_into_a_folder_not_made_yet_is_made_as_import_makes_it(tmp_path, sof
     assert load_model(out)[0].config.attention == "linear"
 
 
-def test_a_llama_s_rotary_grouped_attention_is_refused_in_one_line_naming_it(tmp_path, corpus, capsys):
-    path = tmp_path / "llama.safetensors"
-    save_model(build_model(make_tiny_config("softmax+llama", max_len=16)), path)
+def test_a_mistral_s_sliding_window_is_refused_in_one_line_naming_it(tmp_path, corpus, capsys):
+    """Linear attention implements a Llama's rotary positions and grouped-query attention, not a sliding window."""
+    path = tmp_path / "mistral.safetensors"
+    save_model(build_model(make_tiny_config("softmax+mistral", max_len=16)), path)
     assert linearize(tmp_path, path, corpus, "--out", str(tmp_path / "x.safetensors")) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("rnnserve linearize: error: ") and "linear attention does not implement" in line, line
+    assert line.startswith("rnnserve linearize: error: ") and "sliding_window 10" in line, line
     assert not (tmp_path / "x.safetensors").exists()
 
 

@@ -27,7 +27,7 @@ from server.metrics import Metrics
 from conftest import make_tiny_model
 from server_support import TEXT_MAX_LEN, metric_value, save_tiny_model, serving_process
 
-CACHED_KINDS = ["linear", "linformer", "hybrid", "softmax", "softmax+llama"]
+CACHED_KINDS = ["linear", "linformer", "hybrid", "softmax", "softmax+llama", "linear+llama", "hybrid+qwen2"]
 STEMS = ([5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 20], [30, 31], [40])  # share prefixes with each other
 
 
@@ -57,7 +57,7 @@ def test_an_evicted_branch_is_pruned_from_the_trie():
     assert cache.lookup([1, 2, 3]) is None and not cache._root.children.get(1)
 
 
-@pytest.mark.parametrize("kind", ["linear", "linformer", "softmax", "softmax+llama"])
+@pytest.mark.parametrize("kind", ["linear", "linformer", "softmax", "softmax+llama", "linear+llama"])
 def test_a_cached_prefix_holds_the_state_of_its_length_and_the_logits(kind):
     """The memory arithmetic docs/operations.md gives: a state at the prefix's length (constant for linear and
     Linformer, growing for softmax), plus float32 logits."""

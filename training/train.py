@@ -34,7 +34,7 @@ from model.config import ConfigError
 from model.architecture import block_options
 from model.kinds import kind_options
 from model.vocabulary import Vocabulary, vocabulary_for
-from model.weights_io import WeightsError, read_metadata, read_tokenizer, save_model, update_info
+from model.weights_io import WeightsError, read_chat_template, read_metadata, read_tokenizer, save_model, update_info
 
 from .arguments import SAVE_DTYPE_NAMES
 from .averaging import WeightAverage
@@ -98,10 +98,12 @@ INHERITED_FIELDS = ("vocab_size", "bos_token", "eos_token", "tied_head", "gelu",
 
 @dataclass(frozen=True)
 class Inherited:
-    """What `--init-from FILE` hands a run besides weights: config fields and the tokenizer (None: bytes)."""
+    """What `--init-from FILE` hands a run besides weights: config fields, the tokenizer (None: bytes) and the chat
+    template (None: none), which the saved model keeps (a linearized chat model still chats)."""
 
     fields: dict[str, Any]
     tokenizer: str | None = None
+    chat_template: str | None = None
 
 
 def inherited_from(args: argparse.Namespace) -> Inherited:
@@ -109,10 +111,10 @@ def inherited_from(args: argparse.Namespace) -> Inherited:
         return Inherited({})
     try:
         config, _ = read_metadata(args.init_from)
-        tokenizer = read_tokenizer(args.init_from)
+        tokenizer, chat_template = read_tokenizer(args.init_from), read_chat_template(args.init_from)
     except WeightsError as exc:
         raise TrainError(f"--init-from: {exc}") from exc
-    return Inherited({name: getattr(config, name) for name in INHERITED_FIELDS}, tokenizer)
+    return Inherited({name: getattr(config, name) for name in INHERITED_FIELDS}, tokenizer, chat_template)
 
 
 def build_config(args: argparse.Namespace, inherited: Inherited = Inherited({})) -> ModelConfig:
@@ -512,9 +514,12 @@ def average_of(average: WeightAverage | None) -> dict[str, torch.Tensor] | None:
 def save_and_evaluate(
     model: Transformer, args: argparse.Namespace, info: dict[str, Any], device: torch.device, tokenizer: str | None
 ) -> None:
-    """Save the model (with its tokenizer, if it has one); evaluate the saved 16-bit file itself (the numbers
-    describe what ships) and store the result."""
-    save_model(model, args.out, info, dtype=SAVE_DTYPES[args.save_dtype], tokenizer=tokenizer)
+    """Save the model (with its tokenizer, if it has one, and the chat template of the file it started from);
+    evaluate the saved 16-bit file itself (the numbers describe what ships) and store the result."""
+    chat_template = inherited_from(args).chat_template
+    save_model(
+        model, args.out, info, dtype=SAVE_DTYPES[args.save_dtype], tokenizer=tokenizer, chat_template=chat_template
+    )
     if args.no_eval:
         return
     info["eval"] = evaluate_file(

@@ -63,6 +63,7 @@ RAY_FLAGS = (
     "cpus_per_replica",
     "gpus_per_replica",
     "ray_metrics_port",
+    "ray_prefix_chars",
 )
 
 
@@ -303,6 +304,13 @@ def _add_ray_arguments(group: argparse._ArgumentGroup) -> None:
         "--ray-metrics-port",
         type=int,
         help=f"port of Ray's metrics export, every replica's series {default('ray_metrics_port')}",
+    )
+    group.add_argument(
+        "--ray-prefix-chars",
+        type=int,
+        metavar="CHARS",
+        help="route requests whose prompts (an image's known pixels) start alike over this many characters to "
+        f"the replica whose prefix cache holds them; 0: Serve's default router {default('ray_prefix_chars')}",
     )
 
 

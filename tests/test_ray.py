@@ -133,6 +133,16 @@ def test_requests_reach_both_replicas(seen):
     assert len(set(replicas)) == 2, f"16 requests all went to {set(replicas)}"
 
 
+def test_requests_sharing_a_prefix_go_to_the_replica_that_caches_it(seen):
+    """Prefix routing (on by default): every request of a group goes to one replica, and every one after the
+    first finds the shared part in that replica's prefix cache."""
+    for group in seen["shared_prefixes"]:
+        assert all(a["status"] == 200 for a in group), [a["body"] for a in group]
+        assert len({a["replica"] for a in group}) == 1, [a["replica"] for a in group]
+        cached = [json.loads(a["body"])["usage"]["prompt_tokens_details"]["cached_tokens"] for a in group]
+        assert all(c > 0 for c in cached[1:]), cached
+
+
 def test_metrics_through_the_proxy_are_not_routed(seen):
     answer = seen["metrics_through_proxy"]
     assert answer["status"] == 404
@@ -161,7 +171,7 @@ def test_node_export_has_every_replicas_series_with_their_types(seen):
         for s in exported["ray_rnnserve_generated_tokens"].samples
         if s.name.endswith("_total") and s.labels["model"] == "text-softmax"
     )
-    assert tokens == 6 * 17, "16 + 1 streamed text requests of 6 tokens, summed over both replicas"
+    assert tokens == 6 * (17 + 16), "16 + 1 streamed + 16 shared-prefix text requests of 6 tokens, both replicas"
     allocated = [s.value for s in exported["ray_rnnserve_decode_state_allocated_bytes"].samples]
     assert allocated and all(value > 0 for value in allocated), allocated
 

@@ -300,6 +300,11 @@ def _add_ray_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--gpus-per-replica", type=float, help=f"GPUs Ray reserves per replica {default('gpus_per_replica')}"
     )
+    _add_ray_network_arguments(group)
+
+
+def _add_ray_network_arguments(group: argparse._ArgumentGroup) -> None:
+    default = _default
     group.add_argument(
         "--ray-metrics-port",
         type=int,

@@ -190,8 +190,9 @@ def test_ray_dashboard_queries_only_what_the_node_exports(seen):
 
 
 def test_each_replica_logs_the_apps_lines(seen):
-    logs = seen["replica_logs"]
-    assert len(logs) == 2, sorted(logs)
+    """Both model replicas; the prefix-routing front (`rnnserve-front`) has a log of its own and loads no model."""
+    logs = {name: text for name, text in seen["replica_logs"].items() if "rnnserve-front" not in name}
+    assert len(logs) == 2 and len(seen["replica_logs"]) == 3, sorted(seen["replica_logs"])
     for name, text in logs.items():
         assert "serving digits-linear, text-softmax" in text, f"{name} has no rnnserve line"
 
@@ -201,10 +202,11 @@ def test_ray_status_says_what_runs_without_the_dashboard(seen):
     assert status["exit"] == 0 and status["json_exit"] == 0, status
     app = json.loads(status["json"])["applications"]["rnnserve"]
     assert app["status"] == "RUNNING"
-    (deployment,) = app["deployments"].values()
-    assert deployment["status"] == "HEALTHY" and deployment["replicas"] == {"RUNNING": 2}, deployment
+    models, front = app["deployments"]["rnnserve"], app["deployments"]["rnnserve-front"]  # prefix routing's front
+    assert models["status"] == "HEALTHY" and models["replicas"] == {"RUNNING": 2}, models
+    assert front["status"] == "HEALTHY" and front["replicas"] == {"RUNNING": 1}, front
     assert status["lines"][0] == "application rnnserve: RUNNING", status["lines"]
-    assert "replicas: 2 RUNNING" in status["lines"][1], status["lines"]
+    assert "  deployment rnnserve: HEALTHY, replicas: 2 RUNNING" in status["lines"][1:], status["lines"]
 
 
 def test_sigterm_drains_the_replicas_and_exits_0(seen):

@@ -73,10 +73,17 @@ class PrefixRoutingFront:
 
 
 async def bodies(messages: Any):
-    """The body parts of a forwarded response, as the replica sends them (a stream stays a stream)."""
-    async for message in messages:
-        if message["type"] == "http.response.body" and message.get("body"):
-            yield message["body"]
+    """The body parts of a forwarded response, as the replica sends them (a stream stays a stream). A client
+    that goes away cancels the replica's call, whose app then hears of the disconnect (`asgi_messages`)."""
+    finished = False
+    try:
+        async for message in messages:
+            if message["type"] == "http.response.body" and message.get("body"):
+                yield message["body"]
+        finished = True
+    finally:
+        if not finished:
+            messages.cancel()
 
 
 async def asgi_messages(app: ASGIApp, scope: dict, body: bytes):

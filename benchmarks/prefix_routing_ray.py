@@ -55,7 +55,9 @@ def serve_on_ray(weights: Path, replicas: str, prefix_chars: str, log: Path, por
                "--port", str(port), "--replicas", replicas, "--ray-prefix-chars", prefix_chars,
                "--cpus-per-replica", "1", "--device", "cpu", "--no-compile-decode"]  # fmt: skip
     out = log.open("wb")
-    server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # Ray's files beside the log (a short path: Ray's socket paths have a length limit), not a shared /tmp/ray
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_TMPDIR": str(log.parent)}
+    server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 600
     while READY_LINE not in log.read_text(errors="replace"):
         if server.poll() is not None or time.monotonic() > deadline:

@@ -4,8 +4,11 @@ Ray cluster."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import Counter
+
+import pytest
 
 from server.rayserve.prefix_routing import by_affinity, preference, routing_key
 
@@ -82,3 +85,48 @@ def test_an_overloaded_replica_yields_to_the_least_busy():
     assert preference(key, REPLICAS, {first: 8, second: 0}, imbalance=8) == [REPLICAS]
     assert preference(None, REPLICAS, {}, imbalance=8) == [REPLICAS]
     assert preference(key, REPLICAS[:1], {}, imbalance=8) == [REPLICAS[:1]]
+
+
+def test_a_forwarded_request_gets_the_apps_messages_and_a_caller_gone_is_a_disconnect():
+    """router.asgi_messages, which runs a replica's app on a request the front read, on a real Starlette app."""
+    pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install -e '.[ray]'")
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    from server.rayserve.router import asgi_messages
+
+    heard: list[str] = []
+
+    async def echo(request: Request) -> StreamingResponse:
+        body = await request.body()
+
+        async def parts():
+            try:
+                for i in range(1000):
+                    yield body + str(i).encode()
+                    await asyncio.sleep(0.001)
+            except asyncio.CancelledError:
+                heard.append("cancelled")
+                raise
+
+        return StreamingResponse(parts(), status_code=201)
+
+    app = Starlette(routes=[Route("/echo", echo, methods=["POST"])])
+    scope = {"method": "POST", "path": "/echo", "raw_path": b"/echo", "query_string": b"", "headers": []}
+
+    async def first_messages(count: int) -> list[dict]:
+        seen = []
+        messages = asgi_messages(app, scope, b"hi")
+        async for message in messages:
+            seen.append(message)
+            if len(seen) == count:
+                break
+        await messages.aclose()  # the caller went away
+        return seen
+
+    seen = asyncio.run(first_messages(3))
+    assert seen[0]["type"] == "http.response.start" and seen[0]["status"] == 201
+    assert [m["body"] for m in seen[1:]] == [b"hi0", b"hi1"]
+    assert heard == ["cancelled"]

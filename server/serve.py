@@ -63,6 +63,7 @@ RAY_FLAGS = (
     "cpus_per_replica",
     "gpus_per_replica",
     "ray_metrics_port",
+    "ray_prefix_chars",
 )
 
 
@@ -299,10 +300,22 @@ def _add_ray_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--gpus-per-replica", type=float, help=f"GPUs Ray reserves per replica {default('gpus_per_replica')}"
     )
+    _add_ray_network_arguments(group)
+
+
+def _add_ray_network_arguments(group: argparse._ArgumentGroup) -> None:
+    default = _default
     group.add_argument(
         "--ray-metrics-port",
         type=int,
         help=f"port of Ray's metrics export, every replica's series {default('ray_metrics_port')}",
+    )
+    group.add_argument(
+        "--ray-prefix-chars",
+        type=int,
+        metavar="CHARS",
+        help="route requests whose prompts (an image's known pixels) start alike over this many characters to "
+        f"the replica whose prefix cache holds them; 0: Serve's default router {default('ray_prefix_chars')}",
     )
 
 

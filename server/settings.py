@@ -91,6 +91,9 @@ class Settings(BaseSettings):
     cpus_per_replica: float = Field(1.0, ge=0)
     gpus_per_replica: float = Field(0.0, ge=0)
     ray_metrics_port: int = Field(8080, ge=0, le=65535)  # `--ray`: where Ray exports every replica's metrics
+    # `--ray`: requests whose prompts start with the same this many characters go to the same replica, whose
+    # prefix cache holds them; 0: Serve's default router (any replica).
+    ray_prefix_chars: int = Field(256, ge=0)
 
     @model_validator(mode="after")
     def _check_autoscaling(self) -> "Settings":

@@ -36,12 +36,17 @@ START_SECONDS, METRICS_SECONDS, EXIT_SECONDS = 300, 90, 120
 DRAIN_SECONDS = 300
 TEXT_TOKENS = 6  # per text request: the model has no stop, so each generates all of them
 ROUTED_REQUESTS = 16
+PREFIX_GROUPS, PREFIX_GROUP_SIZE = 4, 4
+PREFIX_CHARS = 16
 STOPPED_STREAMS = 12  # queued on one slot: about 10 s of decoding against a 1 s drain
 DIGIT = [[(r * 28 + c) % 256 if r < 14 else 0 for c in range(28)] for r in range(28)]
 
 
 SERVE_FLAGS = {
-    "serve": ["--replicas", "2", "--max-batch", "4", "--drain-seconds", str(DRAIN_SECONDS)],
+    "serve": [
+        *("--replicas", "2", "--max-batch", "4", "--drain-seconds", str(DRAIN_SECONDS)),
+        *("--ray-prefix-chars", str(PREFIX_CHARS)),  # the tiny text model's context is 64 tokens
+    ],
     "ray-stop": ["--replicas", "1", "--max-batch", "1", "--drain-seconds", "1"],
 }
 
@@ -127,15 +132,32 @@ def answer(response: httpx.Response) -> dict:
 
 
 def requests_through_proxy(client: httpx.Client) -> dict:
-    text = {"model": "text-softmax", "prompt": "hello", "max_tokens": TEXT_TOKENS, "seed": 1}
+    text = {"model": "text-softmax", "max_tokens": TEXT_TOKENS, "seed": 1}
     image = {"model": "digits-linear", "pixels": DIGIT, "keep_rows": 14, "n": 2, "seed": 1}
     return {
-        "text": [answer(client.post("/v1/completions", json=text)) for _ in range(ROUTED_REQUESTS)],
+        # different prompts, so that prefix routing spreads them over the replicas
+        "text": [
+            answer(client.post("/v1/completions", json={**text, "prompt": f"hello {i}"}))
+            for i in range(ROUTED_REQUESTS)
+        ],
+        "shared_prefixes": shared_prefix_requests(client),
         "text_stream": answer(client.post("/v1/completions", json={**text, "stream": True})),
         "image": answer(client.post("/v1/images/completions", json=image)),
         "image_stream": answer(client.post("/v1/images/completions", json={**image, "stream": True})),
         "metrics_through_proxy": answer(client.get("/metrics")),
     }
+
+
+def shared_prefix_requests(client: httpx.Client) -> list[list[dict]]:
+    """Groups of requests whose prompts start with the group's long shared part, the first being that part
+    alone: each group's answers, in order (prefix routing sends a group to one replica, whose cache holds it)."""
+    groups = []
+    for group in range(PREFIX_GROUPS):
+        shared = f"group {group}: the shared system prompt. "  # over --ray-prefix-chars; within the tiny context
+        prompts = [shared] + [f"{shared}q{i}?" for i in range(PREFIX_GROUP_SIZE - 1)]
+        body = {"model": "text-softmax", "max_tokens": TEXT_TOKENS, "seed": 1}
+        groups.append([answer(client.post("/v1/completions", json={**body, "prompt": p})) for p in prompts])
+    return groups
 
 
 def node_metrics(replicas: set[str], text_tokens: float) -> str:
@@ -277,7 +299,8 @@ def observe(mode: str, server: subprocess.Popen, ray_tmp: Path) -> dict:
     seen: dict = {}
     with httpx.Client(base_url=URL, timeout=120) as client:
         seen.update(requests_through_proxy(client))
-        text_tokens = TEXT_TOKENS * (len(seen["text"]) + 1)  # the non-streamed ones and the streamed one
+        # the non-streamed ones, the streamed one and the shared-prefix ones
+        text_tokens = TEXT_TOKENS * (len(seen["text"]) + 1 + PREFIX_GROUPS * PREFIX_GROUP_SIZE)
         seen["node_metrics"] = node_metrics({a["replica"] for a in seen["text"] if a["replica"]}, text_tokens)
         seen["replica_logs"] = replica_logs(ray_tmp)
         seen["ray_status"] = ray_status()

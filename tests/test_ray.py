@@ -133,6 +133,16 @@ def test_requests_reach_both_replicas(seen):
     assert len(set(replicas)) == 2, f"16 requests all went to {set(replicas)}"
 
 
+def test_requests_sharing_a_prefix_go_to_the_replica_that_caches_it(seen):
+    """Prefix routing (on by default): every request of a group goes to one replica, and every one after the
+    first finds the shared part in that replica's prefix cache."""
+    for group in seen["shared_prefixes"]:
+        assert all(a["status"] == 200 for a in group), [a["body"] for a in group]
+        assert len({a["replica"] for a in group}) == 1, [a["replica"] for a in group]
+        cached = [json.loads(a["body"])["usage"]["prompt_tokens_details"]["cached_tokens"] for a in group]
+        assert all(c > 0 for c in cached[1:]), cached
+
+
 def test_metrics_through_the_proxy_are_not_routed(seen):
     answer = seen["metrics_through_proxy"]
     assert answer["status"] == 404
@@ -161,7 +171,7 @@ def test_node_export_has_every_replicas_series_with_their_types(seen):
         for s in exported["ray_rnnserve_generated_tokens"].samples
         if s.name.endswith("_total") and s.labels["model"] == "text-softmax"
     )
-    assert tokens == 6 * 17, "16 + 1 streamed text requests of 6 tokens, summed over both replicas"
+    assert tokens == 6 * (17 + 16), "16 + 1 streamed + 16 shared-prefix text requests of 6 tokens, both replicas"
     allocated = [s.value for s in exported["ray_rnnserve_decode_state_allocated_bytes"].samples]
     assert allocated and all(value > 0 for value in allocated), allocated
 
@@ -180,8 +190,9 @@ def test_ray_dashboard_queries_only_what_the_node_exports(seen):
 
 
 def test_each_replica_logs_the_apps_lines(seen):
-    logs = seen["replica_logs"]
-    assert len(logs) == 2, sorted(logs)
+    """Both model replicas; the prefix-routing front (`rnnserve-front`) has a log of its own and loads no model."""
+    logs = {name: text for name, text in seen["replica_logs"].items() if "rnnserve-front" not in name}
+    assert len(logs) == 2 and len(seen["replica_logs"]) == 3, sorted(seen["replica_logs"])
     for name, text in logs.items():
         assert "serving digits-linear, text-softmax" in text, f"{name} has no rnnserve line"
 
@@ -191,10 +202,11 @@ def test_ray_status_says_what_runs_without_the_dashboard(seen):
     assert status["exit"] == 0 and status["json_exit"] == 0, status
     app = json.loads(status["json"])["applications"]["rnnserve"]
     assert app["status"] == "RUNNING"
-    (deployment,) = app["deployments"].values()
-    assert deployment["status"] == "HEALTHY" and deployment["replicas"] == {"RUNNING": 2}, deployment
+    models, front = app["deployments"]["rnnserve"], app["deployments"]["rnnserve-front"]  # prefix routing's front
+    assert models["status"] == "HEALTHY" and models["replicas"] == {"RUNNING": 2}, models
+    assert front["status"] == "HEALTHY" and front["replicas"] == {"RUNNING": 1}, front
     assert status["lines"][0] == "application rnnserve: RUNNING", status["lines"]
-    assert "replicas: 2 RUNNING" in status["lines"][1], status["lines"]
+    assert "  deployment rnnserve: HEALTHY, replicas: 2 RUNNING" in status["lines"][1:], status["lines"]
 
 
 def test_sigterm_drains_the_replicas_and_exits_0(seen):

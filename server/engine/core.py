@@ -14,8 +14,8 @@ decode step feeds the new tokens. A pass is a pipeline of plain data
 runner's share of it (`apply`: row copies, sample reads, row moves), then the
 pass's figures (`StepStats`) with its events to the engine's output
 (server/engine/output.py), which records them on the API side: the engine
-calls no metric. The pass's closing forward (`feed`) runs last, after its
-events went out.
+calls no metric. A pass's last tokens go into the model (`feed`) as the next
+pass executes, so its events go out before that forward runs.
 
 Multi-step (vLLM's name): while no running request is streamed or runs
 particles that weigh known tokens (or several particles a sample: they
@@ -36,6 +36,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -117,7 +118,6 @@ class Engine(EngineFacts):
         self._thread: threading.Thread | None = None
         self._start_error: Exception | None = None
         self._scores: list[ScoreJob] = []  # scoring waits for the worker, bounded like the queue
-        self._forward_seconds = 0.0  # a pass's closing forward runs after its record: timed with the next pass
         self._costs = PassCosts()
         self.heartbeat = Heartbeat()  # stamped by the worker's loop; an engine process's is its client's
         self._hung = False  # the watchdog found it silent with work (server/engine/watchdog.py); until its next beat
@@ -310,36 +310,41 @@ class Engine(EngineFacts):
         update = self.scheduler.update_from_output(plan, drawn)
         applied = self.runner.apply(update, drawn)
         self._emit(update, drawn, applied)
-        self._forward_seconds = self.runner.feed()  # timed with the next pass, whose record goes out after it
 
     def _execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        """The pass's unwatched steps, while no waiting request should join first, then its watched one."""
-        started, ahead = time.monotonic(), list[torch.Tensor]()
+        """The last pass's tokens into the model (its events went out before this forward), then the pass's
+        unwatched steps, while no waiting request should join first, then its watched one."""
+        started = time.monotonic()
+        self.runner.feed()
+        fed, ahead = time.monotonic(), list[torch.Tensor]()
         while len(ahead) < plan.steps - 1 and not self._ends_run_early(plan.steps - 1 - len(ahead)):
             ahead.append(self.runner.run_ahead(plan))
         if ahead:
-            self._costs.observe_steps(time.monotonic() - started, len(ahead))
+            self._costs.observe_steps(time.monotonic() - fed, len(ahead))
         return self.runner.execute(plan, started, ahead)
 
     def _emit(self, update: StepUpdate, drawn: RunnerOutput, applied: AppliedStep) -> None:
         """The pass's figures and events to the engine's output (figures first: a client that has its answer finds
         the step counted); the pass boundary's host work timed for `_ends_run_early`."""
-        seconds, self._forward_seconds = time.monotonic() - drawn.started + self._forward_seconds, 0.0
-        stats, outbox = step_results(update, drawn, applied, seconds)
-        self.output.step(self._prefix_figures(stats), outbox)
+        stats, outbox = step_results(update, drawn, applied, time.monotonic() - drawn.started)
+        self.output.step(self._with_prefix_figures(stats), outbox)
         self._costs.observe_boundary(time.monotonic() - drawn.ended)
 
-    def _prefix_figures(self, stats: StepStats) -> StepStats:
+    def _with_prefix_figures(self, stats: StepStats) -> StepStats:
         """The pass's figures with the prefix cache's: tokens looked up and found since the last pass, and what
         it holds."""
         cache = self.runner.prefix_cache
         if cache is None:
             return stats
         queried, hit = cache.queried_tokens, cache.hit_tokens
-        stats.prefix_queried, stats.prefix_hit = queried - self._prefix_counted[0], hit - self._prefix_counted[1]
-        stats.prefix_bytes, stats.prefix_entries = cache.bytes_held, cache.entries
-        self._prefix_counted = (queried, hit)
-        return stats
+        counted, self._prefix_counted = self._prefix_counted, (queried, hit)
+        return replace(
+            stats,
+            prefix_queried=queried - counted[0],
+            prefix_hit=hit - counted[1],
+            prefix_bytes=cache.bytes_held,
+            prefix_entries=cache.entries,
+        )
 
     def _ends_run_early(self, steps_left: int) -> bool:
         """Whether waiting requests should join now rather than at the run's end."""
@@ -379,6 +384,7 @@ class Engine(EngineFacts):
             job.resolve(error=EngineFailure(message, ENGINE_RESTARTING))
 
     def _fail_running(self, message: str, code: str = ENGINE_ERROR) -> None:
+        self.runner.drop_unfed()  # the rows those tokens were for are gone
         finish(streams(self.scheduler.clear_rows()), message, code)
         self.output.gauges(Gauges(0, self.waiting))
 

@@ -7,9 +7,10 @@ rows, samples and decodes the live rows [0, n), carries out a pass's
 `StepUpdate` (row copies, sample reads, compaction moves), and scores
 prompts. Only the engine's worker thread calls it.
 
-A pass's last tokens are fed (`feed`, its closing forward) after its events
-went out, so clients do not wait for the forward; `apply` keeps them,
-moved with their rows, until then.
+A pass's last tokens are fed (`feed`) when the next pass begins, after the
+pass's events went out, so clients do not wait for that forward; `apply`
+keeps them, moved with their rows, until then (rows admitted meanwhile sit
+past them).
 
 A non-streamed request's tokens are written into the (rows, max_len + 1)
 `generated` buffer by position as they are drawn, so a step builds no
@@ -389,7 +390,7 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput, started: float, ahead: Sequence[torch.Tensor] = ()) -> RunnerOutput:
         """A pass's watched step, after the `ahead` tokens of its unwatched ones (`run_ahead`; the pass began at
         `started`): the known tokens' weights, then the draw. Its tokens are fed once finished rows have left
-        (`apply`, then `feed`)."""
+        (`apply`, then the next pass's `feed`)."""
         weights = self.known_logprobs(plan.known, plan.needs) if plan.known else []  # before sampling counts them
         drawn = self.sample(plan.rows, plan.needs)
         per_row = torch.stack([*ahead, drawn.tokens], dim=1) if ahead else drawn.tokens[:, None]  # (n, steps)
@@ -438,12 +439,16 @@ class ModelRunner:
         if not self.prefix_cache.holds(tokens):
             self.prefix_cache.insert(tokens, take_snapshot(self.slots.state, row, self.slots.logits[row]))
 
-    def feed(self) -> float:
-        """The last pass's closing forward: its live rows' tokens in, their next logits to the slots. Its seconds."""
-        started, tokens, self._unfed = time.monotonic(), self._unfed, None
+    def feed(self) -> None:
+        """The last pass's tokens into its live rows (rows [0, live) after `apply`): their next logits to the slots.
+        Rows admitted since sit past them and are left alone."""
+        tokens, self._unfed = self._unfed, None
         if tokens is not None:
             self.decode(tokens)
-        return time.monotonic() - started
+
+    def drop_unfed(self) -> None:
+        """Forget the last pass's tokens: their rows were cleared (a failed step)."""
+        self._unfed = None
 
     def read_samples(self, reads: dict[int, SampleSpan]) -> dict[int, SampleRead]:
         """Finished rows' whole samples: row -> what to read in, row -> its read out."""

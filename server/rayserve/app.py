@@ -36,6 +36,7 @@ from server.settings import Settings, SettingsError, build_settings
 
 APP_NAME = "rnnserve"
 DEPLOYMENT_NAME = "rnnserve"
+FRONT_NAME = "rnnserve-front"  # the HTTP ingress when prefix routing is on
 REPLICA_HEADER = "X-Rnnserve-Replica"
 WATCH_SECONDS = 0.25  # how often a replica looks whether it should drain
 SHUTDOWN_MARGIN_SECONDS = 5.0  # Ray's force-kill comes this long after our drain's end at the latest
@@ -73,11 +74,37 @@ def check_settings(settings: Settings) -> None:
 
 
 def application(settings: Settings, drain_flag=None) -> serve.Application:
-    """One deployment of `settings`' replicas; `drain_flag` (a DrainFlag actor) lets its starter drain them."""
+    """One deployment of `settings`' replicas; `drain_flag` (a DrainFlag actor) lets its starter drain them.
+
+    With prefix routing on (--ray-prefix-chars above 0) a front deployment is the HTTP ingress and routes
+    each request to the replica holding its prompt's prefix (router.py)."""
     deployment = serve.deployment(name=DEPLOYMENT_NAME, **deployment_options(settings))(
         serve.ingress()(RnnserveReplica)
     )
-    return deployment.bind(settings, drain_flag)
+    if settings.ray_prefix_chars == 0:
+        return deployment.bind(settings, drain_flag)
+    from server.rayserve.router import PrefixAffinityRouter, PrefixRoutingFront
+
+    routed = deployment.options(
+        request_router_config={
+            "request_router_class": PrefixAffinityRouter,
+            # a full batch more than the least busy replica: the prefix's replica is overloaded
+            "request_router_kwargs": {"imbalance": settings.max_batch},
+        }
+    )
+    front = serve.deployment(name=FRONT_NAME, **front_options(settings))(PrefixRoutingFront)
+    return front.bind(routed.bind(settings, drain_flag), settings.ray_prefix_chars)
+
+
+def front_options(settings: Settings) -> dict[str, Any]:
+    """The front only reads bodies and forwards: no CPU of its own, and room for every replica's requests."""
+    replicas = settings.max_replicas if settings.autoscaling() else settings.replicas
+    return {
+        "ray_actor_options": {"num_cpus": 0},
+        "max_ongoing_requests": replicas * (settings.max_batch + settings.max_waiting),
+        "graceful_shutdown_timeout_s": settings.drain_seconds + ANSWER_SECONDS + SHUTDOWN_MARGIN_SECONDS,
+        "logging_config": {"log_level": settings.log_level.upper()},
+    }
 
 
 def deployment_options(settings: Settings) -> dict[str, Any]:
@@ -168,6 +195,18 @@ class RnnserveReplica:
 
     async def _flag_set(self) -> bool:
         return self.drain_flag is not None and await self.drain_flag.draining.remote()
+
+    async def alive(self) -> bool:
+        """The prefix-routing front waits for this before it takes requests (router.py)."""
+        return True
+
+    async def forward(self, scope: dict, body: bytes, routing_key: str | None = None):
+        """A request the prefix-routing front read and routed here by `routing_key` (router.py): this
+        replica's app answers it; its ASGI messages, streamed."""
+        from server.rayserve.router import asgi_messages
+
+        async for message in asgi_messages(self.built, scope, body):
+            yield message
 
     def __del__(self) -> None:
         watcher = getattr(self, "watcher", None)  # None when the constructor failed

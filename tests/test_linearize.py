@@ -362,3 +362,38 @@ def test_linearize_flags_that_do_not_fit_are_refused_naming_them(tmp_path, softm
     out = tmp_path / "refused.safetensors"
     assert linearize(tmp_path, softmax_file, corpus, "--out", str(out), *flags) == 2
     assert said in capsys.readouterr().err and not out.exists()
+
+
+def test_weight_ce_reads_a_grouped_query_teacher_s_real_queries_and_keys():
+    """A Llama's grouped-query teacher (a key head per two query heads, rotary positions) gives the same weights
+    as the multi-head teacher that repeats each key head for its group: what softmax attention attends with."""
+    from training.attention_transfer import teacher_queries_keys
+
+    grouped = sharpen_(build_model(make_tiny_config("softmax+llama", max_len=16)), seed=5).eval()
+    repeated = build_model(grouped.config.replace(kv_heads=0)).eval()  # as many key heads as query heads
+    state = grouped.state_dict()
+    h, kv, d = grouped.config.n_heads, grouped.config.n_kv_heads, grouped.config.d_head
+    for i in range(grouped.config.n_layers):
+        q, k, v = state[f"blocks.{i}.attn.qkv.weight"].split([h * d, kv * d, kv * d])
+        k, v = (t.unflatten(0, (kv, d)).repeat_interleave(h // kv, dim=0).flatten(0, 1) for t in (k, v))
+        state[f"blocks.{i}.attn.qkv.weight"] = torch.cat([q, k, v])
+    repeated.load_state_dict(state)
+    tokens = torch.randint(0, grouped.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(grouped.token_log_probs(tokens), repeated.token_log_probs(tokens), atol=1e-5)
+    for (q_g, k_g), (q_r, k_r) in zip(teacher_queries_keys(grouped, tokens), teacher_queries_keys(repeated, tokens)):
+        assert q_g.shape == k_g.shape == (2, h, 16, d)
+        assert torch.allclose(q_g, q_r, atol=1e-5) and torch.allclose(k_g, k_r, atol=1e-5)
+
+
+def test_a_first_stage_passes_the_source_s_chat_template_on_to_the_final_model(tmp_path, corpus):
+    from model.chat_template import ChatTemplate
+    from model.weights_io import read_chat_template
+
+    source = tmp_path / "chat.safetensors"
+    template = ChatTemplate("{% for m in messages %}{{ m.content }}\n{% endfor %}", None, None).to_json()
+    save_model(build_model(make_tiny_config("softmax", max_len=16)), source, chat_template=template)
+    out = tmp_path / "chat-hybrid.safetensors"
+    flags = ["--out", str(out), "--kind", "hybrid", "--window", "4", "--feature-map", "t2r", "--transfer-steps", "1"]
+    assert linearize(tmp_path, source, corpus, *flags) == 0
+    assert read_chat_template(tmp_path / "lin.transfer.safetensors") == template
+    assert read_chat_template(out) == template

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from model import Transformer
-from model.heads import split_heads
 
 QUERY_ROWS = 128  # query positions scored per batch
 WEIGHT_EPS = 1e-6  # as linear attention's own denominator guard
@@ -35,7 +34,10 @@ class TransferResult:
 
 
 def teacher_queries_keys(teacher: Transformer, tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's queries and keys in the teacher's own forward pass: (B, H, T, D) each."""
+    """Each layer's queries and keys in the teacher's own forward pass: (B, H, T, D) each. The teacher's own
+    projection splits q, k and v by their real sizes and turns q and k by rotary positions if it has them; in
+    grouped-query attention each key head is repeated for its group of query heads, as softmax attention reads it
+    (query head h reads key head h // G), so the weights compared are the ones the teacher attended with."""
     inputs: list[torch.Tensor] = []
     hooks = [b.attn.register_forward_pre_hook(lambda _, args: inputs.append(args[0])) for b in teacher.blocks]
     try:
@@ -45,10 +47,12 @@ def teacher_queries_keys(teacher: Transformer, tokens: torch.Tensor) -> list[tup
         for hook in hooks:
             hook.remove()
     pairs = []
+    start = tokens.new_zeros(tokens.shape[0])
     with torch.no_grad():
         for block, x in zip(teacher.blocks, inputs):
-            q, k, _ = (split_heads(t, teacher.config.n_heads).float() for t in block.attn.qkv(x).chunk(3, dim=-1))
-            pairs.append((q, k))
+            q, k, _ = block.attn._project(x, start)  # (B, H, T, D), (B, KV, T, D)
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (B, H, T, D)
+            pairs.append((q.float(), k.float()))
     return pairs
 
 

@@ -149,6 +149,7 @@ def first_stage(args: argparse.Namespace, train: argparse.Namespace) -> Path:
         "lineage": inherited_lineage(args.model),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_model(student, path, info, tokenizer=inherited.tokenizer)
+    # The final model is fine-tuned from this file and keeps its chat template (train.py's Inherited): pass FILE's on.
+    save_model(student, path, info, tokenizer=inherited.tokenizer, chat_template=inherited.chat_template)
     log(f"first stage: {path} ({args.transfer_loss} {result.first_loss:.4f} -> {result.last_loss:.4f})")
     return path

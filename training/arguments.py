@@ -250,6 +250,12 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--attention-share",
+        action="store_true",
+        help="hybrid models: the linear part's share of each layer and head's attention normaliser against the "
+        "window's, over the test images / validation windows (--limit N of them; batches of 8 by default)",
+    )
     add_completion_arguments(parser.add_argument_group("completions (rnnserve eval --completions)"))
 
 

@@ -4,7 +4,8 @@ bits/dim is the mean of -log2 p(pixel) over every pixel of the test images,
 read exactly off the model's 256-way logits. Text loss is the mean -ln p(byte)
 over the validation split (last 10% of the file), cut into non-overlapping
 windows of the model's max_len, each starting from BOS. With --completions
-it evaluates completions of occluded test digits instead (training/completions.py).
+it evaluates completions of occluded test digits instead (training/completions.py); with --attention-share, a
+hybrid model's linear share of its attention, per layer and head (training/attention_share.py).
 With --store a result is merged into the file's info["eval"], keeping the others.
 A training checkpoint (.ckpt) is scored as the model its run would save now (training/loading.py).
 The flags are defined in training/arguments.py.
@@ -26,6 +27,7 @@ from model import Transformer
 from model.vocabulary import Vocabulary, vocabulary_for
 from model.weights_io import WeightsError, read_metadata, update_info
 
+from .attention_share import attention_share, check_hybrid, format_share
 from .completions import DEFAULT_BATCH, CompletionRun, EvalParts, choose_occlusion, evaluate_completions
 from .completions import print_table as print_completions
 from .completions import store_result
@@ -190,6 +192,8 @@ def run(args: argparse.Namespace, parts: EvalParts = EvalParts()) -> int:
         device = resolve_device(args.device)
         if args.completions:
             return run_completions(args, device, parts)
+        if args.attention_share:
+            return run_attention_share(args, device)
         rows = [
             (
                 m,
@@ -227,6 +231,8 @@ def check_args(args: argparse.Namespace) -> None:
         if args.threads < 1:
             raise DataError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    if args.attention_share and args.completions:
+        raise DataError("--attention-share measures the models' attention on the test data; drop --completions")
     if not args.completions:
         given = [flag for flag in ("occlusion", "mask", "particles") if getattr(args, flag) is not None]
         if given:
@@ -273,4 +279,35 @@ def run_completions(args: argparse.Namespace, device: torch.device, parts: EvalP
         print(json.dumps({name: result.as_dict() for name, result in rows}, indent=2))
     else:
         print_completions(rows)
+    return 0
+
+
+def task_rows(model: Transformer, data: str | Path, tokenizer: str | None) -> torch.Tensor:
+    """The held-out rows a model is scored on: MNIST test images (N, 784), or validation windows (N, max_len)."""
+    if model.config.task == "mnist":
+        return load_mnist(data, "test").images
+    vocabulary = vocabulary_for(model.config, tokenizer)
+    valid = load_text(data, None if vocabulary.is_bytes else vocabulary.encode).valid
+    return text_windows(valid, model.config.max_len)[0]
+
+
+def run_attention_share(args: argparse.Namespace, device: torch.device) -> int:
+    """`eval --attention-share`: each hybrid model's linear share, per layer and head, on its task's held-out rows."""
+    results = {}
+    for path in args.models:
+        model, _ = load_evaluated(path, device)
+        try:
+            check_hybrid(model, str(path))
+        except ValueError as exc:
+            raise DataError(str(exc)) from exc
+        rows = task_rows(model, args.data, stored_tokenizer(path))[: args.limit]
+        batches = _batches(rows, args.batch_size or 8, not args.no_progress and not args.json, "attention share")
+        results[str(path)] = attention_share(model, batches)
+        if args.store:
+            store_eval(path, {"attention_share": results[str(path)]})
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return 0
+    for path, result in results.items():
+        print("\n".join([path, *format_share(result), ""]))
     return 0

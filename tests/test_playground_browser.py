@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from model.kinds import attention_kinds
 from server.api.image_particles import PREFIX_ONLY
 from server_support import (
     free_port,
@@ -36,7 +37,7 @@ from server_support import (
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "browser-test-key"
-WAIT_SECONDS = 240  # four models completing on a shared 2-core machine
+WAIT_SECONDS = 240  # the shipped MNIST models completing at once on a shared 2-core machine
 FAILED_LOAD = re.compile(r"^Failed to load resource: the server responded with a status of 4\d\d")
 
 
@@ -76,7 +77,8 @@ CHAT_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def served(chromium, tmp_path_factory):
-    """The four shipped MNIST models and one Shakespeare model in a real server process, which can chat."""
+    """Every shipped MNIST model (one per attention kind) and one Shakespeare model in a real server process, which
+    can chat."""
     folder = tmp_path_factory.mktemp("playground_server")
     port, log, template = free_port(), folder / "server.log", folder / "chat.jinja"
     template.write_text(CHAT_TEMPLATE, encoding="utf-8")
@@ -251,7 +253,7 @@ def test_draw_hide_and_complete_keeps_every_known_pixel(watched, tmp_path):
 
     models = image_models(watched.url)
     completions = canvas_rgba(page, ".panel canvas")
-    assert len(completions) == 2 * len(models) == 8
+    assert len(completions) == 2 * len(models) == 2 * len(list((ROOT / "weights").glob("mnist-*.safetensors")))
     for rgba in completions:
         assert (rgba[..., 0] == rgba[..., 2]).all(), "every unknown pixel was filled (none left tinted)"
         assert (rgba[..., 0][~unknown] == pixels[~unknown]).all(), "known pixels are the input's"
@@ -531,6 +533,44 @@ def test_errors_show_the_apis_own_message(watched):
     api = httpx.post(f"{watched.url}/v1/images/completions", json=image_body).json()["error"]["message"]
     assert page.locator(".panel .error").first.inner_text() == api and api.startswith("n: ")
     watched.check_clean(allowed=FAILED_LOAD)
+
+
+@pytest.fixture(scope="module")
+def every_kind(chromium, tmp_path_factory):
+    """A tiny MNIST model of every attention kind, the hybrid among them, served together."""
+    folder = tmp_path_factory.mktemp("every_kind")
+    for kind in attention_kinds():
+        save_tiny_model(folder, f"digits-{kind}", kind, "mnist")
+    with running_server(make_settings(weights=folder)) as (url, _app):
+        yield url
+
+
+def test_a_panel_per_model_of_every_kind_labelled_with_its_kind(chromium, every_kind):
+    watched = Watched(chromium, every_kind).open()
+    page = watched.page
+    try:
+        models = image_models(every_kind)
+        assert sorted(m["attention"] for m in models) == sorted(attention_kinds()) and "hybrid" in attention_kinds()
+        picker = page.evaluate(
+            "[...document.querySelectorAll('#image-models label')].map((l) => l.querySelector('.attention').textContent)"
+        )
+        assert picker == [m["attention"] for m in models]
+        page.click("[data-preset=bottom]")
+        page.fill("#image-n", "1")
+        page.click("#complete")
+        watched.wait("[...document.querySelectorAll('.panel')].every((p) => p.dataset.state === 'done')", WAIT_SECONDS)
+        pixels, unknown = editor_input(page)
+        for model in models:
+            panel = f".panel[data-model='{model['id']}']"
+            assert page.inner_text(f"{panel} .attention") == model["attention"]
+            (completion,) = canvas_rgba(page, f"{panel} canvas")
+            assert (completion[..., 0] == completion[..., 2]).all(), f"{model['id']}: every unknown pixel filled"
+            assert (completion[..., 0][~unknown] == pixels[~unknown]).all(), f"{model['id']}: known pixels kept"
+            stats = page.locator(f"{panel} .stats").inner_text()  # a tiny model's state rounds to whole KiB
+            assert re.fullmatch(r"[\d.]+ images/s · finished in [\d.]+ s · \d+ KiB state/sequence", stats), stats
+        watched.check_clean()
+    finally:
+        watched.close()
 
 
 @pytest.fixture(scope="module")

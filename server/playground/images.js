@@ -111,7 +111,7 @@ export class ImageTab {
       const label = this.picker.appendChild(element("label"));
       const box = label.appendChild(element("input"));
       Object.assign(box, { type: "checkbox", value: model.id, checked: true });
-      label.append(` ${model.id}`);
+      label.append(` ${model.id} `, element("span", "attention", model.attention)); // the attention kind, as the panel shows it
     }
   }
 

@@ -55,7 +55,7 @@ class Past:
 
 
 class HybridAttention(Attention):
-    capabilities = Capabilities(constant_state=True, graphable=False, paddable=True, compilable=False)
+    capabilities = Capabilities(constant_state=True, graphable=False, paddable=True, compilable=True)
 
     @classmethod
     def token_cost(cls, cfg: ModelConfig, t: float) -> TokenCost:
@@ -95,6 +95,8 @@ class HybridAttention(Attention):
         q, k, v = self._project(x, positions)  # (B, H, T, D), (B, KV, T, D) twice
         if state is None:  # a whole sequence from position 0: training and scoring
             return self.proj(merge_heads(self._attend_in_blocks(q, k, v).to(x.dtype))), None
+        if x.shape[1] == 1:  # decoding
+            return self.proj(merge_heads(self._step(q, k, v, start, state).to(x.dtype))), state
         past = self._past(state, start)
         # The past's keys beside the chunk's, mapped once: attending and advancing the state both read them.
         keys, values = torch.cat([past.k, k], dim=2), torch.cat([past.v, v], dim=2)  # (B, KV, L, D)
@@ -153,6 +155,29 @@ class HybridAttention(Attention):
         j = torch.arange(2 * w, device=device)[None, :]
         exists = (torch.arange(blocks, device=device) > 0)[:, None, None] | (j >= w)  # (N, 1 or W, 2W)
         return exists & (j > i) & (j <= i + w), exists & (j <= i)
+
+    def _step(self, q, k, v, start: torch.Tensor, state: HybridState) -> torch.Tensor:
+        """One token per row, q (B, H, 1, D), k and v (B, KV, 1, D) at positions `start` (B,) -> (B, H, 1, D).
+        The key that leaves the window now sits in the new key's slot: it moves into the sums, the new key takes
+        its place, and the ring then holds exactly the window, in slot order (a softmax needs no other order)."""
+        w, kv_heads = self.window, self.n_kv_heads
+        slot = start.remainder(w)[:, None, None, None].expand(-1, kv_heads, 1, self.d_head)  # (B, KV, 1, D)
+        leaving = (start >= w).to(q.dtype)[:, None, None, None]  # (B, 1, 1, 1): a key written W positions ago
+        phi_old = self.feature_map(state.k.gather(2, slot)) * leaving  # (B, KV, 1, F)
+        state.s.add_(phi_old.transpose(-1, -2) @ state.v.gather(2, slot))
+        state.z.add_(phi_old[:, :, 0])
+        state.k.scatter_(2, slot, k)
+        state.v.scatter_(2, slot, v)
+        written = torch.arange(w, device=start.device)[None, :] <= start[:, None]  # (B, W): slots reached so far
+        phi_q = self.feature_map(q).unflatten(1, (kv_heads, -1))  # (B, KV, G, 1, F)
+        scores = (q.unflatten(1, (kv_heads, -1)) @ state.k[:, :, None].transpose(-1, -2)) * self.d_head**-0.5
+        scores = scores.masked_fill(~written[:, None, None, None, :], float("-inf"))  # (B, KV, G, 1, W)
+        window = torch.exp(scores - scores.amax(-1, keepdim=True))
+        g = torch.sigmoid(self.mix.float()).view(1, kv_heads, -1, 1, 1)  # (1, KV, G, 1, 1)
+        numerator = g * (window @ state.v[:, :, None]) + (1 - g) * (phi_q @ state.s[:, :, None])  # (B, KV, G, 1, D)
+        linear_sum = (phi_q @ state.z[:, :, None, :, None])[..., 0]  # (B, KV, G, 1)
+        denominator = g[..., 0] * window.sum(-1) + (1 - g[..., 0]) * linear_sum
+        return (numerator / (denominator[..., None] + self.eps)).flatten(1, 2)
 
     def _past(self, state: HybridState, start: torch.Tensor) -> Past:
         """The ring's keys and values ordered by position (start - W .. start - 1) and the sums, as copies."""

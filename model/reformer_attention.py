@@ -44,6 +44,8 @@ class ReformerAttention(Attention):
     # would only overwrite their own first slot, but that is not tested.
     capabilities = Capabilities(constant_state=False, graphable=False, paddable=False, compilable=True)
     projections = 3  # shared QK
+    # One query per row on the CPU through model/kernels/softmax_decode.cpp (model/cpu_kernels.py turns it on).
+    cpu_decode_kernel = False
 
     @classmethod
     def token_cost(cls, cfg: ModelConfig, t: float) -> TokenCost:
@@ -100,7 +102,7 @@ class ReformerAttention(Attention):
         if state is None:
             y = self._attend_sequence(q, k, v, buckets)
         elif t == 1:
-            y = decode.decode_step(q, k, v, buckets, pos[:, 0], state, self.window)
+            y = decode.decode_step(q, k, v, buckets, pos[:, 0], state, self.window, self.cpu_decode_kernel)
         else:
             y = decode.attend_chunk(q, k, v, buckets, pos, state, self.window)
         return self.proj(merge_heads(y.to(q.dtype))), state

@@ -77,12 +77,17 @@ def attend_chunk(q, k, v, buckets, pos, state: LSHCache, window: int) -> torch.T
     return lsh_attend(q, keys, values, buckets, state.buckets[..., :used].long(), pos, key_pos, window)
 
 
-def decode_step(q, k, v, buckets, pos, state: LSHCache, window: int) -> torch.Tensor:
+def decode_step(q, k, v, buckets, pos, state: LSHCache, window: int, kernel: bool = False) -> torch.Tensor:
     """One token per row: q, k, v (B, H, 1, D), buckets (B, H, R, 1), pos (B,) -> (B, H, 1, D).
 
     The written prefix is masked by how many rounds show each key (as `lsh_attend`), and the rounds mix
-    as one softmax over it, with log(count) added to the scores."""
+    as one softmax over it, with log(count) added to the scores. kernel: through the CPU kernel where it
+    applies, which reads only the keys shown."""
     write(state, k, v, buckets, pos[:, None])
+    if kernel and _kernel_applies(q, state):
+        return torch.ops.rnnserve.reformer_decode_attention(
+            q, state.k, state.v, state.buckets, buckets[..., 0], pos, window
+        ).to(q.dtype)
     used = int(pos.max()) + 1  # attend only to the written prefix
     # For torch.compile, which cannot see the value: at least one key, and narrow (not a slice) gives exactly
     # `used` of them.
@@ -91,6 +96,17 @@ def decode_step(q, k, v, buckets, pos, state: LSHCache, window: int) -> torch.Te
     key_pos = torch.arange(used, device=q.device).expand(q.shape[0], used)  # (B, L)
     count = key_counts(buckets, state.buckets.narrow(3, 0, used), pos[:, None], key_pos, window)  # (B, H, 1, L)
     return attend_counted(q, keys, values, count)
+
+
+def _kernel_applies(q: torch.Tensor, state: LSHCache) -> bool:
+    # The kernel widens a bfloat16 cache to float32 as it reads; q and its sums are float32; bucket ids are bytes.
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and state.k.dtype in (torch.float32, torch.bfloat16)
+        and state.buckets.dtype == torch.uint8
+        and q.stride(-1) == 1
+    )
 
 
 def attend_counted(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

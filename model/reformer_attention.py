@@ -49,10 +49,12 @@ class ReformerAttention(Attention):
 
     @classmethod
     def token_cost(cls, cfg: ModelConfig, t: float) -> TokenCost:
-        # A step scores every cached key and masks those no round shows (fixed shapes, no gathers): keys, values
-        # and bucket ids of t positions read, one position's written.
-        d, ids = cfg.d_model, cfg.n_heads * cfg.reformer_rounds * bucket_id_dtype(cfg.reformer_buckets).itemsize
-        return TokenCost(flops=4 * t * d, state_bytes=(2 * t * d + 2 * d) * STATE_NUMBER_BYTES + (t + 1) * ids)
+        # Through the CPU kernel: the query's bucket in each round (expected occupancy) and its local window, keys
+        # and values read; the bucket ids of every position scanned. (Without the kernel a step scores the whole
+        # prefix and masks it: softmax's cost.)
+        seen, d = cfg.reformer_rounds * t / cfg.reformer_buckets + min(cfg.reformer_local_window, t), cfg.d_model
+        ids = cfg.n_heads * cfg.reformer_rounds * bucket_id_dtype(cfg.reformer_buckets).itemsize  # per position
+        return TokenCost(flops=4 * seen * d, state_bytes=(2 * seen * d + 2 * d) * STATE_NUMBER_BYTES + (t + 1) * ids)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -386,8 +386,15 @@ def test_roofline_state_traffic_matches_the_models_own_state(kind):
     _, moved = attention_cost(cfg, t)
     if capabilities(kind).constant_state:  # the whole fixed-size state is read and written
         assert moved == 2 * model.state_bytes_per_sequence(t)
-    else:  # a cache by position: K, V (and Reformer's bucket ids) of t positions read, one position written
+    elif kind == "softmax":  # K, V of t positions read, one position written
         assert moved == model.state_bytes_per_sequence(t) + model.state_bytes_per_sequence(1)
+    else:  # the expected bucket share of the cached keys and values, per round, and every position's bucket ids
+        kv_per_position = 2 * cfg.d_model * FLOAT32 * cfg.n_layers
+        window = cfg.reformer_local_window
+        ids_per_position = cfg.n_layers * cfg.n_heads * cfg.reformer_rounds  # one byte each
+        assert moved == kv_per_position * (cfg.reformer_rounds * t / cfg.reformer_buckets + window + 1) + (
+            ids_per_position * (t + 1)
+        )
     # Dense FLOPs are two per weight of the blocks and the output head.
     matrices = sum(
         p.numel()

@@ -25,16 +25,25 @@ class LSHCache(RowState):
     v: torch.Tensor  # (B, H, L, D)
     buckets: torch.Tensor  # (B, H, R, L) bucket of each position, per round
 
-    # Written by position, like softmax's cache, but a prefix cache still leaves this kind out (its snapshots
-    # would need the bucket ids too; not done yet).
-    snapshots_exact = False
-
     def nbytes_in_use(self, lengths: torch.Tensor) -> int:
         # Only positions already written hold information: grows with length.
         _, h, _, d = self.k.shape
         rounds = self.buckets.shape[2]
         per_position = 2 * h * d * self.k.element_size() + h * rounds * self.buckets.element_size()
         return int(lengths.sum()) * per_position
+
+    def snapshot_row(self, row: int, length: int) -> list[torch.Tensor]:
+        # Positions past `length` are masked out of every later step: only the written prefix is kept.
+        return [
+            self.k[row, :, :length].clone(),
+            self.v[row, :, :length].clone(),
+            self.buckets[row, ..., :length].clone(),
+        ]
+
+    def restore_row(self, row: int, saved: list[torch.Tensor], length: int) -> None:
+        self.k[row, :, :length] = saved[0]
+        self.v[row, :, :length] = saved[1]
+        self.buckets[row, ..., :length] = saved[2]
 
 
 def bucket_id_dtype(n_buckets: int) -> torch.dtype:

@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compile-decode",
         dest="compiled",
         action=argparse.BooleanOptionalAction,
-        help="on the CPU, decode compilable kinds (softmax, linear, Linformer) through torch.compile, as "
+        help="on the CPU, decode compilable kinds (softmax, linear, Linformer, Reformer) through torch.compile, as "
         "the server does (default on; --quick: off)",
     )
     ins.add_argument(

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import httpx
 
+from model.registry import kinds_where
+
 COMPILERS = frozenset({"cc1plus", "cc1", "g++", "c++", "gcc", "as", "ld", "collect2"})
 POLL_SECONDS = 0.2
 
@@ -108,7 +110,7 @@ def watch(args: argparse.Namespace) -> dict:
             if image_seconds is None and args.model in compiled_at:
                 image_sent_at = time.monotonic() - started
                 image_seconds = image_request(url, args.model, args.example)
-            compilable = [c for c in cards if c["attention"] != "reformer"]
+            compilable = [c for c in cards if c["attention"] in kinds_where(lambda k: k.compilable)]
             if (
                 image_seconds is not None
                 and compilable

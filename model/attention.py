@@ -50,8 +50,7 @@ class Attention(nn.Module, ABC):
     projections: ClassVar[int] = 4  # (d_model x d_model) weight matrices per layer: Q, K, V, output
     # The state is a cache of keys and values that may be stored in another dtype than the model computes in
     # (Transformer.kv_cache_dtype), read by a kernel that widens it as it loads. Recurrent sums are not: they stay
-    # float32 whatever the model's dtype. Reformer's cache is not either: its steps are eager and would widen the
-    # whole cache each step.
+    # float32 whatever the model's dtype. Reformer's cache is not either (yet): it stays in the model's dtype.
     kv_cache: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs) -> None:

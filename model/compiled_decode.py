@@ -52,9 +52,8 @@ beside a step. Each compile is logged with its time. A compile that fails
 (e.g. no C++ compiler) is logged and that decoder stays eager.
 
 Which kinds are compiled is what they declare (`compilable` in
-model/attention.py's capabilities). Reformer is not: its decode step gathers
-buckets whose sizes change every step and are read back to the host, so it
-stays eager.
+model/attention.py's capabilities). Reformer's step masks a cache written by
+position (model/reformer/decode.py), so its prefix is symbolic as softmax's.
 """
 
 from __future__ import annotations

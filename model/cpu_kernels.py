@@ -4,7 +4,9 @@ Four kernels, registered as operators so that eager steps call them and
 torch.compile keeps each as one call inside its graphs:
   * `torch.ops.rnnserve.softmax_decode_attention`: softmax attention of one
     query per row over its KV cache (model/kernels/softmax_decode.cpp), which
-    a softmax decode step spends most of its time in at batch 64;
+    a softmax decode step spends most of its time in at batch 64, and
+    `reformer_decode_attention`, the same over the keys a Reformer query's
+    rounds show (only those are read);
   * `torch.ops.rnnserve.packed_linear` (and `pack_linear_weight`): a linear
     layer on weights packed once (model/kernels/packed_linear.cpp), which the
     compiled decode steps use for every linear layer (model/packed_linear.py).
@@ -161,6 +163,7 @@ def _load_once(build: bool) -> KernelBuild:
             )
             return KernelBuild(False, time.perf_counter() - start, "not built; run `rnnserve build-kernels`")
         torch.library.register_fake("rnnserve::softmax_decode_attention")(_fake_softmax_decode_attention)
+        torch.library.register_fake("rnnserve::reformer_decode_attention")(_fake_reformer_decode_attention)
         torch.library.register_fake("rnnserve::packed_linear")(_fake_packed_linear)
         torch.library.register_fake("rnnserve::linear_attention_prefill")(_fake_linear_attention_prefill)
     except Exception as exc:  # no compiler, no Python headers, a read-only cache
@@ -216,6 +219,10 @@ def exclusive_build(directory: Path) -> Iterator[None]:
 
 
 def _fake_softmax_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch.Tensor):
+    return q.new_empty(q.shape)  # (B, H, 1, D), contiguous: what the kernel returns
+
+
+def _fake_reformer_decode_attention(q, k, v, key_buckets, query_buckets, last, window: int):
     return q.new_empty(q.shape)  # (B, H, 1, D), contiguous: what the kernel returns
 
 

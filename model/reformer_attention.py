@@ -15,7 +15,8 @@ neighbours, and a character model stuck there learns no more than a bigram.
 
 The rule is written once, in `reformer.visibility`; this module picks the path
 that computes it: for a whole sequence, `bucketed` when buckets are even,
-`causal` for one round, `dense` otherwise; after a cache, `decode`. Inference
+`causal` for one round, `dense` otherwise; after a cache, `decode`, whose
+single-token step masks a cache written by position and compiles like softmax's. Inference
 hashes with the rotations stored in the weights, kept in float32 whatever the
 model's dtype; training may draw fresh ones every step (`fresh_rotations`).
 """
@@ -30,7 +31,7 @@ from .config import ModelConfig
 from .heads import chunk_positions, merge_heads, split_heads
 from .reformer import bucketed, decode
 from .reformer.causal import attend_causal
-from .reformer.decode import LSHCache
+from .reformer.decode import LSHCache, bucket_id_dtype
 from .reformer.dense import lsh_attend
 from .reformer.hashing import draw_rotations, hash_keys, unit_keys
 
@@ -38,16 +39,22 @@ __all__ = ["LSHCache", "ReformerAttention"]
 
 
 class ReformerAttention(Attention):
-    # Bucket lists change length every step (no graph; their sizes are read back to the host, so no
-    # compiled step either), and padding rows would keep appending to them.
-    capabilities = Capabilities(constant_state=False, graphable=False, paddable=False, compilable=False)
+    # The cache grows by position and steps read a prefix of changing length, as softmax's: no CUDA graph, but
+    # torch.compile traces the length symbolically. Not declared paddable (yet): padding rows from position 0
+    # would only overwrite their own first slot, but that is not tested.
+    capabilities = Capabilities(constant_state=False, graphable=False, paddable=False, compilable=True)
     projections = 3  # shared QK
+    # One query per row on the CPU through model/kernels/softmax_decode.cpp (model/cpu_kernels.py turns it on).
+    cpu_decode_kernel = False
 
     @classmethod
     def token_cost(cls, cfg: ModelConfig, t: float) -> TokenCost:
-        # The query's bucket in each round (expected occupancy) and its local window, keys and values read.
+        # Through the CPU kernel: the query's bucket in each round (expected occupancy) and its local window, keys
+        # and values read; the bucket ids of every position scanned. (Without the kernel a step scores the whole
+        # prefix and masks it: softmax's cost.)
         seen, d = cfg.reformer_rounds * t / cfg.reformer_buckets + min(cfg.reformer_local_window, t), cfg.d_model
-        return TokenCost(flops=4 * seen * d, state_bytes=(2 * seen * d + 2 * d) * STATE_NUMBER_BYTES)
+        ids = cfg.n_heads * cfg.reformer_rounds * bucket_id_dtype(cfg.reformer_buckets).itemsize  # per position
+        return TokenCost(flops=4 * seen * d, state_bytes=(2 * seen * d + 2 * d) * STATE_NUMBER_BYTES + (t + 1) * ids)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -97,7 +104,7 @@ class ReformerAttention(Attention):
         if state is None:
             y = self._attend_sequence(q, k, v, buckets)
         elif t == 1:
-            y = decode.decode_step(q, k, v, buckets, pos[:, 0], state, self.window)
+            y = decode.decode_step(q, k, v, buckets, pos[:, 0], state, self.window, self.cpu_decode_kernel)
         else:
             y = decode.attend_chunk(q, k, v, buckets, pos, state, self.window)
         return self.proj(merge_heads(y.to(q.dtype))), state

@@ -15,8 +15,8 @@ joins resets its row first.
 
 Only kinds whose decode step has fixed shapes can be captured (declared
 `graphable` in their capabilities, e.g. the constant-size states of linear
-and Linformer). Softmax reads a prefix and Reformer a bucket whose length
-changes every step; they run eagerly.
+and Linformer). Softmax and Reformer read a prefix whose length changes
+every step; they run eagerly.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class PaddedDecoder(EagerDecoder):
     def __init__(self, model: Transformer, state: ModelState, sizes: list[int]):
         super().__init__(model, state)
         # Padding rows restart at position 0 every step: harmless when a row's state is fixed-size or
-        # written by position, not for Reformer, whose bucket lists would keep growing past max_len.
+        # written by position; Reformer does not declare it (not tested for it).
         if not model.capabilities.paddable:
             paddable = ", ".join(kinds_where(lambda c: c.paddable))
             raise ValueError(f"{model.config.attention} decode steps cannot be padded; padded kinds: {paddable}")

@@ -274,7 +274,7 @@ def slot_limits(loaded: LoadedModel, limits: EngineLimits, plan: SlotPlan) -> En
             plan.rows * plan.workers * plan.slot_bytes / MIB,
             plan.budget / MIB,
         )
-    prefix = limits.prefix_cache_memory if caches_prefixes(loaded.model) else 0  # Reformer's: none
+    prefix = limits.prefix_cache_memory if caches_prefixes(loaded.model) else 0
     return dataclasses.replace(
         limits, max_batch=plan.rows, slot_bytes=plan.slot_bytes, memory_budget=plan.budget, prefix_cache_memory=prefix
     )

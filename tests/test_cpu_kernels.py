@@ -5,6 +5,7 @@ Built once per machine by the first test that needs it (about 20 s here), then f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -23,6 +24,8 @@ from model.cpu_features import read_cpu_features
 from model.cpu_kernels import load_kernels, turn_off_cpu_kernels, use_cpu_kernels
 from model.linear_attention import linear_attention_chunked
 from model.heads import split_heads
+from model.reformer import decode as reformer_decode
+from model.reformer_attention import ReformerAttention
 from model.softmax_attention import SoftmaxAttention, attend_one_query
 
 from conftest import TINY_MAX_LEN, make_tiny_model, make_tokens
@@ -137,6 +140,46 @@ def test_softmax_decoding_through_the_kernel_equals_the_parallel_pass():
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             steps = [model.decode_step(tokens[:, t], state) for t in range(TINY_MAX_LEN)]
     calls = [e for e in prof.key_averages() if e.key == "rnnserve::softmax_decode_attention"]
+    assert calls and calls[0].count == TINY_MAX_LEN * model.config.n_layers
+    torch.testing.assert_close(torch.stack(steps, 1), parallel, atol=1e-4, rtol=0)
+
+
+# Head sizes of the vector path and of the scalar loops; rounds, buckets and windows that leave queries alone in
+# their bucket (the query's own key shown), show keys in several rounds at once, and have no local round.
+@pytest.mark.parametrize("head_dim", [8, 12, 16, 32])
+@pytest.mark.parametrize("rounds, buckets, window", [(1, 2, 32), (2, 4, 8), (3, 4, 0), (1, 16, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_reformer_kernel_equals_the_masked_step(kernel, head_dim, rounds, buckets, window, dtype):
+    gen = torch.Generator().manual_seed(head_dim + rounds)
+    rows, heads, max_len = 5, 3, 60
+    cache = reformer_decode.new_cache(rows, heads, rounds, buckets, max_len, head_dim, torch.device("cpu"), dtype)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=gen))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
+    cache.buckets.copy_(torch.randint(0, buckets, cache.buckets.shape, generator=gen))
+    q = torch.randn(rows, heads, 1, head_dim, generator=gen)
+    k, v = q / q.norm(dim=-1, keepdim=True), torch.randn(rows, heads, 1, head_dim, generator=gen)
+    query_buckets = torch.randint(0, buckets, (rows, heads, rounds, 1), generator=gen)
+    pos = torch.tensor([0, 1, 5, 33, max_len - 1])  # rows at different positions, the first with no earlier key
+    other = dataclasses.replace(cache, **{name: getattr(cache, name).clone() for name in ("k", "v", "buckets")})
+    masked = reformer_decode.decode_step(q, k, v, query_buckets, pos, cache, window, kernel=False)
+    through_kernel = reformer_decode.decode_step(q, k, v, query_buckets, pos, other, window, kernel=True)
+    torch.testing.assert_close(through_kernel, masked, atol=KERNEL_TOLERANCE, rtol=0)
+    assert all(torch.equal(a, b) for a, b in zip(cache.tensors(), other.tensors()))  # the same writes
+
+
+def test_reformer_decoding_through_the_kernel_equals_the_parallel_pass():
+    # Head size 32: the vectorized path on CPUs with 8- or 16-float vectors.
+    model = make_tiny_model("reformer", d_model=64, n_heads=2)
+    build = use_cpu_kernels(model)
+    assert build is not None and build.ok, build
+    assert all(m.cpu_decode_kernel for m in model.modules() if isinstance(m, ReformerAttention))
+    tokens = make_tokens(3, 3, TINY_MAX_LEN)
+    with torch.inference_mode():
+        parallel, _ = model(tokens, None)
+        state = model.new_state(3)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            steps = [model.decode_step(tokens[:, t], state) for t in range(TINY_MAX_LEN)]
+    calls = [e for e in prof.key_averages() if e.key == "rnnserve::reformer_decode_attention"]
     assert calls and calls[0].count == TINY_MAX_LEN * model.config.n_layers
     torch.testing.assert_close(torch.stack(steps, 1), parallel, atol=1e-4, rtol=0)
 

@@ -27,7 +27,7 @@ from server.metrics import Metrics
 from conftest import make_tiny_model
 from server_support import TEXT_MAX_LEN, metric_value, save_tiny_model, serving_process
 
-CACHED_KINDS = ["linear", "linformer", "hybrid", "softmax", "softmax+llama", "linear+llama", "hybrid+qwen2"]
+CACHED_KINDS = ["linear", "linformer", "hybrid", "softmax", "reformer", "softmax+llama", "linear+llama", "hybrid+qwen2"]
 STEMS = ([5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 20], [30, 31], [40])  # share prefixes with each other
 
 
@@ -180,12 +180,6 @@ def test_a_conversations_next_turn_takes_the_state_after_the_last_answer(kind):
     cached = run_rounds(engine, [[first], [second]])
     assert cached[1][0][2] == len(STEMS[0]) + 4 - 1
     assert_same_answers(cached, run_rounds(make_engine(kind, 0), [[first], [second]]))
-
-
-def test_reformer_keeps_no_prefix_cache():
-    """Its bucket lists are not sliced by position: the cache leaves the kind out."""
-    engine = make_engine("reformer", 1 << 24)
-    assert engine.runner.prefix_cache is None
 
 
 @pytest.mark.parametrize("kind", ["linear", "softmax"])

@@ -1,4 +1,4 @@
-// One query per row against a softmax KV cache on the CPU: a decode step's attention.
+// One query per row against a softmax KV cache on the CPU: a decode step's attention (and Reformer's, at the end).
 //
 // Why a kernel: a decode step reads every cached key and value of every row once, so it is bound by memory
 // bandwidth. Inductor lowers this single-query product to loops that read V once per 16 lanes of the head and
@@ -232,6 +232,151 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   });
 }
 
+
+// ---- Reformer: one query per row against the keys its rounds show, read from a cache written by position ----
+//
+// A key is shown by each hashed round whose bucket it shares with the query (earlier keys only), and by the local
+// round when it is one of the `window` keys before the query; the query's own key (written at `last`) is shown by
+// each round that shows nothing else. Rounds mix as one softmax in which a key counts once per round showing it:
+// scores + log(count) (model/reformer/visibility.py). Only the shown keys and values are read: with n buckets a
+// step reads about 1/n of the keys softmax's would, plus one byte per position and round for the bucket ids.
+
+// Shown positions of one (row, head) and how many rounds show each, the query's own position last.
+struct Shown {
+  std::vector<int64_t> positions;
+  std::vector<float> bias;  // log(count)
+};
+
+void list_shown(const uint8_t* key_buckets, int64_t bucket_stride, const int64_t* query_buckets, int64_t rounds,
+                int64_t last, int64_t window, Shown& shown) {
+  shown.positions.clear();
+  shown.bias.clear();
+  std::vector<float> log_count(rounds + 2);
+  for (int64_t c = 1; c < rounds + 2; ++c) log_count[c] = std::log(static_cast<float>(c));
+  std::vector<bool> found(rounds, false);
+  const int64_t window_start = window > 0 ? last - window : last;
+  for (int64_t l = 0; l < last; ++l) {
+    int64_t count = l >= window_start ? 1 : 0;
+    for (int64_t r = 0; r < rounds; ++r)
+      if (key_buckets[r * bucket_stride + l] == query_buckets[r]) ++count, found[r] = true;
+    if (count > 0) shown.positions.push_back(l), shown.bias.push_back(log_count[count]);
+  }
+  int64_t own = window > 0 && last == 0 ? 1 : 0;  // the local round shows nothing before position 0
+  for (int64_t r = 0; r < rounds; ++r) own += found[r] ? 0 : 1;
+  if (own > 0) shown.positions.push_back(last), shown.bias.push_back(log_count[own]);
+}
+
+// The listed positions in blocks (online softmax), as attend_vectorized does for a whole prefix.
+template <int V, typename T>
+void attend_listed_vectorized(const Row<T>& r, const Shown& shown) {
+  constexpr int64_t w = Vec::size(), chains = kChains<V>;
+  Vec q[V], acc[chains][V];
+  const Vec scale(1.0f / std::sqrt(static_cast<float>(r.d)));
+  for (int j = 0; j < V; ++j) {
+    q[j] = Vec::loadu(r.q + j * w) * scale;
+    for (auto& a : acc) a[j] = Vec(0.0f);
+  }
+  const int64_t count = static_cast<int64_t>(shown.positions.size());
+  float most = -std::numeric_limits<float>::infinity();
+  Vec total(0.0f);
+  alignas(64) float weights[kBlock];
+  for (int64_t from = 0; from < count; from += kBlock) {
+    const int64_t n = std::min(kBlock, count - from);
+    float block_most = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) {
+      if (from + i + kAhead < count) {
+        const int64_t ahead = shown.positions[from + i + kAhead];
+        __builtin_prefetch(r.k + ahead * r.k_stride, 0, 2);
+        __builtin_prefetch(r.v + ahead * r.v_stride, 0, 2);
+      }
+      weights[i] = sum_lanes(partial_score<V>(r, q, shown.positions[from + i])) + shown.bias[from + i];
+      block_most = std::max(block_most, weights[i]);
+    }
+    if (block_most > most) {
+      const Vec shrink(std::exp(most - block_most));  // 0 on the first block
+      for (auto& a : acc)
+        for (int j = 0; j < V; ++j) a[j] = a[j] * shrink;
+      total = total * shrink;
+      most = block_most;
+    }
+    exponentiate(weights, n, most, total);
+    for (int64_t i = 0; i < n; ++i) {
+      const Vec weight(weights[i]);
+      const T* value = r.v + shown.positions[from + i] * r.v_stride;
+      auto& a = acc[i % chains];
+      for (int j = 0; j < V; ++j) a[j] = at::vec::fmadd(weight, load(value + j * w), a[j]);
+    }
+  }
+  const Vec inverse(1.0f / sum_lanes(total));
+  for (int j = 0; j < V; ++j) {
+    Vec sum = acc[0][j];
+    for (int64_t u = 1; u < chains; ++u) sum = sum + acc[u][j];
+    (sum * inverse).store(r.out + j * w);
+  }
+}
+
+// The same, one number at a time: head sizes the vector path does not cover.
+template <typename T>
+void attend_listed_scalar(const Row<T>& r, const Shown& shown, std::vector<float>& scores) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(r.d));
+  const int64_t count = static_cast<int64_t>(shown.positions.size());
+  scores.resize(count);
+  float most = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < count; ++i) {
+    const T* key = r.k + shown.positions[i] * r.k_stride;
+    float dot = 0.0f;
+    for (int64_t j = 0; j < r.d; ++j) dot += r.q[j] * static_cast<float>(key[j]);
+    scores[i] = dot * scale + shown.bias[i];
+    most = std::max(most, scores[i]);
+  }
+  float total = 0.0f;
+  for (int64_t i = 0; i < count; ++i) total += scores[i] = std::exp(scores[i] - most);
+  for (int64_t j = 0; j < r.d; ++j) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < count; ++i) sum += scores[i] * static_cast<float>(r.v[shown.positions[i] * r.v_stride + j]);
+    r.out[j] = sum / total;
+  }
+}
+
+template <typename T>
+void attend_listed(const Row<T>& r, const Shown& shown, std::vector<float>& scores) {
+  const int64_t w = Vec::size();
+  switch (r.d % w == 0 ? r.d / w : 0) {
+    case 1: return attend_listed_vectorized<1>(r, shown);
+    case 2: return attend_listed_vectorized<2>(r, shown);
+    case 3: return attend_listed_vectorized<3>(r, shown);
+    case 4: return attend_listed_vectorized<4>(r, shown);
+    case 5: return attend_listed_vectorized<5>(r, shown);
+    case 6: return attend_listed_vectorized<6>(r, shown);
+    case 7: return attend_listed_vectorized<7>(r, shown);
+    case 8: return attend_listed_vectorized<8>(r, shown);
+    default: return attend_listed_scalar(r, shown, scores);
+  }
+}
+
+template <typename T>
+void attend_shown_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& key_buckets,
+                      const at::Tensor& query_buckets, const int64_t* last, int64_t window, at::Tensor& out) {
+  const int64_t heads = q.size(1), d = q.size(3), rounds = key_buckets.size(2);
+  const float* qp = q.data_ptr<float>();
+  const T *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
+  const uint8_t* bp = key_buckets.data_ptr<uint8_t>();
+  const int64_t* qbp = query_buckets.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, q.size(0) * heads, 1, [&](int64_t begin, int64_t finish) {
+    Shown shown;
+    std::vector<float> scores;  // the scalar path's
+    for (int64_t i = begin; i < finish; ++i) {
+      const int64_t b = i / heads, h = i % heads;
+      const Row<T> row{qp + b * q.stride(0) + h * q.stride(1), kp + b * k.stride(0) + h * k.stride(1),
+                       vp + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2), last[b] + 1, d, op + i * d};
+      list_shown(bp + b * key_buckets.stride(0) + h * key_buckets.stride(1), key_buckets.stride(2),
+                 qbp + (b * heads + h) * rounds, rounds, last[b], window, shown);
+      attend_listed(row, shown, scores);
+    }
+  });
+}
+
 }  // namespace
 
 // q (B, H, 1, D) float32 attends to positions [0, last[b]] of caches (B, H, L, D), float32 or bfloat16:
@@ -252,8 +397,45 @@ at::Tensor softmax_decode_attention(const at::Tensor& q, const at::Tensor& k, co
   return out;
 }
 
-TORCH_LIBRARY(rnnserve, m) {
-  m.def("softmax_decode_attention(Tensor q, Tensor k, Tensor v, Tensor last) -> Tensor");
+
+// Reformer's step: q (B, H, 1, D) float32 attends to the keys of caches (B, H, L, D), float32 or bfloat16, that its
+// rounds show: key_buckets (B, H, R, L) uint8 (the query's own bucket already written at `last`), query_buckets
+// (B, H, R) int64, last (B,) int64 the query's position, window the local round's width (0: none).
+at::Tensor reformer_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& key_buckets, const at::Tensor& query_buckets,
+                                     const at::Tensor& last, int64_t window) {
+  check_inputs(q, k, v, last);
+  TORCH_CHECK(key_buckets.dim() == 4 && key_buckets.size(0) == k.size(0) && key_buckets.size(1) == k.size(1) &&
+                  key_buckets.size(3) == k.size(2) && key_buckets.size(2) >= 1,
+              "key_buckets must be (B, H, R, L) for caches ", k.sizes(), ", got ", key_buckets.sizes());
+  TORCH_CHECK(key_buckets.scalar_type() == at::kByte && key_buckets.stride(3) == 1,
+              "key_buckets must be uint8 with unit stride along L");
+  TORCH_CHECK(window >= 0, "window must be >= 0, got ", window);
+  const at::Tensor wanted = query_buckets.to(at::kLong).contiguous();
+  TORCH_CHECK(wanted.dim() == 3 && wanted.size(0) == q.size(0) && wanted.size(1) == q.size(1) &&
+                  wanted.size(2) == key_buckets.size(2),
+              "query_buckets must be (B, H, R), got ", query_buckets.sizes());
+  const at::Tensor ends = last.contiguous();
+  const int64_t* end = ends.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b)
+    TORCH_CHECK(end[b] >= 0 && end[b] < k.size(2), "row ", b, ": last position ", end[b], " outside the cache's ",
+                k.size(2));
+  at::Tensor out = at::empty({q.size(0), q.size(1), 1, q.size(3)}, q.options());
+  if (k.scalar_type() == at::kBFloat16)
+    attend_shown_all<BFloat16>(q, k, v, key_buckets, wanted, end, window, out);
+  else
+    attend_shown_all<float>(q, k, v, key_buckets, wanted, end, window, out);
+  return out;
 }
 
-TORCH_LIBRARY_IMPL(rnnserve, CPU, m) { m.impl("softmax_decode_attention", &softmax_decode_attention); }
+TORCH_LIBRARY(rnnserve, m) {
+  m.def("softmax_decode_attention(Tensor q, Tensor k, Tensor v, Tensor last) -> Tensor");
+  m.def(
+      "reformer_decode_attention(Tensor q, Tensor k, Tensor v, Tensor key_buckets, Tensor query_buckets, "
+      "Tensor last, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(rnnserve, CPU, m) {
+  m.impl("softmax_decode_attention", &softmax_decode_attention);
+  m.impl("reformer_decode_attention", &reformer_decode_attention);
+}

@@ -1,22 +1,25 @@
 """Reformer decoding: the cache and the cached attention of chunks and single tokens.
 
-The cache keeps, per row, head and round, the positions of each bucket in a
-preallocated list, so one decoding step gathers only the members of the
-query's bucket: O(bucket occupancy), plus the W tokens before it when the
-local round is on.
+The cache keeps, per row and head, every position's key and value and its
+bucket in each round, preallocated to max_len and written by position, as
+softmax's KV cache. A step attends to the written prefix through a mask
+(the query's bucket mates and its local window, counted once per round that
+shows them): fixed shapes but for the prefix's length, no lists whose sizes
+would be read back to the host, so torch.compile traces the step whole
+(model/compiled_decode.py), and rows step together however their buckets fill.
+On the CPU the step's attention is one C++ call (model/kernels/softmax_decode.cpp,
+turned on by model/cpu_kernels.py) that scans the bucket ids and reads only the
+keys and values shown: about 1/n_buckets of the prefix per round, plus the window.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..state import RowState
-from .dense import lsh_attend
-from .visibility import mix_rounds, round_results, visible_itself_last
+from .dense import key_counts, lsh_attend
 
 
 @dataclass
@@ -24,20 +27,31 @@ class LSHCache(RowState):
     k: torch.Tensor  # (B, H, L, D) normalised keys
     v: torch.Tensor  # (B, H, L, D)
     buckets: torch.Tensor  # (B, H, R, L) bucket of each position, per round
-    members: torch.Tensor  # (B, H, R, n_buckets, L) positions in each bucket, in order
-    counts: torch.Tensor  # (B, H, R, n_buckets) int64, occupancy of each bucket
-
-    # Its bucket lists are laid out per bucket over the whole context, not by position: a prefix is not a slice of
-    # them, so a prefix cache leaves this kind out rather than copy max_len-sized rows.
-    snapshots_exact = False
 
     def nbytes_in_use(self, lengths: torch.Tensor) -> int:
+        # Only positions already written hold information: grows with length.
         _, h, _, d = self.k.shape
         rounds = self.buckets.shape[2]
-        per_position = 2 * h * d * self.k.element_size()
-        per_position += h * rounds * (self.buckets.element_size() + self.members.element_size())
-        counts = self.counts[: lengths.numel()]  # the given rows' bucket occupancy
-        return int(lengths.sum()) * per_position + counts.numel() * counts.element_size()
+        per_position = 2 * h * d * self.k.element_size() + h * rounds * self.buckets.element_size()
+        return int(lengths.sum()) * per_position
+
+    def snapshot_row(self, row: int, length: int) -> list[torch.Tensor]:
+        # Positions past `length` are masked out of every later step: only the written prefix is kept.
+        return [
+            self.k[row, :, :length].clone(),
+            self.v[row, :, :length].clone(),
+            self.buckets[row, ..., :length].clone(),
+        ]
+
+    def restore_row(self, row: int, saved: list[torch.Tensor], length: int) -> None:
+        self.k[row, :, :length] = saved[0]
+        self.v[row, :, :length] = saved[1]
+        self.buckets[row, ..., :length] = saved[2]
+
+
+def bucket_id_dtype(n_buckets: int) -> torch.dtype:
+    """The narrowest integer type that holds a bucket id."""
+    return torch.uint8 if n_buckets <= torch.iinfo(torch.uint8).max + 1 else torch.int16
 
 
 def new_cache(
@@ -50,31 +64,20 @@ def new_cache(
     device: torch.device,
     dtype: torch.dtype,
 ) -> LSHCache:
-    idx = torch.int16 if max_len <= torch.iinfo(torch.int16).max else torch.int32
     return LSHCache(
         k=torch.zeros(batch, heads, max_len, d_head, device=device, dtype=dtype),
         v=torch.zeros(batch, heads, max_len, d_head, device=device, dtype=dtype),
-        buckets=torch.zeros(batch, heads, rounds, max_len, device=device, dtype=idx),
-        members=torch.zeros(batch, heads, rounds, n_buckets, max_len, device=device, dtype=idx),
-        counts=torch.zeros(batch, heads, rounds, n_buckets, device=device, dtype=torch.long),
+        buckets=torch.zeros(batch, heads, rounds, max_len, device=device, dtype=bucket_id_dtype(n_buckets)),
     )
 
 
 def write(state: LSHCache, k, v, buckets, pos) -> None:
-    """Store a chunk's keys, values and bucket memberships: k, v (B, H, T, D), buckets (B, H, R, T), pos (B, T)."""
-    b, h, r, t = buckets.shape
-    n_buckets, max_len = state.counts.shape[-1], state.k.shape[2]
-    rows = torch.arange(b, device=k.device)[:, None]
+    """Store a chunk's keys, values and buckets by position: k, v (B, H, T, D), buckets (B, H, R, T), pos (B, T)."""
+    rows = torch.arange(k.shape[0], device=k.device)[:, None]
+    # Advanced indices on dims 0 and 2 (3 for buckets) put (B, T) first.
     state.k[rows, :, pos] = k.transpose(1, 2).to(state.k.dtype)
     state.v[rows, :, pos] = v.transpose(1, 2).to(state.v.dtype)
     state.buckets[rows, :, :, pos] = buckets.permute(0, 3, 1, 2).to(state.buckets.dtype)
-    onehot = F.one_hot(buckets, n_buckets)  # (B, H, R, T, n)
-    # Slot of each token in its bucket list: occupancy before it.
-    rank = (onehot.cumsum(dim=3) - onehot).gather(-1, buckets[..., None])[..., 0]
-    slot = state.counts.gather(-1, buckets) + rank  # (B, H, R, T)
-    flat = state.members.view(b, h, r, -1)
-    flat.scatter_(-1, buckets * max_len + slot, pos[:, None, None, :].expand_as(slot).to(flat.dtype))
-    state.counts.add_(onehot.sum(dim=3))
 
 
 def attend_chunk(q, k, v, buckets, pos, state: LSHCache, window: int) -> torch.Tensor:
@@ -86,59 +89,43 @@ def attend_chunk(q, k, v, buckets, pos, state: LSHCache, window: int) -> torch.T
     return lsh_attend(q, keys, values, buckets, state.buckets[..., :used].long(), pos, key_pos, window)
 
 
-def decode_step(q, k, v, buckets, pos, state: LSHCache, window: int) -> torch.Tensor:
-    """One token per row: q, k, v (B, H, 1, D), buckets (B, H, R, 1), pos (B,) -> (B, H, 1, D)."""
-    out, lse = _hashed_step(q, k, v, buckets[..., 0], pos, state)
-    if window:
-        local_out, local_lse = _local_step(q, k, v, pos, state, window)
-        out, lse = torch.cat([out, local_out], dim=2), torch.cat([lse, local_lse], dim=2)
+def decode_step(q, k, v, buckets, pos, state: LSHCache, window: int, kernel: bool = False) -> torch.Tensor:
+    """One token per row: q, k, v (B, H, 1, D), buckets (B, H, R, 1), pos (B,) -> (B, H, 1, D).
+
+    The written prefix is masked by how many rounds show each key (as `lsh_attend`), and the rounds mix
+    as one softmax over it, with log(count) added to the scores. kernel: through the CPU kernel where it
+    applies, which reads only the keys shown."""
     write(state, k, v, buckets, pos[:, None])
-    return mix_rounds(out, lse)
+    if kernel and _kernel_applies(q, state):
+        return torch.ops.rnnserve.reformer_decode_attention(
+            q, state.k, state.v, state.buckets, buckets[..., 0], pos, window
+        ).to(q.dtype)
+    used = int(pos.max()) + 1  # attend only to the written prefix
+    # For torch.compile, which cannot see the value: at least one key, and narrow (not a slice) gives exactly
+    # `used` of them.
+    torch._check(used > 0)
+    keys, values = state.k.narrow(2, 0, used), state.v.narrow(2, 0, used)  # (B, H, L, D)
+    key_pos = torch.arange(used, device=q.device).expand(q.shape[0], used)  # (B, L)
+    count = key_counts(buckets, state.buckets.narrow(3, 0, used), pos[:, None], key_pos, window)  # (B, H, 1, L)
+    return attend_counted(q, keys, values, count)
 
 
-def _hashed_step(q, k, v, q_buckets, pos, state: LSHCache):
-    """The hashed rounds for one token per row, from its bucket's member list: (B, H, R, 1, D), (B, H, R, 1, 1)."""
-    b, h, r = q_buckets.shape
-    n_buckets, length = state.counts.shape[-1], state.k.shape[2]
-    count = state.counts.gather(-1, q_buckets[..., None])[..., 0]  # (B, H, R)
-    width = max(int(count.max()), 1)
-    # Flat row index of each (b, h, r, bucket) list, then its first `width` members.
-    lists = torch.arange(b * h * r, device=q.device).view(b, h, r) * n_buckets + q_buckets
-    members = state.members.view(-1, length).index_select(0, lists.view(-1))[:, :width].long().view(b, h, r, width)
-    keys, values = _gather(state, members)  # (B, H, R, W, D)
-    # A bucket's list holds its earlier keys, in order: the round's candidates are its first `count` entries.
-    candidates = torch.arange(width, device=q.device) < count[..., None]  # (B, H, R, W)
-    return _attend_with_itself(q[:, :, None], keys, values, k[:, :, None], v[:, :, None], candidates)
+def _kernel_applies(q: torch.Tensor, state: LSHCache) -> bool:
+    # The kernel widens a bfloat16 cache to float32 as it reads; q and its sums are float32; bucket ids are bytes.
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and state.k.dtype in (torch.float32, torch.bfloat16)
+        and state.buckets.dtype == torch.uint8
+        and q.stride(-1) == 1
+    )
 
 
-def _local_step(q, k, v, pos, state: LSHCache, window: int):
-    """The local round for one token per row: the W cached positions before it. (B, H, 1, 1, D), (B, H, 1, 1, 1)."""
-    before = pos[:, None] - window + torch.arange(window, device=q.device)  # (B, W), < 0 before the sequence
-    rows = torch.arange(q.shape[0], device=q.device)[:, None]
-    index = before.clamp(min=0)
-    keys = state.k[rows, :, index].transpose(1, 2)[:, :, None]  # (B, H, 1, W, D)
-    values = state.v[rows, :, index].transpose(1, 2)[:, :, None]
-    candidates = (before >= 0)[:, None, None]  # (B, 1, 1, W): the window's positions that exist
-    return _attend_with_itself(q[:, :, None], keys, values, k[:, :, None], v[:, :, None], candidates)
-
-
-def _gather(state: LSHCache, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions (B, H, R, W) -> cached keys and values there, (B, H, R, W, D) each."""
-    b, h, r, width = positions.shape
-    length, d = state.k.shape[2:]
-    rows = torch.arange(b * h, device=positions.device).view(b, h, 1, 1) * length
-    flat = (positions + rows).view(-1)  # flat key index: (b, h) row times length plus position
-    keys, values = (x.view(-1, d).index_select(0, flat).view(b, h, r, width, d) for x in (state.k, state.v))
-    return keys, values
-
-
-def _attend_with_itself(q, keys, values, k, v, candidates):
-    """One token's rounds over listed keys plus itself as a last column, seen only when
-    the round offers no candidate. q, k, v (B, H, 1, 1, D); keys, values (B, H, R, W, D);
-    candidates broadcastable to (B, H, R, W) -> out (B, H, R, 1, D), lse (B, H, R, 1, 1)."""
-    b, h, r, _, d = keys.shape
-    keys = torch.cat([keys.to(q.dtype), k.expand(b, h, r, 1, d)], dim=3)
-    values = torch.cat([values.to(q.dtype), v.expand(b, h, r, 1, d)], dim=3)
-    allowed = visible_itself_last(candidates)  # (..., W + 1)
-    scores = (q @ keys.transpose(-1, -2)) / math.sqrt(d)  # (B, H, R, 1, W + 1)
-    return round_results(scores.masked_fill(~allowed[..., None, :], float("-inf")), values)
+def attend_counted(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """One query per row and head over keys shown `count` times: q (B, H, 1, D); keys, values (B, H, L, D);
+    count (B, H, 1, L), at least one key shown -> (B, H, 1, D). Written out rather than one fused call: compiled
+    on a CPU, inductor turns the steps into loops over the prefix with the mask folded in."""
+    d = q.shape[-1]
+    # In float32 whatever the model's dtype; log(0) = -inf hides the keys no round shows.
+    scores = (q.float() @ keys.float().transpose(-1, -2)) * d**-0.5 + count.float().log()  # (B, H, 1, L)
+    return (torch.softmax(scores, dim=-1) @ values.float()).to(q.dtype)

@@ -8,11 +8,11 @@ first key of its bucket; position 0 in the local round). The rounds combine as
 one softmax over every key they show, a key counted once per round showing it:
 equivalently, each round's softmax weighted by softmax_r(logsumexp_r).
 
-The dense and bucketed paths build their masks from these functions. Decoding
-keeps each bucket's earlier keys in a list and reads the window as a range of
-positions, so the data structure yields the candidates, and `visible_itself_last`
-adds the query itself. The causal path realises the candidates with a causal
-mask and bucket codes and takes the "itself" case from `first_in_bucket`.
+The dense and bucketed paths, and a decoding step over its cache, build their
+masks from these functions; the CPU decode kernel (model/kernels/softmax_decode.cpp)
+applies the same rule as it scans the cached bucket ids. The causal path realises
+the candidates with a causal mask and bucket codes and takes the "itself" case
+from `first_in_bucket`.
 A position below 0 marks padding: no key there.
 """
 
@@ -48,11 +48,6 @@ def visible(candidates: torch.Tensor, itself: torch.Tensor) -> torch.Tensor:
 
     candidates (..., L) bool; itself (..., L) bool, True at the query's own key (broadcasts)."""
     return candidates | (itself & alone(candidates))
-
-
-def visible_itself_last(candidates: torch.Tensor) -> torch.Tensor:
-    """`visible` for keys listed with the query's own key appended: (..., L) -> (..., L + 1)."""
-    return torch.cat([candidates, alone(candidates)], dim=-1)
 
 
 def first_in_bucket(buckets: torch.Tensor, n_buckets: int) -> torch.Tensor:

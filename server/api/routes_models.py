@@ -84,7 +84,7 @@ class ModelCard(BaseModel):
     )
     prefix_cache_memory: int = Field(
         description="bytes of decode states each engine worker keeps by prefix (--prefix-cache-memory); 0: no "
-        "prefix cache (turned off, or a Reformer model, whose state is not cached)"
+        "prefix cache (turned off, or a model whose state cannot be snapshot at a prefix)"
     )
     prefix_cache_bytes_per_prefix: int | None = Field(
         description="what one cached prefix holds at max_len (its decode state and next-token logits; a linear or "

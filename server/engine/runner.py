@@ -546,7 +546,7 @@ class ModelRunner:
 
 
 def caches_prefixes(model: Transformer) -> bool:
-    """Whether the model's decode state can be snapshot at any prefix exactly (not Reformer's bucket lists)."""
+    """Whether the model's decode state can be snapshot at any prefix exactly (every kind's declares it)."""
     return all(layer.snapshots_exact for layer in model.new_state(1).layers)
 
 

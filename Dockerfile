@@ -72,7 +72,7 @@ COPY --from=build-cuda /opt/venv /opt/venv
 # Last stage = default target.
 FROM runtime AS cpu
 # A C++ compiler, used here at build time: `rnnserve build-kernels` builds the CPU decode kernels
-# (model/cpu_kernels.py) and compiles the shipped models' decode steps into inductor's cache, in a folder the
+# (model/kernels/loader.py) and compiles the shipped models' decode steps into inductor's cache, in a folder the
 # server reads, so that a container serving on a CPU of the same class runs no compiler. On another CPU class
 # the server logs that the kernels were not built for it and compiles its decode steps in the background.
 USER 0:0

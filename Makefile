@@ -23,7 +23,8 @@ $(TEST_STAMP): $(STAMP)
 # The CPU decode kernels and the shipped models' compiled decode steps, built ahead so that a server runs no
 # compiler beside its requests (server/prebuild.py). Without a C++ compiler the server decodes with PyTorch's
 # operators, so a failure here is reported, not fatal.
-$(KERNELS_STAMP): $(STAMP) $(wildcard model/*.py) $(wildcard model/kernels/*.cpp) $(wildcard weights/*.safetensors)
+$(KERNELS_STAMP): $(STAMP) $(wildcard model/*.py model/*/*.py model/*/*/*.py) \
+		$(wildcard model/kernels/*.cpp) $(wildcard weights/*.safetensors)
 	$(BIN)/rnnserve build-kernels --weights weights \
 		|| echo "make: building the CPU kernels ahead failed (see above); the server will decode without them"
 	touch $(KERNELS_STAMP)

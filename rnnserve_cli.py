@@ -40,8 +40,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     ),
     "import": Subcommand(
         "import a model trained elsewhere (a Hugging Face GPT-2 folder) as an rnnserve file",
-        "model.hf_import:add_arguments",
-        "model.hf_import:run",
+        "model.io.hf_import:add_arguments",
+        "model.io.hf_import:run",
     ),
     "linearize": Subcommand(
         "turn a softmax model into a linear-attention RNN and fine-tune it",

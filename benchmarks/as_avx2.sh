@@ -9,7 +9,7 @@
 # results say so (`environment.vector_caps` in the JSON; the tables name the class as emulated). Build the kernels
 # under it too (`benchmarks/as_avx2.sh .venv/bin/rnnserve build-kernels`): the avx2 route builds apart.
 # Inductor's graph cache is shared with uncapped runs and does not key on ATEN_CPU_CAPABILITY: rnnserve's compiles
-# name their vector width in their options (model/compiled_decode.py, `inductor_options`), so that a capped run
+# name their vector width in their options (model/decode/compiled/decoder.py, `inductor_options`), so that a capped run
 # builds graphs of its own; an ad-hoc torch.compile under this script needs those options, or a cache of its own
 # (TORCHINDUCTOR_CACHE_DIR).
 set -euo pipefail

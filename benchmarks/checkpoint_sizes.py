@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from model import build_model
-from model.kinds import attention_kinds
+from model.attention.kinds import attention_kinds
 from training import train
 from training.arguments import add_train_arguments
 from training.checkpoint import CheckpointWriter, Progress, RunSettings

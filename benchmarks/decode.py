@@ -3,7 +3,7 @@
 Three measurements, all under torch.inference_mode and with no HTTP (run
 in the reverse of this order, lightest first):
   * images/s for whole MNIST generations (784 tokens from BOS) at several
-    batch sizes, through model.generate.generate;
+    batch sizes, through model.decode.generate.generate;
   * the paper's baseline: softmax with no cache, re-running the whole prefix
     at every step. It is measured for the first pixels only and at a few
     sampled later positions, then summed over all positions by linear
@@ -38,8 +38,8 @@ import numpy as np
 import torch
 
 from model.config import BOS_TOKEN, ModelConfig
-from model.cpu_features import read_cpu_features
-from model.cpu_kernels import (
+from model.kernels.cpu_features import read_cpu_features
+from model.kernels.loader import (
     ATEN_CAPABILITY_VARIABLE,
     cpu_route,
     load_kernels,
@@ -47,15 +47,15 @@ from model.cpu_kernels import (
     route_forced,
     turn_off_cpu_kernels,
 )
-from model.step_decoders import EagerDecoder
-from model.decoders import make_decoder
-from model.generate import generate
-from model.kinds import attention_kinds, kind_options
-from model.linear_step import whole_step_refusal
-from model.packed_linear import decode_twin, packs
-from model.sampling import BatchSampling, SamplingParams, sample
+from model.decode.eager_and_cuda_graphs import EagerDecoder
+from model.decode.choice import make_decoder
+from model.decode.generate import generate
+from model.attention.kinds import attention_kinds, kind_options
+from model.decode.compiled.linear_step import whole_step_refusal
+from model.kernels.packed_linear import decode_twin, packs
+from model.decode.sampling import BatchSampling, SamplingParams, sample
 from model.transformer import Transformer, build_model, with_bos
-from model.weights_io import load_model, read_metadata
+from model.io.weights import load_model, read_metadata
 from training.presets import PRESETS
 
 from .decode_workers import WorkerPool
@@ -358,7 +358,7 @@ def rnnserve_contestants(
 
 
 def pytorch_operators_only(model: Transformer) -> Transformer:
-    """A copy of the model that decodes as with the fast path turned off: no C++ kernels (model/cpu_kernels.py)."""
+    """A copy of the model that decodes as with the fast path turned off: no C++ kernels (model/kernels/loader.py)."""
     plain = copy.deepcopy(model)
     turn_off_cpu_kernels(plain)
     return plain
@@ -850,8 +850,8 @@ def environment(settings: DecodeSettings) -> dict:
 
 
 def one_call_kinds(models: dict[str, Transformer], settings: DecodeSettings) -> list[str]:
-    """The kinds whose rnnserve steps ran as one C++ call each (model/linear_step.py), as the bench's compiled
-    decoders found them once their kernels had loaded."""
+    """The kinds whose rnnserve steps ran as one C++ call each (model/decode/compiled/linear_step.py), as the bench's
+    compiled decoders found them once their kernels had loaded."""
     if not settings.compiled or settings.device != "cpu" or not load_kernels().ok:
         return []
     return [kind for kind, model in models.items() if packs(model) and whole_step_refusal(decode_twin(model)) is None]

@@ -28,7 +28,7 @@ servers=()
 trap 'kill "${servers[@]}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$work"' EXIT
 
 "$py" -c "import torch; from benchmarks.decode import preset_config; from model import build_model; \
-from model.weights_io import save_model; torch.manual_seed(0); \
+from model.io.weights import save_model; torch.manual_seed(0); \
 save_model(build_model(preset_config('cpu', 'linear', '$task', $max_len)), '$work/$task-linear-cpu.safetensors', {})"
 for mode in 0 1; do
     flag=$([[ $mode == 1 ]] && echo --engine-process || echo --no-engine-process)

@@ -1,4 +1,4 @@
-"""In-process engine throughput against `model.generate` on the same model, one run.
+"""In-process engine throughput against `model.decode.generate` on the same model, one run.
 
     python -m benchmarks.engine_speed [--kind linear] [--batch 64] [--tokens 784] [--rounds 3] [--penalties]
 
@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from model.generate import generate
-from model.sampling import BatchSampling, SamplingParams
+from model.decode.generate import generate
+from model.decode.sampling import BatchSampling, SamplingParams
 from model.transformer import build_model
 from server.engine.core import Engine, EngineLimits
 from server.engine.output import LocalOutput

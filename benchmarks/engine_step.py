@@ -21,8 +21,8 @@ import json
 import time
 from pathlib import Path
 
-from model.sampling import SamplingParams
-from model.weights_io import load_model
+from model.decode.sampling import SamplingParams
+from model.io.weights import load_model
 from server.engine.core import Engine, EngineLimits
 from server.engine.output import LocalOutput
 from server.engine.types import GenerationRequest

@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from model.cpu_features import read_cpu_features
+from model.kernels.cpu_features import read_cpu_features
 
 # Twelve independent accumulator chains: more than an FMA's latency times the units, so the loop is bound by
 # the units' throughput. Each chain starts from a different value read at run time, so that the compiler can

@@ -3,7 +3,7 @@
     python -m benchmarks.gil_contention [--kind linear] [--batch 64] [--duty 0.05] [--rounds 5] [--steps 300] [--engine]
 
 The server runs its engine on a worker thread beside the event loop, in one process. This times
-compiled decode steps (model/compiled_decode.py, the server's path) on a worker thread, or with
+compiled decode steps (model/decode/compiled/decoder.py, the server's path) on a worker thread, or with
 --engine a real `Engine` generating `--batch` whole images (its scheduling and sampling included,
 submitted from asyncio as the image handler does; time per decode step), in turns:
   * alone;
@@ -27,8 +27,8 @@ from typing import Callable
 
 import torch
 
-from model.compiled_decode import CompiledDecoder
-from model.threads import adopt_process_threads
+from model.decode.compiled.decoder import CompiledDecoder
+from model.kernels.threads import adopt_process_threads
 from model.transformer import Transformer, build_model
 from server.engine.core import Engine, EngineLimits
 from server.engine.output import LocalOutput

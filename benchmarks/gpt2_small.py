@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
-from model.hf_import import import_folder
-from model.sampling import BatchSampling, SamplingParams
+from model.io.hf_import import import_folder
+from model.decode.sampling import BatchSampling, SamplingParams
 from model.transformer import Transformer, build_model
-from model.weights_io import load_model, read_tokenizer, save_model
+from model.io.weights import load_model, read_tokenizer, save_model
 
 from .peers import hf_generate
 from .decode import DecodeSettings, timed, with_decoder, environment, machine_load, measure_positions, step_decoder

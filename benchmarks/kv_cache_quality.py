@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from model.transformer import Transformer, with_bos
-from model.weights_io import load_model
+from model.io.weights import load_model
 from training.data import load_mnist
 
 CHUNK = 112  # positions a call: bounds the (T, L) attention masks of a chunk

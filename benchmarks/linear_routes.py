@@ -6,7 +6,7 @@ Each route runs in a process of its own (RNNSERVE_CPU_ROUTE=ROUTE: a process loa
 one intra-op thread as the server's engines run, and times, best of several rounds, a 64-row and a 1-row
 product (or --rows: 32 is a batch of 64 shared by two engine workers) for each linear layer shape of the `cpu` preset (d = 128: the attention's 384- and 128-wide outputs,
 the feed-forward's 512 and 128) with the kernel and with `torch.nn.functional.linear` (MKL's sgemm on x86).
-What it prints decides which routes the decode twin uses the kernel on (model/cpu_kernels.py,
+What it prints decides which routes the decode twin uses the kernel on (model/kernels/loader.py,
 PACKED_LINEAR_ROUTES). A route the CPU cannot run is reported as such.
 """
 
@@ -40,8 +40,8 @@ def measure_here(row_counts: tuple[int, ...] = ROWS) -> dict:
     """(In the route's process.) Kernel and PyTorch seconds per product for every shape and row count."""
     import torch
 
-    from model.cpu_features import read_cpu_features
-    from model.cpu_kernels import cpu_route, load_kernels
+    from model.kernels.cpu_features import read_cpu_features
+    from model.kernels.loader import cpu_route, load_kernels
 
     torch.set_num_threads(1)
     build = load_kernels(build=True)

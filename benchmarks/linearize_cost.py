@@ -81,7 +81,7 @@ def high_water_mib() -> float:
 def hybrid_twin(source: Path, args: argparse.Namespace):
     """The softmax model (frozen, the teacher) and its hybrid twin on its weights, as linearize builds it."""
     from model.transformer import build_model
-    from model.weights_io import load_model
+    from model.io.weights import load_model
     from training.warm_start import init_from
 
     teacher, _ = load_model(source)
@@ -169,7 +169,7 @@ def train_uses_autocast(choice: str) -> bool:
 
 def imported_gpt2(folder: Path, quick: bool) -> Path:
     """GPT-2 small's shape (or --quick's tiny one) with random weights, imported as `rnnserve import hf` does."""
-    from model.hf_import import import_folder
+    from model.io.hf_import import import_folder
 
     from .gpt2_small import GPT2_SMALL, TINY, write_gpt2_folder
 

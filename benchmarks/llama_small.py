@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from model.hf_import import import_folder
+from model.io.hf_import import import_folder
 from model.transformer import Transformer, build_model
-from model.weights_io import load_model
+from model.io.weights import load_model
 
 from .decode import DecodeSettings, environment, machine_load
 from .gpt2_small import CORPUS, Gpt2Settings, measure_throughput, write_report

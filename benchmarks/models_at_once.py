@@ -27,7 +27,7 @@ from typing import Iterator
 
 import aiohttp
 
-from model.registry import kinds_where
+from model.attention.classes import kinds_where
 
 from .load import synthetic_digit
 

@@ -14,7 +14,7 @@ import re
 import sys
 from pathlib import Path
 
-from model.kinds import attention_kinds
+from model.attention.kinds import attention_kinds
 
 OCCLUSIONS = ("right-half", "centre-box")
 PARTICLES = (1, 4, 16, 64)

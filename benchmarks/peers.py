@@ -12,7 +12,7 @@ preset's sizes and timed in the same run as rnnserve's kinds.
   * Hugging Face's `ReformerModelWithLMHead.generate` with its LSH cache: local and LSH layers
     alternating, 1 hashing round over 32 buckets, chunks of 32.
 
-Sampling: the two recurrences draw with rnnserve's own `model.sampling.sample` (inverse CDF with a
+Sampling: the two recurrences draw with rnnserve's own `model.decode.sampling.sample` (inverse CDF with a
 counter-based uniform per row, temperature 1, no filter); the Hugging Face models with `generate(do_sample=True,
 top_k=0, top_p=1.0, temperature=1.0)` (softmax then `torch.multinomial`): the same distribution,
 drawn another way. Every run is checked to have produced batch x tokens tokens.
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import BOS_TOKEN, BYTE_VOCAB
-from model.sampling import BatchSampling, SamplingParams, sample
+from model.decode.sampling import BatchSampling, SamplingParams, sample
 from training.presets import PRESETS
 
 from .errors import BenchError

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from model.cpu_kernels import load_kernels, turn_off_cpu_kernels, use_cpu_kernels
+from model.kernels.loader import load_kernels, turn_off_cpu_kernels, use_cpu_kernels
 from model.transformer import Transformer, build_model
 
 from .decode import preset_config

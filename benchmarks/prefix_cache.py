@@ -107,8 +107,8 @@ def wait_ready(client: httpx.Client, server: subprocess.Popen, names: list[str],
 
 def gpt2_pair(folder: Path, sizes: dict) -> list[Path]:
     """A GPT-2-shaped model (random weights, saved by transformers, imported) and its linearized twin."""
-    from model.hf_import import import_folder
-    from model.weights_io import load_model, read_tokenizer, save_model
+    from model.io.hf_import import import_folder
+    from model.io.weights import load_model, read_tokenizer, save_model
 
     write_gpt2_folder(folder / "hf", sizes, seed=0)
     softmax_file, linear_file = folder / "gpt2-softmax.safetensors", folder / "gpt2-linear.safetensors"
@@ -123,7 +123,7 @@ def gpt2_pair(folder: Path, sizes: dict) -> list[Path]:
 def tiny_mnist_models(folder: Path, names: tuple[str, ...]) -> list[Path]:
     """--quick's stand-ins for the shipped MNIST models: the same kinds, tiny, random."""
     from model import ModelConfig, build_model
-    from model.weights_io import save_model
+    from model.io.weights import save_model
 
     files = []
     for name in names:

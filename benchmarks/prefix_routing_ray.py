@@ -68,7 +68,7 @@ def serve_on_ray(weights: Path, replicas: str, prefix_chars: str, log: Path, por
 
 def tiny_weights(folder: Path) -> None:
     from model import ModelConfig, build_model
-    from model.weights_io import save_model
+    from model.io.weights import save_model
 
     config = ModelConfig(attention="linear", task="text", d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=512)
     save_model(build_model(config).eval(), folder / "text-linear.safetensors", {})

@@ -3,7 +3,7 @@
     python -m benchmarks.profile_step [--kind linear] [--batch 64] [--steps 300] [--threads 1]
 
 Random weights of the `cpu` preset. Profiles `steps` decode steps and, apart,
-`steps` draws (model.sampling.sample, temperature 1, no filter) with
+`steps` draws (model.decode.sampling.sample, temperature 1, no filter) with
 torch.profiler, for the eager decoder and the compiled one (inductor's kernels
 named with cpp.enable_kernel_profile; its Python wrapper, so that the matrix
 products show), and sorts each operator's own time into a few groups. The profiler's clock is wall time: on a shared machine compare the
@@ -21,11 +21,11 @@ import torch
 import torch._inductor.config
 from torch.profiler import ProfilerActivity, profile
 
-from model import compiled_decode
-from model.step_decoders import EagerDecoder
-from model.decoders import make_decoder
-from model.registry import kinds_where
-from model.sampling import BatchSampling, SamplingParams
+from model.decode.compiled import decoder as compiled_decode
+from model.decode.eager_and_cuda_graphs import EagerDecoder
+from model.decode.choice import make_decoder
+from model.attention.classes import kinds_where
+from model.decode.sampling import BatchSampling, SamplingParams
 from model.transformer import build_model
 
 from .decode import machine_load, preset_config

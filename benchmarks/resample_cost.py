@@ -2,7 +2,7 @@
 
     python -m benchmarks.resample_cost --threads 1 --repeats 20
 
-Resampling (model/particles.py chooses the copies, server/engine/runner.py makes them) copies rows of the
+Resampling (model/decode/particles.py chooses the copies, server/engine/runner.py makes them) copies rows of the
 engine's slots: the decode state (a fixed-size S, Z per layer for linear attention; a key/value
 cache for softmax; Linformer's projected sums; Reformer's bucketed cache)
 and the row's slot tensors (logits, history, sampling parameters). For each
@@ -26,9 +26,9 @@ import torch
 
 from benchmarks.decode import preset_config
 from model import build_model
-from model.kinds import attention_kinds
-from model.sampling import SamplingParams
-from model.particles import RowCopy
+from model.attention.kinds import attention_kinds
+from model.decode.sampling import SamplingParams
+from model.decode.particles import RowCopy
 from server.engine.runner import ModelRunner
 from server.engine.types import GenerationRequest
 

@@ -4,7 +4,7 @@ Per generated token, one sequence, at position t (L layers, model width d,
 feed-forward width F, V output classes):
   dense layers   2 * (L * (P d^2 + 2 d F) + d V) FLOPs, with P the kind's
                  `projections` (4; Reformer 3: shared QK)
-  attention      L times the kind's own `token_cost(cfg, t)` (model/attention.py):
+  attention      L times the kind's own `token_cost(cfg, t)` (model/attention/base.py):
                  FLOPs and state bytes read + written by one layer; the
                  formulas of the four shipped kinds are tabled in
                  benchmarks/results/NOTES.md, "Physical limit".
@@ -26,9 +26,9 @@ from typing import Callable
 
 import torch
 
-from model.attention import STATE_NUMBER_BYTES
+from model.attention.base import STATE_NUMBER_BYTES
 from model.config import ModelConfig
-from model.registry import attention_class
+from model.attention.classes import attention_class
 
 from . import fma_peak
 
@@ -50,7 +50,7 @@ def dense_flops(cfg: ModelConfig) -> int:
 
 def attention_cost(cfg: ModelConfig, t: float) -> tuple[float, float]:
     """(FLOPs, state bytes read + written) of all layers' attention for one token at position t,
-    from the kind's own `token_cost` (model/attention.py)."""
+    from the kind's own `token_cost` (model/attention/base.py)."""
     cost = attention_class(cfg.attention).token_cost(cfg, t)
     return cfg.n_layers * cost.flops, cfg.n_layers * cost.state_bytes
 

@@ -3,7 +3,7 @@
     python -m benchmarks.row_classes [--kinds linear] [--rows 32,48,64] [--threads 2] [--json-out FILE]
 
 Inductor splits a fused loop over threads only where the work it sees when tracing pays for it, and a graph
-traced on 2 rows shows it little work: most loops stay on one thread (model/compiled_decode.py). This builds two
+traced on 2 rows shows it little work: most loops stay on one thread (model/decode/compiled/decoder.py). This builds two
 compiled decoders of 64 rows on the `cpu` preset's model in one process: one with the default row classes (a
 third graph for `MANY_ROWS.fewest` rows or more, traced with that count as the size's hint), one with the 2-row
 graph for every count of 2 or more. Each step of `--rows` live rows plus its unfiltered draw is timed, the two
@@ -21,10 +21,10 @@ from typing import Callable
 
 import torch
 
-from model.compiled_decode import FEW_ROWS, MANY_ROWS, ONE_ROW, ROW_CLASSES, CompiledDecoder
-from model.cpu_features import read_cpu_features
-from model.cpu_kernels import cpu_route
-from model.sampling import BatchSampling, SamplingParams
+from model.decode.compiled.decoder import FEW_ROWS, MANY_ROWS, ONE_ROW, ROW_CLASSES, CompiledDecoder
+from model.kernels.cpu_features import read_cpu_features
+from model.kernels.loader import cpu_route
+from model.decode.sampling import BatchSampling, SamplingParams
 from model.transformer import build_model
 
 from .decode import measured_class, preset_config, vector_caps

@@ -8,7 +8,7 @@ import sys
 from dataclasses import fields, replace
 from pathlib import Path
 
-from model.kinds import attention_kinds
+from model.attention.kinds import attention_kinds
 from training.presets import PRESETS
 
 from .errors import BenchError
@@ -118,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from model.weights_io import WeightsError
+    from model.io.weights import WeightsError
 
     try:
         return _run_load(args) if args.url else _run_decode(args)

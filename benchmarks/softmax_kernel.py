@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from model.cpu_kernels import cpu_route, load_kernels
-from model.cpu_features import read_cpu_features
-from model.softmax_attention import attend_one_query
+from model.kernels.loader import cpu_route, load_kernels
+from model.kernels.cpu_features import read_cpu_features
+from model.attention.softmax import attend_one_query
 
 from .decode import measured_class, vector_caps
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from model.registry import kinds_where
+from model.attention.classes import kinds_where
 
 COMPILERS = frozenset({"cc1plus", "cc1", "g++", "c++", "gcc", "as", "ld", "collect2"})
 POLL_SECONDS = 0.2

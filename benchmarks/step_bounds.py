@@ -4,8 +4,8 @@
     benchmarks/as_avx2.sh .venv/bin/python -m benchmarks.step_bounds ...   (as an AVX2-only CPU would run it)
 
 Random weights of the `cpu` preset. Per batch size, each the best of `rounds` rounds that take the three in turn:
-  * step: the step as the bench's and the server's decoders run it (model.decoders.make_decoder): one C++ call
-    for the linear models model/linear_step.py takes, a compiled graph for the others;
+  * step: the step as the bench's and the server's decoders run it (model.decode.choice.make_decoder): one C++ call
+    for the linear models model/decode/compiled/linear_step.py takes, a compiled graph for the others;
   * graph step: the compiled graph's step, where the step is one call (else the same as step): what one call saves;
   * products: the step's linear layers alone, one after another in the model's order, on the weights the
     compiled step uses (the decode twin's packed ones where the CPU kernel takes them, else torch's), and
@@ -15,7 +15,7 @@ Random weights of the `cpu` preset. Per batch size, each the best of `rounds` ro
   * rest: step - products - state pass. At batch 1 it is nearly all of a step that does not grow with its rows
     (operator calls, the graph's wrapper, weights fetched from the caches);
   * draw: the decoder's draw of a token per row from (batch, V) logits (unfiltered, compiled);
-  * token: a token of `model.generate` with that decoder (a generation of `steps` tokens from BOS, over steps),
+  * token: a token of `model.decode.generate` with that decoder (a generation of `steps` tokens from BOS, over steps),
     and loop = token - step - draw: what the loop around them costs, caches the step and draw evict included.
 A step that is at its products plus its state pass has nothing left to win but those two. Times are wall clock
 on a shared machine: compare the columns of one run.
@@ -33,14 +33,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.cpu_features import read_cpu_features
-from model.cpu_kernels import cpu_route, load_kernels
-from model.compiled_decode import CompiledDecoder
-from model.decoders import make_decoder
-from model.generate import generate
-from model.packed_linear import PackedLinear, decode_twin, packs
-from model.registry import kinds_where
-from model.sampling import BatchSampling, SamplingParams
+from model.kernels.cpu_features import read_cpu_features
+from model.kernels.loader import cpu_route, load_kernels
+from model.decode.compiled.decoder import CompiledDecoder
+from model.decode.choice import make_decoder
+from model.decode.generate import generate
+from model.kernels.packed_linear import PackedLinear, decode_twin, packs
+from model.attention.classes import kinds_where
+from model.decode.sampling import BatchSampling, SamplingParams
 from model.transformer import Transformer, build_model
 
 from .decode import machine_load, preset_config

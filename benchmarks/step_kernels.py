@@ -3,7 +3,7 @@
     python -m benchmarks.step_kernels [--batch 64] [--prefix 392] [--rounds 7] [--calls 200]
 
 Times one layer's attention of a decode step (state update and read), eager and through
-torch.compile (the options of model/compiled_decode.py), in two forms per kind:
+torch.compile (the options of model/decode/compiled/decoder.py), in two forms per kind:
   * linear: [S | Z] as (B, H, D, D + 1), the read phi(q)^T [S | Z] summing down columns,
     against the transposed (B, H, D + 1, D), the read summing along rows;
   * Linformer: V~ as (B, H, k, D), updated by a batched outer product, against V~^T as
@@ -12,7 +12,7 @@ torch.compile (the options of model/compiled_decode.py), in two forms per kind:
     before its update and adds the update's share apart;
   * softmax: one query over a cached prefix of --prefix positions (one row at half of it, so
     the mask matters), by the fused `scaled_dot_product_attention` against the product, masked
-    softmax and product written out (`model.softmax_attention.attend_one_query`).
+    softmax and product written out (`model.attention.softmax.attend_one_query`).
 The variants take turns in every round; medians of the rounds, milliseconds per call, one thread.
 """
 
@@ -28,11 +28,11 @@ import torch
 
 import torch.nn.functional as F
 
-from model.compiled_decode import inductor_options
+from model.decode.compiled.decoder import inductor_options
 from model.transformer import build_model
-from model.linear_attention import LinearAttention, LinearState
-from model.linformer_attention import LinformerAttention, LinformerState
-from model.softmax_attention import attend_one_query
+from model.attention.linear import LinearAttention, LinearState
+from model.attention.linformer import LinformerAttention, LinformerState
+from model.attention.softmax import attend_one_query
 
 from .decode import preset_config
 

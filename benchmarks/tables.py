@@ -181,7 +181,7 @@ def full_report(report: DecodeReport) -> str:
         load_line(report),
         compile_line(report),
         "",
-        f"Generations of {s['image_tokens']} tokens from BOS, batch at a time (model.generate.generate):",
+        f"Generations of {s['image_tokens']} tokens from BOS, batch at a time (model.decode.generate.generate):",
         images_table(report),
         "",
         f"One decoding step (model forward of 1 token, batch {s['position_batch']}, best of "

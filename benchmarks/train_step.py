@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from model import build_model
-from model.kinds import attention_kinds
+from model.attention.kinds import attention_kinds
 from model.transformer import Transformer
-from model.weights_io import load_model
+from model.io.weights import load_model
 from training import train
 from training.arguments import add_train_arguments
 from training.data import MNIST_PIXELS, load_mnist

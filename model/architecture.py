@@ -1,16 +1,16 @@
 """The block's parts besides attention, declared as options the way the attention kinds declare theirs
-(model/kinds.py): plain data, importing nothing. Each option is a config key stored in every model file's
+(model/attention/kinds.py): plain data, importing nothing. Each option is a config key stored in every model file's
 metadata, with a default that is what rnnserve's own models (and files from before the option) have: GPT-2's
 block (LayerNorm, a GELU feed-forward, biases everywhere, one key and value head per query head).
 
-An imported Llama-family model sets them (model/hf_import.py): RMSNorm, SwiGLU, rotary positions (the
+An imported Llama-family model sets them (model/io/hf_import.py): RMSNorm, SwiGLU, rotary positions (the
 `pos_encoding` field), grouped-query attention, the biases each family has, Mistral's sliding window. The model
 builds each part from a table keyed by its option (model/transformer.py), not by branching on a family.
 """
 
 from __future__ import annotations
 
-from .kinds import KindOption
+from .attention.kinds import KindOption
 
 NORMS = ("layer", "rms")
 FEED_FORWARDS = ("gelu", "swiglu")

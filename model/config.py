@@ -2,7 +2,7 @@
 
 The config travels inside the safetensors metadata, so it must round-trip
 through JSON exactly (plain ints, floats, strings). The attention kinds' own
-hyperparameters are declared with the kinds (model/kinds.py) and kept in
+hyperparameters are declared with the kinds (model/attention/kinds.py) and kept in
 `options`; they read as attributes (`config.linformer_k`) and are stored as
 top-level keys, as every file has them.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .architecture import NEEDS_KIND_SUPPORT, block_options
-from .kinds import ATTENTION_KINDS, attention_kinds, kind_options
+from .attention.kinds import ATTENTION_KINDS, attention_kinds, kind_options
 
 TASKS = ("mnist", "text")
 POS_ENCODINGS = ("learned", "sinusoidal", "rotary")
@@ -44,7 +44,7 @@ class ModelConfig:
     # Output: 256 free logits, or (MNIST) a mixture of logistics over the grey levels (model/output_heads.py)
     output_head: str = "categorical"
     mixtures: int = 10
-    # The vocabulary: bytes by default, a tokenizer's for imported models (model/hf_import.py).
+    # The vocabulary: bytes by default, a tokenizer's for imported models (model/io/hf_import.py).
     vocab_size: int = BYTE_VOCAB
     # The token every sequence starts from: -1 is one more input token after the vocabulary (rnnserve's own
     # models); an imported model names one of its own (GPT-2: <|endoftext|>).
@@ -54,7 +54,7 @@ class ModelConfig:
     gelu: str = "exact"
     ln_eps: float = 1e-5
     extra: dict[str, Any] = field(default_factory=dict)
-    # Every kind's hyperparameters by key (model/kinds.py) and the block's parts (model/architecture.py),
+    # Every kind's hyperparameters by key (model/attention/kinds.py) and the block's parts (model/architecture.py),
     # defaults filled in: a file has them all.
     options: dict[str, Any] = field(default_factory=dict)
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .sampling import token_logprobs
+from .decode.sampling import token_logprobs
 
 LEVELS = 256
 MIN_LOG_SCALE = -7.0  # PixelCNN++'s floor: a component never narrower than e^-7 (about a ninth of a bin)

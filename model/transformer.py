@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import Attention, Capabilities
+from .attention.base import Attention, Capabilities
 from .block_parts import GeluFeedForward, SwiGLUFeedForward, build_feed_forward, build_norm
 from .config import BOS_TOKEN, ModelConfig
-from .heads import chunk_positions
+from .attention.head_shapes import chunk_positions
 from .output_heads import LogisticMixtureHead, build_output_head
-from .registry import attention_class
+from .attention.classes import attention_class
 from .state import ModelState
 
 

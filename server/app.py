@@ -48,7 +48,7 @@ from server.settings import Settings
 from server.startup_responder import MESSAGE as STARTING_MESSAGE
 
 if TYPE_CHECKING:
-    from model.compiled_decode import CompileGate
+    from model.decode.compiled.decoder import CompileGate
 
 log = logging.getLogger("rnnserve.app")
 

@@ -1,6 +1,6 @@
 """`rnnserve build-kernels`: everything the CPU decode path compiles, built ahead of serving.
 
-A server compiles nothing beside its requests: it loads the C++ kernels built here (model/cpu_kernels.py) and
+A server compiles nothing beside its requests: it loads the C++ kernels built here (model/kernels/loader.py) and
 compiles its decode steps in the background, which finds what is compiled here in inductor's cache, so no C++
 compiler runs once it serves. `make install` and the container build run this; without it a server still
 serves, with PyTorch's operators in place of the kernels (logged once).
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from model.cpu_kernels import load_kernels
+    from model.kernels.loader import load_kernels
 
     kernels = load_kernels(build=True)
     if not kernels.ok:
@@ -82,7 +82,7 @@ def compile_models(paths: list[Path], rows: int, kv_cache_dtype: str = "auto") -
     the paths whose compile failed (None for the others)."""
     import torch
 
-    from model.weights_io import load_model
+    from model.io.weights import load_model
 
     from server.engine.cpu_budget import usable_cpus  # the server's budget, so the graphs match the server's threads
     from server.engine.pool import model_bytes, worker_layout
@@ -105,8 +105,8 @@ def compile_models(paths: list[Path], rows: int, kv_cache_dtype: str = "auto") -
 
 
 def compile_decode_steps(model, rows: int, name: str) -> bool:
-    """Compile as a server's engine does (model/compiled_decode.py), here and now; False if it failed."""
-    from model.compiled_decode import compile_fresh
+    """Compile as a server's engine does (model/decode/compiled/decoder.py), here and now; False if it failed."""
+    from model.decode.compiled.decoder import compile_fresh
 
     if not model.capabilities.compilable:
         return True

@@ -368,7 +368,7 @@ def _serve_on(sock: socket.socket, settings: Settings) -> int:
 def _load_and_serve(sock: socket.socket, settings: Settings, on_started: Callable[[], None]) -> int:
     import uvicorn
 
-    from model.weights_io import WeightsError
+    from model.io.weights import WeightsError
 
     from server.app import build_app
     from server.drain import DrainingServer

@@ -169,7 +169,7 @@ class Settings(BaseSettings):
 
     def chat_template_text(self) -> str | None:
         """The --chat-template file's text, None when not given; SettingsError if it cannot be read."""
-        from model.chat_template import ChatTemplateError, read_template_file
+        from model.io.chat_template import ChatTemplateError, read_template_file
 
         if self.chat_template is None:
             return None

@@ -9,8 +9,8 @@ import json
 import torch
 
 from conftest import make_tiny_model
-from model.compiled_decode import CompiledDecoder
-from model.sampling import BatchSampling, SamplingParams, sample
+from model.decode.compiled.decoder import CompiledDecoder
+from model.decode.sampling import BatchSampling, SamplingParams, sample
 
 ROWS = 8
 

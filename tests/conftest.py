@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from model import ModelConfig, Transformer, build_model
-from model.feature_maps import ProjectedFeatureMap
-from model.registry import attention_kinds, kinds_where
+from model.attention.feature_maps import ProjectedFeatureMap
+from model.attention.classes import attention_kinds, kinds_where
 from model.transformer import with_bos
 
 # Every registered kind, and groups by what their capabilities declare: tests parametrised over a
@@ -41,7 +41,8 @@ REFORMER_BF16_MEAN_ERROR = 0.05
 REFORMER_BF16_MAX_ERROR = 1.5
 
 
-# Linear attention with each learned feature map (model/feature_maps.py), named as `make_tiny_config` reads them.
+# Linear attention with each learned feature map (model/attention/feature_maps.py), named as `make_tiny_config` reads
+# them.
 FEATURE_MAP_VARIANTS = ("linear+t2r", "linear+hedgehog")
 
 
@@ -127,7 +128,7 @@ def make_tiny_model(kind: str, seed: int = 0, **overrides) -> Transformer:
 @functools.cache
 def shared_tiny_model(kind: str) -> Transformer:
     """`make_tiny_model(kind)`, made once per session for the tests that only decode with it: its compiled
-    decoders then compile once (dynamo compiles again for each model's decode twin, model/packed_linear.py,
+    decoders then compile once (dynamo compiles again for each model's decode twin, model/kernels/packed_linear.py,
     whose packed weights are a snapshot). Never change it in place (weights, dtype, device, mode):
     `copy.deepcopy` it first."""
     return make_tiny_model(kind)

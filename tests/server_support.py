@@ -24,11 +24,11 @@ import torch
 
 from model import ModelConfig, build_model
 from model.config import BOS_TOKEN
-from model.generate import generate
-from model.sampling import BatchSampling, SamplingParams, token_logprobs
-from model.step_decoders import EagerDecoder
-from model.kinds import attention_kinds
-from model.weights_io import save_model
+from model.decode.generate import generate
+from model.decode.sampling import BatchSampling, SamplingParams, token_logprobs
+from model.decode.eager_and_cuda_graphs import EagerDecoder
+from model.attention.kinds import attention_kinds
+from model.io.weights import save_model
 from server.app import build_app
 from server.settings import Settings
 

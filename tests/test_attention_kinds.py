@@ -4,7 +4,7 @@
 every position so far, scaled by a hyperparameter of its own (`mean_scale`,
 declared in its registry entry), with a constant-size running sum as its state. The
 module's `kind` fixture registers it for this module's duration (as
-model/registry.py says: `monkeypatch.setitem(ATTENTION_KINDS, ...)`), and
+model/attention/classes.py says: `monkeypatch.setitem(ATTENTION_KINDS, ...)`), and
 the chunk-and-state contract tests of the four shipped kinds run again for it,
 unchanged. The other tests check that config validation, the CLI, the
 capability-derived lists, decoding, the roofline and the benchmark all pick
@@ -22,16 +22,16 @@ from torch import nn
 from benchmarks.decode import DecodeSettings, run_decode_bench
 from benchmarks.roofline import attention_cost
 from benchmarks.run import QUICK
-from model.attention import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
+from model.attention.base import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
 from model.config import ConfigError, ModelConfig
-from model.kinds import AttentionKind, KindOption
-from model.compiled_decode import CompiledDecoder
-from model.step_decoders import EagerDecoder, PaddedDecoder
-from model.decoders import make_decoder
-from model.heads import chunk_positions, merge_heads, split_heads
-from model.registry import ATTENTION_KINDS, attention_class, attention_kinds, kinds_where
+from model.attention.kinds import AttentionKind, KindOption
+from model.decode.compiled.decoder import CompiledDecoder
+from model.decode.eager_and_cuda_graphs import EagerDecoder, PaddedDecoder
+from model.decode.choice import make_decoder
+from model.attention.head_shapes import chunk_positions, merge_heads, split_heads
+from model.attention.classes import ATTENTION_KINDS, attention_class, attention_kinds, kinds_where
 from model.state import RowState
-from model.weights_io import load_model, save_model
+from model.io.weights import load_model, save_model
 from training.train import build_config
 from rnnserve_cli import parse_args
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from model.transformer import build_model
-from model.weights_io import read_metadata, save_model
+from model.io.weights import read_metadata, save_model
 from rnnserve_cli import main
 from training.attention_share import attention_share
 

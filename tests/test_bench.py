@@ -28,10 +28,10 @@ from benchmarks.decode_workers import rows_per_worker, threads_per_worker
 from benchmarks.load import LoadSettings, run_load
 from benchmarks.roofline import attention_cost, dense_flops, probe_machine, roofline, token_cost
 from benchmarks.run import add_arguments, run
-from model.cpu_kernels import packed_linear_wins
+from model.kernels.loader import packed_linear_wins
 from model import ModelConfig, build_model
-from model.registry import capabilities
-from model.weights_io import save_model
+from model.attention.classes import capabilities
+from model.io.weights import save_model
 from conftest import CONSTANT_STATE_KINDS, KINDS
 from server_support import free_port, metric_value, save_tiny_model, stop_process, wait_healthy
 
@@ -197,7 +197,7 @@ def _layout_settings(**changes) -> decode.DecodeSettings:
 @pytest.mark.skipif(not packed_linear_wins(), reason="this CPU's route keeps PyTorch's linear layers: no one-call step")
 def test_the_report_names_the_kinds_whose_steps_are_one_call():
     """The tiny preset's linear heads (16 numbers) are whole vectors on every route: its compiled steps are one
-    C++ call (model/linear_step.py), and the machine line says so; eager runs have none."""
+    C++ call (model/decode/compiled/linear_step.py), and the machine line says so; eager runs have none."""
     settings = _layout_settings(kinds=("linear", "softmax"), compiled=True)
     models = {kind: model for kind, (model, _) in decode.image_models(settings).items()}
     assert decode.one_call_kinds(models, settings) == ["linear"]
@@ -666,8 +666,8 @@ def test_gil_contention_flags_say_what_is_expected(args, message, capsys):
 def test_the_gpt2_benchmark_imports_a_save_pretrained_folder_and_linearizes_every_weight(tmp_path):
     pytest.importorskip("transformers", reason="writes the GPT-2 folder (make test installs it)")
     from benchmarks.gpt2_small import TINY, linearized, write_gpt2_folder
-    from model.hf_import import import_folder
-    from model.weights_io import load_model
+    from model.io.hf_import import import_folder
+    from model.io.weights import load_model
 
     write_gpt2_folder(tmp_path / "hf", TINY, seed=0)
     import_folder(tmp_path / "hf", tmp_path / "gpt2.safetensors")
@@ -719,7 +719,7 @@ def test_a_capped_run_is_kept_apart_from_the_class_it_stands_for(
 
 def test_the_fma_probe_measures_each_vector_width_the_cpu_has():
     from benchmarks import fma_peak
-    from model.cpu_features import read_cpu_features
+    from model.kernels.cpu_features import read_cpu_features
 
     flags = read_cpu_features().flags
     if not {"avx2", "fma"} <= flags:
@@ -733,7 +733,7 @@ def test_the_fma_probe_measures_each_vector_width_the_cpu_has():
 
 def test_the_fma_probe_says_why_it_cannot_run_on_a_cpu_without_avx2(monkeypatch):
     from benchmarks import fma_peak, roofline
-    from model.cpu_features import CpuFeatures
+    from model.kernels.cpu_features import CpuFeatures
 
     monkeypatch.setattr(fma_peak, "read_cpu_features", lambda: CpuFeatures(frozenset({"asimd"})))
     with pytest.raises(fma_peak.ProbeUnavailable, match="no AVX2 and FMA .*ARM NEON.*x86-only"):
@@ -759,7 +759,7 @@ def test_a_probe_that_cannot_start_says_so_rather_than_stopping_the_bench(tmp_pa
 
 def test_the_bench_records_the_core_s_fma_peak_beside_its_product_rate():
     from benchmarks import roofline
-    from model.cpu_features import read_cpu_features
+    from model.kernels.cpu_features import read_cpu_features
 
     machine = roofline.probe_machine(torch.float32)
     flags = read_cpu_features().flags
@@ -775,7 +775,7 @@ def test_the_bench_records_the_core_s_fma_peak_beside_its_product_rate():
 
 def test_the_softmax_kernel_benchmark_refuses_to_time_a_wrong_kernel(monkeypatch):
     from benchmarks import softmax_kernel
-    from model.cpu_kernels import load_kernels
+    from model.kernels.loader import load_kernels
 
     if not load_kernels().ok:
         pytest.skip("the CPU kernels do not build here")

@@ -22,8 +22,8 @@ openai = pytest.importorskip("openai", reason="the OpenAI client (make test inst
 from hf_support import END_OF_TEXT, UNICODE, save_gpt2_folder  # noqa: E402  (after the skip)
 from server_support import TEXT_MAX_LEN, free_port, make_settings, save_tiny_model, serving_process, sse_payloads  # noqa: E402
 
-from model.chat_template import ChatTemplate  # noqa: E402
-from model.weights_io import read_chat_template  # noqa: E402
+from model.io.chat_template import ChatTemplate  # noqa: E402
+from model.io.weights import read_chat_template  # noqa: E402
 from rnnserve_cli import main  # noqa: E402
 
 MODEL = "gpt2-chat"

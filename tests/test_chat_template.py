@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers", reason="the reference rendere
 
 from hf_support import byte_level_tokenizer  # noqa: E402  (after the skip)
 
-from model.chat_template import ChatTemplate, ChatTemplateError, read_hf_chat_template  # noqa: E402
+from model.io.chat_template import ChatTemplate, ChatTemplateError, read_hf_chat_template  # noqa: E402
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "

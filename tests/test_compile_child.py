@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.compiled_decode import MANY_ROWS, CompiledDecoder
-from model.step_decoders import EagerDecoder
+from model.decode.compiled.decoder import MANY_ROWS, CompiledDecoder
+from model.decode.eager_and_cuda_graphs import EagerDecoder
 from conftest import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -22,7 +22,7 @@ PARENT = """
 import sys, time, torch
 sys.path.insert(0, "tests")
 from conftest import make_tiny_model
-from model.compiled_decode import CompiledDecoder
+from model.decode.compiled.decoder import CompiledDecoder
 model = make_tiny_model("softmax", seed=3)
 decoder = CompiledDecoder(model, model.new_state(3))
 decoder.compile(background=True)
@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, "tests")
 from torch._dynamo.utils import counters
 from conftest import make_tiny_model
-from model.compiled_decode import MANY_ROWS, CompiledDecoder
+from model.decode.compiled.decoder import MANY_ROWS, CompiledDecoder
 
 def main():
     # The last has rows enough for the graph traced for many rows (with its size hint), given threads enough;
@@ -176,7 +176,7 @@ import torch.multiprocessing
 
 def compile_and_die():
     from conftest import make_tiny_model
-    from model.compiled_decode import compile_fresh
+    from model.decode.compiled.decoder import compile_fresh
     compile_fresh(make_tiny_model("linear", seed=4), 2)
     os.kill(os.getpid(), signal.SIGKILL)
 

@@ -8,7 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
-from model.cpu_kernels import _BUILD_LOCK, wait_for_build
+from model.kernels.loader import _BUILD_LOCK, wait_for_build
 from server.engine.compile_gate import CompileTurns
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,9 +1,9 @@
-"""The compiled CPU decode path (model/compiled_decode.py) against the eager one.
+"""The compiled CPU decode path (model/decode/compiled/decoder.py) against the eager one.
 
 Compiling takes seconds per graph here, so the tests use tiny models
 (`make_tiny_model`), and share them where they only decode
 (`shared_tiny_model`): each model's steps run a decode twin of its own
-(model/packed_linear.py), which dynamo compiles again for.
+(model/kernels/packed_linear.py), which dynamo compiles again for.
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ import pytest
 import torch
 import torch._inductor.config
 
-from model.compiled_decode import BACKGROUND_COMPILE_NICENESS, MANY_ROWS, CompiledDecoder
-from model.step_decoders import EagerDecoder
-from model.decoders import make_decoder
-from model.generate import generate
-from model.sampling import BatchSampling, SamplingParams
-from model.cpu_features import read_cpu_features
-from model.cpu_kernels import cpu_route, packed_linear_wins
-from model.packed_linear import DecodeTwins, PackedLinear, decode_twin
-from model.registry import kinds_where
-from model.weights_io import load_model
+from model.decode.compiled.decoder import BACKGROUND_COMPILE_NICENESS, MANY_ROWS, CompiledDecoder
+from model.decode.eager_and_cuda_graphs import EagerDecoder
+from model.decode.choice import make_decoder
+from model.decode.generate import generate
+from model.decode.sampling import BatchSampling, SamplingParams
+from model.kernels.cpu_features import read_cpu_features
+from model.kernels.loader import cpu_route, packed_linear_wins
+from model.kernels.packed_linear import DecodeTwins, PackedLinear, decode_twin
+from model.attention.classes import kinds_where
+from model.io.weights import load_model
 
 from conftest import COMPILABLE_KINDS, assert_bfloat16_close, make_tiny_model, random_bytes, shared_tiny_model
 from server_support import eager_generation, free_port, save_tiny_model, stop_process, token_bytes, wait_healthy
@@ -156,7 +156,7 @@ def test_a_decoder_names_what_its_steps_run_on():
     if not kernels.ok:
         assert decoder.describe_route() == "compiled steps on PyTorch's operators"
         pytest.skip(f"the C++ kernels did not load here: {kernels.error}")
-    if decoder.one_call_steps:  # heads a whole number of this route's vectors (model/linear_step.py)
+    if decoder.one_call_steps:  # heads a whole number of this route's vectors (model/decode/compiled/linear_step.py)
         assert decoder.describe_route() == f"{kernels.route}: one-call steps on the packed kernel, compiled sampling"
         return
     layers = "the packed kernel" if packed_linear_wins() else "PyTorch's products"
@@ -281,7 +281,7 @@ def test_models_of_one_shape_each_decode_with_their_own_weights():
 
 @pytest.mark.skipif(
     not packed_linear_wins(),
-    reason="the packed linear kernel is used on the avx512 and avx2 routes only (model/cpu_kernels.py)",
+    reason="the packed linear kernel is used on the avx512 and avx2 routes only (model/kernels/loader.py)",
 )
 def test_compiled_steps_run_a_twin_whose_linear_layers_are_packed_and_which_shares_the_rest():
     model = make_tiny_model("linear", seed=4)
@@ -398,8 +398,8 @@ def test_server_compiles_in_the_background_and_answers_what_eager_generate_draws
         answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
     finally:
         stop_process(process)
-    # Its steps are one C++ call where its heads are whole vectors of the route (model/linear_step.py): then the
-    # compile child compiled only the draws, as the engine decided.
+    # Its steps are one C++ call where its heads are whole vectors of the route (model/decode/compiled/linear_step.py):
+    # then the compile child compiled only the draws, as the engine decided.
     what = "sampling (its steps are one C++ call)" if "one-call steps" in route else "decode step and sampling"
     assert f"compiled the linear {what} for 2 or more rows in" in log.read_text(), log.read_text()[-2000:]
     # What the engine's steps run on since they compiled: its kernels' route, or PyTorch's operators without them.

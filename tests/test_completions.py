@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from model import ModelConfig, build_model
 from model.transformer import with_bos
-from model.weights_io import WeightsError, read_metadata, save_model
+from model.io.weights import WeightsError, read_metadata, save_model
 from server_support import make_settings, running_server
 from training import classifier as clf
 from training import arguments
@@ -335,7 +335,7 @@ def test_eval_completions_reports_stores_and_serves_the_result(
 
 def test_a_bits_per_dim_store_keeps_stored_completions(tmp_path: Path, toy_data: Path) -> None:
     path = save_tiny_file(tmp_path)
-    from model.weights_io import update_info
+    from model.io.weights import update_info
 
     update_info(path, {"eval": {"bits_per_dim": 7.5, "completions": {"right-half": {"digits": 4}}}})
     assert (

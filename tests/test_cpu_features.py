@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from model.cpu_features import read_cpu_features
+from model.kernels.cpu_features import read_cpu_features
 
 X86 = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 {extra}\n"
 ARM = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd evtstrm aes crc32 {extra}\nCPU part\t: 0xd0c\n"

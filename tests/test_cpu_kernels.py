@@ -19,14 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from model import cpu_kernels
-from model.cpu_features import read_cpu_features
-from model.cpu_kernels import load_kernels, turn_off_cpu_kernels, use_cpu_kernels
-from model.linear_attention import linear_attention_chunked
-from model.heads import split_heads
-from model.reformer import decode as reformer_decode
-from model.reformer_attention import ReformerAttention
-from model.softmax_attention import SoftmaxAttention, attend_one_query
+from model.kernels import loader as cpu_kernels
+from model.kernels.cpu_features import read_cpu_features
+from model.kernels.loader import load_kernels, turn_off_cpu_kernels, use_cpu_kernels
+from model.attention.linear import linear_attention_chunked
+from model.attention.head_shapes import split_heads
+from model.attention.reformer import decode as reformer_decode
+from model.attention.reformer.attention import ReformerAttention
+from model.attention.softmax import SoftmaxAttention, attend_one_query
 
 from conftest import TINY_MAX_LEN, make_tiny_model, make_tokens
 
@@ -229,7 +229,7 @@ def test_models_without_a_kernel_are_left_alone():
 
 
 def chunked_attention(q, k, v, state):
-    """The parallel form model/linear_attention.py runs without the kernel, from `state` ([S | Z]^T): the
+    """The parallel form model/attention/linear.py runs without the kernel, from `state` ([S | Z]^T): the
     outputs and the state after the chunk."""
     s0, z0 = state[..., :-1, :].transpose(-1, -2), state[..., -1, :]
     y, s, z = linear_attention_chunked(q, k, v, s0, z0, LINEAR_EPS)
@@ -344,7 +344,7 @@ def test_a_process_finds_the_kernels_despite_a_dead_build_s_lock():
     flags = ["-O3", "-fopenmp", *cpu_kernels.vector_flags()]
     load_kernels()  # built (or found) here first, so the other process only loads it
     (cpu_kernels.build_directory(flags) / "lock").touch()
-    code = "from model.cpu_kernels import load_kernels; b = load_kernels(); print(b.ok, b.error)"
+    code = "from model.kernels.loader import load_kernels; b = load_kernels(); print(b.ok, b.error)"
     done = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -360,7 +360,7 @@ def test_a_server_loads_kernels_built_ahead_and_builds_none_itself(tmp_path):
     """What a server's engine calls (build=False): the library built ahead in this machine's cache loads; with an
     empty cache nothing is compiled, one line says how to build them, and decoding goes on without them."""
     load_kernels()  # built ahead (or found), as `rnnserve build-kernels` does
-    code = "from model.cpu_kernels import load_kernels; b = load_kernels(build=False); print(b.ok)"
+    code = "from model.kernels.loader import load_kernels; b = load_kernels(build=False); print(b.ok)"
     repo = Path(__file__).resolve().parents[1]
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=repo)
     assert found.stdout.split() == ["True"], found.stderr[-2000:]
@@ -378,8 +378,8 @@ def test_a_server_loads_kernels_built_ahead_and_builds_none_itself(tmp_path):
 ROUTE_CHECK = """
 import json, torch
 import torch.nn.functional as F
-from model.cpu_kernels import cpu_route, load_kernels, packed_linear_wins
-from model.linear_attention import linear_attention_chunked
+from model.kernels.loader import cpu_route, load_kernels, packed_linear_wins
+from model.attention.linear import linear_attention_chunked
 torch.manual_seed(0)
 build = load_kernels(build=True)
 errors = []
@@ -405,8 +405,8 @@ for length, head_dim in ((70, 32), (9, 20)):  # the prefill kernel: loops the ro
     want = linear_attention_chunked(q, k, v, s0, z0, 1e-6)[0]
     errors.append(float((torch.ops.rnnserve.linear_attention_prefill(q, k, v, state, 1e-6) - want).abs().max()))
 from model.config import ModelConfig
-from model.linear_step import whole_linear_step
-from model.packed_linear import make_twin
+from model.decode.compiled.linear_step import whole_linear_step
+from model.kernels.packed_linear import make_twin
 from model.transformer import build_model
 model = build_model(ModelConfig(attention="linear", d_model=64, n_heads=4, d_ff=72, n_layers=2, max_len=64)).eval()
 with torch.no_grad():  # weights at a scale where attention shows in the logits

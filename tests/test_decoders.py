@@ -14,10 +14,10 @@ import copy
 import pytest
 import torch
 
-from model.step_decoders import CudaGraphDecoder, EagerDecoder, PaddedDecoder, padded_sizes
-from model.decoders import make_decoder
-from model.generate import generate
-from model.sampling import BatchSampling, SamplingParams
+from model.decode.eager_and_cuda_graphs import CudaGraphDecoder, EagerDecoder, PaddedDecoder, padded_sizes
+from model.decode.choice import make_decoder
+from model.decode.generate import generate
+from model.decode.sampling import BatchSampling, SamplingParams
 from model.transformer import SequenceTooLong
 
 from conftest import GRAPHABLE_KINDS, KINDS, PADDABLE_KINDS, make_tiny_model, random_bytes, shared_tiny_model

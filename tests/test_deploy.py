@@ -28,7 +28,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from model import ModelConfig, build_model
-from model.weights_io import save_model
+from model.io.weights import save_model
 from server_support import stop_process, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]

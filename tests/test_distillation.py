@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from model.config import ModelConfig
-from model.weights_io import load_model, read_metadata, save_model, update_info
+from model.io.weights import load_model, read_metadata, save_model, update_info
 from rnnserve_cli import parse_args
 from training import train
 from training.checkpoint import RunSettings, read_checkpoint
@@ -253,7 +253,7 @@ def test_a_teacher_is_named_by_its_weights_not_by_its_stored_info(
 def test_the_weights_digest_stays_when_a_newer_rnnserve_gains_config_keys(teachers: list[Path], monkeypatch) -> None:
     """A teacher file is the same teacher after an upgrade that adds config keys (a kind's new option here), so a
     distilled run written before the upgrade resumes after it."""
-    from model.kinds import ATTENTION_KINDS, AttentionKind, KindOption
+    from model.attention.kinds import ATTENTION_KINDS, AttentionKind, KindOption
 
     before = weights_digest(teachers[0])
     linear = ATTENTION_KINDS["linear"]

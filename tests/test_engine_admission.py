@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from model.sampling import SamplingParams
+from model.decode.sampling import SamplingParams
 from server.engine.core import Engine, EngineFailure, EngineLimits
 from server.engine.output import LocalOutput
 from server.metrics import Metrics

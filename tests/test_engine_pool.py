@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from model.sampling import SamplingParams
+from model.decode.sampling import SamplingParams
 from server.engine.base import EngineLimits
 from server.engine.client import EngineClient
 from server.engine.cpu_budget import usable_cpus

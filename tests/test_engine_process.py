@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from model.sampling import SamplingParams
+from model.decode.sampling import SamplingParams
 from server.engine.core import Engine, EngineLimits
 from server.engine.client import EngineClient
 from server.engine.output import LocalOutput

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from model import build_model
-from model.weights_io import save_model
+from model.io.weights import save_model
 from server.engine.process import PROCESS_NAME_PREFIX
 from server_support import metric_value, serving_process, sse_payloads, tiny_config
 

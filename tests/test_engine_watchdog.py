@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from model import build_model
-from model.weights_io import save_model
+from model.io.weights import save_model
 from server.engine.registry import load_models
 from server_support import make_settings, running_server, serving_process, sse_payloads, tiny_config
 from test_engine_restart import engine_pids, wait_until_healthy

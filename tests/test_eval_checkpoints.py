@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from model.weights_io import read_metadata
+from model.io.weights import read_metadata
 from rnnserve_cli import parse_args
 from training import evaluate, train
 from training.completions import load_completion_model

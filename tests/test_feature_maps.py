@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model.feature_maps import feature_count
-from model.linear_attention import LinearAttention
+from model.attention.feature_maps import feature_count
+from model.attention.linear import LinearAttention
 
 from conftest import FEATURE_MAP_VARIANTS, make_tiny_model, random_bytes
 from test_model_contract import (

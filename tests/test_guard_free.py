@@ -1,4 +1,4 @@
-"""model/guard_free.py: captured graphs run without guard checks only where those checks would pass.
+"""model/decode/compiled/guard_free.py: captured graphs run without guard checks only where those checks would pass.
 
 The compiled decoder's use of it (every step of a generation passes the captured
 graph's guards, runs without the guarded function, and gives eager's
@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from model.guard_free import GuardFreeGraphs, dynamo_cache
+from model.decode.compiled.guard_free import GuardFreeGraphs, dynamo_cache
 
 
 def scaled_sum(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.generate import generate
-from model.sampling import BatchSampling, SamplingParams
-from model.weights_io import load_model, read_tokenizer
+from model.decode.generate import generate
+from model.decode.sampling import BatchSampling, SamplingParams
+from model.io.weights import load_model, read_tokenizer
 from rnnserve_cli import main
 
 transformers = pytest.importorskip(

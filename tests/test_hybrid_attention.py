@@ -1,4 +1,4 @@
-"""Hybrid attention (model/hybrid_attention.py): its parallel form is the formula written out query by query;
+"""Hybrid attention (model/attention/hybrid.py): its parallel form is the formula written out query by query;
 with the window's share at one it is softmax over a sliding window (the softmax kind's own, same weights); its
 state holds W keys and values and the linear sums whatever the length. Decoding = parallel, chunks = whole,
 causality and row operations are the contract tests every kind passes (tests/test_model_contract.py)."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_model, make_tokens
-from model.heads import split_heads
+from model.attention.head_shapes import split_heads
 
 
 def reference(attn, x: torch.Tensor) -> torch.Tensor:

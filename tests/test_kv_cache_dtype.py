@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from benchmarks.roofline import token_cost
-from model.compiled_decode import CompiledDecoder
-from model.sampling import SamplingParams
-from model.step_decoders import EagerDecoder
-from model.weights_io import load_model
+from model.decode.compiled.decoder import CompiledDecoder
+from model.decode.sampling import SamplingParams
+from model.decode.eager_and_cuda_graphs import EagerDecoder
+from model.io.weights import load_model
 from server.engine.registry import load_models
 from server.settings import SettingsError, build_settings
 from training.data import write_idx_images

@@ -1,5 +1,6 @@
-"""A linear model's whole decode step as one C++ call (model/linear_step.py, model/kernels/linear_step.cpp) against
-the eager model, on this CPU's route (tests/test_cpu_kernels.py runs it on the other routes, forced)."""
+"""A linear model's whole decode step as one C++ call (model/decode/compiled/linear_step.py,
+model/kernels/linear_step.cpp) against the eager model, on this CPU's route (tests/test_cpu_kernels.py runs it on the
+other routes, forced)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ import shutil
 import pytest
 import torch
 
-from model.compiled_decode import CompiledDecoder
-from model.cpu_kernels import load_kernels, packed_linear_wins
-from model.generate import generate
-from model.linear_step import whole_linear_step, whole_step_refusal
-from model.packed_linear import make_twin
-from model.sampling import BatchSampling, SamplingParams
-from model.step_decoders import EagerDecoder
+from model.decode.compiled.decoder import CompiledDecoder
+from model.kernels.loader import load_kernels, packed_linear_wins
+from model.decode.generate import generate
+from model.decode.compiled.linear_step import whole_linear_step, whole_step_refusal
+from model.kernels.packed_linear import make_twin
+from model.decode.sampling import BatchSampling, SamplingParams
+from model.decode.eager_and_cuda_graphs import EagerDecoder
 
 from conftest import make_tiny_model, random_bytes
 
@@ -129,7 +130,7 @@ def test_bad_inputs_are_refused_with_what_is_wrong(change, message):
         assert all(torch.equal(b, a) for b, a in zip(before, after))  # refused before anything was written
 
 
-# Decoders take the one call only where their linear layers are packed (model/packed_linear.py, `packs`).
+# Decoders take the one call only where their linear layers are packed (model/kernels/packed_linear.py, `packs`).
 packed_decoders = pytest.mark.skipif(
     not packed_linear_wins(), reason="this CPU's route keeps PyTorch's linear layers: its decoders make no twin"
 )

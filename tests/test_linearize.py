@@ -11,7 +11,7 @@ import torch
 
 from model.config import ModelConfig
 from model.transformer import build_model
-from model.weights_io import load_model, read_metadata, save_model
+from model.io.weights import load_model, read_metadata, save_model
 from rnnserve_cli import main
 from training.errors import TrainError
 from training.warm_start import init_from
@@ -386,8 +386,8 @@ def test_weight_ce_reads_a_grouped_query_teacher_s_real_queries_and_keys():
 
 
 def test_a_first_stage_passes_the_source_s_chat_template_on_to_the_final_model(tmp_path, corpus):
-    from model.chat_template import ChatTemplate
-    from model.weights_io import read_chat_template
+    from model.io.chat_template import ChatTemplate
+    from model.io.weights import read_chat_template
 
     source = tmp_path / "chat.safetensors"
     template = ChatTemplate("{% for m in messages %}{{ m.content }}\n{% endfor %}", None, None).to_json()

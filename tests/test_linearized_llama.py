@@ -21,7 +21,7 @@ from server_support import make_settings, running_server  # noqa: E402
 from test_hf_llama import imported, save_folder  # noqa: E402
 
 from model.transformer import Transformer, build_model  # noqa: E402
-from model.weights_io import load_model, read_chat_template, read_tokenizer, save_model  # noqa: E402
+from model.io.weights import load_model, read_chat_template, read_tokenizer, save_model  # noqa: E402
 from rnnserve_cli import main  # noqa: E402
 from training.warm_start import init_from  # noqa: E402
 

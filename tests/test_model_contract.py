@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from model import SequenceTooLong
-from model.heads import split_heads
-from model.linformer_attention import BLOCK as LINFORMER_BLOCK
-from model.kinds import attention_kinds
-from model.weights_io import load_model, save_model
+from model.attention.head_shapes import split_heads
+from model.attention.linformer import BLOCK as LINFORMER_BLOCK
+from model.attention.kinds import attention_kinds
+from model.io.weights import load_model, save_model
 
 from conftest import KINDS, TINY_MAX_LEN, make_tiny_config, make_tiny_model, make_tokens
 
@@ -270,7 +270,7 @@ def test_reformer_bucketed_parallel_path_matches_reference_and_decoding(window):
         attn.rotations[r].copy_(torch.linalg.qr(torch.randn(cfg.d_head, cfg.d_head, generator=gen))[0])
     x = torch.randn(2, 512, cfg.d_model, generator=gen)  # (B, T, C)
     occupancy = max_bucket_occupancy(attn, x)
-    # Same threshold as model.reformer.bucketed.is_even: below it the bucketed form runs.
+    # Same threshold as model.attention.reformer.bucketed.is_even: below it the bucketed form runs.
     assert 4 * attn.n_buckets * occupancy**2 <= 512**2, "buckets too uneven: test would not reach the bucketed path"
     start = torch.zeros(2, dtype=torch.long)
     parallel = attn(x, start, None)[0]

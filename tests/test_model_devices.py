@@ -12,9 +12,9 @@ import copy
 import pytest
 import torch
 
-from model.generate import generate
-from model.sampling import BatchSampling, SamplingParams, row_points, sample
-from model.weights_io import load_model, save_model
+from model.decode.generate import generate
+from model.decode.sampling import BatchSampling, SamplingParams, row_points, sample
+from model.io.weights import load_model, save_model
 
 from conftest import TINY_MAX_LEN, assert_bfloat16_close, make_tiny_model, make_tokens, random_bytes, shared_tiny_model
 

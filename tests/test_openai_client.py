@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from model.transformer import with_bos
-from model.weights_io import load_model
+from model.io.weights import load_model
 from server_support import save_script_model, save_tiny_model, serving_process
 
 openai = pytest.importorskip("openai", reason="the openai client is a test extra: pip install -e '.[test]'")

@@ -16,7 +16,7 @@ from model import ModelConfig, build_model
 from model.config import ConfigError
 from model.output_heads import MIN_LOG_SCALE, bin_edges, mixture_log_probs
 from model.transformer import with_bos
-from model.weights_io import load_model, save_model
+from model.io.weights import load_model, save_model
 from rnnserve_cli import parse_args
 from training import train
 from training.data import write_idx_images

@@ -1,4 +1,4 @@
-"""Sequential Monte Carlo over decoding rows (model/particles.py), against exact enumeration.
+"""Sequential Monte Carlo over decoding rows (model/decode/particles.py), against exact enumeration.
 
 A tiny model is trained for a few seconds on a toy language of four tokens
 where each unknown token is echoed by the known one after it (x1 = x0,
@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from model.config import BOS_TOKEN
-from model.sampling import SamplingParams
+from model.decode.sampling import SamplingParams
 from model.transformer import Transformer
-from model import particles as smc
+from model.decode import particles as smc
 from server.engine.core import Engine, EngineLimits
 from server.engine.output import LocalOutput
 from server.engine.types import GenerationRequest

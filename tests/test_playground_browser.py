@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from model.kinds import attention_kinds
+from model.attention.kinds import attention_kinds
 from server.api.image_particles import PREFIX_ONLY
 from server_support import (
     free_port,

@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from model.sampling import SamplingParams
+from model.decode.sampling import SamplingParams
 from server.engine.core import Engine, EngineLimits
 from server.engine.output import LocalOutput
 from server.engine.prefix_cache import LOGIT_BYTES, PrefixCache, Snapshot, take_snapshot

@@ -168,7 +168,7 @@ def make_train_workdir(root: Path) -> Path:
     write_idx_images(mnist / "train-images-idx3-ubyte.gz", torch.randint(0, 256, (16, 784)))
     write_idx_images(mnist / "t10k-images-idx3-ubyte.gz", torch.randint(0, 256, (4, 784)))
     from model import build_model
-    from model.weights_io import save_model
+    from model.io.weights import save_model
     from conftest import make_tiny_config
 
     # What `rnnserve linearize` starts from: a tiny MNIST softmax model under the shipped model's name
@@ -188,7 +188,7 @@ def test_train_your_own_commands_run(tmp_path):
         result = run_bash(shortened(command) if long_running else command, workdir)
         if " eval " in command:
             assert re.search(r"\d\.\d+", result.stdout.decode()), result.stdout.decode()
-    from model.weights_io import read_metadata
+    from model.io.weights import read_metadata
 
     for name in ("my-text-linear", "my-mnist-linear", "my-mnist-hedgehog"):
         config, info = read_metadata(workdir / "weights" / f"{name}.safetensors")

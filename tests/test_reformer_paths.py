@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.reformer.bucketed import attend_bucketed, bucket_sizes, is_even, local_round
-from model.reformer.causal import attend_causal
-from model.reformer.dense import lsh_attend
-from model.reformer.hashing import unit_keys
-from model.weights_io import load_model, save_model
+from model.attention.reformer.bucketed import attend_bucketed, bucket_sizes, is_even, local_round
+from model.attention.reformer.causal import attend_causal
+from model.attention.reformer.dense import lsh_attend
+from model.attention.reformer.hashing import unit_keys
+from model.io.weights import load_model, save_model
 
 from conftest import make_tiny_model, make_tokens
 

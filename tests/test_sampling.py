@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from model.generate import generate
-from model.sampling import (
+from model.decode.generate import generate
+from model.decode.sampling import (
     BatchSampling,
     SamplingParams,
     _times,

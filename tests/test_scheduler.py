@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from model.sampling import SamplingParams
+from model.decode.sampling import SamplingParams
 from server.engine.multistep import PassCosts, ends_run_early, joinable_rows
 from server.engine.scheduler import CANCELLED, QueueFull, Scheduler
 from server.engine.step import RunnerOutput

@@ -20,8 +20,8 @@ openai = pytest.importorskip("openai", reason="the OpenAI client (make test inst
 from hf_support import CORPUS, END_OF_TEXT, UNICODE, gpt2_folder, imported  # noqa: E402  (fixtures; after the skip)
 from server_support import make_settings, running_server, save_tiny_model, sse_payloads  # noqa: E402
 
-from model.vocabulary import vocabulary_for  # noqa: E402
-from model.weights_io import load_model, read_metadata, read_tokenizer  # noqa: E402
+from model.io.vocabulary import vocabulary_for  # noqa: E402
+from model.io.weights import load_model, read_metadata, read_tokenizer  # noqa: E402
 from rnnserve_cli import main  # noqa: E402
 from training.train import INHERITED_FIELDS  # noqa: E402
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from model.weights_io import WeightsError
+from model.io.weights import WeightsError
 from server.engine.registry import check_model_files
 from server.serve import add_arguments, settings_from_args
 from server.settings import SettingsError, build_settings

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
 from server.engine.stopping import StoppingCriteria
-from model.vocabulary import Vocabulary, byte_vocabulary, shown_bytes
+from model.io.vocabulary import Vocabulary, byte_vocabulary, shown_bytes
 from server.api.textcodec import SampleText, char_offsets, incomplete_utf8_suffix, longest_stop_prefix
 from server_support import (
     KINDS,

@@ -8,7 +8,7 @@ from torch import nn
 
 from benchmarks.roofline import attention_cost, dense_flops
 from benchmarks.step_bounds import products, state_tensors, step_linear_layers
-from model.packed_linear import PackedLinear
+from model.kernels.packed_linear import PackedLinear
 
 from conftest import make_tiny_model
 

@@ -17,11 +17,11 @@ import time
 import pytest
 import torch
 
-from model.compiled_decode import CompiledDecoder
+from model.decode.compiled.decoder import CompiledDecoder
 from server.engine.core import Engine, EngineLimits
 from server.engine.output import LocalOutput
 from server.engine.types import GenerationRequest
-from model.sampling import SamplingParams
+from model.decode.sampling import SamplingParams
 from conftest import make_tiny_model
 
 

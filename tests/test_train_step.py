@@ -7,7 +7,7 @@ import re
 import pytest
 
 from benchmarks import train_step
-from model.kinds import attention_kinds
+from model.attention.kinds import attention_kinds
 
 
 def test_table_has_one_row_per_kind_in_order_with_softmax_as_the_unit(capsys):

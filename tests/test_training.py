@@ -25,10 +25,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from model import ModelConfig, Transformer, build_model
-from model.generate import generate
-from model.sampling import BatchSampling, SamplingParams
+from model.decode.generate import generate
+from model.decode.sampling import BatchSampling, SamplingParams
 from model.transformer import with_bos
-from model.weights_io import load_model, read_metadata, save_model
+from model.io.weights import load_model, read_metadata, save_model
 from rnnserve_cli import parse_args
 from training import checkpoint, evaluate, train
 from training.averaging import WeightAverage

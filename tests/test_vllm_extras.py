@@ -26,9 +26,9 @@ from server.engine.registry import served_names  # noqa: E402
 from server.engine.slot_budget import slot_bytes  # noqa: E402
 from server.settings import SettingsError, build_settings, parse_bytes  # noqa: E402
 
-from model.vocabulary import vocabulary_for  # noqa: E402
-from model.weights_io import load_model, read_metadata, read_tokenizer  # noqa: E402
-from model.sampling import (  # noqa: E402
+from model.io.vocabulary import vocabulary_for  # noqa: E402
+from model.io.weights import load_model, read_metadata, read_tokenizer  # noqa: E402
+from model.decode.sampling import (  # noqa: E402
     BatchSampling,
     SamplingParams,
     filtered_logits,

@@ -11,8 +11,8 @@ transformers = pytest.importorskip(
 
 from hf_support import CORPUS, UNICODE, gpt2_folder, imported  # noqa: E402  (fixtures; after the skip)
 
-from model.vocabulary import Vocabulary, byte_vocabulary, vocabulary_for  # noqa: E402
-from model.weights_io import read_metadata, read_tokenizer  # noqa: E402
+from model.io.vocabulary import Vocabulary, byte_vocabulary, vocabulary_for  # noqa: E402
+from model.io.weights import read_metadata, read_tokenizer  # noqa: E402
 
 __all__ = ["gpt2_folder", "imported"]
 

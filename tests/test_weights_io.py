@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from model.weights_io import CONFIG_KEY, INFO_KEY, WeightsError, load_model, read_metadata, save_model
+from model.io.weights import CONFIG_KEY, INFO_KEY, WeightsError, load_model, read_metadata, save_model
 
 from conftest import make_tiny_config, make_tiny_model, make_tokens
 

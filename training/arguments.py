@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from model.kinds import ATTENTION_KINDS, attention_kinds, kind_options
+from model.attention.kinds import ATTENTION_KINDS, attention_kinds, kind_options
 
 from .presets import PRESETS
 
@@ -53,8 +53,8 @@ def _add_architecture_arguments(arch) -> None:
 
 
 def _add_kind_options(parser: argparse.ArgumentParser) -> None:
-    """Each attention kind's own hyperparameters, as it declares them (model/kinds.py); a model of another kind
-    stores them with their defaults and does not read them."""
+    """Each attention kind's own hyperparameters, as it declares them (model/attention/kinds.py); a model of another
+    kind stores them with their defaults and does not read them."""
     for kind, declared in ATTENTION_KINDS.items():
         if not declared.options:
             continue

@@ -1,6 +1,6 @@
 """`rnnserve eval FILE --attention-share`: how much of a hybrid model's attention comes from its linear part.
 
-A hybrid layer (model/hybrid_attention.py) divides by one normaliser per query, the sum of its weights:
+A hybrid layer (model/attention/hybrid.py) divides by one normaliser per query, the sum of its weights:
 
     g sum_{window} exp(s_ij - m_i)  +  (1 - g) sum_{older} phi(q_i) . phi(k_j)
 

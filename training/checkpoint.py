@@ -44,7 +44,7 @@ from safetensors.torch import save_file
 
 from model import ModelConfig, Transformer, build_model
 from model.config import ConfigError
-from model.weights_io import TOKENIZER_KEY
+from model.io.weights import TOKENIZER_KEY
 
 from .averaging import WeightAverage
 from .lora import add_lora, merge_lora

@@ -27,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from model.weights_io import INFO_KEY, WeightsError
+from model.io.weights import INFO_KEY, WeightsError
 
 from . import arguments
 from .data import MNIST_SIDE, DataError, LabeledMnist, load_labeled_mnist, random_shift

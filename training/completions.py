@@ -30,9 +30,9 @@ import torch
 from tqdm import tqdm
 
 from model import Transformer
-from model.generate import generate
-from model.sampling import BatchSampling, SamplingParams
-from model.weights_io import WeightsError, read_metadata, update_info
+from model.decode.generate import generate
+from model.decode.sampling import BatchSampling, SamplingParams
+from model.io.weights import WeightsError, read_metadata, update_info
 
 from . import arguments
 from .classifier import DigitClassifier, accuracy, load_classifier

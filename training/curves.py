@@ -23,7 +23,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from model.weights_io import WeightsError, read_metadata
+from model.io.weights import WeightsError, read_metadata
 
 from .checkpoint import METADATA_KEY
 

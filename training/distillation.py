@@ -33,7 +33,7 @@ from safetensors import safe_open
 
 from model import Transformer
 from model.config import ModelConfig
-from model.weights_io import CONFIG_KEY, WeightsError, load_model, read_metadata
+from model.io.weights import CONFIG_KEY, WeightsError, load_model, read_metadata
 
 from .checkpoint import RunSettings
 from .errors import TrainError

@@ -24,8 +24,8 @@ import torch
 from tqdm import tqdm
 
 from model import Transformer
-from model.vocabulary import Vocabulary, vocabulary_for
-from model.weights_io import WeightsError, read_metadata, update_info
+from model.io.vocabulary import Vocabulary, vocabulary_for
+from model.io.weights import WeightsError, read_metadata, update_info
 
 from .attention_share import attention_share, check_hybrid, format_share
 from .completions import DEFAULT_BATCH, CompletionRun, EvalParts, choose_occlusion, evaluate_completions

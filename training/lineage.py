@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from model.weights_io import read_metadata
+from model.io.weights import read_metadata
 
 
 def run_record(info: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """`rnnserve linearize FILE --out OUT --feature-map hedgehog|t2r|elu`: a softmax model turned into an RNN.
 
 The linear model has the softmax model's shape and keeps every one of its weights (linear attention has the
-same projections); a learned feature map adds its own per-head projection (model/feature_maps.py). It is then
+same projections); a learned feature map adds its own per-head projection (model/attention/feature_maps.py). It is then
 fine-tuned by `rnnserve train` itself, started from FILE's weights (`--init-from FILE`) and, unless
 --no-teacher, distilled from FILE (`--teacher FILE`): checkpoints, `--resume`, curves, lineage and the
 evaluation at the end are training's. The flags after FILE are train's fine-tuning and run flags.
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from model.kinds import ATTENTION_KINDS, kind_options
+from model.attention.kinds import ATTENTION_KINDS, kind_options
 from model.transformer import build_model
-from model.vocabulary import vocabulary_for
+from model.io.vocabulary import vocabulary_for
 from model.config import ConfigError
-from model.weights_io import WeightsError, load_model, read_metadata, save_model
+from model.io.weights import WeightsError, load_model, read_metadata, save_model
 
 from .arguments import add_train_arguments
 from .attention_transfer import transfer

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from model import Transformer
-from model.weights_io import WeightsError, load_model, read_tokenizer
+from model.io.weights import WeightsError, load_model, read_tokenizer
 
 from .checkpoint import model_of
 from .data import DataError

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw
 
-from model.generate import generate
-from model.sampling import BatchSampling, SamplingParams
-from model.weights_io import WeightsError, load_model
+from model.decode.generate import generate
+from model.decode.sampling import BatchSampling, SamplingParams
+from model.io.weights import WeightsError, load_model
 
 from .data import MNIST_PIXELS, MNIST_SIDE, DataError, load_mnist
 from .evaluate import resolve_device

@@ -32,9 +32,9 @@ from tqdm import tqdm
 from model import ModelConfig, Transformer, build_model
 from model.config import ConfigError
 from model.architecture import block_options
-from model.kinds import kind_options
-from model.vocabulary import Vocabulary, vocabulary_for
-from model.weights_io import WeightsError, read_chat_template, read_metadata, read_tokenizer, save_model, update_info
+from model.attention.kinds import kind_options
+from model.io.vocabulary import Vocabulary, vocabulary_for
+from model.io.weights import WeightsError, read_chat_template, read_metadata, read_tokenizer, save_model, update_info
 
 from .arguments import SAVE_DTYPE_NAMES
 from .averaging import WeightAverage

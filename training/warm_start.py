@@ -22,8 +22,8 @@ import torch
 
 from model import Transformer
 from model.config import ModelConfig
-from model.kinds import ATTENTION_KINDS, kind_options
-from model.weights_io import WeightsError, load_model
+from model.attention.kinds import ATTENTION_KINDS, kind_options
+from model.io.weights import WeightsError, load_model
 
 from .checkpoint import config_differences
 from .errors import TrainError
@@ -31,7 +31,7 @@ from .errors import TrainError
 
 def parameter_free_fields() -> frozenset[str]:
     """Config fields that size no parameter, so a warm start may change them: dropout and the attention options
-    declared so (model/kinds.py)."""
+    declared so (model/attention/kinds.py)."""
     return frozenset({"dropout"} | {key for key, option in kind_options().items() if option.parameter_free})
 
 

@@ -1,13 +1,13 @@
 // Causal linear attention over a chunk of tokens as a recurrence, from and into a row's state: the prefill of a
 // prompt on the CPU.
 //
-// Why a kernel: the parallel (chunked) form in model/linear_attention.py materialises (C, C) score blocks and
+// Why a kernel: the parallel (chunked) form in model/attention/linear.py materialises (C, C) score blocks and
 // per-block (F, D) sums for every row and head, many times the bytes of the inputs, which a server's prefill
 // spends more time on than on its matrix products. Here each row and head keeps its sums [S | Z] (F by D + 1
 // numbers, a few KiB) in L1 while it walks the chunk: per token one rank-1 update and one read, 4 F (D + 1) FLOPs,
 // the same order of operations as a decode step (update with the token, then read it back), reading each input
 // once. Rows and heads split over torch's intra-op threads. The loops over D are plain C++ that the compiler
-// vectorises with the route's flags (model/cpu_kernels.py).
+// vectorises with the route's flags (model/kernels/loader.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -7,7 +7,8 @@
 // at the memory's, what is left of a step is the fixed cost of its few dozen operator calls and the wrappers
 // around a compiled graph (benchmarks/results/NOTES.md, "Where a compiled linear step's time goes"). Here there are
 // none, and every intermediate stays in a few row buffers that fit in L2. Weights are the decode twin's packed
-// ones (model/packed_linear.py); model/linear_step.py gathers them and says which models this takes.
+// ones (model/kernels/packed_linear.py); model/decode/compiled/linear_step.py gathers them and says which models this
+// takes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -4,7 +4,7 @@
 // AVX2 code on AMD CPUs and oneDNN's AVX-512 one pays a fixed cost per call before any arithmetic (17 calls a
 // step; benchmarks/results/NOTES.md has the figures). The product itself, on W packed once into panels of one vector
 // of output columns, is model/kernels/packed_product.h; this file packs W and is the operator. Built by
-// model/cpu_kernels.py, with the flags of the route it picks (RNNSERVE_CPU_ROUTE forces one).
+// model/kernels/loader.py, with the flags of the route it picks (RNNSERVE_CPU_ROUTE forces one).
 #include <torch/extension.h>
 
 #include "packed_product.h"

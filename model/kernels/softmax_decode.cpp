@@ -6,7 +6,7 @@
 // in blocks), with up to four independent accumulators, fetching ahead into the next row, and only the positions each
 // row can see (its own length, not the batch's longest). The cache holds float32 or bfloat16 numbers (a bfloat16
 // cache halves the bytes a step reads; they are widened to float32 as they load, and every sum is float32).
-// Built by model/cpu_kernels.py.
+// Built by model/kernels/loader.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -238,8 +238,8 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
 // A key is shown by each hashed round whose bucket it shares with the query (earlier keys only), and by the local
 // round when it is one of the `window` keys before the query; the query's own key (written at `last`) is shown by
 // each round that shows nothing else. Rounds mix as one softmax in which a key counts once per round showing it:
-// scores + log(count) (model/reformer/visibility.py). Only the shown keys and values are read: with n buckets a
-// step reads about 1/n of the keys softmax's would, plus one byte per position and round for the bucket ids.
+// scores + log(count) (model/attention/reformer/visibility.py). Only the shown keys and values are read: with n buckets
+// a step reads about 1/n of the keys softmax's would, plus one byte per position and round for the bucket ids.
 
 // Shown positions of one (row, head) and how many rounds show each, the query's own position last.
 struct Shown {

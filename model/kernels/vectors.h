@@ -1,4 +1,4 @@
-// The vector type of each CPU route (model/cpu_kernels.py builds with the route's flags) and the few operations
+// The vector type of each CPU route (model/kernels/loader.py builds with the route's flags) and the few operations
 // the kernels write their loops with: loads, stores, broadcast, fused multiply-add, a lane sum, and the two
 // transcendental functions a decode step needs (exp of a non-positive number, for elu; erf, for GELU).
 //

@@ -1,7 +1,7 @@
 """The chat completions API's request and response shapes, and how samples become chat choices.
 
 OpenAI's chat completions on top of the completions machinery (text_api.py): the messages are rendered
-through the model's chat template (model/chat_template.py) into one prompt, and the request becomes one
+through the model's chat template (model/io/chat_template.py) into one prompt, and the request becomes one
 completion of that prompt (`as_completion`); its samples come back as assistant messages, or streamed as
 `chat.completion.chunk` deltas opened by the role. Log-probabilities take the chat shape: each token with
 its bytes and its most likely alternatives.

@@ -4,7 +4,7 @@ Pixels are generated in raster order. When every known pixel comes before
 every unknown one (bottom half unknown), conditioning on the prompt is
 exact and one particle is enough. When a known pixel follows an unknown one
 (right half, centre box, any mask), sequential Monte Carlo weighs each
-particle by the known pixels it meets (model/particles.py); the server then
+particle by the known pixels it meets (model/decode/particles.py); the server then
 defaults to DEFAULT_PARTICLES per sample, fewer when n x particles would
 exceed the slots a model has (--max-batch).
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 from server.api.errors import invalid_request
 from server.api.imaging import OccludedImage
-from model.particles import log_mean_exp
+from model.decode.particles import log_mean_exp
 from server.engine.types import ParticleSummary
 
 DEFAULT_PARTICLES = 16

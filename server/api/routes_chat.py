@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from model.chat_template import ChatTemplate, ChatTemplateError
+from model.io.chat_template import ChatTemplate, ChatTemplateError
 from server.api.chat_api import ChatCompletion, ChatCompletionRequest, ChatCompletionResponse
 from server.api.deps import ServerState, get_server
 from server.api.errors import invalid_request

@@ -7,8 +7,8 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from model.sampling import SamplingParams
-from model.vocabulary import Vocabulary
+from model.decode.sampling import SamplingParams
+from model.io.vocabulary import Vocabulary
 
 from server.api.errors import FieldError
 

@@ -2,7 +2,7 @@
 
 OpenAI's legacy completions: `prompt` is a string, a list of strings, a list of
 token ids or a list of such lists (a byte model's tokens are bytes; an imported
-model's are its tokenizer's, model/vocabulary.py); choice `index` runs prompt by prompt, then
+model's are its tokenizer's, model/io/vocabulary.py); choice `index` runs prompt by prompt, then
 over the `n` samples of each. `best_of` draws more samples and keeps the `n`
 with the highest total log-probability, best first.
 """
@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from server.api.errors import FieldError
 from server.api.schemas import MAX_N, Float, Int, OrDefault, TextSamplingOptions, integral
-from model.vocabulary import Vocabulary
+from model.io.vocabulary import Vocabulary
 from server.api.textcodec import SampleText, TextChunk
 from server.engine.types import Generation, PromptScores, SampleResult
 

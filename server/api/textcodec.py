@@ -1,6 +1,6 @@
 """Tokens -> text without splitting characters or leaking stop sequences.
 
-Each token adds its bytes (its piece, model/vocabulary.py) to the sample's text:
+Each token adds its bytes (its piece, model/io/vocabulary.py) to the sample's text:
 one byte for byte models, several for a tokenizer's, so a character may arrive
 over several tokens and a token may end inside one. `SampleText` collects the
 tokens of one sample and releases text, with whole tokens, only up to a point
@@ -16,7 +16,7 @@ import codecs
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
-from model.vocabulary import Vocabulary, byte_vocabulary
+from model.io.vocabulary import Vocabulary, byte_vocabulary
 
 MAX_UTF8_PENDING = 3  # an incomplete character is at most 3 bytes of a 4-byte one
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from model.config import ModelConfig
 from model.transformer import Transformer
-from model.vocabulary import Vocabulary
+from model.io.vocabulary import Vocabulary
 
 from server.engine.validation import check_fits, check_samples
 

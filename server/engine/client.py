@@ -19,7 +19,7 @@ import torch
 import torch.multiprocessing
 
 from model.transformer import Transformer
-from model.vocabulary import Vocabulary, byte_vocabulary
+from model.io.vocabulary import Vocabulary, byte_vocabulary
 
 from server.engine.core import EngineFacts, EngineLimits
 from server.engine import messages as msg
@@ -44,7 +44,7 @@ from server.engine.validation import check_generation, check_scoring
 from server.engine.watchdog import Heartbeat
 
 if TYPE_CHECKING:
-    from model.compiled_decode import CompileGate
+    from model.decode.compiled.decoder import CompileGate
 
 log = logging.getLogger("rnnserve.engine_client")
 STOP_SECONDS = 30.0  # an engine process told to stop gets this long before it is killed

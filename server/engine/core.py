@@ -41,9 +41,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from model.threads import adopt_process_threads
+from model.kernels.threads import adopt_process_threads
 from model.transformer import Transformer
-from model.vocabulary import Vocabulary, byte_vocabulary
+from model.io.vocabulary import Vocabulary, byte_vocabulary
 
 from server.engine.base import EngineFacts, EngineLimits
 from server.engine.multistep import PassCosts, ends_run_early
@@ -73,7 +73,7 @@ from server.engine.validation import check_generation, check_scoring
 from server.engine.watchdog import Heartbeat
 
 if TYPE_CHECKING:
-    from model.compiled_decode import CompileGate
+    from model.decode.compiled.decoder import CompileGate
 
 __all__ = ["Engine", "EngineFacts", "EngineFailure", "EngineLimits", "GenerationStream", "QueueFull"]
 
@@ -140,7 +140,8 @@ class Engine(EngineFacts):
 
     @property
     def cpu_route(self) -> str | None:
-        """What the decode steps run on (model/step_decoders.py's `describe_route`); None on a GPU or before start."""
+        """What the decode steps run on (model/decode/eager_and_cuda_graphs.py's `describe_route`); None on a GPU or
+        before start."""
         decoder = self.runner.decoder
         return decoder.describe_route() if decoder is not None and self.model.device.type == "cpu" else None
 

@@ -1,6 +1,6 @@
 """`rnnserve eval --completions --particles K`: completions by the server's own particle sampler.
 
-Sequential Monte Carlo lives in the engine (its rules in model/particles.py): each digit
+Sequential Monte Carlo lives in the engine (its rules in model/decode/particles.py): each digit
 is one request with K particles, queued on an in-process engine whose slots
 hold `rows` particles at once, so the evaluation runs exactly the code a
 request to /v1/images/completions runs. Digit i draws with seed
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from model import Transformer
-from model.sampling import SamplingParams
-from model.particles import ParticleSummary
+from model.decode.sampling import SamplingParams
+from model.decode.particles import ParticleSummary
 from server.engine.core import Engine, EngineLimits
 from server.engine.output import LocalOutput
 from server.engine.types import GenerationRequest, SampleResult

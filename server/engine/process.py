@@ -24,7 +24,7 @@ import setproctitle
 import torch
 
 from model.transformer import Transformer
-from model.vocabulary import Vocabulary
+from model.io.vocabulary import Vocabulary
 
 from server.engine import messages as msg
 from server.engine.core import Engine, EngineLimits
@@ -46,7 +46,7 @@ from server.engine.validation import InvalidRequest
 from server.engine.watchdog import Heartbeat
 
 if TYPE_CHECKING:
-    from model.compiled_decode import CompileGate
+    from model.decode.compiled.decoder import CompileGate
     from server.metrics import ModelMetrics
 
 log = logging.getLogger("rnnserve.engine_process")

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from model.chat_template import ChatTemplate, ChatTemplateError
+from model.io.chat_template import ChatTemplate, ChatTemplateError
 from model.config import BYTE_VOCAB, ModelConfig
 from model.transformer import Transformer
-from model.vocabulary import Vocabulary, byte_vocabulary, vocabulary_for
-from model.weights_io import load_model, read_chat_template, read_metadata, read_tokenizer
+from model.io.vocabulary import Vocabulary, byte_vocabulary, vocabulary_for
+from model.io.weights import load_model, read_chat_template, read_metadata, read_tokenizer
 
 from server.engine.base import EngineHandle
 from server.settings import Settings, SettingsError

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from model.step_decoders import EagerDecoder
-from model.decoders import make_decoder
-from model.sampling import (
+from model.decode.eager_and_cuda_graphs import EagerDecoder
+from model.decode.choice import make_decoder
+from model.decode.sampling import (
     BatchSampling,
     SamplingParams,
     force_tokens,
@@ -42,14 +42,14 @@ from model.sampling import (
 from model.state import ModelState
 from model.transformer import Transformer, with_bos
 
-from model.particles import RowCopy
+from model.decode.particles import RowCopy
 from server.engine.prefix_cache import Hit, PrefixCache, restore_snapshot, take_snapshot
 from server.engine.scheduler import Placement
 from server.engine.step import AppliedStep, RunnerOutput, SampleRead, SampleSpan, SchedulerOutput, StepNeeds, StepUpdate
 from server.engine.types import GenerationRequest, PromptScores, TopLogprobs
 
 if TYPE_CHECKING:
-    from model.compiled_decode import CompileGate
+    from model.decode.compiled.decoder import CompileGate
 
 
 MAX_TOP_LOGPROBS = 5  # alternatives kept per position (OpenAI allows up to 5)

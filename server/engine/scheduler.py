@@ -17,8 +17,8 @@ from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass
 from typing import Protocol
 
-from model.particles import ParticleGroup, Resampling, conclude, known_rows, particle_seed, weigh
-from model.vocabulary import Vocabulary
+from model.decode.particles import ParticleGroup, Resampling, conclude, known_rows, particle_seed, weigh
+from model.io.vocabulary import Vocabulary
 from server.engine.step import (
     CANCELLED,
     RunnerOutput,
@@ -56,7 +56,7 @@ class Sequence:
     position: int  # absolute position of the next token to draw
     stopping: StoppingCriteria
     last_token_at: float = 0.0
-    particle: int = 0  # which of the sample's particles (model/particles.py)
+    particle: int = 0  # which of the sample's particles (model/decode/particles.py)
     log_weight: float = 0.0  # the particle's weight since the last resampling, log
     group: ParticleGroup | None = None  # what the sample's particles share; None: no weights kept
 

@@ -14,10 +14,10 @@ def exit_if_compiling() -> None:
     """Once the engines have stopped, exit 0 without the interpreter's teardown if a background compile still runs
     in this process: its C++ destructors abort then ("terminate called without an active exception",
     status 134). Nothing is left to flush but logs, and a kernel build to let finish."""
-    compiled_decode = sys.modules.get("model.compiled_decode")
+    compiled_decode = sys.modules.get("model.decode.compiled.decoder")
     if compiled_decode is None or not compiled_decode.background_compiles_running():
         return  # not imported here, so nothing compiles: importing it now would load inductor, seconds at exit
-    from model.cpu_kernels import wait_for_build
+    from model.kernels.loader import wait_for_build
 
     if not wait_for_build(KERNEL_BUILD_WAIT_SECONDS):
         log.warning("exiting during a build of the CPU decode kernels; the next start may build them again")

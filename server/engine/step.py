@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from model.particles import RowCopy
+from model.decode.particles import RowCopy
 from server.engine.types import GenerationRequest, StepStats, TopLogprobs
 
 

@@ -3,7 +3,7 @@ the pass's figures.
 
 A streamed request gets a Generation per token; a non-streamed one a
 SampleResult per finished sample, which the runner read for it in one go.
-A request with particles (model/particles.py) streams no tokens, since
+A request with particles (model/decode/particles.py) streams no tokens, since
 resampling can still replace them: it gets Progress while its particles
 run, and each sample's chosen particle as a SampleResult once it finishes.
 """

@@ -5,7 +5,7 @@ the model's end-of-text token (unless it ignores it) or one of its stop token
 ids, or when it has drawn its budget of new tokens. Before its `min_tokens`
 only the budget can end it (as vLLM: the sampler holds those tokens back too).
 Stop sequences are searched in the bytes the generated tokens add (one each
-for byte models, a tokenizer's pieces otherwise: model/vocabulary.py), never in
+for byte models, a tokenizer's pieces otherwise: model/io/vocabulary.py), never in
 the prompt. A token of several bytes may hold a stop sequence anywhere inside
 it; the matched sequence is reported so the text codec can cut the answer
 where it begins (OpenAI leaves it out).

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from model.particles import ParticleSummary as ParticleSummary  # re-exported: events carry it
-from model.sampling import SamplingParams
+from model.decode.particles import ParticleSummary as ParticleSummary  # re-exported: events carry it
+from model.decode.sampling import SamplingParams
 
 
 @dataclass
@@ -27,7 +27,7 @@ class GenerationRequest:
     stop: list[bytes] = field(default_factory=list)
     logprobs: bool = False
     top_logprobs: int = 0  # also the this many most likely tokens per position (implies logprobs)
-    # Sequential Monte Carlo (model/particles.py): each sample runs this many particles, weighted by the
+    # Sequential Monte Carlo (model/decode/particles.py): each sample runs this many particles, weighted by the
     # known tokens in `forced`. None: no weights kept (text); 1: forced sampling, with the likelihood estimate.
     particles: int | None = None
 

@@ -88,7 +88,7 @@ def with_absolute_paths(settings: Settings) -> Settings:
 
 
 def check_before_start(settings: Settings) -> None:
-    from model.weights_io import WeightsError
+    from model.io.weights import WeightsError
 
     from server.rayserve.app import check_settings
     from server.engine.registry import check_model_files

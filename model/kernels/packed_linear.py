@@ -1,6 +1,6 @@
 """Each model's decode twin: the same modules and weights, its linear layers on weights packed for the CPU kernel.
 
-The compiled CPU decode steps (model/compiled_decode.py) run the twin, not the
+The compiled CPU decode steps (model/decode/compiled/decoder.py) run the twin, not the
 model: every nn.Linear becomes a `PackedLinear`, which calls
 `torch.ops.rnnserve.packed_linear` (model/kernels/packed_linear.cpp) on a copy
 of its weight packed once, and shares its bias. Everything else (embeddings,
@@ -22,8 +22,8 @@ import weakref
 import torch
 from torch import nn
 
-from .cpu_kernels import packed_linear_wins
-from .transformer import Transformer
+from .loader import packed_linear_wins
+from ..transformer import Transformer
 
 
 class PackedLinear(nn.Module):

@@ -1,6 +1,6 @@
 """A background compile's heavy part in a child process: code generation and the C++ compiler run there.
 
-The serving process only adopts the result (model/compiled_decode.py): it traces the same steps again, on the
+The serving process only adopts the result (model/decode/compiled/decoder.py): it traces the same steps again, on the
 thread that runs them, between two steps, and finds every graph in inductor's on-disk cache. So a compile
 never runs beside a step in the serving process (a trace racing a step could break it), and the compilers
 are the child's: the child dies with its parent (Linux sends it SIGTERM when the thread that started it ends,
@@ -37,7 +37,7 @@ class CompileJob:
     threads: int  # the parent's intra-op threads: inductor sizes its loops by them
     batch: int | None  # compile() 's batch: only one row class, or None for all the decoder's
     log_level: int
-    row_classes: tuple  # the decoder's row classes (model/compiled_decode.py's RowClass)
+    row_classes: tuple  # the decoder's row classes (model/decode/compiled/decoder.py's RowClass)
     one_call: bool = True  # whether the parent's steps are one C++ call: then only its draws are compiled
 
 

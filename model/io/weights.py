@@ -4,7 +4,7 @@ A file holds every tensor of the model plus two metadata entries:
 `rnnserve.config` (the ModelConfig as JSON) and `rnnserve.info` (free JSON:
 training data, examples seen, wall time, device, evaluation results); an
 imported model adds its tokenizer (`rnnserve.tokenizer`) and, when it has
-one, its chat template (`rnnserve.chat_template`, model/chat_template.py).
+one, its chat template (`rnnserve.chat_template`, model/io/chat_template.py).
 Loading checks everything before building the model, so a bad file gives
 one `WeightsError` naming the file and the problem, never half a model.
 """
@@ -20,8 +20,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import ConfigError, ModelConfig
-from .transformer import Transformer, build_model
+from ..config import ConfigError, ModelConfig
+from ..transformer import Transformer, build_model
 
 CONFIG_KEY = "rnnserve.config"
 TOKENIZER_KEY = "rnnserve.tokenizer"

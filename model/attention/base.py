@@ -4,7 +4,7 @@ that declares, as class attributes, what its decoding can do and cost.
 Everything that treats kinds differently (CUDA graphs, compiled CPU decode
 steps, padded decode steps, the benchmark's flatness check, the roofline)
 reads these declarations instead of naming kinds, so a new kind is one module derived from
-`Attention` plus one line in `model/registry.py`.
+`Attention` plus one line in `model/attention/classes.py`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from .config import ModelConfig
-from .state import RowState
+from ..config import ModelConfig
+from ..state import RowState
 
 STATE_NUMBER_BYTES = 4  # decode states are costed as float32 numbers
 
@@ -27,7 +27,7 @@ class Capabilities:
     constant_state: bool  # the state does not grow with length: every decode step costs the same
     graphable: bool  # a decode step has fixed shapes, so a CUDA graph can capture it
     paddable: bool  # padding rows may run decode steps from position 0 without harm
-    compilable: bool  # a decode step traces whole into a torch.compile graph (model/compiled_decode.py)
+    compilable: bool  # a decode step traces whole into a torch.compile graph (model/decode/compiled/decoder.py)
 
 
 @dataclass(frozen=True)

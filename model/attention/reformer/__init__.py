@@ -1,4 +1,4 @@
-"""Reformer LSH attention's math, one module per job (the nn.Module is model/reformer_attention.py):
+"""Reformer LSH attention's math, one module per job (the nn.Module is model/attention/reformer/attention.py):
 
 - `visibility`: which keys a query sees and how rounds combine, the one definition;
 - `hashing`: rotations and buckets, in float32;

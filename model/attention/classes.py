@@ -1,4 +1,4 @@
-"""The attention kinds' classes, imported when first asked for (the names are in model/kinds.py).
+"""The attention kinds' classes, imported when first asked for (the names are in model/attention/kinds.py).
 
 Names are known without importing torch (config validation, CLI choices, a fast `rnnserve train --help`).
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-from .attention import Attention, Capabilities
+from .base import Attention, Capabilities
 from .kinds import ATTENTION_KINDS, attention_kinds
 
 __all__ = ["ATTENTION_KINDS", "attention_class", "attention_kinds", "attention_registry", "capabilities", "kinds_where"]

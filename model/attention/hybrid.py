@@ -27,12 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
-from .block_parts import Rotary
-from .config import ModelConfig
+from .base import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
+from ..block_parts import Rotary
+from ..config import ModelConfig
 from .feature_maps import feature_count, make_feature_map, projected_count
-from .heads import chunk_positions, merge_heads, split_heads
-from .state import RowState
+from .head_shapes import chunk_positions, merge_heads, split_heads
+from ..state import RowState
 
 
 @dataclass

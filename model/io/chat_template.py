@@ -2,7 +2,7 @@
 
 Hugging Face keeps the template beside the tokenizer: `chat_template.jinja` (what recent `save_pretrained`
 writes) or the `chat_template` field of `tokenizer_config.json`, whose special tokens (`bos_token`,
-`eos_token`) templates write out. `rnnserve import hf` stores all three in the model file (weights_io's
+`eos_token`) templates write out. `rnnserve import hf` stores all three in the model file (model/io/weights.py's
 CHAT_TEMPLATE_KEY), and the server renders the template as transformers' `apply_chat_template(messages,
 add_generation_prompt=True, tokenize=False)` does: Jinja2 in its immutable sandbox (a template from the Hub is
 untrusted code), blocks trimmed and stripped, and the helpers templates written for transformers call

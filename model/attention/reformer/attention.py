@@ -26,14 +26,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
-from .config import ModelConfig
-from .heads import chunk_positions, merge_heads, split_heads
-from .reformer import bucketed, decode
-from .reformer.causal import attend_causal
-from .reformer.decode import LSHCache, bucket_id_dtype
-from .reformer.dense import lsh_attend
-from .reformer.hashing import draw_rotations, hash_keys, unit_keys
+from ..base import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
+from ...config import ModelConfig
+from ..head_shapes import chunk_positions, merge_heads, split_heads
+from . import bucketed, decode
+from .causal import attend_causal
+from .decode import LSHCache, bucket_id_dtype
+from .dense import lsh_attend
+from .hashing import draw_rotations, hash_keys, unit_keys
 
 __all__ = ["LSHCache", "ReformerAttention"]
 
@@ -44,7 +44,7 @@ class ReformerAttention(Attention):
     # would only overwrite their own first slot, but that is not tested.
     capabilities = Capabilities(constant_state=False, graphable=False, paddable=False, compilable=True)
     projections = 3  # shared QK
-    # One query per row on the CPU through model/kernels/softmax_decode.cpp (model/cpu_kernels.py turns it on).
+    # One query per row on the CPU through model/kernels/softmax_decode.cpp (model/kernels/loader.py turns it on).
     cpu_decode_kernel = False
 
     @classmethod

@@ -12,12 +12,12 @@ a few loops as well. Filtered batches sample eagerly:
 their sort of the vocabulary costs far more than the loop saves.
 
 Every linear layer runs a C++ kernel on weights packed once
-(model/packed_linear.py, model/kernels/packed_linear.cpp): the steps run the
+(model/kernels/packed_linear.py, model/kernels/packed_linear.cpp): the steps run the
 model's decode twin, its layers swapped for packed ones. For float32 models
 on CPUs with AVX-512 or AVX2, once the kernels are built; otherwise the model as it is.
 A linear model of the paper's shape (elu + 1 features, learned positions, exact
 GELU) goes further: each step is one C++ call on the twin's weights
-(model/linear_step.py), from the moment the kernels load, without a graph;
+(model/decode/compiled/linear_step.py), from the moment the kernels load, without a graph;
 its draws still run compiled, and only they are compiled for it.
 
 The batch dimension is compiled symbolically, so one graph serves every
@@ -35,14 +35,14 @@ decoder was made with, [0, n), as for the eager decoder: no padding needed.
 
 Once a row class is warmed up, its steps and draws call the graphs dynamo
 compiled for them directly, without dynamo's per-call guard checks
-(model/guard_free.py): the decoder fixes its inputs' layouts itself, so the
+(model/decode/compiled/guard_free.py): the decoder fixes its inputs' layouts itself, so the
 checks, done once at capture, could only pass again (the draw's temperature
 lives in its graph for the same reason).
 
 Compiling takes seconds to a minute per graph on a small CPU. `compile()`
 does it in the caller (generate, the bench, `rnnserve build-kernels`);
 `compile(background=True)` (the server: start-up is not held up) decodes
-eagerly meanwhile and compiles in a child process (model/compile_child.py),
+eagerly meanwhile and compiles in a child process (model/decode/compiled/compile_child.py),
 at a lower CPU priority so that the eager steps serving requests keep their
 cores, holding a `gate` (a lock several decoders share: the server's models
 compile one at a time, and each is fast sooner). The thread that runs the
@@ -52,8 +52,8 @@ beside a step. Each compile is logged with its time. A compile that fails
 (e.g. no C++ compiler) is logged and that decoder stays eager.
 
 Which kinds are compiled is what they declare (`compilable` in
-model/attention.py's capabilities). Reformer's step masks a cache written by
-position (model/reformer/decode.py), so its prefix is symbolic as softmax's.
+model/attention/base.py's capabilities). Reformer's step masks a cache written by
+position (model/attention/reformer/decode.py), so its prefix is symbolic as softmax's.
 """
 
 from __future__ import annotations
@@ -74,15 +74,15 @@ import torch._inductor.config
 from torch._inductor.cpu_vec_isa import pick_vec_isa
 
 from .compile_child import PARTLY_COMPILED, CompileJob, become_compile_child, compile_in_child
-from .cpu_kernels import KernelBuild, load_kernels, use_cpu_kernels
-from .step_decoders import EagerDecoder
-from .packed_linear import decode_twin, packs
+from ...kernels.loader import KernelBuild, load_kernels, use_cpu_kernels
+from ..eager_and_cuda_graphs import EagerDecoder
+from ...kernels.packed_linear import decode_twin, packs
 from .guard_free import GuardFreeGraphs
 from .linear_step import WholeLinearStep, whole_linear_step
-from .registry import kinds_where
-from .sampling import BatchSampling, draw_unfiltered, sample
-from .state import ModelState
-from .transformer import Transformer
+from ...attention.classes import kinds_where
+from ..sampling import BatchSampling, draw_unfiltered, sample
+from ...state import ModelState
+from ...transformer import Transformer
 
 log = logging.getLogger("rnnserve.compiled_decode")
 
@@ -188,7 +188,7 @@ class CompileLog:
 
     seconds: dict[str, float] = field(default_factory=dict)
     error: str | None = None
-    kernels: KernelBuild | None = None  # the C++ kernels the steps call (model/cpu_kernels.py); None: none apply
+    kernels: KernelBuild | None = None  # the C++ kernels the steps call (model/kernels/loader.py); None: none apply
     left_out: list[str] = field(default_factory=list)  # optional row classes whose compile failed
 
 
@@ -246,7 +246,7 @@ class CompiledDecoder(EagerDecoder):
         self.row_classes = [c for c in row_classes if c.fewest <= state.batch_size]
         # One compiled function per row class and job, each with a code of its own: dynamo keeps a class's
         # graph apart from the others' (which a call's guards alone could not tell apart). Once a class is
-        # warmed up, its steps skip dynamo's per-call guard checks (model/guard_free.py).
+        # warmed up, its steps skip dynamo's per-call guard checks (model/decode/compiled/guard_free.py).
         self._graphs = {c.fewest: compiled_guard_free(_decode_step) for c in self.row_classes}
         self._draws = {c.fewest: compiled_guard_free(draw_unfiltered) for c in self.row_classes}
         self.ready: set[int] = set()  # the `fewest` of the row classes whose graphs are compiled
@@ -281,8 +281,8 @@ class CompiledDecoder(EagerDecoder):
 
     @property
     def one_call_steps(self) -> bool:
-        """Whether its steps run as one C++ call each (model/linear_step.py): from the moment the kernels load,
-        for the models that call takes, in eval mode."""
+        """Whether its steps run as one C++ call each (model/decode/compiled/linear_step.py): from the moment the
+        kernels load, for the models that call takes, in eval mode."""
         return self._whole_step is not None and not self.model.training
 
     def describe_route(self) -> str:
@@ -361,7 +361,7 @@ class CompiledDecoder(EagerDecoder):
         return buffer
 
     def sample(self, logits: torch.Tensor, params: BatchSampling, position: torch.Tensor) -> torch.Tensor:
-        """`model.sampling.sample`; once this many rows' graphs are compiled, a batch that asks for no top-k
+        """`model.decode.sampling.sample`; once this many rows' graphs are compiled, a batch that asks for no top-k
         or top-p draws through one compiled graph (temperature, uniforms, inverse CDF, argmax), guard-free."""
         row_class = self.class_for(logits.shape[0])
         # Filtered batches and rows whose graphs are not ready sample eagerly: no layout work for them.
@@ -396,8 +396,8 @@ class CompiledDecoder(EagerDecoder):
         self, background: bool = False, batch: int | None = None, gate: CompileGate | None = None
     ) -> CompileLog | None:
         """Compile now (returns what was compiled), or in the background while steps run eagerly (returns
-        None): a child process compiles (model/compile_child.py), and the thread that runs the steps then
-        adopts its graphs between two steps (`adopt_compiled`). batch: only the graph a batch of that many rows
+        None): a child process compiles (model/decode/compiled/compile_child.py), and the thread that runs the steps
+        then adopts its graphs between two steps (`adopt_compiled`). batch: only the graph a batch of that many rows
         uses (a fixed-batch loop); None: all the decoder's. gate: held while the child compiles."""
         if not background:
             return self.compile_now(batch)
@@ -524,7 +524,7 @@ class CompiledDecoder(EagerDecoder):
 
     @property
     def _stepped_model(self) -> Transformer:
-        """What the compiled steps run: the model's decode twin (model/packed_linear.py) once it is made; the
+        """What the compiled steps run: the model's decode twin (model/kernels/packed_linear.py) once it is made; the
         model itself before, without the kernels, or in training mode (the twin is a snapshot)."""
         return self._twin if self._twin is not None and not self.model.training else self.model
 
@@ -618,7 +618,7 @@ def compile_fresh(
 
 
 def compile_job(job: CompileJob) -> None:
-    """A background compile's child process (model/compile_child.py); exit status 0 once compiled,
+    """A background compile's child process (model/decode/compiled/compile_child.py); exit status 0 once compiled,
     PARTLY_COMPILED when an optional graph was left out."""
     become_compile_child(job)
     compiled = compile_fresh(job.model, job.rows, job.inference_tensors, job.batch, job.row_classes, job.one_call)

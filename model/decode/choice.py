@@ -1,14 +1,14 @@
 """Which decoder runs a model's decode steps: CUDA graphs on a GPU, compiled steps on the CPU, else eager
-(each in a file of its own: model/step_decoders.py, model/compiled_decode.py)."""
+(each in a file of its own: model/decode/eager_and_cuda_graphs.py, model/decode/compiled/decoder.py)."""
 
 from __future__ import annotations
 
 import logging
 
-from .compiled_decode import CompiledDecoder
-from .step_decoders import CudaGraphDecoder, EagerDecoder, padded_sizes
-from .state import ModelState
-from .transformer import Transformer
+from .compiled.decoder import CompiledDecoder
+from .eager_and_cuda_graphs import CudaGraphDecoder, EagerDecoder, padded_sizes
+from ..state import ModelState
+from ..transformer import Transformer
 
 log = logging.getLogger("rnnserve.decoders")
 
@@ -17,7 +17,7 @@ def make_decoder(
     model: Transformer, state: ModelState, cuda_graphs: bool, sizes: list[int] | None = None, compiled: bool = False
 ) -> EagerDecoder:
     """CUDA graphs when asked for and possible (a CUDA model of a graphable kind); on the CPU,
-    compiled steps when asked for and the kind is compilable (see model/compiled_decode.py: the
+    compiled steps when asked for and the kind is compilable (see model/decode/compiled/decoder.py: the
     caller starts the compile, `decoder.compile()`); else eager.
     A capture that fails (e.g. out of memory) is logged and decoding stays eager."""
     if compiled and model.device.type == "cpu" and model.capabilities.compilable:

@@ -9,13 +9,13 @@ torch.compile keeps each as one call inside its graphs:
     rounds show (only those are read);
   * `torch.ops.rnnserve.packed_linear` (and `pack_linear_weight`): a linear
     layer on weights packed once (model/kernels/packed_linear.cpp), which the
-    compiled decode steps use for every linear layer (model/packed_linear.py).
+    compiled decode steps use for every linear layer (model/kernels/packed_linear.py).
   * `torch.ops.rnnserve.linear_attention_prefill`: causal linear attention over
     a prompt as a recurrence into its rows' state (model/kernels/linear_prefill.cpp),
     which a linear model's prefill runs on once the kernels are on;
   * `torch.ops.rnnserve.linear_decode_step`: a whole decode step of a linear
     model on its decode twin's packed weights (model/kernels/linear_step.cpp),
-    which the CPU decoders call for the models it takes (model/linear_step.py).
+    which the CPU decoders call for the models it takes (model/decode/compiled/linear_step.py).
 
 The build runs once per machine, ahead of serving (`rnnserve build-kernels`, which `make install` and the
 container build run), and uses the vector instructions inductor picks for this CPU. torch keeps the library
@@ -47,11 +47,11 @@ from .cpu_features import read_cpu_features
 log = logging.getLogger("rnnserve.cpu_kernels")
 
 SOURCES = tuple(
-    Path(__file__).with_name("kernels") / name
+    Path(__file__).parent / name
     for name in ("softmax_decode.cpp", "packed_linear.cpp", "linear_prefill.cpp", "linear_step.cpp")
 )
 # What the sources include (the vector types, the packed product): part of what a build's folder is keyed on.
-HEADERS = tuple(Path(__file__).with_name("kernels") / name for name in ("vectors.h", "packed_product.h"))
+HEADERS = tuple(Path(__file__).parent / name for name in ("vectors.h", "packed_product.h"))
 LIBRARY = "rnnserve_cpu_kernels"
 _BUILD_LOCK = threading.Lock()  # one build per process, whichever model's compile thread asks first
 

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import BYTE_VOCAB, ModelConfig
+from ..config import BYTE_VOCAB, ModelConfig
 
 BYTES_NAME = "bytes"
 

@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
-from .block_parts import Rotary
-from .config import ModelConfig
-from .heads import chunk_positions, merge_heads, split_heads
-from .state import RowState
+from .base import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
+from ..block_parts import Rotary
+from ..config import ModelConfig
+from .head_shapes import chunk_positions, merge_heads, split_heads
+from ..state import RowState
 
 
 @dataclass
@@ -40,7 +40,7 @@ class SoftmaxAttention(Attention):
     # traces the length symbolically); padding rows restarting at position 0 only overwrite their own first slot.
     capabilities = Capabilities(constant_state=False, graphable=False, paddable=True, compilable=True)
     kv_cache = True
-    # One query per row on the CPU through model/kernels/softmax_decode.cpp (model/cpu_kernels.py turns it on).
+    # One query per row on the CPU through model/kernels/softmax_decode.cpp (model/kernels/loader.py turns it on).
     cpu_decode_kernel = False
 
     @classmethod

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from .step_decoders import EagerDecoder
-from .decoders import make_decoder
+from .eager_and_cuda_graphs import EagerDecoder
+from .choice import make_decoder
 from .sampling import BatchSampling, force_tokens
-from .transformer import SequenceTooLong, Transformer
+from ..transformer import SequenceTooLong, Transformer
 
 
 @torch.inference_mode()
@@ -29,7 +29,7 @@ def generate(
     forced (B, total_len) holds known tokens (>= 0) to keep instead of sampling.
     decoder: decode steps over a B-row state made once (e.g. CUDA graphs,
     `make_decoder`) and reused across calls; by default steps on a new state,
-    compiled on the CPU for the kinds model/compiled_decode.py covers unless
+    compiled on the CPU for the kinds model/decode/compiled/decoder.py covers unless
     compiled=False (the first call compiles: seconds to a minute), else eager.
     """
     b, p = prompt.shape

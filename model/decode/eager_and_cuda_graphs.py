@@ -1,6 +1,6 @@
 """The decoders that run a model's decode steps on a state: eager (`EagerDecoder`, every device; the base of
-the compiled CPU path in model/compiled_decode.py), padded to a few batch sizes, and replayed as CUDA graphs.
-model/decoders.py's `make_decoder` picks one.
+the compiled CPU path in model/decode/compiled/decoder.py), padded to a few batch sizes, and replayed as CUDA graphs.
+model/decode/choice.py's `make_decoder` picks one.
 
 On a GPU a decode step of a small model is a few hundred tiny kernels, and
 launching them one by one from Python costs more than running them. A CUDA
@@ -26,10 +26,10 @@ import logging
 
 import torch
 
-from .registry import kinds_where
+from ..attention.classes import kinds_where
 from .sampling import BatchSampling, sample
-from .state import ModelState
-from .transformer import Transformer
+from ..state import ModelState
+from ..transformer import Transformer
 
 log = logging.getLogger("rnnserve.cuda_graphs")
 
@@ -55,7 +55,7 @@ class EagerDecoder:
 
     @property
     def compiled(self) -> bool:
-        """Whether steps run through torch.compile graphs (model/compiled_decode.py)."""
+        """Whether steps run through torch.compile graphs (model/decode/compiled/decoder.py)."""
         return False
 
     def describe_route(self) -> str:
@@ -63,7 +63,7 @@ class EagerDecoder:
         return "eager steps on PyTorch's operators"
 
     def sample(self, logits: torch.Tensor, params: BatchSampling, position: torch.Tensor) -> torch.Tensor:
-        """Draw the next tokens from these rows' logits (`model.sampling.sample`)."""
+        """Draw the next tokens from these rows' logits (`model.decode.sampling.sample`)."""
         return sample(logits, params, position)
 
     def compile(self, background: bool = False, batch: int | None = None, gate=None):

@@ -6,9 +6,9 @@ softmax's KV cache. A step attends to the written prefix through a mask
 (the query's bucket mates and its local window, counted once per round that
 shows them): fixed shapes but for the prefix's length, no lists whose sizes
 would be read back to the host, so torch.compile traces the step whole
-(model/compiled_decode.py), and rows step together however their buckets fill.
+(model/decode/compiled/decoder.py), and rows step together however their buckets fill.
 On the CPU the step's attention is one C++ call (model/kernels/softmax_decode.cpp,
-turned on by model/cpu_kernels.py) that scans the bucket ids and reads only the
+turned on by model/kernels/loader.py) that scans the bucket ids and reads only the
 keys and values shown: about 1/n_buckets of the prefix per round, plus the window.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..state import RowState
+from ...state import RowState
 from .dense import key_counts, lsh_attend
 
 

@@ -1,6 +1,6 @@
 """A linear model's whole decode step as one C++ call (model/kernels/linear_step.cpp), on its decode twin's weights.
 
-What the compiled CPU decoder (model/compiled_decode.py) runs for the models it
+What the compiled CPU decoder (model/decode/compiled/decoder.py) runs for the models it
 takes: linear attention with the paper's elu + 1 features, learned positions,
 exact GELU, float32, heads a whole number of the route's vectors. Its step
 computes what `Transformer.decode_step` does (tests/test_linear_step.py holds it
@@ -20,15 +20,15 @@ from typing import cast
 import torch
 from torch import nn
 
-from .linear_attention import LinearAttention, LinearState
-from .packed_linear import PackedLinear
-from .state import ModelState
-from .transformer import Block, Transformer
+from ...attention.linear import LinearAttention, LinearState
+from ...kernels.packed_linear import PackedLinear
+from ...state import ModelState
+from ...transformer import Block, Transformer
 
 
 def whole_step_refusal(twin: Transformer) -> str | None:
-    """Why the one-call step does not take this decode twin (model/packed_linear.py), or None when it does.
-    Needs the kernels loaded (model/cpu_kernels.py)."""
+    """Why the one-call step does not take this decode twin (model/kernels/packed_linear.py), or None when it does.
+    Needs the kernels loaded (model/kernels/loader.py)."""
     cfg = twin.config
     if cfg.attention != "linear":
         return f"{cfg.attention} attention (it takes linear attention)"

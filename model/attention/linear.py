@@ -1,4 +1,4 @@
-"""Linear attention (Katharopoulos et al. 2020), phi(x) = elu(x) + 1 or a learned map (model/feature_maps.py).
+"""Linear attention (Katharopoulos et al. 2020), phi(x) = elu(x) + 1 or a learned map (model/attention/feature_maps.py).
 
 out_i = phi(q_i)^T S_i / (phi(q_i)^T Z_i + eps),
 S_i = sum_{j<=i} phi(k_j) v_j^T,  Z_i = sum_{j<=i} phi(k_j).
@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
-from .block_parts import Rotary
-from .config import ModelConfig
+from .base import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
+from ..block_parts import Rotary
+from ..config import ModelConfig
 from .feature_maps import feature_count, make_feature_map, projected_count
-from .heads import chunk_positions, merge_heads, split_heads
-from .state import RowState
+from .head_shapes import chunk_positions, merge_heads, split_heads
+from ..state import RowState
 
 BLOCK = 64
 
@@ -106,7 +106,7 @@ class LinearAttention(Attention):
         # Per key head: a group's queries share its map, so phi(k) and the sums are one per key head.
         self.feature_map = make_feature_map(cfg.linear_feature_map, cfg.n_kv_heads, cfg.d_head, cfg.linear_features)
         self.features = feature_count(cfg.linear_feature_map, cfg.d_head, cfg.linear_features)  # F
-        self.cpu_decode_kernel = False  # the chunk (prefill) kernel; model/cpu_kernels.py turns it on
+        self.cpu_decode_kernel = False  # the chunk (prefill) kernel; model/kernels/loader.py turns it on
 
     def new_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> LinearState:
         del dtype  # sums accumulate in float32 whatever the model's dtype
@@ -143,7 +143,7 @@ class LinearAttention(Attention):
 
     def _prefill_kernel_takes(self, q: torch.Tensor, state: LinearState) -> bool:
         """Whether a chunk runs through the CPU prefill kernel (model/kernels/linear_prefill.cpp): once the
-        kernels are on (model/cpu_kernels.py), for CPU inputs (float32: `forward` widens them) and a state whose
+        kernels are on (model/kernels/loader.py), for CPU inputs (float32: `forward` widens them) and a state whose
         rows lie contiguous. The kernel reads one state per query head, so grouped-query attention (a state per
         key head) takes the chunked torch path instead; rotary positions are applied before it, so they do not
         matter to it."""

@@ -83,7 +83,8 @@ class HedgehogFeatureMap(ProjectedFeatureMap):
 
 
 def make_feature_map(name: str, heads: int, head_dim: int, features: int) -> nn.Module:
-    """The map `name` (the config checks it against model/kinds.py's list) with `features` projected outputs."""
+    """The map `name` (the config checks it against model/attention/kinds.py's list) with `features` projected
+    outputs."""
     if name == "t2r":
         return T2RFeatureMap(heads, head_dim, projected_count(head_dim, features))
     if name == "hedgehog":

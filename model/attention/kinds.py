@@ -2,7 +2,7 @@
 data, importing nothing, so that the config (which validates a kind's name and options), the registry (which
 imports the classes) and the CLI (whose `--help` must not import torch) all read it.
 
-Adding a kind: write a module with a subclass of `model.attention.Attention` (its capabilities and per-token
+Adding a kind: write a module with a subclass of `model.attention.base.Attention` (its capabilities and per-token
 cost included) and add one entry here, with the hyperparameters the class reads from its config. Each option
 becomes a config key (stored in every model file's metadata), a `rnnserve train` flag (`--key-with-dashes`),
 and a check on load. Tests add a kind for their duration with
@@ -82,18 +82,18 @@ class AttentionKind:
 
 ATTENTION_KINDS: dict[str, AttentionKind] = {
     "softmax": AttentionKind(
-        "model.softmax_attention:SoftmaxAttention",
+        "model.attention.softmax:SoftmaxAttention",
         implements=("rotary", "kv_heads", "sliding_window", "qkv_bias", "attn_out_bias"),
     ),
     "linear": AttentionKind(
-        "model.linear_attention:LinearAttention",
+        "model.attention.linear:LinearAttention",
         (
             KindOption("linear_eps", 1e-6, "added to the normaliser phi(q)^T Z", minimum=0.0),
             KindOption(
                 "linear_feature_map",
                 "elu",
                 "phi: elu(x) + 1, or one learned to mimic softmax attention when "
-                "a softmax model is linearized (model/feature_maps.py): t2r, relu(W x + b); hedgehog, "
+                "a softmax model is linearized (model/attention/feature_maps.py): t2r, relu(W x + b); hedgehog, "
                 "softmax over +-(W x + b)",
                 choices=("elu", "t2r", "hedgehog"),
             ),
@@ -108,7 +108,7 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {
         implements=("rotary", "kv_heads", "qkv_bias", "attn_out_bias"),
     ),
     "linformer": AttentionKind(
-        "model.linformer_attention:LinformerAttention",
+        "model.attention.linformer:LinformerAttention",
         (
             KindOption(
                 "linformer_k", 32, "length k the keys and values are projected to", minimum=1, new_model_default=64
@@ -122,7 +122,7 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {
         ),
     ),
     "hybrid": AttentionKind(
-        "model.hybrid_attention:HybridAttention",
+        "model.attention.hybrid:HybridAttention",
         (
             KindOption("hybrid_window", 64, "exact softmax over the last W positions, linear attention before", (), 1),
             KindOption(
@@ -139,7 +139,7 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {
         implements=("rotary", "kv_heads", "qkv_bias", "attn_out_bias"),
     ),
     "reformer": AttentionKind(
-        "model.reformer_attention:ReformerAttention",
+        "model.attention.reformer.attention:ReformerAttention",
         (
             KindOption("reformer_rounds", 1, "hashing rounds", minimum=1, parameter_free=True),
             KindOption(
@@ -151,7 +151,7 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {
                 parameter_free=True,
             ),
             # Files from before this option have no window; new models get one: without it a shared-QK character
-            # model learns no more than a bigram (see model/reformer_attention.py).
+            # model learns no more than a bigram (see model/attention/reformer/attention.py).
             KindOption(
                 "reformer_local_window",
                 0,

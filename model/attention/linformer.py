@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
-from .config import ModelConfig
-from .heads import chunk_positions, merge_heads, split_heads
-from .state import RowState
+from .base import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
+from ..config import ModelConfig
+from .head_shapes import chunk_positions, merge_heads, split_heads
+from ..state import RowState
 
 BLOCK = 64
 

@@ -2,7 +2,7 @@
 
 Reads, with no network: `config.json`, the weights (`model.safetensors`, sharded safetensors with
 `model.safetensors.index.json`, or `pytorch_model.bin`) and the tokenizer (`tokenizer.json`, or GPT-2's
-`vocab.json` + `merges.txt`). The families and how each maps are in model/hf_families.py: GPT-2, Llama, Qwen2,
+`vocab.json` + `merges.txt`). The families and how each maps are in model/io/hf_families.py: GPT-2, Llama, Qwen2,
 Mistral. The weights keep the folder's dtype (a bfloat16 folder gives a bfloat16 file). The tokenizer is stored
 in the file's metadata: one file is the whole model. Anything else (another architecture, a missing file, a
 tensor of the wrong shape, a config value rnnserve would compute differently) is one line and exit status 2.
@@ -46,8 +46,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def import_folder(folder: Path, out: Path):
-    from .transformer import build_model
-    from .weights_io import save_model
+    from ..transformer import build_model
+    from .weights import save_model
 
     hf = read_json(folder / "config.json")
     family = FAMILIES.get(str(hf.get("model_type")))
@@ -76,7 +76,7 @@ def import_folder(folder: Path, out: Path):
 
 
 def hf_chat_template(folder: Path):
-    """The folder's chat template and special tokens' text (model/chat_template.py), None if it has none."""
+    """The folder's chat template and special tokens' text (model/io/chat_template.py), None if it has none."""
     from .chat_template import ChatTemplateError, read_hf_chat_template
 
     try:
@@ -86,7 +86,7 @@ def hf_chat_template(folder: Path):
 
 
 def model_config(fields: dict[str, Any]):
-    from .config import ConfigError, ModelConfig
+    from ..config import ConfigError, ModelConfig
 
     try:
         return ModelConfig(attention="softmax", task="text", **fields)

@@ -20,8 +20,3 @@ def merge_heads(x: torch.Tensor) -> torch.Tensor:
 def chunk_positions(start: torch.Tensor, length: int) -> torch.Tensor:
     """Absolute positions of a chunk: (B,) start -> (B, T)."""
     return start[:, None] + torch.arange(length, device=start.device)
-
-
-def causal_mask(length: int, device: torch.device) -> torch.Tensor:
-    """(T, T) bool, True where key j <= query i."""
-    return torch.ones(length, length, dtype=torch.bool, device=device).tril()

@@ -3,7 +3,7 @@
 `GenerationStream` is what `Engine.submit` returns. The engine thread puts
 lists of events on it through `deliver`, one hand-over per event sink per
 step: a `LoopSink` hops to an event loop of this process, and an engine
-process's `PipeSink` (engine_process.py) sends them to the HTTP process,
+process's `PipeSink` (server/engine/process.py) sends them to the HTTP process,
 whose `EngineClient` hands them to its loop. The handler iterates the
 stream. A streamed request gets a Generation per token; a non-streamed one
 gets its SampleResults together, once every sample has finished.

@@ -43,7 +43,7 @@ UNRECORDED_CPU_CLASS = "AVX-512"
 
 
 # Runs capped below the CPU's vector width (benchmarks/as_avx2.sh) drew, until compiles named their width
-# (model/decode/compiled/decoder.py, `inductor_options`), through graphs an uncapped process had left in inductor's
+# (model/decode/compiled/graphs.py, `inductor_options`), through graphs an uncapped process had left in inductor's
 # cache.
 CAPPED_DRAWS_BUILT_RIGHT_SINCE = "2026-11-29T16:21:31Z"
 

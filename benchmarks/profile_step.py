@@ -21,7 +21,7 @@ import torch
 import torch._inductor.config
 from torch.profiler import ProfilerActivity, profile
 
-from model.decode.compiled import decoder as compiled_decode
+from model.decode.compiled.graphs import INDUCTOR_OPTIONS
 from model.decode.eager_and_cuda_graphs import EagerDecoder
 from model.decode.choice import make_decoder
 from model.attention.classes import kinds_where
@@ -71,7 +71,7 @@ def decoders(kind: str, batch: int) -> dict[str, EagerDecoder]:
     # inductor's Python wrapper, which calls the same kernels (the bench times the C++ one).
     with (
         torch._inductor.config.patch({"cpp.enable_kernel_profile": True}),
-        patch.dict(compiled_decode.INDUCTOR_OPTIONS, {"cpp_wrapper": False}),
+        patch.dict(INDUCTOR_OPTIONS, {"cpp_wrapper": False}),
     ):
         compiled = make_decoder(model, model.new_state(batch), cuda_graphs=False, compiled=True)
         compiled.compile(batch=batch)

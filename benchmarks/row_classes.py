@@ -21,7 +21,8 @@ from typing import Callable
 
 import torch
 
-from model.decode.compiled.decoder import FEW_ROWS, MANY_ROWS, ONE_ROW, ROW_CLASSES, CompiledDecoder
+from model.decode.compiled.decoder import CompiledDecoder
+from model.decode.compiled.routing import FEW_ROWS, MANY_ROWS, ONE_ROW, ROW_CLASSES
 from model.kernels.cpu_features import read_cpu_features
 from model.kernels.loader import cpu_route
 from model.decode.sampling import BatchSampling, SamplingParams

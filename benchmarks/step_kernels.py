@@ -28,7 +28,7 @@ import torch
 
 import torch.nn.functional as F
 
-from model.decode.compiled.decoder import inductor_options
+from model.decode.compiled.graphs import inductor_options
 from model.transformer import build_model
 from model.attention.linear import LinearAttention, LinearState
 from model.attention.linformer import LinformerAttention, LinformerState

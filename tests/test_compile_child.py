@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.decode.compiled.decoder import MANY_ROWS, CompiledDecoder
+from model.decode.compiled.decoder import CompiledDecoder
+from model.decode.compiled.routing import MANY_ROWS
 from model.decode.eager_and_cuda_graphs import EagerDecoder
 from conftest import make_tiny_model
 
@@ -39,7 +40,8 @@ import torch
 sys.path.insert(0, "tests")
 from torch._dynamo.utils import counters
 from conftest import make_tiny_model
-from model.decode.compiled.decoder import MANY_ROWS, CompiledDecoder
+from model.decode.compiled.decoder import CompiledDecoder
+from model.decode.compiled.routing import MANY_ROWS
 
 def main():
     # The last has rows enough for the graph traced for many rows (with its size hint), given threads enough;

@@ -25,7 +25,9 @@ import pytest
 import torch
 import torch._inductor.config
 
-from model.decode.compiled.decoder import BACKGROUND_COMPILE_NICENESS, MANY_ROWS, CompiledDecoder
+from model.decode.compiled.background import BACKGROUND_COMPILE_NICENESS
+from model.decode.compiled.decoder import CompiledDecoder
+from model.decode.compiled.routing import MANY_ROWS
 from model.decode.eager_and_cuda_graphs import EagerDecoder
 from model.decode.choice import make_decoder
 from model.decode.generate import generate
@@ -71,7 +73,7 @@ def _compare_steps_as_rows_finish_and_join(model) -> None:
     assert set(compiled.log.seconds) == {"1 row", "2 or more rows"}  # two graphs for fewer rows than MANY_ROWS
     # Every step runs its captured graph directly: a call through the guarded function fails the decoder
     # (it would fall back to eager steps, which the comparisons below could not tell apart).
-    forbid_guarded_calls(compiled._graphs)
+    forbid_guarded_calls(compiled.graphs.steps)
     # live rows per step: all, rows finish, one row alone (the 1-row graph), rows join from reset slots
     _compare_steps(eager, compiled, random_bytes(7, ROWS, 40), [8, 8, 5, 5, 1, 3, 4, 4, 8, 2])
 
@@ -108,8 +110,8 @@ def test_many_rows_run_a_graph_of_their_own_guard_free(kind):
         assert set(compiled.log.seconds) == {"1 row", "2 or more rows", MANY_ROWS.name}
         assert [compiled.class_for(n) for n in (1, 2, many - 1, many, rows)] == [1, 2, 2, many, many]
         assert all(compiled.captured(n) for n in (1, 2, many)), "steps would keep their guard checks"
-        forbid_guarded_calls(compiled._graphs)
-        forbid_guarded_calls(compiled._draws)
+        forbid_guarded_calls(compiled.graphs.steps)
+        forbid_guarded_calls(compiled.graphs.draws)
         _compare_steps(eager, compiled, random_bytes(6, rows, 8), [rows, many, many - 1, 2, 1, many + 1, rows])
         _compare_draws(eager, compiled, rows)
     model.train()  # the graphs were traced in eval mode: a model in training mode steps eagerly
@@ -141,7 +143,7 @@ def test_a_graph_for_many_rows_that_fails_to_compile_is_left_out(monkeypatch):
         eager, compiled = EagerDecoder(model, model.new_state(rows)), compiled_decoder(model, rows)
         assert compiled.log.left_out == [MANY_ROWS.name] and compiled.log.error is None
         assert compiled.class_for(rows) == 2 and compiled.captured(rows)
-        forbid_guarded_calls(compiled._graphs)
+        forbid_guarded_calls(compiled.graphs.steps)
         _compare_steps(eager, compiled, random_bytes(4, rows, 3), [rows, rows, 2])
 
 
@@ -190,7 +192,7 @@ def test_a_graph_specialised_to_two_rows_is_not_run_guard_free_for_more():
         eager, compiled = EagerDecoder(model, model.new_state(ROWS)), compiled_decoder(model, require_captured=False)
         tokens = random_bytes(9, ROWS, 4)
         for step, live in enumerate((2, 3, ROWS, 1)):
-            if compiled._graphs[2].captured(2) and live >= 2:
+            if compiled.graphs.steps[2].captured(2) and live >= 2:
                 assert compiled.step_inputs_accepted(live), f"{live} rows run guard-free on a graph that refuses them"
             want, got = eager(tokens[:live, step]), compiled(tokens[:live, step])
             gap = (torch.log_softmax(got, -1) - torch.log_softmax(want, -1)).abs().max().item()
@@ -234,8 +236,10 @@ def test_compiled_draws_are_the_eager_draws_and_skip_the_guards(rows):
     """An unfiltered batch (greedy rows too) draws through the captured graph directly; a filtered one eagerly."""
     model = shared_tiny_model("linear")
     decoder, eager = compiled_decoder(model), EagerDecoder(model, model.new_state(ROWS))
-    assert decoder._draws[1].captured(1) and decoder._draws[2].captured(2), "draws would keep their guard checks"
-    forbid_guarded_calls(decoder._draws)
+    assert decoder.graphs.draws[1].captured(1) and decoder.graphs.draws[2].captured(2), (
+        "draws would keep their guard checks"
+    )
+    forbid_guarded_calls(decoder.graphs.draws)
     logits = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)) * 3
     temperatures = [0.0 if i % 3 == 2 else 0.5 + i / 4 for i in range(rows)]
     unfiltered = BatchSampling.from_params([SamplingParams(temperature=t, seed=i) for i, t in enumerate(temperatures)])

@@ -177,9 +177,9 @@ def test_a_one_call_decoder_compiles_only_its_draws(caplog):
             log = decoder.compile_now(batch=rows)
         assert log.error is None and decoder.compiled and decoder.one_call_steps, log
         assert decoder.captured(rows), "its draws would keep their guard checks"
-        steps = decoder._graphs.values()
+        steps = decoder.graphs.steps.values()
         assert not any(g.traced() for g in steps), "a step graph was compiled, which its steps never run"
-        assert any(g.traced() for g in decoder._draws.values()), "its draws were not compiled"
+        assert any(g.traced() for g in decoder.graphs.draws.values()), "its draws were not compiled"
         compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiled the linear")]
         assert compiled and all("sampling (its steps are one C++ call)" in line for line in compiled), compiled
         sampling = BatchSampling.from_params([SamplingParams(temperature=1.0, seed=s) for s in range(rows)])

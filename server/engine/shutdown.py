@@ -14,8 +14,8 @@ def exit_if_compiling() -> None:
     """Once the engines have stopped, exit 0 without the interpreter's teardown if a background compile still runs
     in this process: its C++ destructors abort then ("terminate called without an active exception",
     status 134). Nothing is left to flush but logs, and a kernel build to let finish."""
-    compiled_decode = sys.modules.get("model.decode.compiled.decoder")
-    if compiled_decode is None or not compiled_decode.background_compiles_running():
+    background = sys.modules.get("model.decode.compiled.background")
+    if background is None or not background.background_compiles_running():
         return  # not imported here, so nothing compiles: importing it now would load inductor, seconds at exit
     from model.kernels.loader import wait_for_build
 

@@ -1,3 +1,6 @@
-"""The compiled CPU decoder (`decoder.py`): torch.compile'd decode steps and draws, compiled in a child process
-(`compile_child.py`), called without dynamo's guard checks (`guard_free.py`), and a linear model's whole step as one
-C++ call (`linear_step.py`)."""
+"""The compiled CPU decoder (`decoder.py`: steps and draws routed to compiled graphs, compiled here or adopted from a
+child's compile), in parts by job: which graph serves n rows (`routing.py`), each row class's graphs warmed up and
+captured (`warm_up.py`), the draw's input layout (`drawing.py`), inductor's and dynamo's options and guard-free
+compiled functions (`graphs.py`, `guard_free.py`), a compile's record and which classes it takes (`lifecycle.py`),
+the background compile's thread (`background.py`) and child process (`compile_child.py`), and a linear model's whole
+step as one C++ call (`linear_step.py`)."""

@@ -37,7 +37,7 @@ class CompileJob:
     threads: int  # the parent's intra-op threads: inductor sizes its loops by them
     batch: int | None  # compile() 's batch: only one row class, or None for all the decoder's
     log_level: int
-    row_classes: tuple  # the decoder's row classes (model/decode/compiled/decoder.py's RowClass)
+    row_classes: tuple  # the decoder's row classes (model/decode/compiled/routing.py's RowClass)
     one_call: bool = True  # whether the parent's steps are one C++ call: then only its draws are compiled
 
 

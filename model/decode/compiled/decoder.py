@@ -58,169 +58,33 @@ position (model/attention/reformer/decode.py), so its prefix is symbolic as soft
 
 from __future__ import annotations
 
-import copyreg
 import logging
-import os
 import threading
 import time
-import types
-import uuid
-from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
+from typing import Sequence
+from contextlib import nullcontext
 
 import torch
 import torch._inductor.config
-from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-from .compile_child import PARTLY_COMPILED, CompileJob, become_compile_child, compile_in_child
-from ...kernels.loader import KernelBuild, load_kernels, use_cpu_kernels
-from ..eager_and_cuda_graphs import EagerDecoder
-from ...kernels.packed_linear import decode_twin, packs
-from .guard_free import GuardFreeGraphs
-from .linear_step import WholeLinearStep, whole_linear_step
 from ...attention.classes import kinds_where
-from ..sampling import BatchSampling, draw_unfiltered, sample
+from ...kernels.loader import load_kernels, use_cpu_kernels
+from ...kernels.packed_linear import decode_twin, packs
 from ...state import ModelState
 from ...transformer import Transformer
+from ..eager_and_cuda_graphs import EagerDecoder
+from ..sampling import BatchSampling, draw_unfiltered, sample
+from .background import BACKGROUND_COMPILE_NICENESS, COMPILE_THREAD, CompileGate, lower_thread_priority
+from .compile_child import PARTLY_COMPILED, CompileJob, become_compile_child, compile_in_child
+from .drawing import draw_inputs
+from .graphs import progress_bars_lock_this_process_only, same_cache_keys_in_every_process
+from .lifecycle import CompileLog, classes_to_compile, first_line
+from .linear_step import WholeLinearStep, whole_linear_step
+from .routing import ROW_CLASSES, RowClass, RowRoutes
+from .warm_up import ClassGraphs
 
 log = logging.getLogger("rnnserve.compiled_decode")
-
-# Inductor: store any intermediate read by more than one loop instead of recomputing it in each
-# (the feature map elu + 1 was recomputed for every element of the state update otherwise), and
-# call the kernels from compiled C++ rather than Python (less host work per step, which counts most at batch 1).
-# No precompiled headers: to find a cached graph's library, inductor would otherwise run the C++ preprocessor
-# over its headers once in every process, so a server would start compilers even with everything built ahead.
-INDUCTOR_OPTIONS = {"realize_opcount_threshold": 2, "cpp_wrapper": True, "cpp_cache_precompile_headers": False}
-
-
-def inductor_options() -> dict:
-    """INDUCTOR_OPTIONS with the vector width inductor picks in this process named (`cpp.simdlen`). Left unnamed,
-    ATEN_CPU_CAPABILITY picks it, which inductor's graph cache does not key on: a process capped at AVX2 found the
-    graph an uncapped AVX-512 process had cached, loops stepping over 16 floats, and built it with 8-float vectors
-    (draws that skipped half the vocabulary). Named, it is one of the options the cache keys on."""
-    isa = pick_vec_isa()
-    return INDUCTOR_OPTIONS | ({"cpp.simdlen": isa.bit_width()} if isa else {})
-
-
-# Dynamo, while warming up (the only time it traces): softmax reads `int(lengths.max())` to size its
-# prefix, traced as a symbolic integer, not a graph break. A model's Python floats (linear attention's eps)
-# are constants of its graph: left to dynamo, whether one became a graph input depended on what the process
-# had traced before (a linear model traced after a softmax one got another graph than its fresh compile
-# child had built, and missed inductor's cache when adopting it).
-DYNAMO_OPTIONS = {
-    "capture_scalar_outputs": True,
-    "specialize_float": True,
-    "recompile_limit": 64,
-    "accumulated_recompile_limit": 4096,
-}
-# A background compile's niceness above its process's: under load the eager steps get about 90% of a core
-# it shares with them (Linux weighs nice 0 against nice 10 as 1024 to 110); idle, the compile runs at full speed.
-BACKGROUND_COMPILE_NICENESS = 10
-COMPILE_THREAD = "compile-decode"
-# What a background compile holds while it runs, so that a server's models compile in turn (server/engine/compile_gate.py).
-CompileGate = AbstractContextManager[object]
-
-
-@dataclass(frozen=True)
-class RowClass:
-    """Steps of `fewest` rows or more (up to the next class's fewest) run one graph, traced with `fewest` as
-    the row count's size hint, so that its loops are split over threads where that many rows pay for it."""
-
-    fewest: int
-    name: str
-
-    @property
-    def scratch_rows(self) -> int:
-        """Rows of the scratch state it is traced on: a hint stands in for more (no state of that size made)."""
-        return min(self.fewest, 2)
-
-    @property
-    def hinted(self) -> bool:
-        """Traced with a size hint: an optional class, whose rows a class of fewer rows serves without it."""
-        return self.fewest > self.scratch_rows
-
-
-ONE_ROW = RowClass(1, "1 row")
-FEW_ROWS = RowClass(2, "2 or more rows")
-# A graph traced for many rows splits loops that do not pay for their threads' start and join at few rows:
-# at 2 and 8 rows it ran slower, at 48 and 64 faster (benchmarks/results/NOTES.md, "Row classes"); where between
-# them it starts to pay was not measured finely.
-MANY_ROWS = RowClass(48, "48 or more rows")
-ROW_CLASSES = (FEW_ROWS, ONE_ROW, MANY_ROWS)  # compile order: the most used first
-
-
-def _memory_format_named(name: str) -> torch.memory_format:
-    return getattr(torch, name)
-
-
-def _reduce_memory_format(memory_format: torch.memory_format) -> tuple:
-    return _memory_format_named, (str(memory_format).removeprefix("torch."),)
-
-
-def same_cache_keys_in_every_process() -> None:
-    """Pickle memory formats by a name that does not depend on the process, so that inductor's cache keys do
-    not either: a memory format pickles as a bare global, whose module pickle finds by scanning sys.modules,
-    and the first module that imports torch differs between a process and its spawned children (a spawned
-    child's main module comes first). The keys then differed, and a process adopting the graphs its compile
-    child had built missed the cache and compiled them again itself. (Inductor's pickler copies copyreg's
-    table whenever it is made.)"""
-    copyreg.pickle(torch.memory_format, _reduce_memory_format)
-
-
-def progress_bars_lock_this_process_only() -> None:
-    """Give tqdm a thread lock before tracing makes its first progress bar. torch.fx's interpreter makes a
-    (disabled) tqdm bar while tracing, and tqdm's first bar otherwise makes a lock shared across processes: a
-    POSIX semaphore, registered with multiprocessing's resource tracker and released only by a clean exit. A
-    compile child is killed with its process group when the server stops mid-compile, so the tracker, shared with
-    the server, found it at shutdown and warned of a leaked semaphore. No bar here is shared between processes."""
-    try:
-        from tqdm import tqdm
-    except ImportError:  # torch.fx makes no bar then
-        return
-    if "_lock" not in vars(tqdm):  # none made yet (once made, the semaphore exists: replacing it frees nothing)
-        tqdm.set_lock(threading.RLock())
-
-
-@dataclass
-class CompileLog:
-    """What was compiled and how long it took (seconds per shape class), and what failed."""
-
-    seconds: dict[str, float] = field(default_factory=dict)
-    error: str | None = None
-    kernels: KernelBuild | None = None  # the C++ kernels the steps call (model/kernels/loader.py); None: none apply
-    left_out: list[str] = field(default_factory=list)  # optional row classes whose compile failed
-
-
-def background_compiles_running() -> bool:
-    """Whether a decoder's background compile thread is still at work in this process."""
-    return any(thread.name == COMPILE_THREAD and thread.is_alive() for thread in threading.enumerate())
-
-
-def lower_thread_priority(by: int) -> None:
-    """Raise the calling thread's niceness (Linux: per thread, inherited by the threads and processes it
-    starts); nothing where threads have no priority of their own."""
-    if not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
-        return
-    thread = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + by))
-    except OSError as exc:  # e.g. a sandbox that forbids it: compile at the same priority
-        log.debug("could not lower the compile thread's priority: %s", exc)
-
-
-def _decode_step(model: Transformer, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
-    return model.decode_step(tokens, state)
-
-
-def code_of_its_own(fn: Callable) -> Callable:
-    """`fn` with a code object (and a name) of its own. Dynamo keeps its graphs and the shapes it has seen per
-    code object and name: with the plain function, a second model in a process would be traced with the sizes
-    that differ from the first model's made symbolic, a graph unlike the one its compile child (a fresh
-    process) built, so the adopt would miss inductor's cache. With its own code, each decoder is traced as
-    in a fresh process."""
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{uuid.uuid4().hex[:12]}")
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 class CompiledDecoder(EagerDecoder):
@@ -244,13 +108,8 @@ class CompiledDecoder(EagerDecoder):
         if model.device.type != "cpu":
             raise ValueError(f"the compiled decode path is for the CPU, this model is on {model.device}")
         self.row_classes = [c for c in row_classes if c.fewest <= state.batch_size]
-        # One compiled function per row class and job, each with a code of its own: dynamo keeps a class's
-        # graph apart from the others' (which a call's guards alone could not tell apart). Once a class is
-        # warmed up, its steps skip dynamo's per-call guard checks (model/decode/compiled/guard_free.py).
-        self._graphs = {c.fewest: compiled_guard_free(_decode_step) for c in self.row_classes}
-        self._draws = {c.fewest: compiled_guard_free(draw_unfiltered) for c in self.row_classes}
-        self.ready: set[int] = set()  # the `fewest` of the row classes whose graphs are compiled
-        self._class_by_rows: list[int | None] = [None] * (state.batch_size + 1)
+        self.graphs = ClassGraphs(self.row_classes)  # each class's compiled step and draw
+        self.routes = RowRoutes(state.batch_size)  # which class's graphs serve n rows, once ready
         self.log = CompileLog()
         self._finished = threading.Event()  # compile_now has run to its end (compiled or failed)
         with torch.inference_mode(self._inference_tensors):
@@ -272,12 +131,15 @@ class CompiledDecoder(EagerDecoder):
         """Whether steps run compiled: a graph is ready and nothing has failed."""
         return bool(self.ready) and self.log.error is None
 
+    @property
+    def ready(self) -> set[int]:
+        """The `fewest` of the row classes whose graphs are compiled."""
+        return self.routes.ready
+
     def class_for(self, rows: int) -> int | None:
-        """The `fewest` of the compiled row class that serves `rows` rows: the most rows' class that takes
-        them (while a class is compiling, one of fewer rows takes its steps); None: none ready, or failed."""
-        if self.model.training or not 0 <= rows < len(self._class_by_rows):  # graphs are traced in eval mode
-            return None
-        return self._class_by_rows[rows]
+        """The `fewest` of the compiled row class that serves `rows` rows (`RowRoutes.class_for`); None in
+        training mode (graphs are traced in eval mode)."""
+        return None if self.model.training else self.routes.class_for(rows)
 
     @property
     def one_call_steps(self) -> bool:
@@ -301,16 +163,7 @@ class CompiledDecoder(EagerDecoder):
         return f"{kernels.route}: {steps}, linear layers on {layers}"
 
     def _route_rows(self) -> None:
-        """`class_for`'s table, made again whenever a class compiles or a compile fails (a step looks its
-        class up rather than searching for it)."""
-        self._class_by_rows = [self._serving_class(n) for n in range(self.state.batch_size + 1)]
-
-    def _serving_class(self, rows: int) -> int | None:
-        if self.log.error is not None or rows == 0:
-            return None
-        if rows == 1:
-            return 1 if 1 in self.ready else None
-        return max((c for c in self.ready if 2 <= c <= rows), default=None)
+        self.routes.reroute(failed=self.log.error is not None)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[0]
@@ -319,7 +172,7 @@ class CompiledDecoder(EagerDecoder):
         row_class = self.class_for(n)
         if row_class is not None:
             try:  # no dynamo config patch per step (entering one is not free): it only matters when compiling, in _warm_up
-                step = self._graphs[row_class]
+                step = self.graphs.steps[row_class]
                 return step(row_class, self._stepped_model, self._tokens(tokens), self._rows(n))
             except Exception as exc:  # a recompile that failed: it stopped before running the step
                 self._fail("decode step", exc)
@@ -329,8 +182,7 @@ class CompiledDecoder(EagerDecoder):
         """Whether n rows' draws, and their steps unless those are one C++ call, run their class's graphs without
         guard checks."""
         row_class = self.class_for(rows)
-        jobs = (self._graphs, self._draws) if self._compiles_steps else (self._draws,)
-        return row_class is not None and all(g[row_class].captured(row_class) for g in jobs)
+        return row_class is not None and self.graphs.captured(row_class, self._compiles_steps)
 
     @property
     def _compiles_steps(self) -> bool:
@@ -342,7 +194,7 @@ class CompiledDecoder(EagerDecoder):
         """Whether the graph captured for n rows passes its guards on this decoder's n-row inputs: what its
         guard-free calls assume (the tests check it for every call of a generation)."""
         row_class = self.class_for(n)
-        return row_class is not None and self._graphs[row_class].accepts(row_class, *self._step_inputs(n))
+        return row_class is not None and self.graphs.steps[row_class].accepts(row_class, *self._step_inputs(n))
 
     def _step_inputs(self, n: int) -> tuple:
         """The arguments an n-row step passes its graph (the token buffer read as it is, not written)."""
@@ -366,30 +218,17 @@ class CompiledDecoder(EagerDecoder):
         row_class = self.class_for(logits.shape[0])
         # Filtered batches and rows whose graphs are not ready sample eagerly: no layout work for them.
         args = (
-            self._draw_inputs(logits, params.temperature, params.seed, position)
+            draw_inputs(logits, params.temperature, params.seed, position)
             if params.filters is False and row_class is not None
             else None
         )
         if args is None or row_class is None:
             return sample(logits, params, position)
         try:
-            return self._draws[row_class](row_class, *args)
+            return self.graphs.draws[row_class](row_class, *args)
         except Exception as exc:  # a failed recompile stops before running: the same draw, eagerly
             self._fail("sampling", exc)
             return draw_unfiltered(*args)
-
-    @staticmethod
-    def _draw_inputs(logits: torch.Tensor, *rows: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """The draw's inputs in the one layout its graphs were captured with, which their guard-free calls rely
-        on: (n, V) float32 logits, then temperature float32, seed and position int64, (n,) each; unit strides
-        (a prefill's last position is a strided view); made under inference mode. None for other shapes."""
-        if logits.dim() != 2 or any(t.shape != logits.shape[:1] for t in rows):
-            return None
-        typed = (logits.float(), rows[0].float(), rows[1].long(), rows[2].long())
-        return tuple(
-            t if t.is_contiguous() and t.is_inference() else t.clone(memory_format=torch.contiguous_format)
-            for t in typed
-        )
 
     # -- compiling ----------------------------------------------------------------
     def compile(
@@ -488,21 +327,7 @@ class CompiledDecoder(EagerDecoder):
         )
 
     def _classes_to_compile(self, batch: int | None) -> list[RowClass]:
-        """All the decoder's row classes, or the one a fixed batch of `batch` rows runs; a hinted class only
-        where it pays. (With one thread, the caller's or the compile child's, the same, inductor splits no
-        loop: a hinted class would compile the 2-row graph again.)"""
-        classes = [
-            c for c in self.row_classes if not c.hinted or (self._many_rows_pay() and c.name not in self.log.left_out)
-        ]
-        if batch is None:
-            return classes
-        return [max((c for c in classes if c.fewest <= max(batch, 1)), key=lambda c: c.fewest)]
-
-    def _many_rows_pay(self) -> bool:
-        """Whether a graph traced for many rows is worth its compile: with more than one thread, for the kinds
-        of constant state, whose state update runs in the fused loops. Softmax's attention runs in its own
-        kernel, and its steps measured no faster on such a graph (benchmarks/results/NOTES.md, "Row classes")."""
-        return torch.get_num_threads() > 1 and self.model.capabilities.constant_state
+        return classes_to_compile(self.row_classes, batch, self.model, self.log.left_out)
 
     def use_kernels(self, build: bool = True) -> None:
         if self.log.kernels is None:
@@ -538,63 +363,11 @@ class CompiledDecoder(EagerDecoder):
             "compiling the %s %s failed (%s); decoding eagerly", self.model.config.attention, what, self.log.error
         )
 
-    @torch.inference_mode()
     def _capture(self, row_class: RowClass) -> None:
-        """Pick the warmed-up graphs for this decoder's own inputs of that row class (its state views, its
-        token buffer; read only, as steps may be running on another thread), and the draw's for inputs laid
-        out as `_draw_inputs` lays them: graphs that take the class's fewest rows, one more, and all the
-        rows (a class of fewer rows serves more while a class of more is compiling)."""
-        fewest, most = row_class.fewest, self.state.batch_size
-        counts = [1] if fewest == 1 else sorted({n for n in (fewest, fewest + 1, most) if n <= most})
-        key = row_class.fewest
-        if self._compiles_steps:
-            self._graphs[key].capture(key, [self._step_inputs(n) for n in counts])
-        self._draws[key].capture(key, [self._draw_scratch(n) for n in counts])
+        self.graphs.capture(row_class, self.model, self.state.batch_size, self._step_inputs, self._compiles_steps)
 
-    @torch.inference_mode()
     def _warm_up(self, row_class: RowClass) -> None:
-        """A compiled step (unless the steps are one C++ call) and a compiled draw on a scratch state, made as
-        the decoder's own state was (inference tensors or not), so that its steps find the graph compiled here;
-        traced with the class's fewest rows as the row count's size hint."""
-        rows = row_class.scratch_rows
-        with torch.inference_mode(self._inference_tensors):
-            scratch = self.model.new_state(rows)
-            tokens = torch.zeros(rows, dtype=torch.long, device=self.model.device)
-        draw = self._draw_scratch(rows)
-        if rows > 1:
-            # The row count is a size of its own from the first trace: traced as a plain 2 it would be taken
-            # for any other size of 2 (two key heads in grouped-query attention) and stay specialised to it.
-            hint = {"hint_override": row_class.fewest} if row_class.hinted else {}
-            for t in [tokens, scratch.lengths, *(t for layer in scratch.layers for t in layer.tensors()), *draw]:
-                torch._dynamo.mark_dynamic(t, 0, **hint)
-        with torch._dynamo.config.patch(DYNAMO_OPTIONS):
-            if self._compiles_steps:
-                self._graphs[row_class.fewest](None, self._stepped_model, tokens, scratch)
-            self._draws[row_class.fewest](None, *draw)
-
-    def _draw_scratch(self, rows: int) -> tuple[torch.Tensor, ...]:
-        """Inputs of an unfiltered draw for `rows` rows, laid out as `_draw_inputs` lays a caller's out."""
-        device = self.model.device
-        scratch = self._draw_inputs(
-            torch.zeros(rows, self.model.config.vocab_out, device=device),
-            torch.ones(rows, device=device),
-            torch.zeros(rows, dtype=torch.long, device=device),
-            torch.zeros(rows, dtype=torch.long, device=device),
-        )
-        assert scratch is not None  # made in the layout the draw takes
-        return scratch
-
-
-def first_line(exc: Exception) -> str:
-    """An error's first line: what a log line or `CompileLog.error` keeps of it."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
-
-
-def compiled_guard_free(fn: Callable) -> GuardFreeGraphs:
-    """torch.compile of a copy of `fn` with a code of its own, and its guard-free calls."""
-    own = code_of_its_own(fn)
-    return GuardFreeGraphs(own, torch.compile(own, dynamic=True, fullgraph=True, options=inductor_options()))
+        self.graphs.warm_up(row_class, self.model, self._stepped_model, self._inference_tensors, self._compiles_steps)
 
 
 def compile_fresh(

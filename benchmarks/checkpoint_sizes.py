@@ -18,7 +18,8 @@ from model import build_model
 from model.attention.kinds import attention_kinds
 from training import train
 from training.arguments import add_train_arguments
-from training.checkpoint import CheckpointWriter, Progress, RunSettings
+from training.checkpoint import CheckpointWriter
+from training.run_state import Progress, RunSettings
 
 TASKS = {"mnist": ["--task", "mnist"], "shakespeare": ["--task", "text", "--context", "256"]}
 KINDS = attention_kinds()

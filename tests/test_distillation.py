@@ -16,7 +16,8 @@ from model.config import ModelConfig
 from model.io.weights import load_model, read_metadata, save_model, update_info
 from rnnserve_cli import parse_args
 from training import train
-from training.checkpoint import RunSettings, read_checkpoint
+from training.checkpoint import read_checkpoint
+from training.run_state import RunSettings
 from training.data import load_text
 from training.distillation import accept_file_digests, check_teacher, file_digest, load_distillation, weights_digest
 

@@ -30,7 +30,7 @@ from model.decode.sampling import BatchSampling, SamplingParams
 from model.transformer import with_bos
 from model.io.weights import load_model, read_metadata, save_model
 from rnnserve_cli import parse_args
-from training import checkpoint, evaluate, train
+from training import atomic_write, checkpoint, evaluate, resume, run_state, train
 from training.averaging import WeightAverage
 from training.checkpoint import Checkpoint, read_checkpoint
 from training.data import DataError, find_images_file, load_mnist, load_text, read_idx_images, write_idx_images
@@ -310,9 +310,9 @@ def test_checkpoint_stores_32_bit_weights_and_16_bit_moments(tmp_path: Path) -> 
     params = model.num_parameters()
     sizes = {}
     for precision in ("float32", "bfloat16"):
-        run = checkpoint.RunSettings(10, None, 8, 1e-3, 5, 0.01, 100)
+        run = run_state.RunSettings(10, None, 8, 1e-3, 5, 0.01, 100)
         writer = checkpoint.CheckpointWriter(tmp_path / f"{precision}.ckpt", precision, run)
-        writer.save(model, opt, checkpoint.Progress(step=1), torch.Generator())
+        writer.save(model, opt, run_state.Progress(step=1), torch.Generator())
         sizes[precision] = writer.path.stat().st_size
     # 4 bytes of weight + 2 moments of 4 or 2 bytes, plus RNG states and the JSON header (<= 40 KB here)
     assert 12 * params < sizes["float32"] < 12 * params + 40_000
@@ -339,9 +339,9 @@ def trained_model_with_average(seed: int) -> tuple[Transformer, torch.optim.Opti
 def test_compact_checkpoint_is_7_bytes_a_parameter_and_restores_weights_closer_than_16_bits(tmp_path: Path) -> None:
     model, opt, average = trained_model_with_average(0)
     params = model.num_parameters()
-    run = checkpoint.RunSettings(10, None, 8, 1e-3, 5, 0.01, 100, ema_decay=0.999)
+    run = run_state.RunSettings(10, None, 8, 1e-3, 5, 0.01, 100, ema_decay=0.999)
     writer = checkpoint.CheckpointWriter(tmp_path / "compact.ckpt", "compact", run)
-    writer.save(model, opt, checkpoint.Progress(step=1), torch.Generator(), average)
+    writer.save(model, opt, run_state.Progress(step=1), torch.Generator(), average)
     # 1 byte of weight, 2 x 2 bytes of moments, 2 bytes of average, a float32 scale per row, RNG and header
     assert 7 * params < writer.path.stat().st_size < 7.2 * params + 40_000
     dtypes = read_safetensors_dtypes_by_name(writer.path)
@@ -353,7 +353,7 @@ def test_compact_checkpoint_is_7_bytes_a_parameter_and_restores_weights_closer_t
         assert error < (weight.to(torch.bfloat16).float() - weight).abs().max(), name
         assert torch.equal(restored.average[name], average[name].to(torch.bfloat16)), name
     fresh, fresh_opt, _ = trained_model_with_average(1)
-    checkpoint.restore(writer.path, restored, fresh, fresh_opt, torch.Generator())
+    resume.restore(writer.path, restored, fresh, fresh_opt, torch.Generator())
     assert all(torch.equal(fresh.state_dict()[k], restored.model[k]) for k in restored.model)
 
 
@@ -498,7 +498,7 @@ def write_legacy_checkpoint(path: Path, ckpt: Checkpoint) -> None:
     model = build_model(ckpt.config)
     opt = train.make_optimizer(model, 1e-3, 0.01)
     generator = torch.Generator()
-    checkpoint.restore(path, ckpt, model, opt, generator)
+    resume.restore(path, ckpt, model, opt, generator)
     blob = {
         "config": model.config.to_json(),
         "model": model.state_dict(),
@@ -540,7 +540,7 @@ def test_an_interrupted_checkpoint_write_keeps_the_previous_one(
         raise failure
 
     with pytest.raises(type(failure)):
-        checkpoint.write_atomically(ckpt, write_half_then_fail)
+        atomic_write.write_atomically(ckpt, write_half_then_fail)
     assert ckpt.read_bytes() == before
     assert read_checkpoint(ckpt).progress.step == 2
     assert sorted(p.name for p in tmp_path.glob("w.ckpt*")) == ["w.ckpt"]  # the partial .tmp is removed

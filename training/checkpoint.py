@@ -21,136 +21,36 @@ compact (bfloat16 moments and average, weights as int8 steps from that average) 
 checkpoints stay near 10 MB. A run's weights sit close to their moving average, so 8 bits of their
 distance from it, scaled per row, land nearer the float32 weights than 16 bits of the weights would.
 
-The older format (a torch.save dict: config, model, optimizer, progress, data_rng, torch_rng,
-cuda_rng) still loads, read with weights_only=True (tensors and plain values only).
+The older format, a torch.save dict, still loads (training/checkpoint_legacy.py). What a checkpoint holds is in
+training/run_state.py; resuming from one in training/resume.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import signal
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from model import ModelConfig, Transformer, build_model
-from model.config import ConfigError
+from model import Transformer, build_model
 from model.io.weights import TOKENIZER_KEY
 
+from .atomic_write import write_atomically
 from .averaging import WeightAverage
-from .lora import add_lora, merge_lora
+from .checkpoint_legacy import ZIP_MAGIC, read_legacy
 from .errors import TrainError
+from .lora import add_lora, merge_lora
+from .run_state import Checkpoint, Progress, RngStates, RunSettings, parse_config
 
 FORMAT = 2  # 1: the torch.save dict
 METADATA_KEY = "rnnserve.checkpoint"
 PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "compact": torch.bfloat16}  # moments, average
 INT8_STEPS = 127
-LEGACY_KEYS = ("config", "model", "optimizer", "progress", "data_rng", "torch_rng", "cuda_rng")
-ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
-CURVE_EVERY = 50  # steps between two points of the training curve
-CURVE_COLUMNS = ("step", "examples", "elapsed_s", "train_loss_nats")
-
-
-@dataclass
-class Progress:
-    """Everything that changes step to step, besides model and optimiser."""
-
-    step: int = 0
-    examples: int = 0
-    elapsed_s: float = 0.0
-    loss_ema: float = float("nan")
-    # The training curve, kept across resumes: [step, examples, elapsed_s, loss_ema] every CURVE_EVERY steps.
-    curve: list[list[float]] = field(default_factory=list)
-    # The runs behind the --init-from file (training/lineage.py), fixed when the run starts: a resume keeps them even
-    # if that file has since been replaced (continuing a run whose command names the file it ships to).
-    lineage: list[dict[str, Any]] = field(default_factory=list)
-
-    def record_curve(self) -> None:
-        if self.step % CURVE_EVERY == 0:
-            self.curve.append(self._point())
-
-    def finished_curve(self) -> list[list[float]]:
-        """The curve with the last step's point, for the model file (a run rarely ends on a multiple of 50)."""
-        done = bool(self.curve) and self.curve[-1][0] == self.step
-        return self.curve if done or self.step == 0 else [*self.curve, self._point()]
-
-    def _point(self) -> list[float]:
-        return [self.step, self.examples, round(self.elapsed_s, 1), round(self.loss_ema, 5)]
-
-
-@dataclass(frozen=True)
-class RunSettings:
-    """The flags that fix the learning-rate schedule and the data order: a resume must match them."""
-
-    # May change with --extend: the horizon, and the augmentation (to fine-tune a model against overfitting).
-    # ema_decay too: the average is not part of the schedule (turned on later, it starts from the weights of then).
-    EXTENDABLE: ClassVar[tuple[str, ...]] = ("steps", "minutes", "max_shift", "ema_decay")
-
-    steps: int | None
-    minutes: float | None
-    batch_size: int
-    lr: float
-    warmup_steps: int
-    weight_decay: float
-    data_items: int  # training images, or bytes of training text
-    max_shift: int = 0  # MNIST augmentation (pixels); checkpoints written before it had none
-    ema_decay: float = 0.0  # of the weight average (0: none); checkpoints written before it had none
-    teacher_digests: tuple[str, ...] = ()  # of each --teacher's config and tensors (older: its file); none: no teacher
-    distill_weight: float = 0.0  # the teachers' share of the loss
-    teacher_shares: tuple[float, ...] = ()  # each teacher's share of their mixture; none: equal shares
-    lora_rank: int = 0  # of the attention projections' adapters (0: every weight trained)
-    lora_alpha: float = 0.0  # their scale's numerator
-
-    @classmethod
-    def from_header(cls, saved: dict[str, Any]) -> RunSettings:
-        """From a checkpoint's JSON header, where tuples came back as lists."""
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
-
-
-@dataclass
-class RngStates:
-    data: torch.Tensor  # the batch sampler's generator, uint8
-    torch: torch.Tensor  # torch's default CPU generator (dropout, Reformer rotations), uint8
-    cuda: list[torch.Tensor] | None  # one per GPU; None without CUDA
-
-    @classmethod
-    def capture(cls, generator: torch.Generator) -> RngStates:
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        return cls(generator.get_state(), torch.get_rng_state(), cuda)
-
-    def restore(self, generator: torch.Generator) -> None:
-        generator.set_state(self.data)
-        torch.set_rng_state(self.torch)
-        if self.cuda is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(self.cuda)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        cuda = {f"rng.cuda.{i}": state for i, state in enumerate(self.cuda or [])}
-        return {"rng.data": self.data, "rng.torch": self.torch} | cuda
-
-
-@dataclass
-class Checkpoint:
-    """A checkpoint as read from its file, not yet applied to a model."""
-
-    config: ModelConfig
-    model: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]  # torch's state_dict form: {"state": {index: {...}}, "param_groups": [...]}
-    param_names: list[str] | None  # the parameter of each optimiser index; None in the older format
-    progress: Progress
-    rng: RngStates
-    run: RunSettings | None  # None in the older format
-    precision: str  # of the moments
-    average: dict[str, torch.Tensor] | None = None  # the weight average (--ema-decay), if the run kept one
 
 
 @dataclass(frozen=True)
@@ -269,34 +169,6 @@ def decode_weights(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, to
     return weights
 
 
-def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    """write(tmp), flush it to disk, then rename over `path`: a crash leaves the old file or the new one."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())  # the data is on disk before the rename makes it the checkpoint
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_folder(path.parent)
-
-
-def fsync_folder(folder: Path) -> None:
-    """Make the rename itself durable (POSIX); a no-op where folders cannot be opened."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 # ---------------------------------------------------------------- reading
 
 
@@ -408,126 +280,3 @@ def optimizer_entries(
     if name in steps:
         entries["step"] = torch.tensor(steps[name], dtype=torch.float32)
     return entries
-
-
-def read_legacy(path: Path) -> Checkpoint:
-    """The torch.save dict rnnserve wrote before format 2."""
-    try:
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch raises RuntimeError, EOFError or UnpicklingError on a damaged archive
-        raise TrainError(f"{path}: corrupt or truncated checkpoint (older torch.save format: {exc})") from exc
-    missing = [k for k in LEGACY_KEYS if k not in blob] if isinstance(blob, dict) else list(LEGACY_KEYS)
-    if missing:
-        raise TrainError(f"{path}: not an rnnserve checkpoint: missing {', '.join(missing)}")
-    return Checkpoint(
-        config=parse_config(path, blob["config"]),
-        model=blob["model"],
-        optimizer=blob["optimizer"],
-        param_names=None,
-        progress=Progress(**blob["progress"]),
-        rng=RngStates(blob["data_rng"], blob["torch_rng"], blob["cuda_rng"]),
-        run=None,
-        precision="float32",
-    )
-
-
-def parse_config(path: Path, text: str) -> ModelConfig:
-    try:
-        return ModelConfig.from_json(text)
-    except (ConfigError, TypeError, ValueError) as exc:
-        raise TrainError(f"{path}: bad model config in checkpoint: {exc}") from exc
-
-
-# ---------------------------------------------------------------- resuming
-
-
-def restore(
-    path: Path, ckpt: Checkpoint, model: Transformer, opt: torch.optim.Optimizer, generator: torch.Generator
-) -> Progress:
-    """Load weights, optimiser state and RNG states into this run; returns the progress to continue from."""
-    check_config(path, ckpt.config, model.config)
-    if ckpt.param_names is not None and ckpt.param_names != optimizer_param_names(model, opt):
-        raise TrainError(f"{path}: the optimiser's parameter groups differ from this run's")
-    try:
-        model.load_state_dict(ckpt.model)
-        opt.load_state_dict(ckpt.optimizer)  # casts bfloat16 moments back to the parameters' float32
-    except (RuntimeError, ValueError, KeyError) as exc:
-        raise TrainError(f"{path}: checkpoint does not fit this model: {exc}") from exc
-    ckpt.rng.restore(generator)
-    return ckpt.progress
-
-
-def config_differences(saved: ModelConfig, built: ModelConfig, ignored: frozenset[str] = frozenset()) -> str | None:
-    """'attention=linear; this run builds attention=softmax' for the fields that differ (bar `ignored`), or None."""
-    was, now = saved.as_dict(), built.as_dict()
-    fields = [name for name in was if was[name] != now[name] and name not in ignored]
-    if not fields:
-        return None
-    had = ", ".join(f"{name}={was[name]}" for name in fields)
-    return f"{had}; this run builds " + ", ".join(f"{name}={now[name]}" for name in fields)
-
-
-def check_config(path: Path, saved: ModelConfig, built: ModelConfig) -> None:
-    """Name every architecture field that differs, e.g. 'attention=linear; this run builds attention=softmax'."""
-    differences = config_differences(saved, built)
-    if differences:
-        raise TrainError(
-            f"{path}: checkpoint has {differences}; use the same architecture flags as the run that wrote it"
-        )
-
-
-def run_changes(saved: RunSettings, now: RunSettings) -> dict[str, tuple[Any, Any]]:
-    """Settings that differ: name -> (checkpoint's value, this run's)."""
-    return {
-        f.name: (getattr(saved, f.name), getattr(now, f.name))
-        for f in dataclasses.fields(saved)
-        if getattr(saved, f.name) != getattr(now, f.name)
-    }
-
-
-# ---------------------------------------------------------------- stopping
-
-
-@dataclass
-class StopRequest:
-    """Set by SIGTERM or SIGINT: the loop ends after the current step and writes a checkpoint."""
-
-    signum: int | None = None
-
-
-class TrainingStopped(Exception):
-    """The run ended early on a signal, its checkpoint written."""
-
-    def __init__(self, signum: int, step: int, checkpoint: Path | None):
-        name = signal.Signals(signum).name
-        saved = f"checkpoint {checkpoint} written" if checkpoint else "no checkpoint (--checkpoint-every 0)"
-        super().__init__(
-            f"stopped by {name} after step {step}; {saved}; run the same command with --resume to continue"
-        )
-        self.signum = signum
-
-
-@contextmanager
-def stop_on_signals() -> Iterator[StopRequest]:
-    """While inside: SIGTERM/SIGINT only set the request; a second signal acts as usual (e.g. to quit a stuck save)."""
-    request = StopRequest()
-    if threading.current_thread() is not threading.main_thread():
-        yield request  # signal handlers can only be set from the main thread
-        return
-    signums = (signal.SIGTERM, signal.SIGINT)
-    previous = {s: signal.getsignal(s) for s in signums}
-
-    def put_back() -> None:
-        for s, handler in previous.items():
-            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
-
-    def on_signal(signum: int, _frame) -> None:
-        request.signum = signum
-        put_back()
-
-    for s in signums:
-        signal.signal(s, on_signal)
-    try:
-        yield request
-    finally:
-        put_back()

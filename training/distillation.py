@@ -35,7 +35,7 @@ from model import Transformer
 from model.config import ModelConfig
 from model.io.weights import CONFIG_KEY, WeightsError, load_model, read_metadata
 
-from .checkpoint import RunSettings
+from .run_state import RunSettings
 from .errors import TrainError
 
 DEFAULT_DISTILL_WEIGHT = 0.5

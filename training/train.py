@@ -38,19 +38,7 @@ from model.io.weights import WeightsError, read_chat_template, read_metadata, re
 
 from .arguments import SAVE_DTYPE_NAMES
 from .averaging import WeightAverage
-from .checkpoint import (
-    CURVE_COLUMNS,
-    CheckpointWriter,
-    Progress,
-    RunSettings,
-    StopRequest,
-    TrainingStopped,
-    check_config,
-    read_checkpoint,
-    restore,
-    run_changes,
-    stop_on_signals,
-)
+from .checkpoint import CheckpointWriter, read_checkpoint
 from .data import MNIST_PIXELS, DataError, load_mnist, load_text, random_shift
 from .distillation import (
     DEFAULT_DISTILL_WEIGHT,
@@ -64,6 +52,9 @@ from .evaluate import device_description, evaluate_file, print_table, resolve_de
 from .lineage import inherited_lineage
 from .presets import PRESETS
 from .lora import add_lora, merge_lora
+from .resume import check_config, restore, run_changes
+from .run_state import CURVE_COLUMNS, Progress, RunSettings
+from .stop_signals import StopRequest, TrainingStopped, stop_on_signals
 from .warm_start import init_from
 
 SAVE_DTYPES = {name: getattr(torch, name) for name in SAVE_DTYPE_NAMES}

@@ -25,7 +25,7 @@ from model.config import ModelConfig
 from model.attention.kinds import ATTENTION_KINDS, kind_options
 from model.io.weights import WeightsError, load_model
 
-from .checkpoint import config_differences
+from .resume import config_differences
 from .errors import TrainError
 
 

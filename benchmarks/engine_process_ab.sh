@@ -27,7 +27,7 @@ ports=(18131 18132)
 servers=()
 trap 'kill "${servers[@]}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$work"' EXIT
 
-"$py" -c "import torch; from benchmarks.decode import preset_config; from model import build_model; \
+"$py" -c "import torch; from benchmarks.decode_models import preset_config; from model import build_model; \
 from model.io.weights import save_model; torch.manual_seed(0); \
 save_model(build_model(preset_config('cpu', 'linear', '$task', $max_len)), '$work/$task-linear-cpu.safetensors', {})"
 for mode in 0 1; do

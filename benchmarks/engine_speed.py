@@ -30,7 +30,7 @@ from server.engine.output import LocalOutput
 from server.metrics import Metrics
 from server.engine.types import GenerationRequest
 
-from .decode import preset_config
+from .decode_models import preset_config
 
 
 ADJUSTING = {"frequency_penalty": 0.5, "presence_penalty": 0.3, "logit_bias": {0: -2.0, 255: 1.5}}

@@ -33,7 +33,7 @@ from model.transformer import Transformer, build_model
 from server.engine.core import Engine, EngineLimits
 from server.engine.output import LocalOutput
 
-from .decode import preset_config
+from .decode_models import preset_config
 from .engine_speed import engine_seconds
 
 NEIGHBOURS = ("alone", "CPU work, GIL released", "Python, GIL held")

@@ -37,7 +37,11 @@ from model.transformer import Transformer, build_model
 from model.io.weights import load_model, read_tokenizer, save_model
 
 from .peers import hf_generate
-from .decode import DecodeSettings, timed, with_decoder, environment, machine_load, measure_positions, step_decoder
+from .decode_environment import environment, machine_load
+from .decode_images import with_decoder
+from .decode_positions import measure_positions, step_decoder
+from .decode_settings import DecodeSettings
+from .decode_timing import timed
 
 GPT2_SMALL = {"n_layer": 12, "n_embd": 768, "n_head": 12, "n_positions": 1024, "vocab_size": 50257}
 TINY = {"n_layer": 2, "n_embd": 64, "n_head": 4, "n_positions": 256, "vocab_size": 1000}  # --tiny: a smoke run

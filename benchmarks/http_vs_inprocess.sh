@@ -33,7 +33,7 @@ py=${PYTHON:-.venv/bin/python}
 work=$(mktemp -d)
 trap 'kill "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; rm -rf "$work"' EXIT
 
-"$py" -c "import torch; from benchmarks.decode import preset_config; from model import build_model; \
+"$py" -c "import torch; from benchmarks.decode_models import preset_config; from model import build_model; \
 from model.io.weights import save_model; torch.manual_seed(0); \
 save_model(build_model(preset_config('cpu', 'linear')), '$work/mnist-linear-cpu.safetensors', {})"
 # shellcheck disable=SC2086  # SERVE_FLAGS is a list of flags

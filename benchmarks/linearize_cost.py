@@ -196,7 +196,7 @@ def run_configuration(configuration: str, source: Path, args: argparse.Namespace
 
 
 def environment(threads: int) -> dict:
-    from .decode import _cpu_name, machine_load
+    from .decode_environment import _cpu_name, machine_load
 
     return {
         "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

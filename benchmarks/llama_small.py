@@ -26,7 +26,8 @@ from model.io.hf_import import import_folder
 from model.transformer import Transformer, build_model
 from model.io.weights import load_model
 
-from .decode import DecodeSettings, environment, machine_load
+from .decode_environment import environment, machine_load
+from .decode_settings import DecodeSettings
 from .gpt2_small import CORPUS, Gpt2Settings, measure_throughput, write_report
 
 SMOLLM_135M = dict(

@@ -20,7 +20,7 @@ import torch
 from model.kernels.loader import load_kernels, turn_off_cpu_kernels, use_cpu_kernels
 from model.transformer import Transformer, build_model
 
-from .decode import preset_config
+from .decode_models import preset_config
 from .errors import BenchError
 
 

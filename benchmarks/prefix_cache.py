@@ -36,7 +36,8 @@ from pathlib import Path
 import httpx
 import torch
 
-from .decode import environment, machine_load, DecodeSettings
+from .decode_environment import environment, machine_load
+from .decode_settings import DecodeSettings
 from .gpt2_small import CORPUS, GPT2_SMALL, TINY, _free_port, linearized, write_gpt2_folder
 
 ROOT = Path(__file__).resolve().parents[1]

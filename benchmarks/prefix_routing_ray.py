@@ -23,7 +23,8 @@ from pathlib import Path
 
 import httpx
 
-from .decode import DecodeSettings, environment, machine_load
+from .decode_environment import environment, machine_load
+from .decode_settings import DecodeSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_LINE = "rnnserve: serving through Ray Serve"

@@ -28,7 +28,8 @@ from model.attention.classes import kinds_where
 from model.decode.sampling import BatchSampling, SamplingParams
 from model.transformer import build_model
 
-from .decode import machine_load, preset_config
+from .decode_environment import machine_load
+from .decode_models import preset_config
 
 # First match wins; names are torch.profiler's (aten operators, inductor kernels, dynamo regions).
 GROUPS = (

@@ -35,7 +35,7 @@ stop_servers() {
 }
 trap 'stop_servers; rm -rf "$work"' EXIT
 
-"$py" -c "import torch; from benchmarks.decode import preset_config; from model import build_model; \
+"$py" -c "import torch; from benchmarks.decode_models import preset_config; from model import build_model; \
 from model.io.weights import save_model; torch.manual_seed(0); \
 save_model(build_model(preset_config('cpu', 'linear')), '$work/mnist-linear-cpu.safetensors', {})"
 

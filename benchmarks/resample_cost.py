@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from benchmarks.decode import preset_config
+from benchmarks.decode_models import preset_config
 from model import build_model
 from model.attention.kinds import attention_kinds
 from model.decode.sampling import SamplingParams

@@ -28,7 +28,8 @@ from model.kernels.loader import cpu_route
 from model.decode.sampling import BatchSampling, SamplingParams
 from model.transformer import build_model
 
-from .decode import measured_class, preset_config, vector_caps
+from .decode_environment import measured_class, vector_caps
+from .decode_models import preset_config
 
 STATE_ROWS = 64
 STEPS, WARMUP_STEPS, ROUNDS = 200, 20, 12

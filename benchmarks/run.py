@@ -130,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
 def _run_decode(args: argparse.Namespace) -> int:
     import torch
 
-    from .decode import DecodeSettings, run_decode_bench
+    from .decode import run_decode_bench
+    from .decode_settings import DecodeSettings
     from .tables import full_report
 
     if args.threads is not None:

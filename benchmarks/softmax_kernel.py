@@ -25,7 +25,7 @@ from model.kernels.loader import cpu_route, load_kernels
 from model.kernels.cpu_features import read_cpu_features
 from model.attention.softmax import attend_one_query
 
-from .decode import measured_class, vector_caps
+from .decode_environment import measured_class, vector_caps
 
 ROWS, HEADS, HEAD_SIZE, CACHE = 64, 4, 32, 785
 ROUNDS = 5

@@ -43,7 +43,8 @@ from model.attention.classes import kinds_where
 from model.decode.sampling import BatchSampling, SamplingParams
 from model.transformer import Transformer, build_model
 
-from .decode import machine_load, preset_config
+from .decode_environment import machine_load
+from .decode_models import preset_config
 
 
 def seconds_per_call(fn: Callable[[], object], calls: int) -> float:

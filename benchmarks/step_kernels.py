@@ -34,7 +34,7 @@ from model.attention.linear import LinearAttention, LinearState
 from model.attention.linformer import LinformerAttention, LinformerState
 from model.attention.softmax import attend_one_query
 
-from .decode import preset_config
+from .decode_models import preset_config
 
 # The old forms are written out here; the current ones are the models' own decode steps, at the cpu preset's sizes.
 

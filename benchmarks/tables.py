@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .decode import DecodeReport, layout
+from .decode_images import layout
+from .decode_report import DecodeReport
 from .docs_tables import cache_dtype, fma_peak_clause
 
 

@@ -19,7 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks.decode import DecodeSettings, run_decode_bench
+from benchmarks.decode import run_decode_bench
+from benchmarks.decode_settings import DecodeSettings
 from benchmarks.roofline import attention_cost
 from benchmarks.run import QUICK
 from model.attention.base import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost

@@ -22,8 +22,17 @@ import httpx
 import pytest
 import torch
 
-from benchmarks import decode, tables
-from benchmarks.decode import FLAT_ROUNDS, FLAT_STEPS_PER_ROUND, _interpolated_sum, _later_positions, choose_positions
+from benchmarks import (
+    decode,
+    decode_environment,
+    decode_images,
+    decode_models,
+    decode_positions,
+    decode_settings,
+    tables,
+)
+from benchmarks.decode_no_cache import _interpolated_sum, _later_positions
+from benchmarks.decode_positions import FLAT_ROUNDS, FLAT_STEPS_PER_ROUND, choose_positions
 from benchmarks.decode_workers import rows_per_worker, threads_per_worker
 from benchmarks.load import LoadSettings, run_load
 from benchmarks.roofline import attention_cost, dense_flops, probe_machine, roofline, token_cost
@@ -132,7 +141,7 @@ def _peers_installed() -> bool:
 def test_compiled_kinds_their_eager_path_and_the_peers_run_side_by_side():
     """One in-process run: the compiled kind beside its eager path and every peer, each checked
     for batch x tokens tokens, and the ratios are those of the rows."""
-    settings = decode.DecodeSettings(
+    settings = decode_settings.DecodeSettings(
         kinds=("linear", "reformer"),
         preset="tiny",
         batch_sizes=(2,),
@@ -173,11 +182,11 @@ def test_peers_run_in_the_bench_dtype_like_rnnserve():
 
     for peer in build_peers("tiny", 8, 0, torch.bfloat16):
         assert peer.dtype == torch.bfloat16, peer.spec.name
-        decode.check_generated(peer.spec.name, peer.run(2, 8), 2, 8)
+        decode_images.check_generated(peer.spec.name, peer.run(2, 8), 2, 8)
 
 
-def _layout_settings(**changes) -> decode.DecodeSettings:
-    base = decode.DecodeSettings(
+def _layout_settings(**changes) -> decode_settings.DecodeSettings:
+    base = decode_settings.DecodeSettings(
         kinds=("linear",),
         preset="tiny",
         batch_sizes=(1, 3),
@@ -199,9 +208,9 @@ def test_the_report_names_the_kinds_whose_steps_are_one_call():
     """The tiny preset's linear heads (16 numbers) are whole vectors on every route: its compiled steps are one
     C++ call (model/decode/compiled/linear_step.py), and the machine line says so; eager runs have none."""
     settings = _layout_settings(kinds=("linear", "softmax"), compiled=True)
-    models = {kind: model for kind, (model, _) in decode.image_models(settings).items()}
-    assert decode.one_call_kinds(models, settings) == ["linear"]
-    assert decode.one_call_kinds(models, dataclasses.replace(settings, compiled=False)) == []
+    models = {kind: model for kind, (model, _) in decode_models.image_models(settings).items()}
+    assert decode_environment.one_call_kinds(models, settings) == ["linear"]
+    assert decode_environment.one_call_kinds(models, dataclasses.replace(settings, compiled=False)) == []
     assert tables.one_call_text({"one_call_steps": ["linear"]}) == "; linear steps as one C++ call"
     assert tables.one_call_text({}) == ""  # a report of before the call existed
 
@@ -221,7 +230,7 @@ def test_the_worker_layout_times_each_batch_in_processes_of_their_own():
     rows = {r.batch: r for r in report.images}
     assert (rows[3].workers, rows[3].threads_per_worker) == (2, 1)
     assert (rows[1].workers, rows[1].threads_per_worker) == (1, 1)
-    assert decode.layout(rows[3]) == "2 processes x 1 thread"
+    assert decode_images.layout(rows[3]) == "2 processes x 1 thread"
     assert rows[3].images_per_s == pytest.approx(3 / rows[3].seconds)
     assert report.settings["workers"] == 2
 
@@ -233,7 +242,7 @@ def test_a_worker_that_cannot_build_its_contestants_stops_the_bench_with_its_rea
     with pytest.raises(
         decode.BenchError, match=r"bench worker process failed: BenchError: --weights .*not a directory"
     ):
-        WorkerPool(settings, "rnnserve", 2, 2, 2, decode.worker_contestants, decode.check_generated)
+        WorkerPool(settings, "rnnserve", 2, 2, 2, decode_images.worker_contestants, decode_images.check_generated)
     assert not multiprocessing.active_children()  # the failed worker was not left behind
 
 
@@ -245,10 +254,10 @@ def test_the_peers_are_timed_in_each_layout_and_targets_compare_like_with_like()
     settings = _layout_settings(batch_sizes=(2,), workers=2, peer_workers=(1, 2), peers=True)
     report = decode.run_decode_bench(settings, progress=lambda line: None)
     ft = [r for r in report.images if r.kind == "peer: fast-transformers recurrent linear"]
-    assert sorted(decode.layout(r) for r in ft) == ["2 processes x 1 thread", "in-process"]
+    assert sorted(decode_images.layout(r) for r in ft) == ["2 processes x 1 thread", "in-process"]
     ours = next(r for r in report.images if r.kind == "linear")
     against = {c["against_layout"]: c for c in report.comparisons if c["against"] == ft[0].kind}
-    for layout_name, r in zip((decode.layout(r) for r in ft), ft):
+    for layout_name, r in zip((decode_images.layout(r) for r in ft), ft):
         assert against[layout_name]["ratio"] == pytest.approx(ours.images_per_s / r.images_per_s)
     target = next(t for t in report.targets if "fast-transformers" in t["name"])
     assert "both 2 processes x 1 thread" in target["name"]
@@ -293,11 +302,11 @@ def test_both_product_routes_compute_the_same_product():
 
 
 def test_a_run_that_does_not_produce_every_token_is_refused():
-    decode.check_generated("ok", torch.zeros(2, 5, dtype=torch.long), 2, 5)
+    decode_images.check_generated("ok", torch.zeros(2, 5, dtype=torch.long), 2, 5)
     with pytest.raises(decode.BenchError, match=r"stopped early produced \(2, 4\) tokens .* not 2 x 5 tokens"):
-        decode.check_generated("stopped early", torch.zeros(2, 4, dtype=torch.long), 2, 5)
+        decode_images.check_generated("stopped early", torch.zeros(2, 4, dtype=torch.long), 2, 5)
     with pytest.raises(decode.BenchError, match=r"in \[0, 300\]"):
-        decode.check_generated("out of vocabulary", torch.tensor([[0, 300]]), 1, 2)
+        decode_images.check_generated("out of vocabulary", torch.tensor([[0, 300]]), 1, 2)
 
 
 def test_peers_without_their_packages_say_how_to_install_them(monkeypatch):
@@ -613,15 +622,15 @@ def test_flatness_alternates_two_states_of_each_constant_state_kind(quick_result
 def test_flatness_steps_run_without_autograd(monkeypatch):
     """Autograd on would add a fixed cost to every step and pull the ratio towards 1."""
     seen = []
-    real = decode._time_steps
+    real = decode_positions._time_steps
     monkeypatch.setattr(
-        decode,
+        decode_positions,
         "_time_steps",
         lambda decoder, steps: seen.append(torch.is_inference_mode_enabled()) or real(decoder, steps),
     )
-    model = build_model(decode.preset_config("tiny", "linear", task="text", max_len=512)).eval()
-    settings = decode.DecodeSettings(compiled=False)  # eager steps: what is checked is the mode they run in
-    (result,) = decode.measure_flatness({"linear": model}, 10, 200, settings, lambda line: None)
+    model = build_model(decode_models.preset_config("tiny", "linear", task="text", max_len=512)).eval()
+    settings = decode_settings.DecodeSettings(compiled=False)  # eager steps: what is checked is the mode they run in
+    (result,) = decode_positions.measure_flatness({"linear": model}, 10, 200, settings, lambda line: None)
     assert seen and all(seen) and result.steps == FLAT_ROUNDS * FLAT_STEPS_PER_ROUND
 
 
@@ -706,7 +715,7 @@ def test_the_gpt2_benchmark_imports_a_save_pretrained_folder_and_linearizes_ever
 def test_a_capped_run_is_kept_apart_from_the_class_it_stands_for(
     monkeypatch, hardware, capability, forced, route, measured
 ):
-    for name in decode.VECTOR_CAPS:
+    for name in decode_environment.VECTOR_CAPS:
         monkeypatch.delenv(name, raising=False)
     if capability is not None:
         monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
@@ -714,7 +723,7 @@ def test_a_capped_run_is_kept_apart_from_the_class_it_stands_for(
         monkeypatch.delenv("RNNSERVE_CPU_ROUTE", raising=False)
     else:
         monkeypatch.setenv("RNNSERVE_CPU_ROUTE", forced)
-    assert decode.measured_class(hardware, route) == measured
+    assert decode_environment.measured_class(hardware, route) == measured
 
 
 def test_the_fma_probe_measures_each_vector_width_the_cpu_has():

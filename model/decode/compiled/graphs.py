@@ -13,8 +13,6 @@ from typing import Callable
 import torch
 from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-from ...state import ModelState
-from ...transformer import Transformer
 from .guard_free import GuardFreeGraphs
 
 # Inductor: store any intermediate read by more than one loop instead of recomputing it in each
@@ -77,10 +75,6 @@ def progress_bars_lock_this_process_only() -> None:
         return
     if "_lock" not in vars(tqdm):  # none made yet (once made, the semaphore exists: replacing it frees nothing)
         tqdm.set_lock(threading.RLock())
-
-
-def _decode_step(model: Transformer, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
-    return model.decode_step(tokens, state)
 
 
 def code_of_its_own(fn: Callable) -> Callable:

@@ -7,11 +7,16 @@ from typing import Callable, Sequence
 
 import torch
 
+from ...state import ModelState
 from ...transformer import Transformer
 from ..sampling import draw_unfiltered
 from .drawing import draw_scratch
-from .graphs import DYNAMO_OPTIONS, _decode_step, compiled_guard_free
+from .graphs import DYNAMO_OPTIONS, compiled_guard_free
 from .routing import RowClass
+
+
+def _decode_step(model: Transformer, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
+    return model.decode_step(tokens, state)
 
 
 class ClassGraphs:

@@ -319,7 +319,6 @@ def capacity_table(report: dict) -> str:
 def linearize_cost_tables(results: Path = RESULTS) -> str:
     """The newest `benchmarks.linearize_cost` run (`linearize-cost-DATE.json`): seconds and peak memory of a step of
     full fine-tuning, attention transfer and LoRA on GPT-2 small's shape, each in a process of its own."""
-    from .linearize_cost import table_lines
 
     run = newest(results, LINEARIZE_FILE)
     if run is None:
@@ -331,7 +330,7 @@ def linearize_cost_tables(results: Path = RESULTS) -> str:
         f"{settings['batch']} x {settings['length'] or 'the context'} tokens, window {settings['window']}, "
         f"{settings['feature_map']}, LoRA rank {settings['lora_rank']}; memory: {report['memory']}."
     )
-    return "\n".join([head, "", *table_lines(report)])
+    return "\n".join([head, "", *linearize_cost_lines(report)])
 
 
 def with_tables(page: str, generated: str, begin: str = BEGIN, end: str = END) -> str:
@@ -340,6 +339,26 @@ def with_tables(page: str, generated: str, begin: str = BEGIN, end: str = END) -
     head, rest = page.split(begin, 1)
     _, tail = rest.split(end, 1)
     return f"{head}{begin}\n{generated}\n{end}{tail}"
+
+
+def linearize_cost_lines(report: dict) -> list[str]:
+    """Markdown: one row per configuration, with its time and peak against full fine-tuning's (when run)."""
+    rows = {r["configuration"]: r for r in report["results"]}
+    full = rows.get("full")
+    lines = [
+        "| configuration | trainable parameters | median s/step | best s/step | peak RSS (MiB) "
+        "| before the first step (MiB) | added by the steps (MiB) | time / full | peak / full |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in rows.items():
+        time_ratio = f"{r['median_s'] / full['median_s']:.2f}x" if full else "-"
+        peak_ratio = f"{r['peak_rss_mib'] / full['peak_rss_mib']:.2f}x" if full else "-"
+        lines.append(
+            f"| {name} | {r['trainable_parameters']:,} | {r['median_s']:.2f} | {r['best_s']:.2f} "
+            f"| {r['peak_rss_mib']:,.0f} | {r['peak_rss_before_steps_mib']:,.0f} "
+            f"| {r['peak_rss_mib'] - r['peak_rss_before_steps_mib']:,.0f} | {time_ratio} | {peak_ratio} |"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

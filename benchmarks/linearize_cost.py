@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from .docs_tables import linearize_cost_lines
+
 CONFIGURATIONS = ("full", "transfer", "lora")
 TINY_LENGTH = 64  # --quick: tokens per row
 
@@ -209,28 +211,8 @@ def environment(threads: int) -> dict:
 
 
 def print_table(report: dict) -> None:
-    for line in table_lines(report):
+    for line in linearize_cost_lines(report):
         print(line)
-
-
-def table_lines(report: dict) -> list[str]:
-    """Markdown: one row per configuration, with its time and peak against full fine-tuning's (when run)."""
-    rows = {r["configuration"]: r for r in report["results"]}
-    full = rows.get("full")
-    lines = [
-        "| configuration | trainable parameters | median s/step | best s/step | peak RSS (MiB) "
-        "| before the first step (MiB) | added by the steps (MiB) | time / full | peak / full |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, r in rows.items():
-        time_ratio = f"{r['median_s'] / full['median_s']:.2f}x" if full else "-"
-        peak_ratio = f"{r['peak_rss_mib'] / full['peak_rss_mib']:.2f}x" if full else "-"
-        lines.append(
-            f"| {name} | {r['trainable_parameters']:,} | {r['median_s']:.2f} | {r['best_s']:.2f} "
-            f"| {r['peak_rss_mib']:,.0f} | {r['peak_rss_before_steps_mib']:,.0f} "
-            f"| {r['peak_rss_mib'] - r['peak_rss_before_steps_mib']:,.0f} | {time_ratio} | {peak_ratio} |"
-        )
-    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,8 +26,9 @@ from model.hf_import import import_folder
 from model.transformer import Transformer, build_model
 from model.weights_io import load_model
 
+from . import llamacpp_peer
 from .decode import DecodeSettings, environment, machine_load
-from .gpt2_small import CORPUS, Gpt2Settings, measure_throughput, write_report
+from .gpt2_small import CORPUS, Gpt2Settings, add_llamacpp_flag, llamacpp_wanted, measure_throughput, write_report
 
 SMOLLM_135M = dict(
     hidden_size=576,
@@ -87,7 +88,11 @@ def run(sizes: dict, s: Gpt2Settings, progress=print) -> dict:
                 f"rnnserve softmax (imported, {name})": model,
                 f"rnnserve linear (linearized, {name})": linearized_twin(model),
             }
-            report["throughput"] += measure_throughput(models, folder, s, progress, dtype)
+            peers = None
+            if s.llamacpp:  # the same weights, in the same dtype (bfloat16 stays bfloat16 in GGUF)
+                files = llamacpp_peer.gguf_files(folder, Path(tmp), ("f32" if dtype == torch.float32 else "bf16",))
+                peers = llamacpp_peer.peer_contestants(files, [llamacpp_peer.start_token(folder)], s.llamacpp_threads)
+            report["throughput"] += measure_throughput(models, folder, s, progress, dtype, peers=peers)
     report["load_after"] = machine_load()
     return report
 
@@ -99,10 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row in the timed runs")
     parser.add_argument("--rounds", type=int, default=3, help="turns each contestant takes at each batch size")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    add_llamacpp_flag(parser)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    settings = Gpt2Settings(sizes={}, new_tokens=args.new_tokens, rounds=args.rounds)
+    settings = Gpt2Settings(sizes={}, new_tokens=args.new_tokens, rounds=args.rounds, llamacpp=llamacpp_wanted(args))
     report = run(TINY if args.tiny else SMOLLM_135M, settings, lambda line: print(line, file=sys.stderr, flush=True))
     write_report(report, args.out)
     return 0

@@ -11,7 +11,7 @@
 #   `nvcc` is dropped and CUDA_HOME / CUDA_PATH are unset for that one command. Building its CPU
 #   extensions takes about 6 minutes on one core.
 # - llama.cpp through llama-cpp-python (its sdist compiles llama.cpp's CPU build for this machine, at nice 10 so
-#   the machine stays usable; BUILD_MINUTES below) and `gguf`, which benchmarks/llamacpp_peer.py writes the
+#   the machine stays usable) and `gguf`, which benchmarks/llamacpp_peer.py writes the
 #   imported-model benchmarks' weights with. Both pinned: the peer calls llama.cpp's low-level C API, which
 #   changes between releases.
 set -euo pipefail
@@ -30,7 +30,7 @@ if ! "$py" -c "import fast_transformers.causal_product" 2>/dev/null; then
 fi
 
 if ! "$py" -c "import llama_cpp, gguf" 2>/dev/null; then
-    echo "building llama-cpp-python (llama.cpp, CPU only, about BUILD_MINUTES minutes)..." >&2
+    echo "building llama-cpp-python (llama.cpp, CPU only, about 9 minutes at nice 10 on a shared 2-core machine)..." >&2
     nice -n 10 "$py" -m pip install -q 'llama-cpp-python==0.3.36' 'gguf==0.19.0'
 fi
 

@@ -8,7 +8,9 @@ tokens/s at batch 1 and 16 of the imported model through the decode step the ser
 Hugging Face `generate` with its static KV cache on the same folder, the contestants taking turns round by round.
 Beside them, the imported model linearized: its linear-attention twin (hedgehog feature map, rotary positions and
 grouped-query attention kept: sums per key head) holding every one of its weights, the feature map as drawn (what
-`rnnserve linearize` starts from; training changes no shape, so not the speed). Results go to a JSON file (--out);
+`rnnserve linearize` starts from; training changes no shape, so not the speed). In the same turns, llama.cpp on the
+same folder written as GGUF (f32 for float32, bf16 for bfloat16), 1 and 2 threads, batch 16 as its parallel
+sequences (benchmarks/llamacpp_peer.py; `--no-llamacpp` leaves it out). Results go to a JSON file (--out);
 docs/benchmarks.md has the table (`python -m benchmarks.docs_tables`).
 """
 

@@ -203,7 +203,6 @@ class LlamaCppDecoder:
         params.n_batch = params.n_ubatch = max(batch, 512)
         params.n_seq_max = batch
         params.n_threads = params.n_threads_batch = threads
-        params.kv_unified = True  # the sequences share one cache of n_ctx cells
         self.ctx = llama_cpp.llama_init_from_model(self.model, params)
         if not self.ctx:
             raise RuntimeError("llama.cpp could not make a context")

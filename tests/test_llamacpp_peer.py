@@ -24,8 +24,9 @@ LLAMA = dict(
     vocab_size=500,
     tie_word_embeddings=True,
     rope_theta=10000.0,
+    initializer_range=0.3,  # wide weights: greedy tokens that vary, so a wrong layout shows
 )
-GPT2 = {"n_layer": 2, "n_embd": 48, "n_head": 4, "n_positions": 128, "vocab_size": 500}
+GPT2 = {"n_layer": 2, "n_embd": 48, "n_head": 4, "n_positions": 128, "vocab_size": 500, "initializer_range": 0.3}
 NEW_TOKENS = 12
 
 
@@ -63,6 +64,7 @@ def test_llama_gguf_greedy_tokens_equal_hugging_faces(tmp_path):
     prompt = prompt_of(folder)
     tokens = llamacpp_greedy(folder, tmp_path, prompt)
     expected = hugging_face_greedy(folder, prompt)
+    assert len(set(expected)) > 3  # not one token repeated: the comparison can tell layouts apart
     assert tokens[0].tolist() == expected
     assert tokens[1].tolist() == expected  # the second parallel sequence decodes the same
 
@@ -75,6 +77,7 @@ def test_gpt2_gguf_greedy_tokens_equal_hugging_faces(tmp_path):
     prompt = prompt_of(folder)
     tokens = llamacpp_greedy(folder, tmp_path, prompt)
     expected = hugging_face_greedy(folder, prompt)
+    assert len(set(expected)) > 3
     assert tokens[0].tolist() == expected
     assert tokens[1].tolist() == expected
 
@@ -87,20 +90,21 @@ def test_write_gguf_names_what_it_cannot_write(tmp_path):
         llamacpp_peer.write_gguf(tmp_path, tmp_path / "out.gguf", "q4_0")
 
 
-def test_tiny_llama_benchmark_times_llamacpp_beside_rnnserve(tmp_path):
-    from benchmarks import llama_small
+def test_llamacpp_takes_its_turns_in_the_benchmarks_throughput_run(tmp_path):
+    """The peer's contestants join measure_throughput's turns (beside Hugging Face here; rnnserve's compiled
+    contestants are left out: compiling them takes minutes) with their own dtype and threads in each row."""
+    from benchmarks.gpt2_small import Gpt2Settings, measure_throughput
+    from benchmarks.llama_small import write_llama_folder
 
-    out = tmp_path / "run.json"
-    assert llama_small.main(["--tiny", "--rounds", "1", "--new-tokens", "4", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["throughput"]
-    peers = [r for r in rows if r["contestant"].startswith("llama.cpp")]
-    assert {(r["dtype"], r["threads"], r["batch"]) for r in peers} == {
-        (dtype, threads, batch) for dtype in ("f32", "bf16") for threads in (1, 2) for batch in (1, 16)
+    folder = tmp_path / "llama"
+    write_llama_folder(folder, LLAMA, torch.float32, seed=0)
+    files = llamacpp_peer.gguf_files(folder, tmp_path, ("f32", "f16"))
+    peers = llamacpp_peer.peer_contestants(files, [llamacpp_peer.start_token(folder)])
+    settings = Gpt2Settings(sizes={}, new_tokens=4, rounds=1)
+    rows = measure_throughput({}, folder, settings, lambda line: None, peers=peers)
+    peer_rows = [r for r in rows if r["contestant"].startswith("llama.cpp")]
+    assert {(r["dtype"], r["threads"], r["batch"]) for r in peer_rows} == {
+        (dtype, threads, batch) for dtype in ("f32", "f16") for threads in (1, 2) for batch in (1, 16)
     }
-    assert all(r["tokens_per_s"] > 0 and r["engine"].startswith("llama.cpp") for r in peers)
-    assert {r["contestant"] for r in rows if r["contestant"].startswith("rnnserve")} == {
-        "rnnserve softmax (imported, float32)",
-        "rnnserve linear (linearized, float32)",
-        "rnnserve softmax (imported, bfloat16)",
-        "rnnserve linear (linearized, bfloat16)",
-    }
+    assert all(r["model_dtype"] == "float32" and r["engine"].startswith("llama.cpp") for r in peer_rows)
+    assert all(r["tokens_per_s"] > 0 and len(r["seconds"]) == 1 for r in peer_rows)

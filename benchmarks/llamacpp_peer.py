@@ -272,7 +272,7 @@ def peer_contestants(files: dict[str, Path], prompt: list[int], threads: tuple[i
         for dtype, path in files.items():
             for n in threads:
                 decoder = LlamaCppDecoder(path, batch, len(prompt) + new_tokens + 1, n)
-                fields = {"dtype": dtype, "threads": n, "engine": f"llama.cpp {version()}", "greedy": True}
+                fields = {"dtype": dtype, "threads": n, "engine": f"llama-cpp-python {version()}", "greedy": True}
                 name = f"llama.cpp ({dtype} GGUF, {n} thread{'s' if n > 1 else ''})"
                 runs[name] = (lambda d=decoder: d.generate(prompt, new_tokens), fields, decoder.close)
         return runs

@@ -106,5 +106,5 @@ def test_llamacpp_takes_its_turns_in_the_benchmarks_throughput_run(tmp_path):
     assert {(r["dtype"], r["threads"], r["batch"]) for r in peer_rows} == {
         (dtype, threads, batch) for dtype in ("f32", "f16") for threads in (1, 2) for batch in (1, 16)
     }
-    assert all(r["model_dtype"] == "float32" and r["engine"].startswith("llama.cpp") for r in peer_rows)
+    assert all(r["model_dtype"] == "float32" and r["engine"].startswith("llama-cpp-python") for r in peer_rows)
     assert all(r["tokens_per_s"] > 0 and len(r["seconds"]) == 1 for r in peer_rows)

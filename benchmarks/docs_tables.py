@@ -240,7 +240,42 @@ def imported_tables(results: Path = RESULTS) -> str:
                 f"| {row['dtype']} | {row['batch']} | {row['tokens_per_s']:.1f} | {linear_speed} | {hf:.1f} | "
                 f"{_ratio(row['vs_hf_static'])} | {linear_ratio} |"
             )
+    peer_rows = [row for row in rows if row["contestant"].startswith("llama.cpp")]
+    if peer_rows:
+        lines += ["", llamacpp_table(report, rows, peer_rows)]
     return "\n".join(lines)
+
+
+def llamacpp_table(report: dict, rows: list[dict], peer_rows: list[dict]) -> str:
+    """llama.cpp on the same weights as GGUF, timed in the same turns: each of its rows beside rnnserve's softmax
+    and linearized rows of the same batch and model dtype (rnnserve at the run's torch threads, llama.cpp at its
+    own), every figure with its CPU, vector route, threads and dtype."""
+    env = report["environment"]
+    lines = [
+        f"llama.cpp ({peer_rows[0]['engine']}, greedy, its parallel sequences in one context) on the same weights "
+        f"written as GGUF, in the same turns; {cpu_class(report)} ({processor(report)}), rnnserve's vector route "
+        f"{env.get('cpu_route', 'unrecorded')} (llama.cpp built for this CPU), rnnserve at "
+        f"{threads(report)} threads.",
+        "",
+        "| model dtype | GGUF dtype | batch | llama.cpp threads | llama.cpp, tokens/s | rnnserve softmax, tokens/s "
+        "| linearized, tokens/s | softmax / llama.cpp | linearized / llama.cpp |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for peer in peer_rows:
+        model_dtype = peer["model_dtype"]  # the Hugging Face folder's dtype the GGUF was written from
+        softmax = _rnnserve_row(rows, "rnnserve softmax", model_dtype, peer["batch"])
+        linear = _rnnserve_row(rows, "rnnserve linear", model_dtype, peer["batch"])
+        lines.append(
+            f"| {model_dtype} | {peer['dtype']} | {peer['batch']} | {peer['threads']} | {peer['tokens_per_s']:.1f} | "
+            f"{softmax['tokens_per_s']:.1f} | {linear['tokens_per_s']:.1f} | "
+            f"{_ratio(softmax['tokens_per_s'] / peer['tokens_per_s'])} | "
+            f"{_ratio(linear['tokens_per_s'] / peer['tokens_per_s'])} |"
+        )
+    return "\n".join(lines)
+
+
+def _rnnserve_row(rows: list[dict], prefix: str, dtype: str, batch: int) -> dict:
+    return next(r for r in rows if r["contestant"].startswith(prefix) and (r["dtype"], r["batch"]) == (dtype, batch))
 
 
 def _linearized_row(rows: list[dict], dtype: str, batch: int) -> dict | None:

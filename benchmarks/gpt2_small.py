@@ -36,6 +36,7 @@ from model.decode.sampling import BatchSampling, SamplingParams
 from model.transformer import Transformer, build_model
 from model.io.weights import load_model, read_tokenizer, save_model
 
+from . import llamacpp_peer
 from .peers import hf_generate
 from .decode_environment import environment, machine_load
 from .decode_images import with_decoder
@@ -61,6 +62,8 @@ class Gpt2Settings:
     served: bool = False
     served_requests: int = 32
     seed: int = 0
+    llamacpp: bool = False  # llama.cpp on the same weights as GGUF (benchmarks/llamacpp_peer.py)
+    llamacpp_threads: tuple[int, ...] = (1, 2)
 
 
 # ---------------------------------------------------------------- the models
@@ -113,15 +116,26 @@ def rnnserve_contestant(model: Transformer, batch: int, tokens: int):
 
 @torch.inference_mode()
 def measure_throughput(
-    models: dict[str, Transformer], folder: Path, s: Gpt2Settings, progress, dtype: torch.dtype = torch.float32
+    models: dict[str, Transformer],
+    folder: Path,
+    s: Gpt2Settings,
+    progress,
+    dtype: torch.dtype = torch.float32,
+    peers=None,
 ) -> list[dict]:
-    """Tokens/s of each model and of Hugging Face `generate` on the folder's weights in `dtype`, taking turns."""
+    """Tokens/s of each model and of Hugging Face `generate` on the folder's weights in `dtype`, taking turns.
+
+    `peers` (batch, new_tokens -> {name: (run, row fields, close)}), when given, adds other engines' contestants
+    to the same turns (benchmarks/llamacpp_peer.py); their rows carry their own dtype and threads."""
     rows = []
     for batch in s.batches:
-        runs, compiled = {}, {}
+        runs, compiled, fields, closers = {}, {}, {}, []
         for name, model in models.items():
             runs[name], compiled[name] = rnnserve_contestant(model, batch, s.new_tokens)
         runs["Hugging Face generate, static cache"] = hf_contestant(folder, batch, s.new_tokens, dtype)
+        for name, (run, extra, close) in (peers(batch, s.new_tokens) if peers else {}).items():
+            runs[name], fields[name] = run, extra
+            closers.append(close)
         for run in runs.values():  # warm-up: first calls allocate and pick kernels
             run()
         seconds: dict[str, list[float]] = {name: [] for name in runs}
@@ -143,9 +157,14 @@ def measure_throughput(
                     "tokens_per_s_median": batch * s.new_tokens / statistics.median(times),
                     "compiled": compiled.get(name, False),
                     "dtype": str(dtype).removeprefix("torch."),
+                    "model_dtype": str(dtype).removeprefix("torch."),  # the folder's: a peer's dtype is its own
+                    "threads": torch.get_num_threads(),
+                    **fields.get(name, {}),
                 }
             )
             progress(f"batch {batch:3d} {name:40s} {rows[-1]['tokens_per_s']:9.1f} tokens/s")
+        for close in closers:
+            close()
     hf = {r["batch"]: r["tokens_per_s"] for r in rows if r["contestant"].startswith("Hugging Face")}
     for row in rows:
         row["vs_hf_static"] = row["tokens_per_s"] / hf[row["batch"]]
@@ -240,11 +259,16 @@ def run(s: Gpt2Settings, progress=print) -> dict:
             tokenizer=read_tokenizer(imported),
         )
         models = {"rnnserve softmax (imported)": softmax, "rnnserve linear (linearized)": linear}
+        peers = None
+        if s.llamacpp:
+            progress("writing the same folder as GGUF (f32, f16) for llama.cpp")
+            files = llamacpp_peer.gguf_files(folder, Path(tmp), ("f32", "f16"))
+            peers = llamacpp_peer.peer_contestants(files, [llamacpp_peer.start_token(folder)], s.llamacpp_threads)
         report = {
             "environment": environment(DecodeSettings()) | machine_load(),
             "settings": {k: v for k, v in s.__dict__.items()},
             "parameters": {"softmax": softmax.num_parameters(), "linear": linear.num_parameters()},
-            "throughput": measure_throughput(models, folder, s, progress),
+            "throughput": measure_throughput(models, folder, s, progress, peers=peers),
         }
         report["step_time_by_position"], report["step_time_growth"] = {}, {}
         for batch in s.position_batches:
@@ -273,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="turns each contestant takes at each batch size")
     parser.add_argument("--served", action="store_true", help="also serve both files and time them over HTTP")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    add_llamacpp_flag(parser)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -285,10 +310,29 @@ def main(argv: list[str] | None = None) -> int:
         steps_per_position=4 if tiny else Gpt2Settings.steps_per_position,
         served=args.served,
         served_requests=4 if tiny else Gpt2Settings.served_requests,
+        llamacpp=llamacpp_wanted(args),
     )
     report = run(settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
     write_report(report, args.out)
     return 0
+
+
+def add_llamacpp_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-llamacpp",
+        action="store_true",
+        help="leave llama.cpp out (by default it runs on the same weights as GGUF; benchmarks/install_peers.sh)",
+    )
+
+
+def llamacpp_wanted(args: argparse.Namespace) -> bool:
+    """Whether llama.cpp runs: by default it does, and a missing install is an error saying how to install it."""
+    if args.no_llamacpp:
+        return False
+    missing = llamacpp_peer.available()
+    if missing:
+        raise SystemExit(f"error: {missing} (or pass --no-llamacpp)")
+    return True
 
 
 def write_report(report: dict, out: Path | None) -> None:

@@ -8,7 +8,9 @@ tokens/s at batch 1 and 16 of the imported model through the decode step the ser
 Hugging Face `generate` with its static KV cache on the same folder, the contestants taking turns round by round.
 Beside them, the imported model linearized: its linear-attention twin (hedgehog feature map, rotary positions and
 grouped-query attention kept: sums per key head) holding every one of its weights, the feature map as drawn (what
-`rnnserve linearize` starts from; training changes no shape, so not the speed). Results go to a JSON file (--out);
+`rnnserve linearize` starts from; training changes no shape, so not the speed). In the same turns, llama.cpp on the
+same folder written as GGUF (f32 for float32, bf16 for bfloat16), 1 and 2 threads, batch 16 as its parallel
+sequences (benchmarks/llamacpp_peer.py; `--no-llamacpp` leaves it out). Results go to a JSON file (--out);
 docs/benchmarks.md has the table (`python -m benchmarks.docs_tables`).
 """
 
@@ -26,9 +28,10 @@ from model.io.hf_import import import_folder
 from model.transformer import Transformer, build_model
 from model.io.weights import load_model
 
+from . import llamacpp_peer
 from .decode_environment import environment, machine_load
 from .decode_settings import DecodeSettings
-from .gpt2_small import CORPUS, Gpt2Settings, measure_throughput, write_report
+from .gpt2_small import CORPUS, Gpt2Settings, add_llamacpp_flag, llamacpp_wanted, measure_throughput, write_report
 
 SMOLLM_135M = dict(
     hidden_size=576,
@@ -88,7 +91,11 @@ def run(sizes: dict, s: Gpt2Settings, progress=print) -> dict:
                 f"rnnserve softmax (imported, {name})": model,
                 f"rnnserve linear (linearized, {name})": linearized_twin(model),
             }
-            report["throughput"] += measure_throughput(models, folder, s, progress, dtype)
+            peers = None
+            if s.llamacpp:  # the same weights, in the same dtype (bfloat16 stays bfloat16 in GGUF)
+                files = llamacpp_peer.gguf_files(folder, Path(tmp), ("f32" if dtype == torch.float32 else "bf16",))
+                peers = llamacpp_peer.peer_contestants(files, [llamacpp_peer.start_token(folder)], s.llamacpp_threads)
+            report["throughput"] += measure_throughput(models, folder, s, progress, dtype, peers=peers)
     report["load_after"] = machine_load()
     return report
 
@@ -100,10 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row in the timed runs")
     parser.add_argument("--rounds", type=int, default=3, help="turns each contestant takes at each batch size")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    add_llamacpp_flag(parser)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    settings = Gpt2Settings(sizes={}, new_tokens=args.new_tokens, rounds=args.rounds)
+    settings = Gpt2Settings(sizes={}, new_tokens=args.new_tokens, rounds=args.rounds, llamacpp=llamacpp_wanted(args))
     report = run(TINY if args.tiny else SMOLLM_135M, settings, lambda line: print(line, file=sys.stderr, flush=True))
     write_report(report, args.out)
     return 0

@@ -43,7 +43,8 @@ from server.api.routes_images import router as images_router
 from server.api.routes_models import router as models_router
 from server.api.routes_playground import mount_static
 from server.api.routes_playground import router as playground_router
-from server.api.routes_text import router as text_router
+from server.api.routes_completions import router as completions_router
+from server.api.routes_tokenize import router as tokenize_router
 from server.settings import Settings
 from server.startup_responder import MESSAGE as STARTING_MESSAGE
 
@@ -75,7 +76,7 @@ def build_app(
     )
     errors.install(app)
     openapi.install(app, settings.max_batch, settings.api_key_value() is not None)
-    routers = (models_router, text_router, chat_router, images_router, playground_router)
+    routers = (models_router, completions_router, tokenize_router, chat_router, images_router, playground_router)
     for router in routers:
         app.include_router(router)
     mount_static(app)

@@ -12,7 +12,7 @@ from hypothesis import given, settings as hsettings, strategies as st
 
 from server.engine.stopping import StoppingCriteria
 from model.io.vocabulary import Vocabulary, byte_vocabulary, shown_bytes
-from server.api.textcodec import SampleText, char_offsets, incomplete_utf8_suffix, longest_stop_prefix
+from server.api.sample_text import SampleText, char_offsets, incomplete_utf8_suffix, longest_stop_prefix
 from server_support import (
     KINDS,
     TEXT_MAX_LEN,

@@ -16,7 +16,7 @@ from server.api.image_particles import DEFAULT_PARTICLES, MAX_PARTICLES
 from server.api.imaging import SIDE
 from server.api.responses import GENERATION_ERRORS, SSE
 from server.api.schemas import Int, OrDefault, SamplingOptions
-from server.api.text_api import PromptTokensDetails
+from server.api.completion_response import PromptTokensDetails
 
 Grid = list[list[Int()]]
 

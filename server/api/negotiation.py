@@ -8,6 +8,8 @@ as a request for their server-sent events too.
 
 from __future__ import annotations
 
+from fastapi import Request
+
 from server.api.errors import APIError
 
 
@@ -53,3 +55,9 @@ def choose(accept: str | None, offered: list[str], stream: bool = False) -> str:
 def stream_type(accept: str | None) -> str:
     """A streaming answer: server-sent events, also for clients that accept only JSON (see above)."""
     return choose(accept, ["text/event-stream", "application/json"], stream=True)
+
+
+def check_accept(request: Request, stream: bool) -> None:
+    """A 406 before any work when the Accept header allows neither JSON nor, streamed, server-sent events."""
+    accept = request.headers.get("accept")
+    stream_type(accept) if stream else choose(accept, ["application/json"])

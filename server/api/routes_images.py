@@ -31,7 +31,8 @@ from server.api.imaging import PIXELS, SIDE, ImageError, OccludedImage
 from server.api.image_api import IMAGE_REQUEST_BODY, IMAGE_RESPONSES, ImageCompletionRequest, ImageOptions
 from server.api.image_particles import ParticlePlan, entry_report, plan_particles, usage_report
 from server.api.negotiation import choose, media_ranges, stream_type
-from server.api.generation import SSE_HEADERS, ClientGone, collect, sse, sse_stream, submit
+from server.api.engine_calls import ClientGone, collect, submit
+from server.api.sse import SSE_HEADERS, sse, sse_stream
 from server.engine.types import Generation, GenerationRequest, ParticleSummary, Progress, SampleResult
 
 router = APIRouter()

@@ -112,7 +112,7 @@ class GenerationError:
 
     request_id: str
     message: str
-    code: str = "engine_error"  # what the client is told (server/api/generation.py: engine_error)
+    code: str = "engine_error"  # what the client is told (server/api/engine_calls.py: engine_error)
 
 
 @dataclass(slots=True)

@@ -1,23 +1,21 @@
-"""The chat completions API's request and response shapes, and how samples become chat choices.
+"""The body of POST /v1/chat/completions: its messages and options, their validation, and the prompt they make.
 
-OpenAI's chat completions on top of the completions machinery (text_api.py): the messages are rendered
+OpenAI's chat completions on top of the completions machinery: the messages are rendered
 through the model's chat template (model/io/chat_template.py) into one prompt, and the request becomes one
-completion of that prompt (`as_completion`); its samples come back as assistant messages, or streamed as
-`chat.completion.chunk` deltas opened by the role. Log-probabilities take the chat shape: each token with
-its bytes and its most likely alternatives.
+completion of that prompt (`as_completion`); chat_response.py shapes its samples as chat choices.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from server.api.errors import FieldError
+from model.io.chat_template import ChatTemplate, ChatTemplateError
+from server.api.completion_request import CompletionRequest, TextGenerationOptions
+from server.api.errors import FieldError, invalid_request
 from server.api.schemas import Int, OrDefault, lone_surrogate
-from server.api.text_api import CompletionRequest, TextCompletion, TextGenerationOptions, Usage
-from server.api.textcodec import TextChunk
+from server.engine.base import EngineHandle
 
 ROLES = ("system", "user", "assistant", "tool")
 MESSAGE_FIELDS = ("role", "content", "name", "tool_call_id")
@@ -154,73 +152,22 @@ def content_text(content: str | list[TextPart]) -> str:
     return content if isinstance(content, str) else "\n".join(part.text for part in content)
 
 
-class TokenLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class ChatTokenLogprob(TokenLogprob):
-    top_logprobs: list[TokenLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob]
-
-
-class AssistantMessage(BaseModel):
-    role: str = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None
-    finish_reason: str | None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: str = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage | None = None
-
-
-@dataclass
-class ChatCompletion(TextCompletion):
-    """A chat's samples as chat choices: whole assistant messages, or (streamed) deltas opened by the role."""
-
-    def opening_choices(self) -> list[dict[str, Any]]:
-        """Streamed, every choice starts with the role of the message that follows."""
-        opening = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return [{"index": i, **opening} for i in range(self.body.n)]
-
-    def choice(self, index: int, part: int, sample: int, chunk: TextChunk) -> dict[str, Any]:
-        finish = self.parts[part].finish[sample]
-        if self.body.stream:
-            delta = {"content": chunk.text} if chunk.text or chunk.tokens else {}
-            return {"index": index, "delta": delta, "logprobs": self._logprobs(chunk), "finish_reason": finish}
-        message = {"role": "assistant", "content": chunk.text}
-        return {"index": index, "message": message, "logprobs": self._logprobs(chunk), "finish_reason": finish}
-
-    def _logprobs(self, chunk: TextChunk) -> dict[str, Any] | None:
-        wanted = self.body.logprobs
-        if wanted is None:
-            return None
-        content = [
-            {**self._token(token, logprob), "top_logprobs": [self._token(t, lp) for t, lp in (top or [])[:wanted]]}
-            for token, logprob, top in zip(chunk.tokens, chunk.logprobs, chunk.top_logprobs)
-        ]
-        return {"content": content}
-
-    def _token(self, token: int, logprob: float | None) -> dict[str, Any]:
-        """A token as chat logprobs show it: its text, and the bytes it adds (none for a special token)."""
-        piece = self.vocabulary.pieces[token]
-        return {"token": self.vocabulary.shown[token], "logprob": logprob, "bytes": list(piece) if piece else None}
-
-    def envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        kind = "chat.completion.chunk" if self.body.stream else "chat.completion"
-        return {**super().envelope(choices), "object": kind}
+def chat_prompt(engine: EngineHandle, template: ChatTemplate | None, body: ChatCompletionRequest) -> list[int]:
+    """The model's tokens for the conversation: its template's text, tokenized with no special tokens added."""
+    if template is None:
+        raise invalid_request(
+            f"model '{engine.name}' has no chat template, so it cannot chat: its file holds none (a byte model, or "
+            "a Hugging Face folder imported without chat_template.jinja or tokenizer_config.json's chat_template); "
+            "start the server with --chat-template FILE to give one, or use POST /v1/completions",
+            "model",
+            "no_chat_template",
+        )
+    try:
+        text = template.render(body.chat())
+    except ChatTemplateError as exc:
+        raise invalid_request(
+            f"the chat template of model '{engine.name}' failed on these messages: {exc}",
+            "messages",
+            "chat_template_error",
+        ) from None
+    return engine.vocabulary.encode(text, add_special_tokens=False)

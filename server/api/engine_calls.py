@@ -1,11 +1,11 @@
-"""What the generation handlers share: submitting, collecting, SSE framing."""
+"""What the generation handlers (text, chat, images) share to call an engine: its refusals as HTTP errors,
+submitting and scoring, and waiting for the results while watching for the client leaving."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 from contextlib import contextmanager
-from typing import Any, AsyncIterator, Iterator
+from typing import AsyncIterator, Iterator
 
 from fastapi import Request
 
@@ -13,12 +13,9 @@ from server.engine.base import EngineHandle
 from server.engine.scheduler import QueueFull
 from server.engine.streams import EngineFailure, GenerationStream
 from server.engine.streams import ENGINE_ERROR, ENGINE_RESTARTING
-from server.api.errors import APIError, error_body, invalid_request
+from server.api.errors import APIError, invalid_request
 from server.engine.types import Generation, GenerationRequest, PromptScores, SampleResult
 from server.engine.validation import InvalidRequest
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # proxies must not buffer events
-DONE_EVENT = "data: [DONE]\n\n"
 
 
 class ClientGone(Exception):
@@ -132,37 +129,3 @@ def engine_error(exc: EngineFailure) -> APIError:
     status = 500 if exc.code == ENGINE_ERROR else 503
     headers = {"Retry-After": "1"} if exc.code == ENGINE_RESTARTING else None
     return APIError(status, f"generation failed: {exc}", None, exc.code, headers)
-
-
-def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-def sse_error(exc: Exception) -> str:
-    """An error after the stream started: the status is already sent, so it goes in an event."""
-    if isinstance(exc, EngineFailure):
-        err = engine_error(exc)
-        return sse(error_body(err.status, err.message, None, err.code))
-    return sse(error_body(500, f"internal server error ({type(exc).__name__})", None, "internal_error"))
-
-
-async def sse_stream(
-    request: Request, chunks: AsyncIterator[str], streams: list[GenerationStream]
-) -> AsyncIterator[str]:
-    """Frame a handler's SSE chunks: an error after the status line goes in-band, the generation
-    is cancelled if the client leaves (its slots are freed), and the stream always ends with [DONE]."""
-    finished = False
-    try:
-        async for chunk in chunks:
-            yield chunk
-        finished = True
-    except Exception as exc:  # the status line is gone: report in-band
-        request.state.outcome = "error"
-        yield sse_error(exc)
-        finished = True
-    finally:
-        for stream in streams:
-            stream.cancel()
-        if not finished:
-            request.state.outcome = "cancelled"
-    yield DONE_EVENT

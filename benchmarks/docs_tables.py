@@ -19,6 +19,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Callable
 
 from .fma_peak import describe as describe_fma_peak
 
@@ -301,54 +302,74 @@ def prefix_tables(results: Path = RESULTS) -> str:
     else:
         name, report = run
         parts.append(f"From `{name}` (`{report['command']}`), {cpu_class(report)} ({processor(report)}).")
-        parts += [prefix_ttft_table(report), conversation_table(report), playground_table(report)]
-        parts.append(capacity_table(report))
+        parts += [markdown_table(report.get(key, []), columns) for key, columns in prefix_cache_columns()]
     routing = newest(results, ROUTING_FILE)
     if routing is None:
         parts.append("No `benchmarks.prefix_routing_ray` run yet.")
     else:
         name, report = routing
-        rows = [f"| {router} | {r['hit_rate']:.1%} | {r['requests']} |" for router, r in report["routers"].items()]
-        parts.append("\n".join([f"From `{name}` (`{report['command']}`): the prefix cache's hit rate on Ray Serve.",
-                                "", "| replicas and router | hit rate | requests |", "|---|---:|---:|", *rows]))  # fmt: skip
+        routers = [{"router": router, **r} for router, r in report["routers"].items()]
+        parts.append(
+            f"From `{name}` (`{report['command']}`): the prefix cache's hit rate on Ray Serve.\n\n"
+            + markdown_table(routers, routing_columns())
+        )
     return "\n\n".join(parts)
 
 
-def prefix_ttft_table(report: dict) -> str:
-    rows = [
-        f"| {r['model']} ({r['attention']}) | {r['prompt_tokens']} / {r['cached_part']} | "
-        f"{1e3 * r['ttft_uncached_s']:,.1f} | {1e3 * r['ttft_cached_s']:,.1f} | {r['cached_over_uncached']:.0%} |"
-        for r in report.get("ttft", [])
+Column = tuple[str, str, Callable[[dict], str]]  # title, alignment ("---", or "---:" for numbers), cell of a record
+
+
+def markdown_table(records: list[dict], columns: list[Column]) -> str:
+    """A Markdown table of `records`, a row each, its columns as `columns` title, align and fill them."""
+    head = "| " + " | ".join(title for title, _, _ in columns) + " |"
+    align = "|" + "|".join(alignment for _, alignment, _ in columns) + "|"
+    rows = ["| " + " | ".join(cell(record) for _, _, cell in columns) + " |" for record in records]
+    return "\n".join([head, align, *rows])
+
+
+def prefix_cache_columns() -> list[tuple[str, list[Column]]]:
+    """The tables of a `benchmarks.prefix_cache` report: the report's key for each, and its columns."""
+
+    def model(r: dict) -> str:
+        return f"{r['model']} ({r['attention']})"
+
+    def cache(r: dict) -> str:
+        return "on" if r["cache"] else "off"
+
+    ttft = [
+        ("model", "---", model),
+        ("prompt / cached tokens", "---:", lambda r: f"{r['prompt_tokens']} / {r['cached_part']}"),
+        ("first token, fresh (ms)", "---:", lambda r: f"{1e3 * r['ttft_uncached_s']:,.1f}"),
+        ("first token, cached (ms)", "---:", lambda r: f"{1e3 * r['ttft_cached_s']:,.1f}"),
+        ("cached / fresh", "---:", lambda r: f"{r['cached_over_uncached']:.0%}"),
     ]
-    head = "| model | prompt / cached tokens | first token, fresh (ms) | first token, cached (ms) | cached / fresh |"
-    return "\n".join([head, "|---|---:|---:|---:|---:|", *rows])
-
-
-def conversation_table(report: dict) -> str:
-    rows = [
-        f"| {r['model']} | {'on' if r['cache'] else 'off'} | {', '.join(map(str, r['prefilled_per_turn']))} | "
-        f"{r['total_s']:.2f} |"
-        for r in report.get("conversation", [])
+    conversation = [
+        ("model", "---", lambda r: r["model"]),
+        ("cache", "---", cache),
+        ("tokens prefilled per turn", "---", lambda r: ", ".join(map(str, r["prefilled_per_turn"]))),
+        ("total seconds", "---:", lambda r: f"{r['total_s']:.2f}"),
     ]
-    head = "| model | cache | tokens prefilled per turn | total seconds |"
-    return "\n".join([head, "|---|---|---|---:|", *rows])
-
-
-def playground_table(report: dict) -> str:
-    rows = [
-        f"| {'on' if r['cache'] else 'off'} | {r['prefill_saved']:.0%} | {r['images_per_s']:.2f} |"
-        for r in report.get("playground", [])
+    playground = [
+        ("cache", "---", cache),
+        ("known pixels not prefilled again", "---:", lambda r: f"{r['prefill_saved']:.0%}"),
+        ("images/s", "---:", lambda r: f"{r['images_per_s']:.2f}"),
     ]
-    return "\n".join(["| cache | known pixels not prefilled again | images/s |", "|---|---:|---:|", *rows])
-
-
-def capacity_table(report: dict) -> str:
-    rows = [
-        f"| {r['model']} ({r['attention']}) | {r['length']:,} | {_size(r['bytes_per_prefix'])} | "
-        f"{r['prefixes_per_gib']:,} |"
-        for r in report.get("capacity", [])
+    capacity = [
+        ("model", "---", model),
+        ("tokens", "---:", lambda r: f"{r['length']:,}"),
+        ("bytes per prefix", "---:", lambda r: _size(r["bytes_per_prefix"])),
+        ("prefixes per GiB", "---:", lambda r: f"{r['prefixes_per_gib']:,}"),
     ]
-    return "\n".join(["| model | tokens | bytes per prefix | prefixes per GiB |", "|---|---:|---:|---:|", *rows])
+    return [("ttft", ttft), ("conversation", conversation), ("playground", playground), ("capacity", capacity)]
+
+
+def routing_columns() -> list[Column]:
+    """The table of a `benchmarks.prefix_routing_ray` report: a row per replicas-and-router setting."""
+    return [
+        ("replicas and router", "---", lambda r: r["router"]),
+        ("hit rate", "---:", lambda r: f"{r['hit_rate']:.1%}"),
+        ("requests", "---:", lambda r: f"{r['requests']}"),
+    ]
 
 
 def linearize_cost_tables(results: Path = RESULTS) -> str:

@@ -21,7 +21,6 @@ from (`python -m benchmarks.docs_tables`).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import statistics
@@ -39,6 +38,7 @@ import torch
 from .decode_environment import environment, machine_load
 from .decode_settings import DecodeSettings
 from .gpt2_small import CORPUS, GPT2_SMALL, TINY, _free_port, linearized, write_gpt2_folder
+from .report_cli import progress, report_parser, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = ("ttft", "conversation", "playground", "capacity")
@@ -342,19 +342,11 @@ def run(jobs: list[str], s: Sizes, quick: bool, progress=print) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.prefix_cache", description=__doc__.split("\n")[0])
+    parser = report_parser("benchmarks.prefix_cache", __doc__, "tiny models, seconds: checks the run, measures nothing")
     parser.add_argument("jobs", nargs="*", choices=[*JOBS, []], help=f"what to measure (default: all of {JOBS})")
-    parser.add_argument("--quick", action="store_true", help="tiny models, seconds: checks the run, measures nothing")
-    parser.add_argument("--out", type=Path, help="write the results as JSON here (default: standard output)")
     args = parser.parse_args(argv)
-    jobs = args.jobs or list(JOBS)
-    report = run(jobs, QUICK if args.quick else FULL, args.quick, lambda line: print(line, file=sys.stderr, flush=True))
-    report["command"] = "python -m benchmarks.prefix_cache " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = json.dumps(report, indent=1, default=str)
-    if args.out:
-        args.out.write_text(text + "\n")
-    else:
-        print(text)
+    report = run(args.jobs or list(JOBS), QUICK if args.quick else FULL, args.quick, progress)
+    write_report(report, "benchmarks.prefix_cache", argv, args.out)
     return 0
 
 

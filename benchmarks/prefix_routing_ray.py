@@ -11,8 +11,6 @@ Needs the Ray extra (`pip install -e '.[ray]'`), two free CPUs and ports 8000 an
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import signal
 import subprocess
@@ -25,6 +23,7 @@ import httpx
 
 from .decode_environment import environment, machine_load
 from .decode_settings import DecodeSettings
+from .report_cli import progress, report_parser, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_LINE = "rnnserve: serving through Ray Serve"
@@ -100,22 +99,13 @@ def run(quick: bool, model: str, port: int, progress=print) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.prefix_routing_ray", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a tiny random model and a small workload")
+    parser = report_parser("benchmarks.prefix_routing_ray", __doc__, "a tiny random model and a small workload")
     parser.add_argument("--model", default="shakespeare-linear", help="the weights/ model to ask (not with --quick)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--out", type=Path, help="write the results as JSON here (default: standard output)")
     args = parser.parse_args(argv)
     model = "text-linear" if args.quick else args.model
-    report = run(args.quick, model, args.port, lambda line: print(line, file=sys.stderr, flush=True))
-    report["command"] = "python -m benchmarks.prefix_routing_ray " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
-    text = json.dumps(report, indent=1)
-    if args.out:
-        args.out.write_text(text + "\n")
-    else:
-        print(text)
+    report = run(args.quick, model, args.port, progress)
+    write_report(report, "benchmarks.prefix_routing_ray", argv, args.out)
     return 0
 
 

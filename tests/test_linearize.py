@@ -4,7 +4,9 @@ feature map added, then fine-tuned by training's own machinery (warm start, teac
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -31,6 +33,37 @@ def corpus(tmp_path: Path) -> Path:
     path = tmp_path / "corpus.txt"
     path.write_text("to be or not to be, that is the question. " * 60, encoding="utf-8")
     return path
+
+
+@dataclass
+class Transfer:
+    """What an attention-transfer test starts from: the softmax teacher, students warm-started from it, and
+    batches of the corpus drawn with one seeded generator."""
+
+    teacher: torch.nn.Module
+    student: Callable[..., torch.nn.Module]  # the teacher's config with these changes, the teacher's weights kept
+    batch: Callable[[], torch.Tensor]  # (8, 16) token windows
+    gen: torch.Generator
+
+
+@pytest.fixture
+def transfer_setup(softmax_file: Path, corpus: Path) -> Transfer:
+    from training.data import load_text
+
+    teacher, _ = load_model(softmax_file)
+    data = load_text(corpus).train
+    gen = torch.Generator().manual_seed(0)
+
+    def student(**changes) -> torch.nn.Module:
+        model = build_model(teacher.config.replace(**changes))
+        init_from(str(softmax_file), model)
+        return model
+
+    def batch() -> torch.Tensor:
+        starts = torch.randint(0, data.shape[0] - 16, (8,), generator=gen)
+        return data[starts[:, None] + torch.arange(16)].long()  # (8, 16)
+
+    return Transfer(teacher, student, batch, gen)
 
 
 def linearize(tmp_path: Path, source: Path, corpus: Path, *extra: str) -> int:
@@ -209,20 +242,11 @@ def test_the_new_options_keep_older_files_loading_as_they_were():
     assert (config.linear_feature_map, config.linear_features) == ("elu", 0)
 
 
-def test_attention_transfer_teaches_the_maps_softmax_s_weights(softmax_file, corpus):
+def test_attention_transfer_teaches_the_maps_softmax_s_weights(transfer_setup):
     from training.attention_transfer import teacher_queries_keys, transfer, transfer_loss
-    from training.data import load_text
 
-    teacher, _ = load_model(softmax_file)
-    student = build_model(teacher.config.replace(attention="linear", linear_feature_map="hedgehog"))
-    init_from(str(softmax_file), student)
-    data = load_text(corpus).train
-    gen = torch.Generator().manual_seed(0)
-
-    def batch() -> torch.Tensor:
-        starts = torch.randint(0, data.shape[0] - 16, (8,), generator=gen)
-        return data[starts[:, None] + torch.arange(16)].long()  # (8, 16)
-
+    teacher, batch, gen = transfer_setup.teacher, transfer_setup.batch, transfer_setup.gen
+    student = transfer_setup.student(attention="linear", linear_feature_map="hedgehog")
     probe = batch()
     rows = torch.arange(16)
 
@@ -271,21 +295,11 @@ def test_a_first_stage_needs_a_learned_map(tmp_path, softmax_file, corpus, capsy
     assert "elu has none" in capsys.readouterr().err and not out.exists()
 
 
-def test_output_transfer_teaches_a_hybrid_s_maps_and_mix_to_stand_in_for_softmax(softmax_file, corpus):
+def test_output_transfer_teaches_a_hybrid_s_maps_and_mix_to_stand_in_for_softmax(transfer_setup):
     from training.attention_transfer import output_step, transfer
-    from training.data import load_text
 
-    teacher, _ = load_model(softmax_file)
-    config = teacher.config.replace(attention="hybrid", hybrid_window=4, hybrid_feature_map="hedgehog")
-    student = build_model(config)
-    init_from(str(softmax_file), student)
-    data = load_text(corpus).train
-    gen = torch.Generator().manual_seed(0)
-
-    def batch() -> torch.Tensor:
-        starts = torch.randint(0, data.shape[0] - 16, (8,), generator=gen)
-        return data[starts[:, None] + torch.arange(16)].long()  # (8, 16)
-
+    teacher, batch, gen = transfer_setup.teacher, transfer_setup.batch, transfer_setup.gen
+    student = transfer_setup.student(attention="hybrid", hybrid_window=4, hybrid_feature_map="hedgehog")
     probe = batch()
 
     def error_now() -> float:  # the layers' mean relative output error on a fixed batch, no step taken

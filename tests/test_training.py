@@ -11,6 +11,7 @@ import dataclasses
 import gzip
 import json
 import math
+import os
 import shlex
 import signal
 import struct
@@ -30,7 +31,8 @@ from model.decode.sampling import BatchSampling, SamplingParams
 from model.transformer import with_bos
 from model.io.weights import load_model, read_metadata, save_model
 from rnnserve_cli import parse_args
-from training import atomic_write, checkpoint, evaluate, resume, run_state, train
+from model.io import atomic_write
+from training import checkpoint, evaluate, resume, run_state, train
 from training.averaging import WeightAverage
 from training.checkpoint import Checkpoint, read_checkpoint
 from training.data import DataError, find_images_file, load_mnist, load_text, read_idx_images, write_idx_images
@@ -544,6 +546,16 @@ def test_an_interrupted_checkpoint_write_keeps_the_previous_one(
     assert ckpt.read_bytes() == before
     assert read_checkpoint(ckpt).progress.step == 2
     assert sorted(p.name for p in tmp_path.glob("w.ckpt*")) == ["w.ckpt"]  # the partial .tmp is removed
+
+
+def test_a_checkpoint_is_shared_as_the_umask_allows_like_a_model_file(tmp_path: Path, text_file: Path) -> None:
+    ckpt = tmp_path / "u.ckpt"
+    old = os.umask(0o022)  # this test's own process-wide setting, put back below
+    try:
+        train.train(text_args(tmp_path, text_file, "--steps", "1", "--no-eval", "--checkpoint", str(ckpt)))
+    finally:
+        os.umask(old)
+    assert ckpt.stat().st_mode & 0o777 == 0o644  # not safetensors' owner-only 0600
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])

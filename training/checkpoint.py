@@ -38,9 +38,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from model import Transformer, build_model
+from model.io.atomic_write import write_atomically
 from model.io.weights import TOKENIZER_KEY
 
-from .atomic_write import write_atomically
 from .averaging import WeightAverage
 from .checkpoint_legacy import ZIP_MAGIC, read_legacy
 from .errors import TrainError

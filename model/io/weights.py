@@ -21,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..config import ConfigError, ModelConfig
+from .atomic_write import write_atomically
 from ..transformer import Transformer, build_model
 
 CONFIG_KEY = "rnnserve.config"
@@ -90,22 +91,7 @@ def update_info(path: str | os.PathLike, changes: dict[str, Any]) -> None:
 
 def _write(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: str | os.PathLike) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)  # as `rnnserve import` does for --out
-    tmp = Path(f"{path}.tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    # safetensors writes files readable by their owner alone; a model file is shared as any file the user writes.
-    os.chmod(tmp, 0o666 & ~_umask())
-    os.replace(tmp, path)  # never leave a truncated file under the final name
-
-
-def _umask() -> int:
-    """The process's umask, read without setting it (os.umask would change it for every thread meanwhile)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
-    return 0o022
+    write_atomically(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def read_metadata(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:

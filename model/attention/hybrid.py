@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
-from ..block_parts import Rotary
 from ..config import ModelConfig
 from .feature_maps import feature_count, make_feature_map, projected_count
-from .head_shapes import chunk_positions, merge_heads, split_heads
+from .head_shapes import chunk_positions, merge_heads
+from .projections import FusedProjections
 from ..state import RowState
 
 
@@ -54,7 +54,7 @@ class Past:
     z: torch.Tensor  # (B, KV, F)
 
 
-class HybridAttention(Attention):
+class HybridAttention(FusedProjections, Attention):
     capabilities = Capabilities(constant_state=True, graphable=False, paddable=True, compilable=True)
 
     @classmethod
@@ -69,16 +69,13 @@ class HybridAttention(Attention):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
-        self.window = cfg.hybrid_window
-        self.eps = cfg.hybrid_eps
         # The same layers, names and shapes as softmax attention's for the same block options, so that a softmax
         # model's weights load into its hybrid twin (a warm start copies them by name, training/warm_start.py).
-        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.d_head, bias=cfg.qkv_bias)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.attn_out_bias)
         # Rotary positions turn q and k before the window's scores and the feature map (as LoLCATs does): the ring
         # keeps keys turned, as softmax's cache does.
-        self.rotary = Rotary(cfg) if cfg.pos_encoding == "rotary" else None
+        self._build_projections(cfg)
+        self.window = cfg.hybrid_window
+        self.eps = cfg.hybrid_eps
         # Per key head: a group's queries share its map, so phi(k) and the sums are one per key head.
         self.feature_map = make_feature_map(cfg.hybrid_feature_map, cfg.n_kv_heads, cfg.d_head, cfg.hybrid_features)
         self.features = feature_count(cfg.hybrid_feature_map, cfg.d_head, cfg.hybrid_features)  # F
@@ -92,7 +89,7 @@ class HybridAttention(Attention):
 
     def forward(self, x: torch.Tensor, start: torch.Tensor, state: HybridState | None):
         positions = chunk_positions(start, x.shape[1])  # (B, T)
-        q, k, v = self._project(x, positions)  # (B, H, T, D), (B, KV, T, D) twice
+        q, k, v = self._project(x, start, widen=True, positions=positions)  # (B, H, T, D), (B, KV, T, D) twice, float32
         if state is None:  # a whole sequence from position 0: training and scoring
             return self.proj(merge_heads(self._attend_in_blocks(q, k, v).to(x.dtype))), None
         if x.shape[1] == 1:  # decoding
@@ -105,15 +102,6 @@ class HybridAttention(Attention):
         y = self._attend(q, keys, values, key_pos, phi_k, positions, past)
         self._advance(state, k, v, values, key_pos, phi_k, positions, past)
         return self.proj(merge_heads(y.to(x.dtype))), state
-
-    def _project(self, x: torch.Tensor, positions: torch.Tensor):
-        """(B, T, C) -> q (B, H, T, D), k and v (B, KV, T, D), float32, q and k turned by rotary positions."""
-        q, k, v = self.qkv(x).split([self.n_heads * self.d_head, *[self.n_kv_heads * self.d_head] * 2], dim=-1)
-        heads = (self.n_heads, self.n_kv_heads, self.n_kv_heads)
-        q, k, v = (split_heads(t, n).float() for t, n in zip((q, k, v), heads))
-        if self.rotary is not None:
-            q, k = self.rotary(q, positions), self.rotary(k, positions)
-        return q, k, v
 
     def _attend_in_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The same sums as `_attend` for a whole sequence from position 0, q (B, H, T, D) over k, v (B, KV, T, D),

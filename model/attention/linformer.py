@@ -24,7 +24,8 @@ from torch import nn
 
 from .base import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
 from ..config import ModelConfig
-from .head_shapes import chunk_positions, merge_heads, split_heads
+from .head_shapes import chunk_positions, merge_heads
+from .projections import FusedProjections
 from ..state import RowState
 
 BLOCK = 64
@@ -78,7 +79,7 @@ def linformer_chunked(q, k, v, e, f, keys0, values0):
     return out, keys_before[:, :, -1] + keys_per_block[:, :, -1], values_before[:, :, -1] + values_per_block[:, :, -1]
 
 
-class LinformerAttention(Attention):
+class LinformerAttention(FusedProjections, Attention):
     capabilities = Capabilities(constant_state=True, graphable=True, paddable=True, compilable=True)
 
     @classmethod
@@ -89,10 +90,10 @@ class LinformerAttention(Attention):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads = cfg.n_heads
+        # The config leaves Linformer the plain block (model/attention/kinds.py declares no block option it
+        # implements): as many key as query heads, biases, no rotary positions.
+        self._build_projections(cfg)
         self.slots = cfg.linformer_k  # k: the length keys and values are projected to
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         # "none": one E and F per head; "headwise": shared by heads; "kv": E = F.
         n_proj = cfg.n_heads if cfg.linformer_sharing == "none" else 1
         std = 1.0 / math.sqrt(cfg.max_len)  # keeps sum_j E[:, j] k_j of order one
@@ -113,7 +114,7 @@ class LinformerAttention(Attention):
         return proj[:, :, chunk_positions(start, t)].permute(2, 0, 3, 1).float()
 
     def forward(self, x: torch.Tensor, start: torch.Tensor, state: LinformerState | None):
-        q, k, v = (split_heads(t, self.n_heads).float() for t in self.qkv(x).chunk(3, dim=-1))  # (B, H, T, D)
+        q, k, v = self._project(x, start, widen=True)  # (B, H, T, D) each, float32
         t = q.shape[2]
         e = self._columns(self.e, start, t, state)
         f = e if self.f is None else self._columns(self.f, start, t, state)

@@ -6,12 +6,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from .base import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
-from ..block_parts import Rotary
 from ..config import ModelConfig
-from .head_shapes import chunk_positions, merge_heads, split_heads
+from .head_shapes import chunk_positions, merge_heads
+from .projections import FusedProjections
 from ..state import RowState
 
 
@@ -35,7 +34,7 @@ class KVCache(RowState):
         self.v[row, :, :length] = saved[1]
 
 
-class SoftmaxAttention(Attention):
+class SoftmaxAttention(FusedProjections, Attention):
     # The cache grows by position, so steps read a prefix of changing length: no CUDA graph (torch.compile
     # traces the length symbolically); padding rows restarting at position 0 only overwrite their own first slot.
     capabilities = Capabilities(constant_state=False, graphable=False, paddable=True, compilable=True)
@@ -51,14 +50,10 @@ class SoftmaxAttention(Attention):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+        self._build_projections(cfg)
         self.max_len = cfg.max_len
         self.window = cfg.sliding_window  # 0: every earlier position
         self.grouped = self.n_kv_heads != self.n_heads  # grouped-query attention: a key head per query group
-        # Queries, then keys and values of n_kv_heads heads each (fewer than n_heads in grouped-query attention).
-        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.d_head, bias=cfg.qkv_bias)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.attn_out_bias)
-        self.rotary = Rotary(cfg) if cfg.pos_encoding == "rotary" else None
 
     def new_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> KVCache:
         shape = (batch, self.n_kv_heads, self.max_len, self.d_head)  # only the key and value heads are kept
@@ -71,14 +66,6 @@ class SoftmaxAttention(Attention):
         else:
             y = self._attend_cached(q, k, v, start, state)
         return self.proj(merge_heads(y)), state
-
-    def _project(self, x: torch.Tensor, start: torch.Tensor):
-        q, k, v = self.qkv(x).split([self.n_heads * self.d_head, *[self.n_kv_heads * self.d_head] * 2], dim=-1)
-        q, k, v = split_heads(q, self.n_heads), split_heads(k, self.n_kv_heads), split_heads(v, self.n_kv_heads)
-        if self.rotary is not None:
-            positions = chunk_positions(start, x.shape[1])  # (B, T)
-            q, k = self.rotary(q, positions), self.rotary(k, positions)
-        return q, k, v
 
     def _attend_chunk(self, q, k, v) -> torch.Tensor:
         """A whole sequence from position 0, no cache (training, scoring)."""

@@ -74,8 +74,8 @@ class HybridAttention(FusedProjections, Attention):
         # Rotary positions turn q and k before the window's scores and the feature map (as LoLCATs does): the ring
         # keeps keys turned, as softmax's cache does.
         self._build_projections(cfg)
-        self.window = cfg.hybrid_window
-        self.eps = cfg.hybrid_eps
+        self.window: int = cfg.hybrid_window
+        self.eps: float = cfg.hybrid_eps
         # Per key head: a group's queries share its map, so phi(k) and the sums are one per key head.
         self.feature_map = make_feature_map(cfg.hybrid_feature_map, cfg.n_kv_heads, cfg.d_head, cfg.hybrid_features)
         self.features = feature_count(cfg.hybrid_feature_map, cfg.d_head, cfg.hybrid_features)  # F
@@ -84,10 +84,15 @@ class HybridAttention(FusedProjections, Attention):
     def new_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> HybridState:
         del dtype  # float32 whatever the model's dtype, as linear attention's sums
         kv, w, d, f = self.n_kv_heads, self.window, self.d_head, self.features
-        zeros = lambda *shape: torch.zeros(*shape, device=device)  # noqa: E731
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, device=device)
+
         return HybridState(zeros(batch, kv, w, d), zeros(batch, kv, w, d), zeros(batch, kv, f, d), zeros(batch, kv, f))
 
-    def forward(self, x: torch.Tensor, start: torch.Tensor, state: HybridState | None):
+    def forward(
+        self, x: torch.Tensor, start: torch.Tensor, state: HybridState | None
+    ) -> tuple[torch.Tensor, HybridState | None]:
         positions = chunk_positions(start, x.shape[1])  # (B, T)
         q, k, v = self._project(x, start, widen=True, positions=positions)  # (B, H, T, D), (B, KV, T, D) twice, float32
         if state is None:  # a whole sequence from position 0: training and scoring
@@ -144,7 +149,9 @@ class HybridAttention(FusedProjections, Attention):
         exists = (torch.arange(blocks, device=device) > 0)[:, None, None] | (j >= w)  # (N, 1 or W, 2W)
         return exists & (j > i) & (j <= i + w), exists & (j <= i)
 
-    def _step(self, q, k, v, start: torch.Tensor, state: HybridState) -> torch.Tensor:
+    def _step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, state: HybridState
+    ) -> torch.Tensor:
         """One token per row, q (B, H, 1, D), k and v (B, KV, 1, D) at positions `start` (B,) -> (B, H, 1, D).
         The key that leaves the window now sits in the new key's slot: it moves into the sums, the new key takes
         its place, and the ring then holds exactly the window, in slot order (a softmax needs no other order)."""
@@ -157,8 +164,8 @@ class HybridAttention(FusedProjections, Attention):
         state.k.scatter_(2, slot, k)
         state.v.scatter_(2, slot, v)
         written = torch.arange(w, device=start.device)[None, :] <= start[:, None]  # (B, W): slots reached so far
-        phi_q = self.feature_map(q).unflatten(1, (kv_heads, -1))  # (B, KV, G, 1, F)
-        scores = (q.unflatten(1, (kv_heads, -1)) @ state.k[:, :, None].transpose(-1, -2)) * self.d_head**-0.5
+        phi_q = torch.unflatten(self.feature_map(q), 1, (kv_heads, -1))  # (B, KV, G, 1, F)
+        scores = (torch.unflatten(q, 1, (kv_heads, -1)) @ state.k[:, :, None].transpose(-1, -2)) * self.d_head**-0.5
         scores = scores.masked_fill(~written[:, None, None, None, :], float("-inf"))  # (B, KV, G, 1, W)
         window = torch.exp(scores - scores.amax(-1, keepdim=True))
         g = torch.sigmoid(self.mix.float()).view(1, kv_heads, -1, 1, 1)  # (1, KV, G, 1, 1)
@@ -173,7 +180,16 @@ class HybridAttention(FusedProjections, Attention):
         slots = positions.remainder(self.window)[:, None, :, None].expand(-1, self.n_kv_heads, -1, self.d_head)
         return Past(state.k.gather(2, slots), state.v.gather(2, slots), positions, state.s.clone(), state.z.clone())
 
-    def _attend(self, q, keys, values, key_positions, phi_k, positions: torch.Tensor, past: Past) -> torch.Tensor:
+    def _attend(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        key_positions: torch.Tensor,
+        phi_k: torch.Tensor,
+        positions: torch.Tensor,
+        past: Past,
+    ) -> torch.Tensor:
         """Queries (B, H, T, D) at `positions` (B, T) over the past's keys and the chunk's own, (B, KV, L, D)
         -> (B, H, T, D). Each key head serves its group of H / KV query heads: they are worked on as (B, KV, G, ...)."""
         kv_heads = keys.shape[1]
@@ -182,8 +198,8 @@ class HybridAttention(FusedProjections, Attention):
         written = key_pos >= 0
         in_window = written & (key_pos <= query_pos) & (key_pos > query_pos - self.window)
         older = written & (key_pos <= query_pos - self.window)
-        phi_q = self.feature_map(q).unflatten(1, (kv_heads, -1))  # (B, KV, G, T, F)
-        q = q.unflatten(1, (kv_heads, -1))  # (B, KV, G, T, D)
+        phi_q = torch.unflatten(self.feature_map(q), 1, (kv_heads, -1))  # (B, KV, G, T, F)
+        q = torch.unflatten(q, 1, (kv_heads, -1))  # (B, KV, G, T, D)
         keys, values, phi_k = keys[:, :, None], values[:, :, None], phi_k[:, :, None]  # (B, KV, 1, L, D or F)
         scores = (q @ keys.transpose(-1, -2)) * self.d_head**-0.5  # (B, KV, G, T, L)
         scores = scores.masked_fill(~in_window, float("-inf"))
@@ -195,7 +211,17 @@ class HybridAttention(FusedProjections, Attention):
         denominator = weights.sum(-1) + (1 - g[..., 0]) * (phi_q @ past.z[:, :, None, :, None])[..., 0]  # (B, KV, G, T)
         return (numerator / (denominator[..., None] + self.eps)).flatten(1, 2)
 
-    def _advance(self, state: HybridState, k, v, values, key_pos, phi_k, positions: torch.Tensor, past: Past) -> None:
+    def _advance(
+        self,
+        state: HybridState,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        values: torch.Tensor,
+        key_pos: torch.Tensor,
+        phi_k: torch.Tensor,
+        positions: torch.Tensor,
+        past: Past,
+    ) -> None:
         """The keys that leave the window by the chunk's end go into the sums; the last W keys into the ring."""
         leaving = (key_pos >= 0) & (key_pos <= positions[:, -1:] - self.window)  # (B, L)
         phi_k = phi_k * leaving[:, None, :, None]  # (B, KV, L, F)

@@ -48,7 +48,9 @@ class LinearState(RowState):
         return self.sz_t[..., -1, :]  # (B, H, F): sum of phi(k)
 
 
-def linear_attention_chunked(q, k, v, s0, z0, eps: float):
+def linear_attention_chunked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s0: torch.Tensor, z0: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact causal linear attention over a chunk, starting from (s0, z0).
 
     q: (B, H, T, F) and k: (B, KV, T, F) already feature-mapped; v: (B, KV, T, E); s0 (B, KV, F, E), z0 (B, KV, F).
@@ -98,7 +100,7 @@ class LinearAttention(FusedProjections, Attention):
         # queries and keys softmax scored.
         self._build_projections(cfg)
         self.grouped = self.n_kv_heads != self.n_heads  # grouped-query attention: S and Z per key head
-        self.eps = cfg.linear_eps
+        self.eps: float = cfg.linear_eps
         # Per key head: a group's queries share its map, so phi(k) and the sums are one per key head.
         self.feature_map = make_feature_map(cfg.linear_feature_map, cfg.n_kv_heads, cfg.d_head, cfg.linear_features)
         self.features = feature_count(cfg.linear_feature_map, cfg.d_head, cfg.linear_features)  # F
@@ -108,7 +110,9 @@ class LinearAttention(FusedProjections, Attention):
         del dtype  # sums accumulate in float32 whatever the model's dtype
         return LinearState(torch.zeros(batch, self.n_kv_heads, self.d_head + 1, self.features, device=device))
 
-    def forward(self, x: torch.Tensor, start: torch.Tensor, state: LinearState | None):
+    def forward(
+        self, x: torch.Tensor, start: torch.Tensor, state: LinearState | None
+    ) -> tuple[torch.Tensor, LinearState | None]:
         q, k, v = self._project(x, start, widen=True)  # (B, H, T, D), (B, KV, T, D) twice, float32
         q, k = self.feature_map(q), self.feature_map(k)  # (B, H, T, F), (B, KV, T, F)
         if state is not None and q.shape[2] == 1:
@@ -133,11 +137,11 @@ class LinearAttention(FusedProjections, Attention):
         matter to it."""
         return self.cpu_decode_kernel and not self.grouped and q.device.type == "cpu" and state.sz_t.is_contiguous()
 
-    def _zeros(self, k: torch.Tensor, v: torch.Tensor):
+    def _zeros(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, kv_heads, _, f = k.shape
         return k.new_zeros(b, kv_heads, f, v.shape[-1]), k.new_zeros(b, kv_heads, f)
 
-    def _step(self, q, k, v, state: LinearState) -> torch.Tensor:
+    def _step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: LinearState) -> torch.Tensor:
         """One token per row, state updated in place. q (B, H, F) and k (B, KV, F) feature-mapped; v (B, KV, D).
         Returns (B, H, D)."""
         b, kv_heads, d = v.shape
@@ -146,6 +150,6 @@ class LinearAttention(FusedProjections, Attention):
         # addcmul is one pass over the state, quicker on CPU than a batched rank-1 baddbmm
         # (timings in benchmarks/results/NOTES.md, "Measurements behind design choices").
         state.sz_t.addcmul_(v1[..., :, None], k[..., None, :])
-        grouped = q.unflatten(1, (kv_heads, -1))  # (B, KV, G, F): a key head's query heads side by side
+        grouped = torch.unflatten(q, 1, (kv_heads, -1))  # (B, KV, G, F): a key head's query heads side by side
         out = (grouped @ state.sz_t.transpose(-1, -2)).flatten(1, 2)  # (B, H, D + 1): [phi(q)^T S, phi(q)^T Z]
         return out[..., :d] / (out[..., d:] + self.eps)

@@ -56,7 +56,15 @@ def _blocks(x: torch.Tensor, n: int, size: int) -> torch.Tensor:
     return x.reshape(*x.shape[:2], n, size, x.shape[-1])
 
 
-def linformer_chunked(q, k, v, e, f, keys0, values0):
+def linformer_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    e: torch.Tensor,
+    f: torch.Tensor,
+    keys0: torch.Tensor | None,
+    values0: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact causal Linformer over a chunk, starting from (K~, V~) = (keys0, values0) or zeros if None.
 
     q, k, v: (B, H, T, D); e, f: (B or 1, H or 1, T, k) projection columns at the chunk's positions;
@@ -107,13 +115,15 @@ class LinformerAttention(FusedProjections, Attention):
             torch.zeros(shape, device=device), torch.zeros(shape, device=device).transpose(-1, -2).contiguous()
         )
 
-    def _columns(self, proj: torch.Tensor, start: torch.Tensor, t: int, state) -> torch.Tensor:
+    def _columns(self, proj: torch.Tensor, start: torch.Tensor, t: int, state: LinformerState | None) -> torch.Tensor:
         """Columns of E or F (H or 1, k, max_len) at the chunk's positions -> (B or 1, H or 1, T, k)."""
         if state is None:  # a whole sequence from position 0: one slice serves every row
             return proj[None, :, :, :t].transpose(-1, -2).float()
         return proj[:, :, chunk_positions(start, t)].permute(2, 0, 3, 1).float()
 
-    def forward(self, x: torch.Tensor, start: torch.Tensor, state: LinformerState | None):
+    def forward(
+        self, x: torch.Tensor, start: torch.Tensor, state: LinformerState | None
+    ) -> tuple[torch.Tensor, LinformerState | None]:
         q, k, v = self._project(x, start, widen=True)  # (B, H, T, D) each, float32
         t = q.shape[2]
         e = self._columns(self.e, start, t, state)
@@ -128,7 +138,9 @@ class LinformerAttention(FusedProjections, Attention):
             state.values_projected.copy_(values)
         return self.proj(merge_heads(y.to(x.dtype))), state
 
-    def _step(self, q, k, v, e, f, state: LinformerState) -> torch.Tensor:
+    def _step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e: torch.Tensor, f: torch.Tensor, state: LinformerState
+    ) -> torch.Tensor:
         """One token per row, state updated in place first (a query sees itself).
 
         q, k, v: (B, H, 1, D); e, f: (B, H or 1, 1, k). Returns (B, H, 1, D)."""
@@ -141,7 +153,9 @@ class LinformerAttention(FusedProjections, Attention):
         return attn @ state.values_projected  # (B, H, 1, D)
 
     @staticmethod
-    def _fused_step(q, k, v, e, f, state: LinformerState) -> torch.Tensor:
+    def _fused_step(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e: torch.Tensor, f: torch.Tensor, state: LinformerState
+    ) -> torch.Tensor:
         """The same step written for inductor: reads go to the state before its update, and the
         update's share is added apart (q . (K~ + E k^T) = q . K~ + E (q . k)), so one loop over
         each state tensor both reads it and updates it in place."""

@@ -59,7 +59,9 @@ class SoftmaxAttention(FusedProjections, Attention):
         shape = (batch, self.n_kv_heads, self.max_len, self.d_head)  # only the key and value heads are kept
         return KVCache(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
 
-    def forward(self, x: torch.Tensor, start: torch.Tensor, state: KVCache | None):
+    def forward(
+        self, x: torch.Tensor, start: torch.Tensor, state: KVCache | None
+    ) -> tuple[torch.Tensor, KVCache | None]:
         q, k, v = self._project(x, start)  # (B, H, T, D), (B, KV, T, D) twice
         if state is None:
             y = self._attend_chunk(q, k, v)
@@ -67,7 +69,7 @@ class SoftmaxAttention(FusedProjections, Attention):
             y = self._attend_cached(q, k, v, start, state)
         return self.proj(merge_heads(y)), state
 
-    def _attend_chunk(self, q, k, v) -> torch.Tensor:
+    def _attend_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """A whole sequence from position 0, no cache (training, scoring)."""
         if not self.window:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.grouped)
@@ -80,7 +82,9 @@ class SoftmaxAttention(FusedProjections, Attention):
         visible = keys <= queries
         return visible & (keys > queries - self.window) if self.window else visible
 
-    def _attend_cached(self, q, k, v, start, state: KVCache) -> torch.Tensor:
+    def _attend_cached(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, state: KVCache
+    ) -> torch.Tensor:
         b, _, t, _ = q.shape
         pos = chunk_positions(start, t)  # (B, T)
         rows = torch.arange(b, device=q.device)[:, None]
@@ -88,11 +92,12 @@ class SoftmaxAttention(FusedProjections, Attention):
         state.k[rows, :, pos] = k.transpose(1, 2).to(state.k.dtype)
         state.v[rows, :, pos] = v.transpose(1, 2).to(state.v.dtype)
         if t == 1 and self._kernel_applies(q, state):
-            return torch.ops.rnnserve.softmax_decode_attention(q, state.k, state.v, pos[:, 0])
+            attended: torch.Tensor = torch.ops.rnnserve.softmax_decode_attention(q, state.k, state.v, pos[:, 0])
+            return attended
         used = int(pos.max()) + 1  # attend only to the written prefix
         # For torch.compile, which cannot see the value: at least one key, and narrow (not a slice)
         # gives exactly `used` of them.
-        torch._check(used > 0)
+        torch._check(used > 0)  # type: ignore[no-untyped-call]  # torch leaves _check unannotated
         keys, values = state.k.narrow(2, 0, used), state.v.narrow(2, 0, used)
         mask = self._visible(torch.arange(used, device=q.device), pos[:, :, None])  # (B, T, L)
         if t == 1 and q.device.type == "cpu":
@@ -128,7 +133,7 @@ def attend_one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         return (weights @ values.float()).to(q.dtype)  # (B, H, 1, D)
     # Grouped: (B, KV, G, D), a key head's query heads side by side, as views. Products and sums written out
     # (not batched matrix products, which inductor cannot lower over a prefix of unknown length in bfloat16).
-    grouped = q[:, :, 0].unflatten(1, (kv, -1)).float()
+    grouped = torch.unflatten(q[:, :, 0], 1, (kv, -1)).float()
     scores = (grouped[:, :, :, None] * keys.float()[:, :, None]).sum(-1) * d**-0.5  # (B, KV, G, L)
     weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
     out = (weights[..., None] * values.float()[:, :, None]).sum(-2)  # (B, KV, G, D)

@@ -42,8 +42,8 @@ test: $(TEST_STAMP)
 test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-# ruff: pyflakes and pycodestyle's errors, and the formatting; mypy: the types of server/engine/ (strict) and model/
-# (both configured in pyproject.toml). CI runs it before the tests.
+# ruff: pyflakes and pycodestyle's errors, and the formatting; mypy: the types of server/engine/ and model/, both
+# strict (configured in pyproject.toml). CI runs it before the tests.
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

@@ -10,9 +10,11 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # for type checkers only: at run time __getattr__ imports them on first access
-    from .config import BOS_TOKEN, BYTE_VOCAB, ModelConfig  # noqa: F401
-    from .state import ModelState  # noqa: F401
-    from .transformer import SequenceTooLong, Transformer, build_model  # noqa: F401
+    # `X as X`: an explicit re-export (the names below are the package's, not only its submodules')
+    from .config import BOS_TOKEN as BOS_TOKEN, BYTE_VOCAB as BYTE_VOCAB, ModelConfig as ModelConfig
+    from .state import ModelState as ModelState
+    from .transformer import SequenceTooLong as SequenceTooLong, Transformer as Transformer
+    from .transformer import build_model as build_model
 
 # exported name -> submodule that defines it
 _EXPORTS = {

@@ -4,6 +4,8 @@ the norms, the feed-forwards and rotary positions. The model picks each from a t
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Self
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +46,8 @@ class GeluFeedForward(nn.Module):
         self.approximate = "tanh" if cfg.gelu == "tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.down(F.gelu(self.up(x), approximate=self.approximate)))
+        y: torch.Tensor = self.drop(self.down(F.gelu(self.up(x), approximate=self.approximate)))
+        return y
 
     def last_layer(self) -> nn.Linear:
         return self.down
@@ -61,7 +64,8 @@ class SwiGLUFeedForward(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.down(F.silu(self.gate(x)) * self.up(x)))
+        y: torch.Tensor = self.drop(self.down(F.silu(self.gate(x)) * self.up(x)))
+        return y
 
     def last_layer(self) -> nn.Linear:
         return self.down
@@ -81,13 +85,15 @@ def rotary_frequencies(cfg: ModelConfig) -> torch.Tensor:
     """(D/2,) float32 angular frequencies of rotary positions, stretched as `rope_scaling` asks (Llama 3's
     scheme: long wavelengths slowed by the factor, short ones kept, the band between blended)."""
     d = cfg.d_head
-    freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    freq: torch.Tensor = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    factor: float = cfg.rope_factor
     if cfg.rope_scaling == "linear":
-        return freq / cfg.rope_factor
+        return freq / factor
     if cfg.rope_scaling != "llama3":
         return freq
-    factor, original = cfg.rope_factor, cfg.rope_original_max_len
-    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    original: int = cfg.rope_original_max_len
+    low: float = cfg.rope_low_freq_factor
+    high: float = cfg.rope_high_freq_factor
     wavelength = 2 * math.pi / freq
     scaled = torch.where(wavelength > original / low, freq / factor, freq)
     blend = (original / wavelength - low) / (high - low)
@@ -106,10 +112,10 @@ class Rotary(nn.Module):
         super().__init__()
         self.register_buffer("frequencies", rotary_frequencies(cfg), persistent=False)
 
-    def _apply(self, fn, recurse=True):
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         """Moves and casts keep the frequencies float32, as the reference computes its angles."""
         frequencies = self.frequencies
-        super()._apply(fn, recurse)
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # torch leaves Module._apply unannotated
         self.frequencies = frequencies.to(device=self.frequencies.device, dtype=torch.float32)
         return self
 

@@ -29,7 +29,9 @@ def bin_edges(device: torch.device | None = None) -> torch.Tensor:
     return torch.cat([inner.new_tensor([-OPEN_EDGE]), inner, inner.new_tensor([OPEN_EDGE])])
 
 
-def _log_bin_mass(means: torch.Tensor, inv_scale: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor):
+def _log_bin_mass(
+    means: torch.Tensor, inv_scale: torch.Tensor, lower: torch.Tensor, upper: torch.Tensor
+) -> torch.Tensor:
     """log of one logistic's mass on [lower, upper], elementwise (broadcast).
 
     The mass is sigmoid(a) - sigmoid(b), a = (upper - mu)/s, b = (lower - mu)/s, computed as

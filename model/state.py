@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
+# Rows of a batch, as the engine names them: one, a list or range of them, or an index tensor.
+Rows = int | Sequence[int] | torch.Tensor
 
-def _tensor_fields(obj) -> Iterator[tuple[str, torch.Tensor]]:
+
+def _tensor_fields(obj: RowState) -> Iterator[tuple[str, torch.Tensor]]:
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if isinstance(value, torch.Tensor):
@@ -93,24 +96,24 @@ class ModelState:
     def batch_size(self) -> int:
         return int(self.lengths.shape[0])
 
-    def _as_index(self, rows) -> torch.Tensor:
+    def _as_index(self, rows: Rows) -> torch.Tensor:
         return torch.as_tensor(rows, dtype=torch.long, device=self.lengths.device).reshape(-1)
 
-    def reset_rows(self, rows) -> None:
+    def reset_rows(self, rows: Rows) -> None:
         """Make rows empty, ready for a new sequence."""
         idx = self._as_index(rows)
         self.lengths[idx] = 0
         for layer in self.layers:
             layer.reset_rows(idx)
 
-    def copy_rows(self, src, dst) -> None:
+    def copy_rows(self, src: Rows, dst: Rows) -> None:
         """Duplicate rows src into rows dst (n > 1 samples of one prompt)."""
         s, d = self._as_index(src), self._as_index(dst)
         self.lengths[d] = self.lengths[s]
         for layer in self.layers:
             layer.copy_rows(s, d)
 
-    def write_rows(self, dst, other: "ModelState") -> None:
+    def write_rows(self, dst: Rows, other: "ModelState") -> None:
         """Copy all rows of `other` (e.g. a batch-1 prefill) into rows dst; a 1-row `other` fills every one."""
         d = self._as_index(dst)
         self.lengths[d] = other.lengths.to(self.lengths.device)

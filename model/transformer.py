@@ -24,7 +24,7 @@ from .config import BOS_TOKEN, ModelConfig
 from .attention.head_shapes import chunk_positions
 from .output_heads import LogisticMixtureHead, build_output_head
 from .attention.classes import attention_class
-from .state import ModelState
+from .state import ModelState, RowState
 
 
 class SequenceTooLong(ValueError):
@@ -53,7 +53,9 @@ class Block(nn.Module):
             if last.bias is not None:
                 nn.init.zeros_(last.bias)
 
-    def forward(self, x, start, state):
+    def forward(
+        self, x: torch.Tensor, start: torch.Tensor, state: RowState | None
+    ) -> tuple[torch.Tensor, RowState | None]:
         a, state = self.attn(self.ln_attn(x), start, state)
         x = x + self.drop(a)
         return x + self.ff(self.ln_ff(x)), state
@@ -180,7 +182,8 @@ class Transformer(nn.Module):
 
     def _run(self, tokens: torch.Tensor, start: torch.Tensor, state: ModelState | None) -> torch.Tensor:
         """(B, T) tokens from positions `start` -> (B, T, V) logits."""
-        return self.head(self._hidden(tokens, start, state))
+        logits: torch.Tensor = self.head(self._hidden(tokens, start, state))
+        return logits
 
     def _hidden(self, tokens: torch.Tensor, start: torch.Tensor, state: ModelState | None) -> torch.Tensor:
         """(B, T) tokens from positions `start` -> (B, T, d_model), the final layer norm applied."""
@@ -190,12 +193,14 @@ class Transformer(nn.Module):
             x, _ = block(x, start, state.layers[i] if state is not None else None)
         if state is not None:
             state.lengths += tokens.shape[1]
-        return self.ln_f(x)
+        normed: torch.Tensor = self.ln_f(x)
+        return normed
 
     def _positions(self, pos: torch.Tensor) -> torch.Tensor | float:
         """What the input adds for its positions: nothing for rotary ones, which attention applies."""
         if self.pos_emb is not None:
-            return self.pos_emb(pos)
+            embedded: torch.Tensor = self.pos_emb(pos)
+            return embedded
         if self.config.pos_encoding == "rotary":
             return 0.0
         return sinusoidal_encoding(pos, self.config.d_model).to(self.dtype)

@@ -60,8 +60,8 @@ def layer_inputs(model: Transformer, tokens: torch.Tensor) -> list[torch.Tensor]
 def normaliser_parts(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The window's and the linear part's terms of each query's normaliser, mix included: (B, H, T) each."""
     b, t, _ = x.shape
-    positions = torch.arange(t, device=x.device).expand(b, t)  # (B, T): a whole sequence from position 0
-    q, k, _ = attn._project(x, positions)  # (B, H, T, D), (B, KV, T, D)
+    start = torch.zeros(b, dtype=torch.long, device=x.device)  # (B,): a whole sequence from position 0
+    q, k, _ = attn._project(x, start, widen=True)  # (B, H, T, D), (B, KV, T, D), float32 as the hybrid computes
     group = q.shape[1] // k.shape[1]  # query head h reads key head h // group
     phi_q = attn.feature_map(q)  # (B, H, T, F)
     phi_k = attn.feature_map(k).repeat_interleave(group, dim=1)  # (B, H, T, F)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -53,7 +53,7 @@ class Attention(nn.Module, ABC):
     # float32 whatever the model's dtype. Reformer's cache is not either (yet): it stays in the model's dtype.
     kv_cache: ClassVar[bool] = False
 
-    def __init_subclass__(cls, **kwargs) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if not isinstance(getattr(cls, "capabilities", None), Capabilities):
             raise TypeError(f"{cls.__name__} must declare `capabilities = Capabilities(...)`")

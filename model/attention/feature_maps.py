@@ -18,6 +18,7 @@ projection, so that phi(k) is one for the whole group and the sums over it are h
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -37,12 +38,20 @@ def feature_count(name: str, head_dim: int, features: int) -> int:
     return projected_count(head_dim, features) * (2 if name == "hedgehog" else 1)
 
 
-class EluFeatureMap(nn.Module):
+class FeatureMap(nn.Module):
+    """phi: (B, H, T, D) -> (B, H, T, F)."""
+
+    if TYPE_CHECKING:  # torch types nn.Module's call as returning Any: a map returns a tensor
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class EluFeatureMap(FeatureMap):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.elu(x) + 1.0
 
 
-class ProjectedFeatureMap(nn.Module):
+class ProjectedFeatureMap(FeatureMap):
     """x -> W x + b per head, then the map's nonlinearity."""
 
     def __init__(self, heads: int, head_dim: int, projected: int):
@@ -60,7 +69,7 @@ class ProjectedFeatureMap(nn.Module):
         heads = self.weight.shape[0]
         if x.shape[1] == heads:  # (B, H, T, D) x (H, P, D) -> (B, H, T, P)
             return torch.einsum("bhtd,hpd->bhtp", x, self.weight.float()) + self.bias.float()[:, None, :]
-        grouped = x.unflatten(1, (heads, -1))  # (B, KV, G, T, D)
+        grouped = torch.unflatten(x, 1, (heads, -1))  # (B, KV, G, T, D)
         projected = torch.einsum("bjgtd,jpd->bjgtp", grouped, self.weight.float()) + self.bias.float()[:, None, None]
         return projected.flatten(1, 2)
 
@@ -82,7 +91,7 @@ class HedgehogFeatureMap(ProjectedFeatureMap):
         return torch.cat([torch.softmax(projected, dim=-1), torch.softmax(-projected, dim=-1)], dim=-1)
 
 
-def make_feature_map(name: str, heads: int, head_dim: int, features: int) -> nn.Module:
+def make_feature_map(name: str, heads: int, head_dim: int, features: int) -> FeatureMap:
     """The map `name` (the config checks it against model/attention/kinds.py's list) with `features` projected
     outputs."""
     if name == "t2r":

@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
-from ..block_parts import Rotary
 from ..config import ModelConfig
 from .feature_maps import feature_count, make_feature_map, projected_count
-from .head_shapes import chunk_positions, merge_heads, split_heads
+from .head_shapes import chunk_positions, merge_heads
+from .projections import FusedProjections
 from ..state import RowState
 
 
@@ -54,7 +54,7 @@ class Past:
     z: torch.Tensor  # (B, KV, F)
 
 
-class HybridAttention(Attention):
+class HybridAttention(FusedProjections, Attention):
     capabilities = Capabilities(constant_state=True, graphable=False, paddable=True, compilable=True)
 
     @classmethod
@@ -69,16 +69,13 @@ class HybridAttention(Attention):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
-        self.window = cfg.hybrid_window
-        self.eps = cfg.hybrid_eps
         # The same layers, names and shapes as softmax attention's for the same block options, so that a softmax
         # model's weights load into its hybrid twin (a warm start copies them by name, training/warm_start.py).
-        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.d_head, bias=cfg.qkv_bias)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.attn_out_bias)
         # Rotary positions turn q and k before the window's scores and the feature map (as LoLCATs does): the ring
         # keeps keys turned, as softmax's cache does.
-        self.rotary = Rotary(cfg) if cfg.pos_encoding == "rotary" else None
+        self._build_projections(cfg)
+        self.window: int = cfg.hybrid_window
+        self.eps: float = cfg.hybrid_eps
         # Per key head: a group's queries share its map, so phi(k) and the sums are one per key head.
         self.feature_map = make_feature_map(cfg.hybrid_feature_map, cfg.n_kv_heads, cfg.d_head, cfg.hybrid_features)
         self.features = feature_count(cfg.hybrid_feature_map, cfg.d_head, cfg.hybrid_features)  # F
@@ -87,12 +84,17 @@ class HybridAttention(Attention):
     def new_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> HybridState:
         del dtype  # float32 whatever the model's dtype, as linear attention's sums
         kv, w, d, f = self.n_kv_heads, self.window, self.d_head, self.features
-        zeros = lambda *shape: torch.zeros(*shape, device=device)  # noqa: E731
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, device=device)
+
         return HybridState(zeros(batch, kv, w, d), zeros(batch, kv, w, d), zeros(batch, kv, f, d), zeros(batch, kv, f))
 
-    def forward(self, x: torch.Tensor, start: torch.Tensor, state: HybridState | None):
+    def forward(
+        self, x: torch.Tensor, start: torch.Tensor, state: HybridState | None
+    ) -> tuple[torch.Tensor, HybridState | None]:
         positions = chunk_positions(start, x.shape[1])  # (B, T)
-        q, k, v = self._project(x, positions)  # (B, H, T, D), (B, KV, T, D) twice
+        q, k, v = self._project(x, start, widen=True, positions=positions)  # (B, H, T, D), (B, KV, T, D) twice, float32
         if state is None:  # a whole sequence from position 0: training and scoring
             return self.proj(merge_heads(self._attend_in_blocks(q, k, v).to(x.dtype))), None
         if x.shape[1] == 1:  # decoding
@@ -105,15 +107,6 @@ class HybridAttention(Attention):
         y = self._attend(q, keys, values, key_pos, phi_k, positions, past)
         self._advance(state, k, v, values, key_pos, phi_k, positions, past)
         return self.proj(merge_heads(y.to(x.dtype))), state
-
-    def _project(self, x: torch.Tensor, positions: torch.Tensor):
-        """(B, T, C) -> q (B, H, T, D), k and v (B, KV, T, D), float32, q and k turned by rotary positions."""
-        q, k, v = self.qkv(x).split([self.n_heads * self.d_head, *[self.n_kv_heads * self.d_head] * 2], dim=-1)
-        heads = (self.n_heads, self.n_kv_heads, self.n_kv_heads)
-        q, k, v = (split_heads(t, n).float() for t, n in zip((q, k, v), heads))
-        if self.rotary is not None:
-            q, k = self.rotary(q, positions), self.rotary(k, positions)
-        return q, k, v
 
     def _attend_in_blocks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The same sums as `_attend` for a whole sequence from position 0, q (B, H, T, D) over k, v (B, KV, T, D),
@@ -156,7 +149,9 @@ class HybridAttention(Attention):
         exists = (torch.arange(blocks, device=device) > 0)[:, None, None] | (j >= w)  # (N, 1 or W, 2W)
         return exists & (j > i) & (j <= i + w), exists & (j <= i)
 
-    def _step(self, q, k, v, start: torch.Tensor, state: HybridState) -> torch.Tensor:
+    def _step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, state: HybridState
+    ) -> torch.Tensor:
         """One token per row, q (B, H, 1, D), k and v (B, KV, 1, D) at positions `start` (B,) -> (B, H, 1, D).
         The key that leaves the window now sits in the new key's slot: it moves into the sums, the new key takes
         its place, and the ring then holds exactly the window, in slot order (a softmax needs no other order)."""
@@ -169,8 +164,8 @@ class HybridAttention(Attention):
         state.k.scatter_(2, slot, k)
         state.v.scatter_(2, slot, v)
         written = torch.arange(w, device=start.device)[None, :] <= start[:, None]  # (B, W): slots reached so far
-        phi_q = self.feature_map(q).unflatten(1, (kv_heads, -1))  # (B, KV, G, 1, F)
-        scores = (q.unflatten(1, (kv_heads, -1)) @ state.k[:, :, None].transpose(-1, -2)) * self.d_head**-0.5
+        phi_q = torch.unflatten(self.feature_map(q), 1, (kv_heads, -1))  # (B, KV, G, 1, F)
+        scores = (torch.unflatten(q, 1, (kv_heads, -1)) @ state.k[:, :, None].transpose(-1, -2)) * self.d_head**-0.5
         scores = scores.masked_fill(~written[:, None, None, None, :], float("-inf"))  # (B, KV, G, 1, W)
         window = torch.exp(scores - scores.amax(-1, keepdim=True))
         g = torch.sigmoid(self.mix.float()).view(1, kv_heads, -1, 1, 1)  # (1, KV, G, 1, 1)
@@ -185,7 +180,16 @@ class HybridAttention(Attention):
         slots = positions.remainder(self.window)[:, None, :, None].expand(-1, self.n_kv_heads, -1, self.d_head)
         return Past(state.k.gather(2, slots), state.v.gather(2, slots), positions, state.s.clone(), state.z.clone())
 
-    def _attend(self, q, keys, values, key_positions, phi_k, positions: torch.Tensor, past: Past) -> torch.Tensor:
+    def _attend(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        key_positions: torch.Tensor,
+        phi_k: torch.Tensor,
+        positions: torch.Tensor,
+        past: Past,
+    ) -> torch.Tensor:
         """Queries (B, H, T, D) at `positions` (B, T) over the past's keys and the chunk's own, (B, KV, L, D)
         -> (B, H, T, D). Each key head serves its group of H / KV query heads: they are worked on as (B, KV, G, ...)."""
         kv_heads = keys.shape[1]
@@ -194,8 +198,8 @@ class HybridAttention(Attention):
         written = key_pos >= 0
         in_window = written & (key_pos <= query_pos) & (key_pos > query_pos - self.window)
         older = written & (key_pos <= query_pos - self.window)
-        phi_q = self.feature_map(q).unflatten(1, (kv_heads, -1))  # (B, KV, G, T, F)
-        q = q.unflatten(1, (kv_heads, -1))  # (B, KV, G, T, D)
+        phi_q = torch.unflatten(self.feature_map(q), 1, (kv_heads, -1))  # (B, KV, G, T, F)
+        q = torch.unflatten(q, 1, (kv_heads, -1))  # (B, KV, G, T, D)
         keys, values, phi_k = keys[:, :, None], values[:, :, None], phi_k[:, :, None]  # (B, KV, 1, L, D or F)
         scores = (q @ keys.transpose(-1, -2)) * self.d_head**-0.5  # (B, KV, G, T, L)
         scores = scores.masked_fill(~in_window, float("-inf"))
@@ -207,7 +211,17 @@ class HybridAttention(Attention):
         denominator = weights.sum(-1) + (1 - g[..., 0]) * (phi_q @ past.z[:, :, None, :, None])[..., 0]  # (B, KV, G, T)
         return (numerator / (denominator[..., None] + self.eps)).flatten(1, 2)
 
-    def _advance(self, state: HybridState, k, v, values, key_pos, phi_k, positions: torch.Tensor, past: Past) -> None:
+    def _advance(
+        self,
+        state: HybridState,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        values: torch.Tensor,
+        key_pos: torch.Tensor,
+        phi_k: torch.Tensor,
+        positions: torch.Tensor,
+        past: Past,
+    ) -> None:
         """The keys that leave the window by the chunk's end go into the sums; the last W keys into the ring."""
         leaving = (key_pos >= 0) & (key_pos <= positions[:, -1:] - self.window)  # (B, L)
         phi_k = phi_k * leaving[:, None, :, None]  # (B, KV, L, F)

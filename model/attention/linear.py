@@ -20,13 +20,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from .base import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
-from ..block_parts import Rotary
 from ..config import ModelConfig
 from .feature_maps import feature_count, make_feature_map, projected_count
-from .head_shapes import chunk_positions, merge_heads, split_heads
+from .head_shapes import merge_heads
+from .projections import FusedProjections
 from ..state import RowState
 
 BLOCK = 64
@@ -49,7 +48,9 @@ class LinearState(RowState):
         return self.sz_t[..., -1, :]  # (B, H, F): sum of phi(k)
 
 
-def linear_attention_chunked(q, k, v, s0, z0, eps: float):
+def linear_attention_chunked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s0: torch.Tensor, z0: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact causal linear attention over a chunk, starting from (s0, z0).
 
     q: (B, H, T, F) and k: (B, KV, T, F) already feature-mapped; v: (B, KV, T, E); s0 (B, KV, F, E), z0 (B, KV, F).
@@ -77,7 +78,7 @@ def linear_attention_chunked(q, k, v, s0, z0, eps: float):
     return out, s_before[:, :, -1] + kv[:, :, -1], z_before[:, :, -1] + ksum[:, :, -1]
 
 
-class LinearAttention(Attention):
+class LinearAttention(FusedProjections, Attention):
     capabilities = Capabilities(constant_state=True, graphable=True, paddable=True, compilable=True)
 
     @classmethod
@@ -93,16 +94,13 @@ class LinearAttention(Attention):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
-        self.grouped = self.n_kv_heads != self.n_heads  # grouped-query attention: S and Z per key head
-        self.eps = cfg.linear_eps
         # The same layers, names and shapes as softmax attention's for the same block options, so that a softmax
         # model's weights load into its linear twin (a warm start copies them by name, training/warm_start.py).
-        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.d_head, bias=cfg.qkv_bias)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.attn_out_bias)
         # Rotary positions turn q and k before the feature map (as LoLCATs linearizes Llama): phi then sees the
         # queries and keys softmax scored.
-        self.rotary = Rotary(cfg) if cfg.pos_encoding == "rotary" else None
+        self._build_projections(cfg)
+        self.grouped = self.n_kv_heads != self.n_heads  # grouped-query attention: S and Z per key head
+        self.eps: float = cfg.linear_eps
         # Per key head: a group's queries share its map, so phi(k) and the sums are one per key head.
         self.feature_map = make_feature_map(cfg.linear_feature_map, cfg.n_kv_heads, cfg.d_head, cfg.linear_features)
         self.features = feature_count(cfg.linear_feature_map, cfg.d_head, cfg.linear_features)  # F
@@ -112,8 +110,10 @@ class LinearAttention(Attention):
         del dtype  # sums accumulate in float32 whatever the model's dtype
         return LinearState(torch.zeros(batch, self.n_kv_heads, self.d_head + 1, self.features, device=device))
 
-    def forward(self, x: torch.Tensor, start: torch.Tensor, state: LinearState | None):
-        q, k, v = self._project(x, start)  # (B, H, T, D), (B, KV, T, D) twice, float32
+    def forward(
+        self, x: torch.Tensor, start: torch.Tensor, state: LinearState | None
+    ) -> tuple[torch.Tensor, LinearState | None]:
+        q, k, v = self._project(x, start, widen=True)  # (B, H, T, D), (B, KV, T, D) twice, float32
         q, k = self.feature_map(q), self.feature_map(k)  # (B, H, T, F), (B, KV, T, F)
         if state is not None and q.shape[2] == 1:
             y = self._step(q[:, :, 0], k[:, :, 0], v[:, :, 0], state)[:, :, None]
@@ -129,18 +129,6 @@ class LinearAttention(Attention):
                 state.z.copy_(z)
         return self.proj(merge_heads(y.to(x.dtype))), state
 
-    def _project(self, x: torch.Tensor, start: torch.Tensor):
-        """(B, T, C) -> q (B, H, T, D), k and v (B, KV, T, D), float32, q and k turned by rotary positions."""
-        q, k, v = self.qkv(x).split([self.n_heads * self.d_head, *[self.n_kv_heads * self.d_head] * 2], dim=-1)
-        q, k, v = (
-            split_heads(t, heads).float()
-            for t, heads in ((q, self.n_heads), (k, self.n_kv_heads), (v, self.n_kv_heads))
-        )
-        if self.rotary is not None:
-            positions = chunk_positions(start, x.shape[1])  # (B, T)
-            q, k = self.rotary(q, positions), self.rotary(k, positions)
-        return q, k, v
-
     def _prefill_kernel_takes(self, q: torch.Tensor, state: LinearState) -> bool:
         """Whether a chunk runs through the CPU prefill kernel (model/kernels/linear_prefill.cpp): once the
         kernels are on (model/kernels/loader.py), for CPU inputs (float32: `forward` widens them) and a state whose
@@ -149,11 +137,11 @@ class LinearAttention(Attention):
         matter to it."""
         return self.cpu_decode_kernel and not self.grouped and q.device.type == "cpu" and state.sz_t.is_contiguous()
 
-    def _zeros(self, k: torch.Tensor, v: torch.Tensor):
+    def _zeros(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, kv_heads, _, f = k.shape
         return k.new_zeros(b, kv_heads, f, v.shape[-1]), k.new_zeros(b, kv_heads, f)
 
-    def _step(self, q, k, v, state: LinearState) -> torch.Tensor:
+    def _step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: LinearState) -> torch.Tensor:
         """One token per row, state updated in place. q (B, H, F) and k (B, KV, F) feature-mapped; v (B, KV, D).
         Returns (B, H, D)."""
         b, kv_heads, d = v.shape
@@ -162,6 +150,6 @@ class LinearAttention(Attention):
         # addcmul is one pass over the state, quicker on CPU than a batched rank-1 baddbmm
         # (timings in benchmarks/results/NOTES.md, "Measurements behind design choices").
         state.sz_t.addcmul_(v1[..., :, None], k[..., None, :])
-        grouped = q.unflatten(1, (kv_heads, -1))  # (B, KV, G, F): a key head's query heads side by side
+        grouped = torch.unflatten(q, 1, (kv_heads, -1))  # (B, KV, G, F): a key head's query heads side by side
         out = (grouped @ state.sz_t.transpose(-1, -2)).flatten(1, 2)  # (B, H, D + 1): [phi(q)^T S, phi(q)^T Z]
         return out[..., :d] / (out[..., d:] + self.eps)

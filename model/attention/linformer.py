@@ -24,7 +24,8 @@ from torch import nn
 
 from .base import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
 from ..config import ModelConfig
-from .head_shapes import chunk_positions, merge_heads, split_heads
+from .head_shapes import chunk_positions, merge_heads
+from .projections import FusedProjections
 from ..state import RowState
 
 BLOCK = 64
@@ -55,7 +56,15 @@ def _blocks(x: torch.Tensor, n: int, size: int) -> torch.Tensor:
     return x.reshape(*x.shape[:2], n, size, x.shape[-1])
 
 
-def linformer_chunked(q, k, v, e, f, keys0, values0):
+def linformer_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    e: torch.Tensor,
+    f: torch.Tensor,
+    keys0: torch.Tensor | None,
+    values0: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact causal Linformer over a chunk, starting from (K~, V~) = (keys0, values0) or zeros if None.
 
     q, k, v: (B, H, T, D); e, f: (B or 1, H or 1, T, k) projection columns at the chunk's positions;
@@ -78,7 +87,7 @@ def linformer_chunked(q, k, v, e, f, keys0, values0):
     return out, keys_before[:, :, -1] + keys_per_block[:, :, -1], values_before[:, :, -1] + values_per_block[:, :, -1]
 
 
-class LinformerAttention(Attention):
+class LinformerAttention(FusedProjections, Attention):
     capabilities = Capabilities(constant_state=True, graphable=True, paddable=True, compilable=True)
 
     @classmethod
@@ -89,10 +98,10 @@ class LinformerAttention(Attention):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads = cfg.n_heads
+        # The config leaves Linformer the plain block (model/attention/kinds.py declares no block option it
+        # implements): as many key as query heads, biases, no rotary positions.
+        self._build_projections(cfg)
         self.slots = cfg.linformer_k  # k: the length keys and values are projected to
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
         # "none": one E and F per head; "headwise": shared by heads; "kv": E = F.
         n_proj = cfg.n_heads if cfg.linformer_sharing == "none" else 1
         std = 1.0 / math.sqrt(cfg.max_len)  # keeps sum_j E[:, j] k_j of order one
@@ -106,14 +115,16 @@ class LinformerAttention(Attention):
             torch.zeros(shape, device=device), torch.zeros(shape, device=device).transpose(-1, -2).contiguous()
         )
 
-    def _columns(self, proj: torch.Tensor, start: torch.Tensor, t: int, state) -> torch.Tensor:
+    def _columns(self, proj: torch.Tensor, start: torch.Tensor, t: int, state: LinformerState | None) -> torch.Tensor:
         """Columns of E or F (H or 1, k, max_len) at the chunk's positions -> (B or 1, H or 1, T, k)."""
         if state is None:  # a whole sequence from position 0: one slice serves every row
             return proj[None, :, :, :t].transpose(-1, -2).float()
         return proj[:, :, chunk_positions(start, t)].permute(2, 0, 3, 1).float()
 
-    def forward(self, x: torch.Tensor, start: torch.Tensor, state: LinformerState | None):
-        q, k, v = (split_heads(t, self.n_heads).float() for t in self.qkv(x).chunk(3, dim=-1))  # (B, H, T, D)
+    def forward(
+        self, x: torch.Tensor, start: torch.Tensor, state: LinformerState | None
+    ) -> tuple[torch.Tensor, LinformerState | None]:
+        q, k, v = self._project(x, start, widen=True)  # (B, H, T, D) each, float32
         t = q.shape[2]
         e = self._columns(self.e, start, t, state)
         f = e if self.f is None else self._columns(self.f, start, t, state)
@@ -127,7 +138,9 @@ class LinformerAttention(Attention):
             state.values_projected.copy_(values)
         return self.proj(merge_heads(y.to(x.dtype))), state
 
-    def _step(self, q, k, v, e, f, state: LinformerState) -> torch.Tensor:
+    def _step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e: torch.Tensor, f: torch.Tensor, state: LinformerState
+    ) -> torch.Tensor:
         """One token per row, state updated in place first (a query sees itself).
 
         q, k, v: (B, H, 1, D); e, f: (B, H or 1, 1, k). Returns (B, H, 1, D)."""
@@ -140,7 +153,9 @@ class LinformerAttention(Attention):
         return attn @ state.values_projected  # (B, H, 1, D)
 
     @staticmethod
-    def _fused_step(q, k, v, e, f, state: LinformerState) -> torch.Tensor:
+    def _fused_step(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e: torch.Tensor, f: torch.Tensor, state: LinformerState
+    ) -> torch.Tensor:
         """The same step written for inductor: reads go to the state before its update, and the
         update's share is added apart (q . (K~ + E k^T) = q . K~ + E (q . k)), so one loop over
         each state tensor both reads it and updates it in place."""

@@ -6,12 +6,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from .base import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
-from ..block_parts import Rotary
 from ..config import ModelConfig
-from .head_shapes import chunk_positions, merge_heads, split_heads
+from .head_shapes import chunk_positions, merge_heads
+from .projections import FusedProjections
 from ..state import RowState
 
 
@@ -35,7 +34,7 @@ class KVCache(RowState):
         self.v[row, :, :length] = saved[1]
 
 
-class SoftmaxAttention(Attention):
+class SoftmaxAttention(FusedProjections, Attention):
     # The cache grows by position, so steps read a prefix of changing length: no CUDA graph (torch.compile
     # traces the length symbolically); padding rows restarting at position 0 only overwrite their own first slot.
     capabilities = Capabilities(constant_state=False, graphable=False, paddable=True, compilable=True)
@@ -51,20 +50,18 @@ class SoftmaxAttention(Attention):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+        self._build_projections(cfg)
         self.max_len = cfg.max_len
         self.window = cfg.sliding_window  # 0: every earlier position
         self.grouped = self.n_kv_heads != self.n_heads  # grouped-query attention: a key head per query group
-        # Queries, then keys and values of n_kv_heads heads each (fewer than n_heads in grouped-query attention).
-        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.d_head, bias=cfg.qkv_bias)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.attn_out_bias)
-        self.rotary = Rotary(cfg) if cfg.pos_encoding == "rotary" else None
 
     def new_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> KVCache:
         shape = (batch, self.n_kv_heads, self.max_len, self.d_head)  # only the key and value heads are kept
         return KVCache(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
 
-    def forward(self, x: torch.Tensor, start: torch.Tensor, state: KVCache | None):
+    def forward(
+        self, x: torch.Tensor, start: torch.Tensor, state: KVCache | None
+    ) -> tuple[torch.Tensor, KVCache | None]:
         q, k, v = self._project(x, start)  # (B, H, T, D), (B, KV, T, D) twice
         if state is None:
             y = self._attend_chunk(q, k, v)
@@ -72,15 +69,7 @@ class SoftmaxAttention(Attention):
             y = self._attend_cached(q, k, v, start, state)
         return self.proj(merge_heads(y)), state
 
-    def _project(self, x: torch.Tensor, start: torch.Tensor):
-        q, k, v = self.qkv(x).split([self.n_heads * self.d_head, *[self.n_kv_heads * self.d_head] * 2], dim=-1)
-        q, k, v = split_heads(q, self.n_heads), split_heads(k, self.n_kv_heads), split_heads(v, self.n_kv_heads)
-        if self.rotary is not None:
-            positions = chunk_positions(start, x.shape[1])  # (B, T)
-            q, k = self.rotary(q, positions), self.rotary(k, positions)
-        return q, k, v
-
-    def _attend_chunk(self, q, k, v) -> torch.Tensor:
+    def _attend_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """A whole sequence from position 0, no cache (training, scoring)."""
         if not self.window:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.grouped)
@@ -93,7 +82,9 @@ class SoftmaxAttention(Attention):
         visible = keys <= queries
         return visible & (keys > queries - self.window) if self.window else visible
 
-    def _attend_cached(self, q, k, v, start, state: KVCache) -> torch.Tensor:
+    def _attend_cached(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, state: KVCache
+    ) -> torch.Tensor:
         b, _, t, _ = q.shape
         pos = chunk_positions(start, t)  # (B, T)
         rows = torch.arange(b, device=q.device)[:, None]
@@ -101,11 +92,12 @@ class SoftmaxAttention(Attention):
         state.k[rows, :, pos] = k.transpose(1, 2).to(state.k.dtype)
         state.v[rows, :, pos] = v.transpose(1, 2).to(state.v.dtype)
         if t == 1 and self._kernel_applies(q, state):
-            return torch.ops.rnnserve.softmax_decode_attention(q, state.k, state.v, pos[:, 0])
+            attended: torch.Tensor = torch.ops.rnnserve.softmax_decode_attention(q, state.k, state.v, pos[:, 0])
+            return attended
         used = int(pos.max()) + 1  # attend only to the written prefix
         # For torch.compile, which cannot see the value: at least one key, and narrow (not a slice)
         # gives exactly `used` of them.
-        torch._check(used > 0)
+        torch._check(used > 0)  # type: ignore[no-untyped-call]  # torch leaves _check unannotated
         keys, values = state.k.narrow(2, 0, used), state.v.narrow(2, 0, used)
         mask = self._visible(torch.arange(used, device=q.device), pos[:, :, None])  # (B, T, L)
         if t == 1 and q.device.type == "cpu":
@@ -141,7 +133,7 @@ def attend_one_query(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         return (weights @ values.float()).to(q.dtype)  # (B, H, 1, D)
     # Grouped: (B, KV, G, D), a key head's query heads side by side, as views. Products and sums written out
     # (not batched matrix products, which inductor cannot lower over a prefix of unknown length in bfloat16).
-    grouped = q[:, :, 0].unflatten(1, (kv, -1)).float()
+    grouped = torch.unflatten(q[:, :, 0], 1, (kv, -1)).float()
     scores = (grouped[:, :, :, None] * keys.float()[:, :, None]).sum(-1) * d**-0.5  # (B, KV, G, L)
     weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
     out = (weights[..., None] * values.float()[:, :, None]).sum(-2)  # (B, KV, G, D)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +31,10 @@ from ..attention.classes import kinds_where
 from .sampling import BatchSampling, sample
 from ..state import ModelState
 from ..transformer import Transformer
+
+if TYPE_CHECKING:
+    from .compiled.background import CompileGate
+    from .compiled.lifecycle import CompileLog
 
 log = logging.getLogger("rnnserve.cuda_graphs")
 
@@ -66,7 +71,9 @@ class EagerDecoder:
         """Draw the next tokens from these rows' logits (`model.decode.sampling.sample`)."""
         return sample(logits, params, position)
 
-    def compile(self, background: bool = False, batch: int | None = None, gate=None):
+    def compile(
+        self, background: bool = False, batch: int | None = None, gate: CompileGate | None = None
+    ) -> CompileLog | None:
         """Nothing to compile for these steps (see CompiledDecoder): None."""
         return None
 
@@ -135,7 +142,7 @@ class CudaGraphDecoder(PaddedDecoder):
 
     def _capture(self) -> None:
         # Warm up on a side stream, as torch.cuda.graph asks; the steps scribble on the state.
-        side = torch.cuda.Stream(self.model.device)
+        side = torch.cuda.Stream(self.model.device)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         side.wait_stream(torch.cuda.current_stream(self.model.device))
         with torch.cuda.stream(side):
             for _ in range(WARMUP_STEPS):

@@ -75,7 +75,7 @@ class BatchSampling:
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device: torch.device | str = "cpu") -> "BatchSampling":
-        def col(name, dtype):
+        def col(name: str, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
 
         return cls(

@@ -17,7 +17,16 @@ import json
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:  # jinja2 is imported when a template is first compiled
+    import jinja2
+    import jinja2.ext
+    import jinja2.nodes
+    import jinja2.parser
+    import jinja2.utils
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -113,8 +122,9 @@ def _default_template(field: Any, where: Path) -> str | None:
         return field
     if isinstance(field, list) and all(isinstance(t, dict) for t in field):
         named = {t.get("name"): t.get("template") for t in field}
-        if isinstance(named.get(DEFAULT_NAME), str):
-            return named[DEFAULT_NAME]
+        default = named.get(DEFAULT_NAME)
+        if isinstance(default, str):
+            return default
         names = ", ".join(str(name) for name in named)
         raise ChatTemplateError(
             f"{where}: chat_template lists templates named {names} but none named '{DEFAULT_NAME}'; "
@@ -141,7 +151,7 @@ def _error_text(exc: Exception) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled(template: str):
+def _compiled(template: str) -> jinja2.Template:
     """The template compiled once per distinct source, in an environment of its own."""
     try:
         return _environment().from_string(template)
@@ -149,7 +159,7 @@ def _compiled(template: str):
         raise ChatTemplateError(_error_text(exc)) from exc
 
 
-def _environment():
+def _environment() -> ImmutableSandboxedEnvironment:
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -161,13 +171,19 @@ def _environment():
     return env
 
 
-def _raise_exception(message: str):
+def _raise_exception(message: str) -> NoReturn:
     import jinja2
 
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     """JSON as the template wrote it: Jinja's own filter escapes <, >, & and ' for HTML, which a prompt is not."""
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -177,7 +193,7 @@ def _strftime_now(format: str) -> str:
 
 
 @functools.cache
-def _namespace_class():
+def _namespace_class() -> type[jinja2.utils.Namespace]:
     """Jinja's namespace, refusing names that start with an underscore: a template could otherwise store
     attributes the sandbox keeps it from reading."""
     import jinja2.utils
@@ -187,7 +203,7 @@ def _namespace_class():
             raise jinja2.exceptions.SecurityError(f"a chat template's namespace cannot hold {name!r}")
 
     class Namespace(jinja2.utils.Namespace):
-        def __init__(*args: Any, **kwargs: Any):
+        def __init__(*args: Any, **kwargs: Any) -> None:
             self, rest = args[0], args[1:]
             attrs = dict(*rest, **kwargs)
             for name in attrs:
@@ -202,7 +218,7 @@ def _namespace_class():
 
 
 @functools.cache
-def _generation_extension():
+def _generation_extension() -> type[jinja2.ext.Extension]:
     """`{% generation %}...{% endgeneration %}` (templates that mark the assistant's tokens for training) renders
     its body: transformers knows the tag, so templates use it, and it must parse here too."""
     import jinja2.ext
@@ -211,12 +227,12 @@ def _generation_extension():
     class Generation(jinja2.ext.Extension):
         tags = {"generation"}
 
-        def parse(self, parser):
+        def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
             return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
-        def _body(self, caller) -> str:
+        def _body(self, caller: Callable[[], str]) -> str:
             return caller()
 
     return Generation

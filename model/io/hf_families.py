@@ -32,7 +32,7 @@ def refuse(field: str, value: Any, expected: str) -> HFImportError:
     return HFImportError(f"config.json: unsupported {field} {value!r}; {expected}")
 
 
-def require(hf: dict[str, Any], field: str, allowed: tuple, expected: str, default: Any = None) -> Any:
+def require(hf: dict[str, Any], field: str, allowed: tuple[Any, ...], expected: str, default: Any = None) -> Any:
     value = hf.get(field, default)
     if value not in allowed:
         raise refuse(field, value, expected)

@@ -16,9 +16,16 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .hf_families import ARCHITECTURES, FAMILIES, HFImportError
+
+if TYPE_CHECKING:  # imported where used: `--help` loads no torch
+    import torch
+
+    from ..config import ModelConfig
+    from ..transformer import Transformer
+    from .chat_template import ChatTemplate
 
 __all__ = ["HFImportError", "add_arguments", "import_folder", "run"]
 
@@ -45,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def import_folder(folder: Path, out: Path):
+def import_folder(folder: Path, out: Path) -> ModelConfig:
     from ..transformer import build_model
     from .weights import save_model
 
@@ -70,12 +77,12 @@ def import_folder(folder: Path, out: Path):
     except OSError as exc:
         raise HFImportError(f"--out {out}: cannot create its folder ({exc.strerror})") from exc
     chat = hf_chat_template(folder)
-    chat_json = chat and chat.to_json()
+    chat_json = chat.to_json() if chat is not None else None
     save_model(model.eval(), out, info, dtype=stored_dtype(weights), tokenizer=tokenizer, chat_template=chat_json)
     return config
 
 
-def hf_chat_template(folder: Path):
+def hf_chat_template(folder: Path) -> ChatTemplate | None:
     """The folder's chat template and special tokens' text (model/io/chat_template.py), None if it has none."""
     from .chat_template import ChatTemplateError, read_hf_chat_template
 
@@ -85,7 +92,7 @@ def hf_chat_template(folder: Path):
         raise HFImportError(str(exc)) from exc
 
 
-def model_config(fields: dict[str, Any]):
+def model_config(fields: dict[str, Any]) -> ModelConfig:
     from ..config import ConfigError, ModelConfig
 
     try:
@@ -115,7 +122,8 @@ def read_weights(folder: Path) -> dict[str, Any]:
     if (folder / SHARD_INDEX).is_file():
         return read_shards(folder)
     if (folder / "pytorch_model.bin").is_file():
-        return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        weights: dict[str, Any] = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        return weights
     raise HFImportError(
         f"{folder}: no weights; expected model.safetensors, {SHARD_INDEX} with its shards, or pytorch_model.bin"
     )
@@ -136,13 +144,13 @@ def read_shards(folder: Path) -> dict[str, Any]:
     return weights
 
 
-def stored_dtype(weights: dict[str, Any]):
+def stored_dtype(weights: dict[str, Any]) -> torch.dtype | None:
     """The dtype most of the folder's floating-point tensors have: the file keeps it."""
     counts = Counter(t.dtype for t in weights.values() if t.is_floating_point())
     return counts.most_common(1)[0][0] if counts else None
 
 
-def fitted(state: dict[str, Any], model) -> dict[str, Any]:
+def fitted(state: dict[str, Any], model: Transformer) -> dict[str, Any]:
     """The mapped tensors the model has (a tied family's lm_head copy is left out), each of the model's shape."""
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))

@@ -13,9 +13,12 @@ import functools
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import BYTE_VOCAB, ModelConfig
+
+if TYPE_CHECKING:  # the library is loaded for models with a tokenizer only
+    from tokenizers import Tokenizer
 
 BYTES_NAME = "bytes"
 
@@ -81,7 +84,7 @@ def vocabulary_for(config: ModelConfig, tokenizer_json: str | None) -> Vocabular
 
 
 @functools.lru_cache(maxsize=8)
-def _tokenizer(tokenizer_json: str):
+def _tokenizer(tokenizer_json: str) -> Tokenizer:
     from tokenizers import Tokenizer  # only models with a tokenizer need the library loaded
 
     return Tokenizer.from_str(tokenizer_json)

@@ -34,7 +34,7 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 class WeightsError(ValueError):
     """A weights file cannot be loaded; the message names the file and why."""
 
-    def __init__(self, path: str | os.PathLike, problem: str):
+    def __init__(self, path: str | os.PathLike[str], problem: str):
         super().__init__(f"{path}: {problem}")
         self.path = str(path)
         self.problem = problem
@@ -42,7 +42,7 @@ class WeightsError(ValueError):
 
 def save_model(
     model: Transformer,
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     info: dict[str, Any] | None = None,
     dtype: torch.dtype | None = None,
     tokenizer: str | None = None,
@@ -68,19 +68,19 @@ def save_model(
     _write(tensors, metadata, path)
 
 
-def read_tokenizer(path: str | os.PathLike) -> str | None:
+def read_tokenizer(path: str | os.PathLike[str]) -> str | None:
     """The tokenizer stored with a model (the `tokenizers` library's JSON), or None for a byte model."""
     with _open(path) as f:
         return (f.metadata() or {}).get(TOKENIZER_KEY)
 
 
-def read_chat_template(path: str | os.PathLike) -> str | None:
+def read_chat_template(path: str | os.PathLike[str]) -> str | None:
     """The chat template stored with a model (ChatTemplate's JSON), or None when it has none."""
     with _open(path) as f:
         return (f.metadata() or {}).get(CHAT_TEMPLATE_KEY)
 
 
-def update_info(path: str | os.PathLike, changes: dict[str, Any]) -> None:
+def update_info(path: str | os.PathLike[str], changes: dict[str, Any]) -> None:
     """Merge `changes` into a file's info (e.g. new evaluation results); its tensors are written back as stored."""
     with _open(path) as f:
         metadata = f.metadata() or {}
@@ -89,19 +89,19 @@ def update_info(path: str | os.PathLike, changes: dict[str, Any]) -> None:
     _write(tensors, metadata | {INFO_KEY: json.dumps(info | changes, sort_keys=True)}, path)
 
 
-def _write(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: str | os.PathLike) -> None:
+def _write(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: str | os.PathLike[str]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)  # as `rnnserve import` does for --out
     write_atomically(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
-def read_metadata(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, Any]]:
+def read_metadata(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, Any]]:
     """Config and info of a weights file, without loading tensors."""
     with _open(path) as f:
         return _parse_metadata(path, f.metadata())
 
 
 def load_model(
-    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    path: str | os.PathLike[str], device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[Transformer, dict[str, Any]]:
     """Build the model a file describes and fill it; returns (model, info). `dtype` casts the
     parameters; Reformer keeps its rotations float32 (see ReformerAttention._apply)."""
@@ -114,7 +114,7 @@ def load_model(
     return model.to(device=device, dtype=dtype).eval(), info
 
 
-def _open(path: str | os.PathLike):
+def _open(path: str | os.PathLike[str]) -> safe_open:
     if not Path(path).is_file():
         raise WeightsError(path, "no such file")
     _check_not_truncated(path)
@@ -126,7 +126,7 @@ def _open(path: str | os.PathLike):
         ) from exc
 
 
-def _check_not_truncated(path: str | os.PathLike) -> None:
+def _check_not_truncated(path: str | os.PathLike[str]) -> None:
     """Compare the file's size with what its header promises, for a clear message on a cut download."""
     size = Path(path).stat().st_size
     with open(path, "rb") as f:
@@ -152,7 +152,9 @@ def _check_not_truncated(path: str | os.PathLike) -> None:
         )
 
 
-def _parse_metadata(path, metadata: dict[str, str] | None) -> tuple[ModelConfig, dict[str, Any]]:
+def _parse_metadata(
+    path: str | os.PathLike[str], metadata: dict[str, str] | None
+) -> tuple[ModelConfig, dict[str, Any]]:
     metadata = metadata or {}
     if CONFIG_KEY not in metadata:
         raise WeightsError(path, f"metadata has no '{CONFIG_KEY}' entry; this is not an rnnserve model file")
@@ -167,7 +169,7 @@ def _parse_metadata(path, metadata: dict[str, str] | None) -> tuple[ModelConfig,
     return cfg, info
 
 
-def _check_tensors(path, model: Transformer, tensors: dict[str, torch.Tensor]) -> None:
+def _check_tensors(path: str | os.PathLike[str], model: Transformer, tensors: dict[str, torch.Tensor]) -> None:
     expected = model.state_dict()
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))

@@ -155,7 +155,8 @@ def _load_once(build: bool) -> KernelBuild:
         if build:
             _build(directory, flags)
         elif (directory / f"{LIBRARY}.so").is_file():
-            torch.ops.load_library(str(directory / f"{LIBRARY}.so"))
+            # torch leaves load_library unannotated
+            torch.ops.load_library(str(directory / f"{LIBRARY}.so"))  # type: ignore[no-untyped-call]
         else:
             log.warning(
                 "the CPU decode kernels were not built ahead (run `rnnserve build-kernels`, as `make install` "
@@ -218,19 +219,31 @@ def exclusive_build(directory: Path) -> Iterator[None]:
         yield
 
 
-def _fake_softmax_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch.Tensor):
+def _fake_softmax_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, last: torch.Tensor
+) -> torch.Tensor:
     return q.new_empty(q.shape)  # (B, H, 1, D), contiguous: what the kernel returns
 
 
-def _fake_reformer_decode_attention(q, k, v, key_buckets, query_buckets, last, window: int):
+def _fake_reformer_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_buckets: torch.Tensor,
+    query_buckets: torch.Tensor,
+    last: torch.Tensor,
+    window: int,
+) -> torch.Tensor:
     return q.new_empty(q.shape)  # (B, H, 1, D), contiguous: what the kernel returns
 
 
-def _fake_packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int):
+def _fake_packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], n))  # contiguous: what the kernel returns
 
 
-def _fake_linear_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, eps: float):
+def _fake_linear_attention_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, eps: float
+) -> torch.Tensor:
     return v.new_empty(v.shape)  # (B, H, T, D), contiguous: what the kernel returns
 
 

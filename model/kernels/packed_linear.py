@@ -42,7 +42,8 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        return torch.ops.rnnserve.packed_linear(x, self.packed, self.bias, self.out_features)
+        y: torch.Tensor = torch.ops.rnnserve.packed_linear(x, self.packed, self.bias, self.out_features)
+        return y
 
 
 class DecodeTwins:

@@ -44,7 +44,7 @@ from server.engine.validation import check_generation, check_scoring
 from server.engine.watchdog import Heartbeat
 
 if TYPE_CHECKING:
-    from model.decode.compiled.decoder import CompileGate
+    from model.decode.compiled.background import CompileGate
 
 log = logging.getLogger("rnnserve.engine_client")
 STOP_SECONDS = 30.0  # an engine process told to stop gets this long before it is killed

@@ -73,7 +73,7 @@ from server.engine.validation import check_generation, check_scoring
 from server.engine.watchdog import Heartbeat
 
 if TYPE_CHECKING:
-    from model.decode.compiled.decoder import CompileGate
+    from model.decode.compiled.background import CompileGate
 
 __all__ = ["Engine", "EngineFacts", "EngineFailure", "EngineLimits", "GenerationStream", "QueueFull"]
 

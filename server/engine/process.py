@@ -46,7 +46,7 @@ from server.engine.validation import InvalidRequest
 from server.engine.watchdog import Heartbeat
 
 if TYPE_CHECKING:
-    from model.decode.compiled.decoder import CompileGate
+    from model.decode.compiled.background import CompileGate
     from server.metrics import ModelMetrics
 
 log = logging.getLogger("rnnserve.engine_process")

@@ -49,7 +49,7 @@ from server.engine.step import AppliedStep, RunnerOutput, SampleRead, SampleSpan
 from server.engine.types import GenerationRequest, PromptScores, TopLogprobs
 
 if TYPE_CHECKING:
-    from model.decode.compiled.decoder import CompileGate
+    from model.decode.compiled.background import CompileGate
 
 
 MAX_TOP_LOGPROBS = 5  # alternatives kept per position (OpenAI allows up to 5)

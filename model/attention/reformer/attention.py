@@ -23,6 +23,9 @@ model's dtype; training may draw fresh ones every step (`fresh_rotations`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Self
+
 import torch
 from torch import nn
 
@@ -75,11 +78,11 @@ class ReformerAttention(Attention):
     def rounds(self) -> int:
         return self.rotations.shape[0]
 
-    def _apply(self, fn, recurse=True):
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         """Module moves and casts (`.to(bfloat16)`, `.half()`) move the rotations but keep them
         float32, so a 16-bit model hashes exactly like the float32 one."""
         rotations = self.rotations
-        super()._apply(fn, recurse)
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # torch leaves Module._apply unannotated
         self.rotations = rotations.to(device=self.rotations.device, dtype=torch.float32)
         return self
 
@@ -94,7 +97,9 @@ class ReformerAttention(Attention):
             rot = torch.randn_like(rot)
         return hash_keys(keys, rot)
 
-    def forward(self, x: torch.Tensor, start: torch.Tensor, state: LSHCache | None):
+    def forward(
+        self, x: torch.Tensor, start: torch.Tensor, state: LSHCache | None
+    ) -> tuple[torch.Tensor, LSHCache | None]:
         q = split_heads(self.qk(x), self.n_heads)  # (B, H, T, D)
         v = split_heads(self.v(x), self.n_heads)
         k = unit_keys(q)
@@ -109,7 +114,9 @@ class ReformerAttention(Attention):
             y = decode.attend_chunk(q, k, v, buckets, pos, state, self.window)
         return self.proj(merge_heads(y.to(q.dtype))), state
 
-    def _attend_sequence(self, q, k, v, buckets) -> torch.Tensor:
+    def _attend_sequence(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: torch.Tensor
+    ) -> torch.Tensor:
         """A whole sequence from position 0: the cheapest exact path."""
         sizes = bucketed.bucket_sizes(buckets, self.n_buckets)
         if bucketed.is_even(sizes, q.shape[2]):

@@ -9,9 +9,11 @@ the paper's chunk approximation. Pays off only when buckets are even
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import FunctionCtx
 
 from .visibility import earlier, mix_rounds, round_results, visible, window_candidates
 
@@ -28,7 +30,9 @@ def is_even(sizes: torch.Tensor, length: int) -> bool:
     return 4 * n_buckets * largest * largest <= length * length
 
 
-def attend_bucketed(q, k, v, buckets, n_buckets: int, window: int = 0) -> torch.Tensor:
+def attend_bucketed(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: torch.Tensor, n_buckets: int, window: int = 0
+) -> torch.Tensor:
     """q, k, v (B, H, T, D); buckets (B, H, R, T) -> (B, H, T, D), rounds and local round mixed."""
     sizes = bucket_sizes(buckets, n_buckets)
     out, lse = bucket_rounds(q, k, v, buckets, sizes, int(sizes.max()))
@@ -38,7 +42,9 @@ def attend_bucketed(q, k, v, buckets, n_buckets: int, window: int = 0) -> torch.
     return mix_rounds(out, lse)
 
 
-def local_round(q, k, v, window: int, itself: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def local_round(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, itself: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The local round over a whole sequence from position 0, in blocks of `window`:
     each block's queries see their own block and the one before, masked to the
     `window` positions before each query. O(T W) instead of O(T^2).
@@ -63,7 +69,9 @@ def local_round(q, k, v, window: int, itself: torch.Tensor | None = None) -> tup
     if itself is not None:  # count of each query's own key: the local round's (at position 0) plus `itself`
         own = count.diagonal(offset=window, dim1=-2, dim2=-1) + F.pad(itself, (0, pad)).view(b, h, n, window)
         own_bias = own.log()  # (B, H, n, W)
-    out, lse = _SoftmaxAttention.apply(qb, keys, values, count.log(), own_bias)  # (B, H, n, W, D), (B, H, n, W, 1)
+    # torch leaves autograd.Function.apply unannotated
+    out, lse = _SoftmaxAttention.apply(qb, keys, values, count.log(), own_bias)  # type: ignore[no-untyped-call]
+    # (B, H, n, W, D), (B, H, n, W, 1)
     return out.view(b, h, 1, n * window, d)[:, :, :, :t], lse.view(b, h, 1, n * window, 1)[:, :, :, :t]
 
 
@@ -76,7 +84,14 @@ class _SoftmaxAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, keys, values, bias, own_bias):
+    def forward(
+        ctx: FunctionCtx,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        bias: torch.Tensor,
+        own_bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.autocast(q.device.type, enabled=False):  # the backward runs without autocast too
             scores = torch.matmul(q, keys.transpose(-1, -2))
             own = scores.diagonal(offset=keys.shape[-2] - q.shape[-2], dim1=-2, dim2=-1)  # a view
@@ -91,7 +106,10 @@ class _SoftmaxAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx, grad_out, grad_lse):
+    def backward(
+        ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+        # ctx: Any, as torch declares no saved_tensors on FunctionCtx
         q, keys, values, weights, out = ctx.saved_tensors
         grad_out = grad_out.to(out.dtype)
         grad_values = torch.matmul(weights.transpose(-1, -2), grad_out)
@@ -102,7 +120,9 @@ class _SoftmaxAttention(torch.autograd.Function):
         return torch.matmul(grad_scores, keys), torch.matmul(grad_scores.transpose(-1, -2), q), grad_values, None, None
 
 
-def bucket_rounds(q, k, v, buckets, sizes, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def bucket_rounds(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: torch.Tensor, sizes: torch.Tensor, m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The hashed rounds, sorted and padded to buckets of m: (B, H, R, T, D), (B, H, R, T, 1)."""
     b, h, r, t = buckets.shape
     d, n_buckets = q.shape[-1], sizes.shape[-1]
@@ -114,7 +134,7 @@ def bucket_rounds(q, k, v, buckets, sizes, m: int) -> tuple[torch.Tensor, torch.
     slot_pos = order.new_full((b, h, r, n_buckets * m), -1).scatter(3, padded_index, order)
     slot_pos = slot_pos.view(b, h, r, n_buckets, m)  # position in each slot, -1 for padding
 
-    def to_buckets(x):  # (B, H, T, D) -> (B, H, R, n, M, D), zero padding
+    def to_buckets(x: torch.Tensor) -> torch.Tensor:  # (B, H, T, D) -> (B, H, R, n, M, D), zero padding
         xs = x[:, :, None].expand(b, h, r, t, d).gather(3, order[..., None].expand(b, h, r, t, d))
         return (
             x.new_zeros(b, h, r, n_buckets * m, d)
@@ -131,7 +151,7 @@ def bucket_rounds(q, k, v, buckets, sizes, m: int) -> tuple[torch.Tensor, torch.
     return _unsort(torch.cat([out, lse], dim=-1).view(b, h, r, n_buckets * m, d + 1), order, padded_index)
 
 
-def _unsort(padded: torch.Tensor, order: torch.Tensor, padded_index: torch.Tensor):
+def _unsort(padded: torch.Tensor, order: torch.Tensor, padded_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, H, R, n M, D + 1) bucket slots back to positions: (B, H, R, T, D), (B, H, R, T, 1)."""
     e = padded.shape[-1]
     gathered = padded.gather(3, padded_index[..., None].expand(*order.shape, e))  # sorted order

@@ -37,7 +37,9 @@ from .visibility import first_in_bucket
 MARGIN = 32.0  # e^-32 ~ 1e-14: another bucket's key weighs nothing at float32 precision
 
 
-def attend_causal(q, k, v, buckets, n_buckets: int, window: int = 0) -> torch.Tensor:
+def attend_causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: torch.Tensor, n_buckets: int, window: int = 0
+) -> torch.Tensor:
     """q, k, v (B, H, T, D) from position 0; buckets (B, H, 1, T), one round -> (B, H, T, D)."""
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d)
@@ -47,7 +49,9 @@ def attend_causal(q, k, v, buckets, n_buckets: int, window: int = 0) -> torch.Te
     return torch.addcmul(out[..., :d], out[..., d : d + 1], rest_out)  # hashed share + sink weight * rest output
 
 
-def _rest_round(q, k, v, buckets, n_buckets: int, window: int):
+def _rest_round(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: torch.Tensor, n_buckets: int, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The rounds the sink carries: the local round, merged with the query itself where its
     bucket holds nothing earlier. out (B, H, T, D), logsumexp (B, H, T, 1), -inf if empty."""
     alone = first_in_bucket(buckets, n_buckets)  # (B, H, T)
@@ -58,7 +62,15 @@ def _rest_round(q, k, v, buckets, n_buckets: int, window: int):
     return v * alone[..., None], itself.masked_fill(~alone[..., None], float("-inf"))
 
 
-def _coded_inputs(q, k, v, buckets, n_buckets: int, sink_score, scale: float):
+def _coded_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    buckets: torch.Tensor,
+    n_buckets: int,
+    sink_score: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v (B, H, T, D), buckets (B, H, T), sink score (B, H, T, 1) before `scale` ->
     qx, kx, vx (B, H, T, width) for one causal call, in q's dtype."""
     b, h, t, d = q.shape

@@ -71,7 +71,7 @@ def new_cache(
     )
 
 
-def write(state: LSHCache, k, v, buckets, pos) -> None:
+def write(state: LSHCache, k: torch.Tensor, v: torch.Tensor, buckets: torch.Tensor, pos: torch.Tensor) -> None:
     """Store a chunk's keys, values and buckets by position: k, v (B, H, T, D), buckets (B, H, R, T), pos (B, T)."""
     rows = torch.arange(k.shape[0], device=k.device)[:, None]
     # Advanced indices on dims 0 and 2 (3 for buckets) put (B, T) first.
@@ -80,7 +80,15 @@ def write(state: LSHCache, k, v, buckets, pos) -> None:
     state.buckets[rows, :, :, pos] = buckets.permute(0, 3, 1, 2).to(state.buckets.dtype)
 
 
-def attend_chunk(q, k, v, buckets, pos, state: LSHCache, window: int) -> torch.Tensor:
+def attend_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    buckets: torch.Tensor,
+    pos: torch.Tensor,
+    state: LSHCache,
+    window: int,
+) -> torch.Tensor:
     """A chunk of T tokens per row after what the cache holds: the dense form over the cache."""
     write(state, k, v, buckets, pos)
     used = int(pos.max()) + 1
@@ -89,7 +97,16 @@ def attend_chunk(q, k, v, buckets, pos, state: LSHCache, window: int) -> torch.T
     return lsh_attend(q, keys, values, buckets, state.buckets[..., :used].long(), pos, key_pos, window)
 
 
-def decode_step(q, k, v, buckets, pos, state: LSHCache, window: int, kernel: bool = False) -> torch.Tensor:
+def decode_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    buckets: torch.Tensor,
+    pos: torch.Tensor,
+    state: LSHCache,
+    window: int,
+    kernel: bool = False,
+) -> torch.Tensor:
     """One token per row: q, k, v (B, H, 1, D), buckets (B, H, R, 1), pos (B,) -> (B, H, 1, D).
 
     The written prefix is masked by how many rounds show each key (as `lsh_attend`), and the rounds mix
@@ -97,13 +114,14 @@ def decode_step(q, k, v, buckets, pos, state: LSHCache, window: int, kernel: boo
     applies, which reads only the keys shown."""
     write(state, k, v, buckets, pos[:, None])
     if kernel and _kernel_applies(q, state):
-        return torch.ops.rnnserve.reformer_decode_attention(
+        attended: torch.Tensor = torch.ops.rnnserve.reformer_decode_attention(
             q, state.k, state.v, state.buckets, buckets[..., 0], pos, window
-        ).to(q.dtype)
+        )
+        return attended.to(q.dtype)
     used = int(pos.max()) + 1  # attend only to the written prefix
     # For torch.compile, which cannot see the value: at least one key, and narrow (not a slice) gives exactly
     # `used` of them.
-    torch._check(used > 0)
+    torch._check(used > 0)  # type: ignore[no-untyped-call]  # torch leaves _check unannotated
     keys, values = state.k.narrow(2, 0, used), state.v.narrow(2, 0, used)  # (B, H, L, D)
     key_pos = torch.arange(used, device=q.device).expand(q.shape[0], used)  # (B, L)
     count = key_counts(buckets, state.buckets.narrow(3, 0, used), pos[:, None], key_pos, window)  # (B, H, 1, L)

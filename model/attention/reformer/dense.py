@@ -15,7 +15,16 @@ import torch.nn.functional as F
 from .visibility import earlier, hashed_candidates, visible, window_candidates
 
 
-def lsh_attend(q, keys, values, q_buckets, k_buckets, q_pos, k_pos, window: int = 0) -> torch.Tensor:
+def lsh_attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    q_buckets: torch.Tensor,
+    k_buckets: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    window: int = 0,
+) -> torch.Tensor:
     """Dense LSH attention, the local round included when window > 0.
 
     q (B, H, T, D); keys, values (B, H, L, D); q_buckets (B, H, R, T);
@@ -35,7 +44,9 @@ def lsh_attend(q, keys, values, q_buckets, k_buckets, q_pos, k_pos, window: int 
     return F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=bias)
 
 
-def key_counts(q_buckets, k_buckets, q_pos, k_pos, window: int) -> torch.Tensor:
+def key_counts(
+    q_buckets: torch.Tensor, k_buckets: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int
+) -> torch.Tensor:
     """How many rounds show key j to query i: (B, H, T, L) uint8."""
     b, h, rounds, t = q_buckets.shape
     qp, kp = q_pos[:, None, :, None], k_pos[:, None, None, :]  # (B, 1, T, 1), (B, 1, 1, L)

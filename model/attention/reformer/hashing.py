@@ -23,7 +23,8 @@ def unit_keys(q: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
 
 def vector_norm(x: torch.Tensor) -> torch.Tensor:
     """(..., D) -> (..., 1) norms in x's dtype (accumulated in float32 for 16-bit x)."""
-    return torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    norms: torch.Tensor = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    return norms
 
 
 def hash_keys(keys: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ def earlier(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     return (k_pos >= 0) & (k_pos < q_pos)
 
 
-def hashed_candidates(q_bucket, k_bucket, before: torch.Tensor) -> torch.Tensor:
+def hashed_candidates(q_bucket: torch.Tensor, k_bucket: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
     """A hashed round's candidates: of the earlier keys (`before`, from `earlier`), those
     in the query's bucket; shapes broadcast."""
     return (q_bucket == k_bucket) & before

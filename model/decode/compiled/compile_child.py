@@ -20,7 +20,11 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 if TYPE_CHECKING:
+    from types import FrameType
+
     from model.transformer import Transformer
+
+    from .routing import RowClass
 
 log = logging.getLogger("rnnserve.compile_child")
 PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -37,7 +41,7 @@ class CompileJob:
     threads: int  # the parent's intra-op threads: inductor sizes its loops by them
     batch: int | None  # compile() 's batch: only one row class, or None for all the decoder's
     log_level: int
-    row_classes: tuple  # the decoder's row classes (model/decode/compiled/routing.py's RowClass)
+    row_classes: tuple[RowClass, ...]  # the decoder's row classes
     one_call: bool = True  # whether the parent's steps are one C++ call: then only its draws are compiled
 
 
@@ -104,5 +108,5 @@ def _die_with_parent() -> None:
         _stop_group(signal.SIGTERM, None)
 
 
-def _stop_group(signum: int, frame) -> None:
+def _stop_group(signum: int, frame: FrameType | None) -> None:
     os.killpg(os.getpgrp(), signal.SIGKILL)

@@ -173,7 +173,8 @@ class CompiledDecoder(EagerDecoder):
         if row_class is not None:
             try:  # no dynamo config patch per step (entering one is not free): it only matters when compiling, in _warm_up
                 step = self.graphs.steps[row_class]
-                return step(row_class, self._stepped_model, self._tokens(tokens), self._rows(n))
+                logits: torch.Tensor = step(row_class, self._stepped_model, self._tokens(tokens), self._rows(n))
+                return logits
             except Exception as exc:  # a recompile that failed: it stopped before running the step
                 self._fail("decode step", exc)
         return super().__call__(tokens)
@@ -196,7 +197,7 @@ class CompiledDecoder(EagerDecoder):
         row_class = self.class_for(n)
         return row_class is not None and self.graphs.steps[row_class].accepts(row_class, *self._step_inputs(n))
 
-    def _step_inputs(self, n: int) -> tuple:
+    def _step_inputs(self, n: int) -> tuple[Transformer, torch.Tensor, ModelState]:
         """The arguments an n-row step passes its graph (the token buffer read as it is, not written)."""
         return self._stepped_model, self._token_buffer[:n], self._rows(n)
 
@@ -225,7 +226,8 @@ class CompiledDecoder(EagerDecoder):
         if args is None or row_class is None:
             return sample(logits, params, position)
         try:
-            return self.graphs.draws[row_class](row_class, *args)
+            drawn: torch.Tensor = self.graphs.draws[row_class](row_class, *args)
+            return drawn
         except Exception as exc:  # a failed recompile stops before running: the same draw, eagerly
             self._fail("sampling", exc)
             return draw_unfiltered(*args)

@@ -8,7 +8,7 @@ import copyreg
 import threading
 import types
 import uuid
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch._inductor.cpu_vec_isa import pick_vec_isa
@@ -23,7 +23,7 @@ from .guard_free import GuardFreeGraphs
 INDUCTOR_OPTIONS = {"realize_opcount_threshold": 2, "cpp_wrapper": True, "cpp_cache_precompile_headers": False}
 
 
-def inductor_options() -> dict:
+def inductor_options() -> dict[str, Any]:
     """INDUCTOR_OPTIONS with the vector width inductor picks in this process named (`cpp.simdlen`). Left unnamed,
     ATEN_CPU_CAPABILITY picks it, which inductor's graph cache does not key on: a process capped at AVX2 found the
     graph an uncapped AVX-512 process had cached, loops stepping over 16 floats, and built it with 8-float vectors
@@ -46,10 +46,13 @@ DYNAMO_OPTIONS = {
 
 
 def _memory_format_named(name: str) -> torch.memory_format:
-    return getattr(torch, name)
+    memory_format: torch.memory_format = getattr(torch, name)
+    return memory_format
 
 
-def _reduce_memory_format(memory_format: torch.memory_format) -> tuple:
+def _reduce_memory_format(
+    memory_format: torch.memory_format,
+) -> tuple[Callable[[str], torch.memory_format], tuple[str]]:
     return _memory_format_named, (str(memory_format).removeprefix("torch."),)
 
 
@@ -77,7 +80,7 @@ def progress_bars_lock_this_process_only() -> None:
         tqdm.set_lock(threading.RLock())
 
 
-def code_of_its_own(fn: Callable) -> Callable:
+def code_of_its_own(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` with a code object (and a name) of its own. Dynamo keeps its graphs and the shapes it has seen per
     code object and name: with the plain function, a second model in a process would be traced with the sizes
     that differ from the first model's made symbolic, a graph unlike the one its compile child (a fresh
@@ -87,7 +90,7 @@ def code_of_its_own(fn: Callable) -> Callable:
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
-def compiled_guard_free(fn: Callable) -> GuardFreeGraphs:
+def compiled_guard_free(fn: Callable[..., Any]) -> GuardFreeGraphs:
     """torch.compile of a copy of `fn` with a code of its own, and its guard-free calls."""
     own = code_of_its_own(fn)
     return GuardFreeGraphs(own, torch.compile(own, dynamic=True, fullgraph=True, options=inductor_options()))

@@ -28,7 +28,7 @@ import torch
 log = logging.getLogger("rnnserve.guard_free")
 
 
-def dynamo_cache(fn: Callable) -> list:
+def dynamo_cache(fn: Callable[..., Any]) -> list[Any]:
     """Dynamo's cache entries for `fn`'s code, most recently used first; [] if this torch cannot list them."""
     try:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
@@ -40,7 +40,7 @@ def dynamo_cache(fn: Callable) -> list:
 @dataclass
 class _Captured:
     entry: Any  # dynamo's cache entry: its guards
-    direct: Callable  # the code dynamo compiled for it, as a plain function
+    direct: Callable[..., Any]  # the code dynamo compiled for it, as a plain function
     # Per thread, whether its first call passed the guards: they also read per-thread state (the intra-op
     # thread count, autocast), which the capturing thread may not share. Thread-local, not by thread id:
     # a new thread may reuse a finished one's id.
@@ -50,12 +50,12 @@ class _Captured:
 class GuardFreeGraphs:
     """`compiled` (torch.compile of the plain function `fn`), plus direct calls of the graphs captured per key."""
 
-    def __init__(self, fn: Callable, compiled: Callable):
+    def __init__(self, fn: Callable[..., Any], compiled: Callable[..., Any]) -> None:
         self._fn = fn
         self._compiled = compiled
         self._captured: dict[Hashable, _Captured] = {}
 
-    def capture(self, key: Hashable, samples: Sequence[tuple]) -> bool:
+    def capture(self, key: Hashable, samples: Sequence[tuple[Any, ...]]) -> bool:
         """After `key`'s warm-up: keep the cached graph whose guards accept every argument tuple in `samples`,
         what the class's calls will look like (e.g. its fewest and most rows: a graph compiled on 2 rows can be
         specialised to 2 when another size is 2 too). False if no graph does: those calls stay guarded."""
@@ -85,11 +85,11 @@ class GuardFreeGraphs:
         """Whether dynamo holds any graph of it: it was compiled at least once."""
         return bool(dynamo_cache(self._fn))
 
-    def accepts(self, key: Hashable, *args) -> bool:
+    def accepts(self, key: Hashable, *args: Any) -> bool:
         """Whether the graph captured for `key` passes its guards on `args` here (what skipping them assumes)."""
         return key in self._captured and self._passes(self._captured[key], args)
 
-    def __call__(self, key: Hashable | None, *args):
+    def __call__(self, key: Hashable | None, *args: Any) -> Any:
         captured = self._captured.get(key)
         if captured is not None and torch.is_inference_mode_enabled():
             passed = getattr(captured.verdict, "passed", None)
@@ -99,21 +99,21 @@ class GuardFreeGraphs:
                 return captured.direct(*args)
         return self._compiled(*args)
 
-    def _first_call(self, captured: _Captured, args: tuple) -> bool:
+    def _first_call(self, captured: _Captured, args: tuple[Any, ...]) -> bool:
         """A thread's first call: check the guards once, in this thread's state."""
-        captured.verdict.passed = self._passes(captured, args)
-        if not captured.verdict.passed:
+        passed = captured.verdict.passed = self._passes(captured, args)
+        if not passed:
             log.info(
                 "a %s call on thread %s fails the captured graph's guards: that thread's calls keep them",
                 self._fn.__name__,
                 threading.current_thread().name,
             )
-        return captured.verdict.passed
+        return passed
 
-    def _passes(self, captured: _Captured, args: tuple) -> bool:
+    def _passes(self, captured: _Captured, args: tuple[Any, ...]) -> bool:
         return bool(captured.entry.guard_manager.check(self._scope(args)))
 
-    def _scope(self, args: tuple) -> dict[str, Any]:
+    def _scope(self, args: tuple[Any, ...]) -> dict[str, Any]:
         """The call's frame locals, as the guards read them."""
         names = self._fn.__code__.co_varnames[: self._fn.__code__.co_argcount]
         if len(args) != len(names):

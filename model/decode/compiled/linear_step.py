@@ -124,7 +124,7 @@ class WholeLinearStep:
             cfg.ln_eps,
             cfg.linear_eps,
         )
-        return out if self.head_inside else self.twin.head(out)
+        return out if self.head_inside else self.twin.head(out)  # type: ignore[no-any-return]  # a Module's call is Any
 
 
 def whole_linear_step(twin: Transformer) -> WholeLinearStep | None:

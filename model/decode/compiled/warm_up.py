@@ -3,7 +3,7 @@ captured for the decoder's own inputs, so that its calls skip dynamo's guard che
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -57,7 +57,7 @@ class ClassGraphs:
         row_class: RowClass,
         model: Transformer,
         batch_size: int,
-        step_inputs: Callable[[int], tuple],
+        step_inputs: Callable[[int], tuple[Any, ...]],
         steps: bool,
     ) -> None:
         """Pick the warmed-up graphs for the decoder's own inputs of that row class (`step_inputs(n)`: its state

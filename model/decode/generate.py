@@ -42,15 +42,16 @@ def generate(
     state = decoder.state
     # The prompt after the model's lead (its start token, if it reads one) predicts position P; one chunk prefills it.
     inputs = torch.cat([torch.tensor(lead, dtype=torch.long, device=model.device).expand(b, -1), prompt], dim=1)
-    logits, state = model(inputs, state)
     if p == total_len:
         return tokens
+    # A prompt of the lead alone (a sample from scratch) is one decode step: the decoder's, not a prefill's pass.
+    logits = decoder(inputs[:, 0]) if inputs.shape[1] == 1 else model(inputs, state)[0][:, -1]  # (B, V)
     # (T, B): each position's tokens and position numbers contiguous, as a step and a draw take them, viewed once
     # here rather than per token; the loop allocates nothing.
     by_position = torch.empty(total_len, b, dtype=torch.long, device=model.device)
     drawn = by_position.unbind(0)
     positions = torch.arange(total_len, device=model.device)[:, None].expand(total_len, b).contiguous().unbind(0)
-    drawn[p].copy_(decoder.sample(logits[:, -1], sampling, positions[p]))
+    drawn[p].copy_(decoder.sample(logits, sampling, positions[p]))
     _keep_forced(drawn[p], forced, p)
     for pos in range(p + 1, total_len):
         # The step on the last token, then the draw from its logits: one call where the decoder can.

@@ -14,9 +14,12 @@ Random weights of the `cpu` preset. Per batch size, each the best of `rounds` ro
     the traffic a step cannot do without, and its rate;
   * rest: step - products - state pass. At batch 1 it is nearly all of a step that does not grow with its rows
     (operator calls, the graph's wrapper, weights fetched from the caches);
-  * draw: the decoder's draw of a token per row from (batch, V) logits (unfiltered, compiled);
+  * draw: the decoder's draw of a token per row from (batch, V) logits (unfiltered: in C++ for the one-call models,
+    compiled for the others), called alone;
   * token: a token of `model.decode.generate` with that decoder (a generation of `steps` tokens from BOS, over steps),
-    and loop = token - step - draw: what the loop around them costs, caches the step and draw evict included.
+    and loop = token - step - draw: what the loop around them costs, caches the step and draw evict included. A
+    one-call model's generation draws inside its step's call (`step_and_sample`), not in a call of its own: read
+    draw + loop = token - step for what the draws and the loop cost together.
 A step that is at its products plus its state pass has nothing left to win but those two. Times are wall clock
 on a shared machine: compare the columns of one run.
 """

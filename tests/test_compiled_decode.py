@@ -159,7 +159,7 @@ def test_a_decoder_names_what_its_steps_run_on():
         assert decoder.describe_route() == "compiled steps on PyTorch's operators"
         pytest.skip(f"the C++ kernels did not load here: {kernels.error}")
     if decoder.one_call_steps:  # heads a whole number of this route's vectors (model/decode/compiled/linear_step.py)
-        assert decoder.describe_route() == f"{kernels.route}: one-call steps on the packed kernel, compiled sampling"
+        assert decoder.describe_route() == f"{kernels.route}: one-call steps on the packed kernel, draws in C++"
         return
     layers = "the packed kernel" if packed_linear_wins() else "PyTorch's products"
     assert decoder.describe_route() == f"{kernels.route}: compiled steps, linear layers on {layers}"

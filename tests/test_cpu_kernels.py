@@ -420,8 +420,16 @@ with torch.inference_mode():
         want, got = model.decode_step(tokens, eager), step(tokens, one_call)
         errors.append(float((want - got).abs().max()))
         tokens = want.argmax(-1)
+from model.decode.sampling import BatchSampling, SamplingParams, sample
+logits = torch.randn(16, 259, generator=torch.Generator().manual_seed(5)) * 3  # the C++ draw against the eager one
+params = BatchSampling.from_params([SamplingParams(temperature=(0.0, 0.7, 1.0, 1.8)[r % 4], seed=r) for r in range(16)])
+differing_draws = 0
+for position in range(20):
+    where, drawn = torch.full((16,), position), torch.empty(16, dtype=torch.long)
+    torch.ops.rnnserve.categorical_draw(logits, params.temperature, params.seed, where, drawn)
+    differing_draws += int((drawn != sample(logits, params, where)).sum())
 print(json.dumps({"ok": build.ok, "route": build.route, "here": cpu_route(), "packed": packed_linear_wins(),
-                  "max_error": max(errors)}))
+                  "max_error": max(errors), "differing_draws": differing_draws}))
 """
 
 
@@ -458,6 +466,7 @@ def test_a_forced_route_builds_its_own_kernels_and_computes_what_pytorch_does(ro
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["ok"] and seen["route"] == seen["here"] == route and seen["packed"]  # forced: the kernel is used
     assert seen["max_error"] < 1e-4, seen
+    assert seen["differing_draws"] == 0, seen  # the route's exponential draws PyTorch's tokens
 
 
 def test_an_unknown_route_is_refused_with_the_ones_there_are(monkeypatch):

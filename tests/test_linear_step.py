@@ -144,7 +144,7 @@ def test_the_compiled_decoder_runs_it_as_soon_as_the_kernels_load():
         eager = EagerDecoder(model, model.new_state(rows))
         decoder = CompiledDecoder(model, model.new_state(rows))
         decoder.use_kernels()
-        assert decoder.describe_route().endswith(": one-call steps on the packed kernel, eager sampling (compiling)")
+        assert decoder.describe_route().endswith(": one-call steps on the packed kernel, draws in C++ (compiling)")
         tokens = random_bytes(3, rows, 1)[:, 0]
         for n in (rows, rows, 2, 1):  # rows leave as in a server's batch: the first n stay
             want, got = eager(tokens[:n]), decoder(tokens[:n])
@@ -168,8 +168,8 @@ def test_a_decoder_kept_on_its_graphs_does_not_take_the_one_call_step():
 
 @packed_decoders
 def test_a_one_call_decoder_compiles_only_its_draws(caplog):
-    """Its steps never run a graph, so none is traced for them; its draws run compiled, guard-free, and the
-    generation is the eager one's."""
+    """Its steps never run a graph, so none is traced for them; its draws are compiled, guard-free (for batches the
+    C++ draw does not take as they are), and the generation is the eager one's."""
     model, rows = taken_model(), 4
     with torch.inference_mode():
         decoder = CompiledDecoder(model, model.new_state(rows))

@@ -71,6 +71,15 @@ class EagerDecoder:
         """Draw the next tokens from these rows' logits (`model.decode.sampling.sample`)."""
         return sample(logits, params, position)
 
+    def step_and_sample(
+        self, tokens: torch.Tensor, params: BatchSampling, position: torch.Tensor, drawn: torch.Tensor
+    ) -> torch.Tensor:
+        """A step on tokens (n,) for rows [0, n), then each row's next token drawn from its logits (as `sample`
+        draws it, at `position` (n,)) into `drawn` (n,): a token of a generation. Returns the logits (n, V)."""
+        logits = self(tokens)
+        drawn.copy_(self.sample(logits, params, position))
+        return logits
+
     def compile(
         self, background: bool = False, batch: int | None = None, gate: CompileGate | None = None
     ) -> CompileLog | None:

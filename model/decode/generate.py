@@ -42,17 +42,29 @@ def generate(
     state = decoder.state
     # The prompt after the model's lead (its start token, if it reads one) predicts position P; one chunk prefills it.
     inputs = torch.cat([torch.tensor(lead, dtype=torch.long, device=model.device).expand(b, -1), prompt], dim=1)
-    logits, state = model(inputs, state)
-    logits = logits[:, -1]
-    for pos in range(p, total_len):
-        position = torch.full((b,), pos, dtype=torch.long, device=model.device)
-        nxt = decoder.sample(logits, sampling, position)
-        if forced is not None:
-            nxt = force_tokens(nxt, forced[:, pos])
-        tokens[:, pos] = nxt
-        if pos + 1 < total_len:
-            logits = decoder(nxt)
+    if p == total_len:
+        return tokens
+    # A prompt of the lead alone (a sample from scratch) is one decode step: the decoder's, not a prefill's pass.
+    logits = decoder(inputs[:, 0]) if inputs.shape[1] == 1 else model(inputs, state)[0][:, -1]  # (B, V)
+    # (T, B): each position's tokens and position numbers contiguous, as a step and a draw take them, viewed once
+    # here rather than per token; the loop allocates nothing.
+    by_position = torch.empty(total_len, b, dtype=torch.long, device=model.device)
+    drawn = by_position.unbind(0)
+    positions = torch.arange(total_len, device=model.device)[:, None].expand(total_len, b).contiguous().unbind(0)
+    drawn[p].copy_(decoder.sample(logits, sampling, positions[p]))
+    _keep_forced(drawn[p], forced, p)
+    for pos in range(p + 1, total_len):
+        # The step on the last token, then the draw from its logits: one call where the decoder can.
+        decoder.step_and_sample(drawn[pos - 1], sampling, positions[pos], drawn[pos])
+        _keep_forced(drawn[pos], forced, pos)
+    tokens[:, p:] = by_position[p:].T
     return tokens
+
+
+def _keep_forced(drawn: torch.Tensor, forced: torch.Tensor | None, pos: int) -> None:
+    """Position `pos`'s drawn tokens (B,), in place: the known ones (forced >= 0) instead of the draws."""
+    if forced is not None:
+        drawn.copy_(force_tokens(drawn, forced[:, pos]))
 
 
 def _empty_decoder(model: Transformer, rows: int, decoder: EagerDecoder | None, compiled: bool) -> EagerDecoder:

@@ -1,6 +1,6 @@
 """C++ kernels for CPU decode steps, built on first use with the machine's C++ compiler.
 
-Four kernels, registered as operators so that eager steps call them and
+Five kernels, registered as operators so that eager steps call them and
 torch.compile keeps each as one call inside its graphs:
   * `torch.ops.rnnserve.softmax_decode_attention`: softmax attention of one
     query per row over its KV cache (model/kernels/softmax_decode.cpp), which
@@ -15,7 +15,10 @@ torch.compile keeps each as one call inside its graphs:
     which a linear model's prefill runs on once the kernels are on;
   * `torch.ops.rnnserve.linear_decode_step`: a whole decode step of a linear
     model on its decode twin's packed weights (model/kernels/linear_step.cpp),
-    which the CPU decoders call for the models it takes (model/decode/compiled/linear_step.py).
+    which the CPU decoders call for the models it takes (model/decode/compiled/linear_step.py);
+  * `torch.ops.rnnserve.categorical_draw`: the unfiltered draw of model/decode/sampling.py
+    (model/kernels/categorical_draw.cpp), alone or, `linear_decode_step_draw`, right after that step in
+    its call: what those decoders draw with.
 
 The build runs once per machine, ahead of serving (`rnnserve build-kernels`, which `make install` and the
 container build run), and uses the vector instructions inductor picks for this CPU. torch keeps the library
@@ -48,7 +51,13 @@ log = logging.getLogger("rnnserve.cpu_kernels")
 
 SOURCES = tuple(
     Path(__file__).parent / name
-    for name in ("softmax_decode.cpp", "packed_linear.cpp", "linear_prefill.cpp", "linear_step.cpp")
+    for name in (
+        "softmax_decode.cpp",
+        "packed_linear.cpp",
+        "linear_prefill.cpp",
+        "linear_step.cpp",
+        "categorical_draw.cpp",
+    )
 )
 # What the sources include (the vector types, the packed product): part of what a build's folder is keyed on.
 HEADERS = tuple(Path(__file__).parent / name for name in ("vectors.h", "packed_product.h"))

@@ -18,7 +18,9 @@ on CPUs with AVX-512 or AVX2, once the kernels are built; otherwise the model as
 A linear model of the paper's shape (elu + 1 features, learned positions, exact
 GELU) goes further: each step is one C++ call on the twin's weights
 (model/decode/compiled/linear_step.py), from the moment the kernels load, without a graph;
-its draws still run compiled, and only they are compiled for it.
+its unfiltered draws run in C++ too (model/kernels/categorical_draw.cpp), inside the step's call where a
+generation asks for both (`step_and_sample`). Only its draws are compiled, for the batches the C++ draw does
+not take as they are (other dtypes).
 
 The batch dimension is compiled symbolically, so one graph serves every
 batch of 2 rows or more, and a second one the single row (torch.compile
@@ -77,7 +79,7 @@ from ..eager_and_cuda_graphs import EagerDecoder
 from ..sampling import BatchSampling, draw_unfiltered, sample
 from .background import BACKGROUND_COMPILE_NICENESS, COMPILE_THREAD, CompileGate, lower_thread_priority
 from .compile_child import PARTLY_COMPILED, CompileJob, become_compile_child, compile_in_child
-from .drawing import draw_inputs
+from .drawing import draw_inputs, kernel_draw_rows, kernel_takes_logits
 from .graphs import progress_bars_lock_this_process_only, same_cache_keys_in_every_process
 from .lifecycle import CompileLog, classes_to_compile, first_line
 from .linear_step import WholeLinearStep, whole_linear_step
@@ -157,8 +159,7 @@ class CompiledDecoder(EagerDecoder):
         if kernels is None or not kernels.ok:
             return f"{steps} on PyTorch's operators"
         if self.one_call_steps:
-            sampling = "compiled" if self.compiled else "eager"
-            return f"{kernels.route}: one-call steps on the packed kernel, {sampling} sampling{compiling}"
+            return f"{kernels.route}: one-call steps on the packed kernel, draws in C++{compiling}"
         layers = "the packed kernel" if self.compiled and self._twin is not None else "PyTorch's products"
         return f"{kernels.route}: {steps}, linear layers on {layers}"
 
@@ -214,8 +215,14 @@ class CompiledDecoder(EagerDecoder):
         return buffer
 
     def sample(self, logits: torch.Tensor, params: BatchSampling, position: torch.Tensor) -> torch.Tensor:
-        """`model.decode.sampling.sample`; once this many rows' graphs are compiled, a batch that asks for no top-k
-        or top-p draws through one compiled graph (temperature, uniforms, inverse CDF, argmax), guard-free."""
+        """`model.decode.sampling.sample`; a batch that asks for no top-k or top-p draws in C++ where the steps are
+        one C++ call (model/kernels/categorical_draw.cpp), else, once this many rows' graphs are compiled, through
+        one compiled graph (temperature, uniforms, inverse CDF, argmax), guard-free."""
+        rows = kernel_draw_rows(params, position) if self._draws_in_kernel else None
+        if rows is not None and kernel_takes_logits(logits):
+            drawn = torch.empty(logits.shape[0], dtype=torch.long)
+            torch.ops.rnnserve.categorical_draw(logits, *rows, drawn)
+            return drawn
         row_class = self.class_for(logits.shape[0])
         # Filtered batches and rows whose graphs are not ready sample eagerly: no layout work for them.
         args = (
@@ -226,11 +233,29 @@ class CompiledDecoder(EagerDecoder):
         if args is None or row_class is None:
             return sample(logits, params, position)
         try:
-            drawn: torch.Tensor = self.graphs.draws[row_class](row_class, *args)
-            return drawn
+            graph_drawn: torch.Tensor = self.graphs.draws[row_class](row_class, *args)
+            return graph_drawn
         except Exception as exc:  # a failed recompile stops before running: the same draw, eagerly
             self._fail("sampling", exc)
             return draw_unfiltered(*args)
+
+    def step_and_sample(
+        self, tokens: torch.Tensor, params: BatchSampling, position: torch.Tensor, drawn: torch.Tensor
+    ) -> torch.Tensor:
+        """`EagerDecoder.step_and_sample`: where the steps are one C++ call, an unfiltered batch draws inside it
+        (`WholeLinearStep.with_draw`), with no operator between a step and its draw."""
+        n = tokens.shape[0]
+        rows = kernel_draw_rows(params, position) if self._draws_in_kernel else None
+        step = self._whole_step
+        if rows is None or step is None or not step.head_inside or drawn.dtype != torch.long:
+            return super().step_and_sample(tokens, params, position, drawn)
+        return step.with_draw(self._tokens(tokens), self._rows(n), rows, drawn)
+
+    @property
+    def _draws_in_kernel(self) -> bool:
+        """Whether unfiltered draws run in C++ (model/kernels/categorical_draw.cpp): with the one-call steps, whose
+        kernels they are built with."""
+        return self.one_call_steps
 
     # -- compiling ----------------------------------------------------------------
     def compile(

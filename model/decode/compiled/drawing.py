@@ -1,11 +1,36 @@
 """The compiled draw's inputs: the one layout its graphs are captured with and called in, for a caller's batch and
-for a warm-up's scratch rows."""
+for a warm-up's scratch rows; and what the C++ draw (model/kernels/categorical_draw.cpp) takes instead."""
 
 from __future__ import annotations
 
 import torch
 
 from ...transformer import Transformer
+from ..sampling import BatchSampling
+
+# The C++ draw's per-row inputs: (n,) float32 temperatures, int64 seeds and int64 positions.
+DrawRows = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def kernel_draw_rows(params: BatchSampling, position: torch.Tensor) -> DrawRows | None:
+    """The rows' inputs of the C++ draw when it takes them: no row asking for top-k, top-p or min-p (known, not read
+    back), CPU tensors of its dtypes. Else None: the caller draws another way. Plain attribute reads: they run
+    before every token."""
+    temperature, seed = params.temperature, params.seed
+    if (
+        params.filters is not False
+        or temperature.dtype is not torch.float32
+        or seed.dtype is not torch.long
+        or position.dtype is not torch.long
+        or not (temperature.is_cpu and seed.is_cpu and position.is_cpu)
+    ):
+        return None
+    return temperature, seed, position
+
+
+def kernel_takes_logits(logits: torch.Tensor) -> bool:
+    """Whether the C++ draw takes these logits as they are: (n, V) float32 on the CPU, unit stride along V."""
+    return logits.dtype is torch.float32 and logits.is_cpu and logits.dim() == 2 and logits.stride(1) == 1
 
 
 def draw_inputs(logits: torch.Tensor, *rows: torch.Tensor) -> tuple[torch.Tensor, ...] | None:

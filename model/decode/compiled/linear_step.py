@@ -8,6 +8,8 @@ to the eager model on the machine's route, tests/test_cpu_kernels.py on the
 others that can be forced there), without a graph's wrappers or an operator
 call per layer. A categorical head runs inside the call; any other head (the
 logistic mixture, a tied one) runs after it, on the final hidden state.
+`with_draw` also draws each row's next token from the logits, inside the same
+call where the head is (model/kernels/categorical_draw.cpp).
 Anything else (learned feature maps, sinusoidal or rotary positions, grouped-query
 attention, GPT-2's tanh GELU) keeps the compiled step.
 """
@@ -24,6 +26,7 @@ from ...attention.linear import LinearAttention, LinearState
 from ...kernels.packed_linear import PackedLinear
 from ...state import ModelState
 from ...transformer import Block, Transformer
+from .drawing import DrawRows
 
 
 def whole_step_refusal(twin: Transformer) -> str | None:
@@ -113,18 +116,21 @@ class WholeLinearStep:
         return cls(twin, embeddings, weights, head_inside)
 
     def __call__(self, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.rnnserve.linear_decode_step(*self._arguments(tokens, state))
+        return out if self.head_inside else self.twin.head(out)
+
+    def with_draw(self, tokens: torch.Tensor, state: ModelState, rows: DrawRows, drawn: torch.Tensor) -> torch.Tensor:
+        """A step, then each row's next token drawn from its logits into `drawn` (n,) as `categorical_draw` draws
+        it, in the same call: for a twin whose head runs inside it (`head_inside`). Returns the logits (n, V)."""
+        assert self.head_inside  # the draw needs the head's logits, which the call returns only then
+        logits: torch.Tensor = torch.ops.rnnserve.linear_decode_step_draw(*self._arguments(tokens, state), *rows, drawn)
+        return logits
+
+    def _arguments(self, tokens: torch.Tensor, state: ModelState) -> tuple[object, ...]:
+        """linear_decode_step's arguments for these tokens (n,) on these rows of a state."""
         cfg = self.twin.config
-        out = torch.ops.rnnserve.linear_decode_step(
-            tokens,
-            state.lengths,
-            *self.embeddings,
-            self.weights,
-            [cast(LinearState, layer).sz_t for layer in state.layers],
-            cfg.n_heads,
-            cfg.ln_eps,
-            cfg.linear_eps,
-        )
-        return out if self.head_inside else self.twin.head(out)  # type: ignore[no-any-return]  # a Module's call is Any
+        states = [cast(LinearState, layer).sz_t for layer in state.layers]
+        return (tokens, state.lengths, *self.embeddings, self.weights, states, cfg.n_heads, cfg.ln_eps, cfg.linear_eps)
 
 
 def whole_linear_step(twin: Transformer) -> WholeLinearStep | None:

@@ -1,6 +1,6 @@
 """C++ kernels for CPU decode steps, built on first use with the machine's C++ compiler.
 
-Four kernels, registered as operators so that eager steps call them and
+Five kernels, registered as operators so that eager steps call them and
 torch.compile keeps each as one call inside its graphs:
   * `torch.ops.rnnserve.softmax_decode_attention`: softmax attention of one
     query per row over its KV cache (model/kernels/softmax_decode.cpp), which
@@ -15,7 +15,10 @@ torch.compile keeps each as one call inside its graphs:
     which a linear model's prefill runs on once the kernels are on;
   * `torch.ops.rnnserve.linear_decode_step`: a whole decode step of a linear
     model on its decode twin's packed weights (model/kernels/linear_step.cpp),
-    which the CPU decoders call for the models it takes (model/decode/compiled/linear_step.py).
+    which the CPU decoders call for the models it takes (model/decode/compiled/linear_step.py);
+  * `torch.ops.rnnserve.hybrid_decode_attention`: a hybrid-attention decode step
+    (model/kernels/hybrid_decode.cpp): the ring's leaving key into the sums, the
+    window's softmax and the linear read with one normaliser, in place.
 
 The build runs once per machine, ahead of serving (`rnnserve build-kernels`, which `make install` and the
 container build run), and uses the vector instructions inductor picks for this CPU. torch keeps the library
@@ -48,7 +51,13 @@ log = logging.getLogger("rnnserve.cpu_kernels")
 
 SOURCES = tuple(
     Path(__file__).parent / name
-    for name in ("softmax_decode.cpp", "packed_linear.cpp", "linear_prefill.cpp", "linear_step.cpp")
+    for name in (
+        "softmax_decode.cpp",
+        "packed_linear.cpp",
+        "linear_prefill.cpp",
+        "linear_step.cpp",
+        "hybrid_decode.cpp",
+    )
 )
 # What the sources include (the vector types, the packed product): part of what a build's folder is keyed on.
 HEADERS = tuple(Path(__file__).parent / name for name in ("vectors.h", "packed_product.h"))
@@ -166,6 +175,7 @@ def _load_once(build: bool) -> KernelBuild:
         torch.library.register_fake("rnnserve::reformer_decode_attention")(_fake_reformer_decode_attention)
         torch.library.register_fake("rnnserve::packed_linear")(_fake_packed_linear)
         torch.library.register_fake("rnnserve::linear_attention_prefill")(_fake_linear_attention_prefill)
+        torch.library.register_fake("rnnserve::hybrid_decode_attention")(_fake_hybrid_decode_attention)
     except Exception as exc:  # no compiler, no Python headers, a read-only cache
         error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         log.warning(
@@ -232,6 +242,10 @@ def _fake_packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tenso
 
 def _fake_linear_attention_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, eps: float):
     return v.new_empty(v.shape)  # (B, H, T, D), contiguous: what the kernel returns
+
+
+def _fake_hybrid_decode_attention(q, k, v, start, ring_k, ring_v, s, z, mix, map_weight, map_bias, map_kind, eps):
+    return q.new_empty(q.shape)  # (B, H, 1, D), contiguous: what the kernel returns; the state moves on in place
 
 
 def _kernel_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -17,6 +17,8 @@ from conftest import make_tiny_model, make_tokens
 from model.attention.hybrid import HybridAttention, HybridState
 from model.attention.head_shapes import chunk_positions
 from model.config import ModelConfig
+from model.decode.compiled.decoder import CompiledDecoder
+from model.decode.eager_and_cuda_graphs import EagerDecoder
 from model.kernels.loader import load_kernels, turn_off_cpu_kernels, use_cpu_kernels
 
 TOLERANCE = 1e-5
@@ -157,3 +159,25 @@ def test_a_refused_call_says_what_is_wrong_and_leaves_the_state(kernels):
         )  # fmt: skip
     for name in ("k", "v", "s", "z"):
         assert torch.equal(getattr(state, name), getattr(before, name))
+
+
+def test_compiled_steps_call_the_kernel_and_give_the_eager_step_s_logits(kernels):
+    """The decoder's compiled graphs keep the kernel as one call that moves the state on in place: across the
+    window's edge, rows finishing and joining, they give what PyTorch's step does."""
+    model = make_tiny_model("hybrid+hedgehog", d_model=64, hybrid_window=5, hybrid_features=16)
+    reference = copy.deepcopy(model)
+    turn_off_cpu_kernels(reference)
+    compiled = CompiledDecoder(model, model.new_state(4), one_call=False)
+    log = compiled.compile_now(None)
+    assert log.error is None and compiled.compiled, log
+    assert all(block.attn.cpu_decode_kernel for block in compiled._twin.blocks), "the twin's layers run PyTorch's step"
+    eager = EagerDecoder(reference, reference.new_state(4))
+    tokens = make_tokens(5, 4, 16)
+    schedule = [4, 4, 4, 4, 4, 4, 2, 2, 1, 4, 4, 4]  # past the window, rows finishing, one alone, rows joining
+    with torch.inference_mode():
+        for step, live in enumerate(schedule):
+            if step and live > schedule[step - 1]:
+                for decoder in (eager, compiled):
+                    decoder.state.reset_rows(range(schedule[step - 1], live))
+            want, got = eager(tokens[:live, step]), compiled(tokens[:live, step])
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"step {step}")

@@ -112,48 +112,76 @@ void move_into_sums(const KeyHead& h, const FeatureMap& map, const Shape& shape,
 }
 
 // One query over the ring's first `written` slots and the sums: out = (g sum_w e_w v_w + (1 - g) phi(q)^T S) /
-// (g sum_w e_w + (1 - g) phi(q)^T Z + eps), e_w = exp(s_w - max s).
+// (g sum_w e_w + (1 - g) phi(q)^T Z + eps), e_w = exp(s_w - max s). C vectors a head, or (C = 0) as many as it
+// takes; the weighted sums keep kChains accumulators each, so that their additions do not wait on one another.
+template <int C>
 void attend_one(const KeyHead& h, const FeatureMap& map, const Shape& shape, const float* q, float g, float* out,
                 int64_t written) {
-  const int64_t d = shape.d;
+  constexpr int64_t kChains = 4;
+  constexpr int64_t kHeld = C ? C : kMaxHeadDim / kLanes;
+  const int64_t d = shape.d, chunks = C ? C : d / kLanes;
   alignas(64) float scores[kMaxWindow + kLanes];
   for (int64_t slot = 0; slot < written; ++slot) scores[slot] = dot(q, h.ring_k + slot * d, d) * shape.scale;
   const float top = largest(scores, written);
   const int64_t padded = (written + kLanes - 1) / kLanes * kLanes;
   for (int64_t slot = written; slot < padded; ++slot) scores[slot] = top;  // lanes past the ring, zeroed below
-  V window_sum = vbroadcast(0.f);
-  for (int64_t slot = 0; slot < padded; slot += kLanes) {
-    const V e = exp_of_nonpositive(vload(scores + slot) - vbroadcast(top));
-    vstore(scores + slot, e);
-  }
+  for (int64_t slot = 0; slot < padded; slot += kLanes)
+    vstore(scores + slot, exp_of_nonpositive(vload(scores + slot) - vbroadcast(top)));
   for (int64_t slot = written; slot < padded; ++slot) scores[slot] = 0.f;
+  V window_sum = vbroadcast(0.f);
   for (int64_t slot = 0; slot < padded; slot += kLanes) window_sum = window_sum + vload(scores + slot);
 
   alignas(64) float phi[kMaxFeatures];
   feature_map(map, q, phi);
-  V window[kMaxHeadDim / kLanes], linear[kMaxHeadDim / kLanes];
-  const int64_t chunks = d / kLanes;
-  for (int64_t c = 0; c < chunks; ++c) window[c] = linear[c] = vbroadcast(0.f);
-  for (int64_t slot = 0; slot < written; ++slot) {
+  V window[kChains][kHeld], linear[kChains][kHeld];
+  for (int64_t a = 0; a < kChains; ++a)
+    for (int64_t c = 0; c < chunks; ++c) window[a][c] = linear[a][c] = vbroadcast(0.f);
+  int64_t slot = 0;
+  for (; slot + kChains <= written; slot += kChains)
+    for (int64_t a = 0; a < kChains; ++a) {
+      const V e = vbroadcast(scores[slot + a]);
+      const float* value = h.ring_v + (slot + a) * d;
+      for (int64_t c = 0; c < chunks; ++c) window[a][c] = vfma(e, vload(value + c * kLanes), window[a][c]);
+    }
+  for (; slot < written; ++slot) {
     const V e = vbroadcast(scores[slot]);
-    const float* value = h.ring_v + slot * d;
-    for (int64_t c = 0; c < chunks; ++c) window[c] = vfma(e, vload(value + c * kLanes), window[c]);
+    for (int64_t c = 0; c < chunks; ++c) window[0][c] = vfma(e, vload(h.ring_v + slot * d + c * kLanes), window[0][c]);
   }
-  for (int64_t i = 0; i < shape.f; ++i) {
-    const V weight = vbroadcast(phi[i]);
-    const float* line = h.s + i * d;
-    for (int64_t c = 0; c < chunks; ++c) linear[c] = vfma(weight, vload(line + c * kLanes), linear[c]);
-  }
+  int64_t i = 0;
+  for (; i + kChains <= shape.f; i += kChains)
+    for (int64_t a = 0; a < kChains; ++a) {
+      const V weight = vbroadcast(phi[i + a]);
+      const float* line = h.s + (i + a) * d;
+      for (int64_t c = 0; c < chunks; ++c) linear[a][c] = vfma(weight, vload(line + c * kLanes), linear[a][c]);
+    }
+  for (; i < shape.f; ++i)
+    for (int64_t c = 0; c < chunks; ++c)
+      linear[0][c] = vfma(vbroadcast(phi[i]), vload(h.s + i * d + c * kLanes), linear[0][c]);
   const float denominator = g * hsum(window_sum) + (1.f - g) * dot(phi, h.z, shape.f) + shape.eps;
   const V vg = vbroadcast(g), rest = vbroadcast(1.f - g), below = vbroadcast(denominator);
-  for (int64_t c = 0; c < chunks; ++c) vstore(out + c * kLanes, (vg * window[c] + rest * linear[c]) / below);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const V windowed = (window[0][c] + window[1][c]) + (window[2][c] + window[3][c]);
+    const V linear_read = (linear[0][c] + linear[1][c]) + (linear[2][c] + linear[3][c]);
+    vstore(out + c * kLanes, (vg * windowed + rest * linear_read) / below);
+  }
 }
 
+template <int C>
 void step_key_head(const KeyHead& h, const FeatureMap& map, const Shape& shape) {
   move_into_sums(h, map, shape, h.position % shape.w);
   const int64_t written = std::min(h.position + 1, shape.w);  // slots 0 .. position are written before the ring wraps
   for (int64_t i = 0; i < shape.groups; ++i)
-    attend_one(h, map, shape, h.q + i * h.q_stride, h.gates[i], h.out + i * shape.d, written);
+    attend_one<C>(h, map, shape, h.q + i * h.q_stride, h.gates[i], h.out + i * shape.d, written);
+}
+
+void step_key_head(const KeyHead& h, const FeatureMap& map, const Shape& shape) {
+  switch (shape.d / kLanes) {
+    case 1: step_key_head<1>(h, map, shape); break;
+    case 2: step_key_head<2>(h, map, shape); break;
+    case 4: step_key_head<4>(h, map, shape); break;
+    case 8: step_key_head<8>(h, map, shape); break;
+    default: step_key_head<0>(h, map, shape); break;
+  }
 }
 
 bool sizes_taken(int64_t d, int64_t projected, int64_t window) {
@@ -258,23 +286,26 @@ at::Tensor hybrid_decode_attention(const at::Tensor& q, const at::Tensor& k, con
   float *rk = ring_k.data_ptr<float>(), *rv = ring_v.data_ptr<float>(), *sp = s.data_ptr<float>(),
         *zp = z.data_ptr<float>(), *op = out.data_ptr<float>();
   const float* gp = gates.data_ptr<float>();
+  const auto key_head = [&](int64_t i) {  // i = r KV + j: row r's key head j
+    const int64_t r = i / kv, j = i % kv;
+    return KeyHead{rk + i * w * d,
+                   rv + i * w * d,
+                   sp + i * f * d,
+                   zp + i * f,
+                   kp + r * k.stride(0) + j * k.stride(1),
+                   vp + r * v.stride(0) + j * v.stride(1),
+                   qp + r * q.stride(0) + j * shape.groups * q.stride(1),
+                   q.stride(1),
+                   pos[r],
+                   gp + j * shape.groups,
+                   op + (r * heads + j * shape.groups) * d};
+  };
   at::parallel_for(0, b * kv, 1, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
-      const int64_t r = i / kv, j = i % kv;
+      const int64_t j = i % kv;
       const FeatureMap map{kind, kind == MapKind::kElu ? nullptr : weight_t.data() + j * d * p,
                            kind == MapKind::kElu ? nullptr : bias.data_ptr<float>() + j * p, d, p};
-      const KeyHead head{rk + i * w * d,
-                         rv + i * w * d,
-                         sp + i * f * d,
-                         zp + i * f,
-                         kp + r * k.stride(0) + j * k.stride(1),
-                         vp + r * v.stride(0) + j * v.stride(1),
-                         qp + r * q.stride(0) + j * shape.groups * q.stride(1),
-                         q.stride(1),
-                         pos[r],
-                         gp + j * shape.groups,
-                         op + (r * heads + j * shape.groups) * d};
-      step_key_head(head, map, shape);
+      step_key_head(key_head(i), map, shape);
     }
   });
   return out;

@@ -31,8 +31,8 @@ from .base import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
 from ..block_parts import Rotary
 from ..config import ModelConfig
 from .feature_maps import (
-    EluFeatureMap,
     HedgehogFeatureMap,
+    ProjectedFeatureMap,
     T2RFeatureMap,
     feature_count,
     make_feature_map,
@@ -100,9 +100,13 @@ class HybridAttention(Attention):
     def cpu_decode_kernel(self, on: bool) -> None:
         """model/kernels/loader.py turns the kernel on once it is loaded; it stays off for sizes the build does not
         take (asked here, once, rather than at every step)."""
-        learned = isinstance(self.feature_map, (T2RFeatureMap, HedgehogFeatureMap))
-        projected = self.feature_map.weight.shape[1] if learned else 0  # P
+        projection = self._projection()
+        projected = projection.weight.shape[1] if projection is not None else 0  # P
         self._kernel_on = bool(on) and bool(torch.ops.rnnserve.hybrid_step_takes(self.d_head, projected, self.window))
+
+    def _projection(self) -> ProjectedFeatureMap | None:
+        """The learned map's projection (t2r, Hedgehog), or None for elu + 1."""
+        return self.feature_map if isinstance(self.feature_map, ProjectedFeatureMap) else None
 
     def _map_kind(self) -> int:
         """The kernel's number for this layer's feature map: 0 elu + 1, 1 t2r, 2 Hedgehog."""
@@ -218,9 +222,9 @@ class HybridAttention(Attention):
 
     def _kernel_step(self, q, k, v, start: torch.Tensor, state: HybridState) -> torch.Tensor:
         """`_step` as one C++ call (model/kernels/hybrid_decode.cpp): the same sums, the state moved on in place."""
-        learned = not isinstance(self.feature_map, EluFeatureMap)
-        weight = self.feature_map.weight.detach() if learned else None  # (KV, P, D)
-        bias = self.feature_map.bias.detach() if learned else None  # (KV, P)
+        projection = self._projection()
+        weight = projection.weight.detach() if projection is not None else None  # (KV, P, D)
+        bias = projection.bias.detach() if projection is not None else None  # (KV, P)
         return torch.ops.rnnserve.hybrid_decode_attention(
             q,
             k,

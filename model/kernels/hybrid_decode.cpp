@@ -34,8 +34,46 @@ struct FeatureMap {
   int64_t d, p;
 };
 
-float largest(const float* x, int64_t n) { return *std::max_element(x, x + n); }
-float smallest(const float* x, int64_t n) { return *std::min_element(x, x + n); }
+// The largest and smallest of x[0 .. n), n a whole number of vectors: lane-wise, then across the lanes.
+float largest(const float* x, int64_t n) {
+  V top = vload(x);
+  for (int64_t i = kLanes; i < n; i += kLanes) top = vmax(top, vload(x + i));
+  alignas(64) float lanes[kLanes];
+  vstore(lanes, top);
+  return *std::max_element(lanes, lanes + kLanes);
+}
+
+float smallest(const float* x, int64_t n) {
+  V bottom = vload(x);
+  for (int64_t i = kLanes; i < n; i += kLanes) bottom = vmin(bottom, vload(x + i));
+  alignas(64) float lanes[kLanes];
+  vstore(lanes, bottom);
+  return *std::min_element(lanes, lanes + kLanes);
+}
+
+// projected = W x + b (P outputs, PC vectors of them; PC = 0: as many as P takes, summed in memory). Two
+// accumulator chains along D, held in registers, so that the products do not wait on one another.
+template <int PC>
+void project(const FeatureMap& map, const float* x, float* projected) {
+  if constexpr (PC == 0) {
+    for (int64_t i = 0; i < map.p; i += kLanes) vstore(projected + i, vload(map.bias + i));
+    for (int64_t j = 0; j < map.d; ++j) {
+      const V xj = vbroadcast(x[j]);
+      const float* line = map.weight_t + j * map.p;
+      for (int64_t i = 0; i < map.p; i += kLanes) vstore(projected + i, vfma(xj, vload(line + i), vload(projected + i)));
+    }
+  } else {
+    V sums[2][PC];
+    for (int64_t c = 0; c < PC; ++c) sums[0][c] = vload(map.bias + c * kLanes), sums[1][c] = vbroadcast(0.f);
+    for (int64_t j = 0; j < map.d; j += 2)  // D is a whole number of vectors: even
+      for (int64_t a = 0; a < 2 && j + a < map.d; ++a) {
+        const V xj = vbroadcast(x[j + a]);
+        const float* line = map.weight_t + (j + a) * map.p;
+        for (int64_t c = 0; c < PC; ++c) sums[a][c] = vfma(xj, vload(line + c * kLanes), sums[a][c]);
+      }
+    for (int64_t c = 0; c < PC; ++c) vstore(projected + c * kLanes, sums[0][c] + sums[1][c]);
+  }
+}
 
 // out[i] = exp(x[i] * sign - top) / sum of them, i < n (n a whole number of vectors; sign * x[i] - top <= 0).
 void softmax_into(const float* x, float sign, float top, float* out, int64_t n) {
@@ -56,11 +94,11 @@ void feature_map(const FeatureMap& map, const float* x, float* out) {
     return;
   }
   alignas(64) float projected[kMaxFeatures];
-  for (int64_t i = 0; i < map.p; i += kLanes) vstore(projected + i, vload(map.bias + i));
-  for (int64_t j = 0; j < map.d; ++j) {
-    const V xj = vbroadcast(x[j]);
-    const float* line = map.weight_t + j * map.p;
-    for (int64_t i = 0; i < map.p; i += kLanes) vstore(projected + i, vfma(xj, vload(line + i), vload(projected + i)));
+  switch (map.p / kLanes) {
+    case 1: project<1>(map, x, projected); break;
+    case 2: project<2>(map, x, projected); break;
+    case 4: project<4>(map, x, projected); break;
+    default: project<0>(map, x, projected); break;
   }
   if (map.kind == MapKind::kT2R) {
     for (int64_t i = 0; i < map.p; i += kLanes) vstore(out + i, vmax(vload(projected + i), vbroadcast(0.f)));
@@ -122,9 +160,10 @@ void attend_one(const KeyHead& h, const FeatureMap& map, const Shape& shape, con
   const int64_t d = shape.d, chunks = C ? C : d / kLanes;
   alignas(64) float scores[kMaxWindow + kLanes];
   for (int64_t slot = 0; slot < written; ++slot) scores[slot] = dot(q, h.ring_k + slot * d, d) * shape.scale;
-  const float top = largest(scores, written);
   const int64_t padded = (written + kLanes - 1) / kLanes * kLanes;
-  for (int64_t slot = written; slot < padded; ++slot) scores[slot] = top;  // lanes past the ring, zeroed below
+  for (int64_t slot = written; slot < padded; ++slot) scores[slot] = scores[0];  // lanes past the ring: no new top
+  const float top = largest(scores, padded);
+  for (int64_t slot = written; slot < padded; ++slot) scores[slot] = top;  // zeroed below
   for (int64_t slot = 0; slot < padded; slot += kLanes)
     vstore(scores + slot, exp_of_nonpositive(vload(scores + slot) - vbroadcast(top)));
   for (int64_t slot = written; slot < padded; ++slot) scores[slot] = 0.f;

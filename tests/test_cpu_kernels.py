@@ -428,6 +428,26 @@ for position in range(20):
     where, drawn = torch.full((16,), position), torch.empty(16, dtype=torch.long)
     torch.ops.rnnserve.categorical_draw(logits, params.temperature, params.seed, where, drawn)
     differing_draws += int((drawn != sample(logits, params, where)).sum())
+import copy
+from model.attention.hybrid import HybridAttention
+for head_dim, feature_map, kv_heads in ((16, "hedgehog", 0), (24, "t2r", 2), (32, "elu", 0)):  # the hybrid step
+    layer = HybridAttention(ModelConfig(attention="hybrid", d_model=4 * head_dim, n_heads=4, kv_heads=kv_heads,
+                                        n_layers=1, max_len=64, hybrid_window=5, hybrid_feature_map=feature_map))
+    with torch.no_grad():
+        for p in (*layer.feature_map.parameters(), layer.mix):
+            p.normal_(std=0.5)
+    state = layer.new_state(5, torch.device("cpu"), torch.float32)
+    for t in (state.k, state.v, state.s):
+        t.normal_()
+    state.z.uniform_(0.1, 2.0)
+    start, x = torch.tensor([0, 3, 4, 5, 17]), torch.randn(5, 1, 4 * head_dim)
+    outputs = []
+    for on in (False, True):
+        layer.cpu_decode_kernel = on
+        moved = copy.deepcopy(state)
+        with torch.inference_mode():
+            outputs.append([layer(x, start, moved)[0], moved.s, moved.z, moved.k])
+    errors += [float((a - b).abs().max()) for a, b in zip(*outputs)]
 print(json.dumps({"ok": build.ok, "route": build.route, "here": cpu_route(), "packed": packed_linear_wins(),
                   "max_error": max(errors), "differing_draws": differing_draws}))
 """

@@ -29,7 +29,14 @@ from torch import nn
 
 from .base import STATE_NUMBER_BYTES, Attention, Capabilities, TokenCost
 from ..config import ModelConfig
-from .feature_maps import feature_count, make_feature_map, projected_count
+from .feature_maps import (
+    HedgehogFeatureMap,
+    ProjectedFeatureMap,
+    T2RFeatureMap,
+    feature_count,
+    make_feature_map,
+    projected_count,
+)
 from .head_shapes import chunk_positions, merge_heads
 from .projections import FusedProjections
 from ..state import RowState
@@ -80,6 +87,29 @@ class HybridAttention(FusedProjections, Attention):
         self.feature_map = make_feature_map(cfg.hybrid_feature_map, cfg.n_kv_heads, cfg.d_head, cfg.hybrid_features)
         self.features = feature_count(cfg.hybrid_feature_map, cfg.d_head, cfg.hybrid_features)  # F
         self.mix = nn.Parameter(torch.zeros(cfg.n_heads))  # g = sigmoid(mix): the window's share, per query head
+        self._kernel_on = False  # the C++ step (model/kernels/hybrid_decode.cpp), on where its sizes are taken
+
+    @property
+    def cpu_decode_kernel(self) -> bool:
+        return self._kernel_on
+
+    @cpu_decode_kernel.setter
+    def cpu_decode_kernel(self, on: bool) -> None:
+        """model/kernels/loader.py turns the kernel on once it is loaded; it stays off for sizes the build does not
+        take (asked here, once, rather than at every step)."""
+        projection = self._projection()
+        projected = projection.weight.shape[1] if projection is not None else 0  # P
+        self._kernel_on = bool(on) and bool(torch.ops.rnnserve.hybrid_step_takes(self.d_head, projected, self.window))
+
+    def _projection(self) -> ProjectedFeatureMap | None:
+        """The learned map's projection (t2r, Hedgehog), or None for elu + 1."""
+        return self.feature_map if isinstance(self.feature_map, ProjectedFeatureMap) else None
+
+    def _map_kind(self) -> int:
+        """The kernel's number for this layer's feature map: 0 elu + 1, 1 t2r, 2 Hedgehog."""
+        if isinstance(self.feature_map, HedgehogFeatureMap):
+            return 2
+        return 1 if isinstance(self.feature_map, T2RFeatureMap) else 0
 
     def new_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> HybridState:
         del dtype  # float32 whatever the model's dtype, as linear attention's sums
@@ -155,6 +185,8 @@ class HybridAttention(FusedProjections, Attention):
         """One token per row, q (B, H, 1, D), k and v (B, KV, 1, D) at positions `start` (B,) -> (B, H, 1, D).
         The key that leaves the window now sits in the new key's slot: it moves into the sums, the new key takes
         its place, and the ring then holds exactly the window, in slot order (a softmax needs no other order)."""
+        if self._kernel_applies(q, state):
+            return self._kernel_step(q, k, v, start, state)
         w, kv_heads = self.window, self.n_kv_heads
         slot = start.remainder(w)[:, None, None, None].expand(-1, kv_heads, 1, self.d_head)  # (B, KV, 1, D)
         leaving = (start >= w).to(q.dtype)[:, None, None, None]  # (B, 1, 1, 1): a key written W positions ago
@@ -173,6 +205,39 @@ class HybridAttention(FusedProjections, Attention):
         linear_sum = (phi_q @ state.z[:, :, None, :, None])[..., 0]  # (B, KV, G, 1)
         denominator = g[..., 0] * window.sum(-1) + (1 - g[..., 0]) * linear_sum
         return (numerator / (denominator[..., None] + self.eps)).flatten(1, 2)
+
+    def _kernel_applies(self, q: torch.Tensor, state: HybridState) -> bool:
+        # The kernel reads float32 weights and a contiguous state, on the CPU.
+        return (
+            self._kernel_on
+            and q.device.type == "cpu"
+            and self.mix.dtype == torch.float32
+            and all(t.is_contiguous() for t in (state.k, state.v, state.s, state.z))
+        )
+
+    def _kernel_step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, state: HybridState
+    ) -> torch.Tensor:
+        """`_step` as one C++ call (model/kernels/hybrid_decode.cpp): the same sums, the state moved on in place."""
+        projection = self._projection()
+        weight = projection.weight.detach() if projection is not None else None  # (KV, P, D)
+        bias = projection.bias.detach() if projection is not None else None  # (KV, P)
+        out: torch.Tensor = torch.ops.rnnserve.hybrid_decode_attention(
+            q,
+            k,
+            v,
+            start,
+            state.k,
+            state.v,
+            state.s,
+            state.z,
+            self.mix.detach(),
+            weight,
+            bias,
+            self._map_kind(),
+            self.eps,
+        )
+        return out
 
     def _past(self, state: HybridState, start: torch.Tensor) -> Past:
         """The ring's keys and values ordered by position (start - W .. start - 1) and the sums, as copies."""

@@ -19,6 +19,9 @@ torch.compile keeps each as one call inside its graphs:
   * `torch.ops.rnnserve.categorical_draw`: the unfiltered draw of model/decode/sampling.py
     (model/kernels/categorical_draw.cpp), alone or, `linear_decode_step_draw`, right after that step in
     its call: what those decoders draw with.
+  * `torch.ops.rnnserve.hybrid_decode_attention`: a hybrid-attention decode step
+    (model/kernels/hybrid_decode.cpp): the ring's leaving key into the sums, the
+    window's softmax and the linear read with one normaliser, in place.
 
 The build runs once per machine, ahead of serving (`rnnserve build-kernels`, which `make install` and the
 container build run), and uses the vector instructions inductor picks for this CPU. torch keeps the library
@@ -57,6 +60,7 @@ SOURCES = tuple(
         "linear_prefill.cpp",
         "linear_step.cpp",
         "categorical_draw.cpp",
+        "hybrid_decode.cpp",
     )
 )
 # What the sources include (the vector types, the packed product): part of what a build's folder is keyed on.
@@ -176,6 +180,7 @@ def _load_once(build: bool) -> KernelBuild:
         torch.library.register_fake("rnnserve::reformer_decode_attention")(_fake_reformer_decode_attention)
         torch.library.register_fake("rnnserve::packed_linear")(_fake_packed_linear)
         torch.library.register_fake("rnnserve::linear_attention_prefill")(_fake_linear_attention_prefill)
+        torch.library.register_fake("rnnserve::hybrid_decode_attention")(_fake_hybrid_decode_attention)
     except Exception as exc:  # no compiler, no Python headers, a read-only cache
         error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         log.warning(
@@ -254,6 +259,24 @@ def _fake_linear_attention_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, eps: float
 ) -> torch.Tensor:
     return v.new_empty(v.shape)  # (B, H, T, D), contiguous: what the kernel returns
+
+
+def _fake_hybrid_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: torch.Tensor,
+    ring_k: torch.Tensor,
+    ring_v: torch.Tensor,
+    s: torch.Tensor,
+    z: torch.Tensor,
+    mix: torch.Tensor,
+    map_weight: torch.Tensor | None,
+    map_bias: torch.Tensor | None,
+    map_kind: int,
+    eps: float,
+) -> torch.Tensor:
+    return q.new_empty(q.shape)  # (B, H, 1, D), contiguous: what the kernel returns; the state moves on in place
 
 
 def _kernel_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

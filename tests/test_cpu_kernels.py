@@ -430,6 +430,7 @@ for position in range(20):
     differing_draws += int((drawn != sample(logits, params, where)).sum())
 import copy
 from model.attention.hybrid import HybridAttention
+hybrid_kernel_on = []
 for head_dim, feature_map, kv_heads in ((16, "hedgehog", 0), (24, "t2r", 2), (32, "elu", 0)):  # the hybrid step
     layer = HybridAttention(ModelConfig(attention="hybrid", d_model=4 * head_dim, n_heads=4, kv_heads=kv_heads,
                                         n_layers=1, max_len=64, hybrid_window=5, hybrid_feature_map=feature_map))
@@ -446,10 +447,12 @@ for head_dim, feature_map, kv_heads in ((16, "hedgehog", 0), (24, "t2r", 2), (32
         layer.cpu_decode_kernel = on
         moved = copy.deepcopy(state)
         with torch.inference_mode():
-            outputs.append([layer(x, start, moved)[0], moved.s, moved.z, moved.k])
+            outputs.append([layer(x, start, moved)[0], moved.s, moved.z, moved.k, moved.v])
+    hybrid_kernel_on.append(layer._kernel_on)
     errors += [float((a - b).abs().max()) for a, b in zip(*outputs)]
 print(json.dumps({"ok": build.ok, "route": build.route, "here": cpu_route(), "packed": packed_linear_wins(),
-                  "max_error": max(errors), "differing_draws": differing_draws}))
+                  "max_error": max(errors), "differing_draws": differing_draws,
+                  "hybrid_kernel_on": hybrid_kernel_on}))
 """
 
 
@@ -487,6 +490,7 @@ def test_a_forced_route_builds_its_own_kernels_and_computes_what_pytorch_does(ro
     assert seen["ok"] and seen["route"] == seen["here"] == route and seen["packed"]  # forced: the kernel is used
     assert seen["max_error"] < 1e-4, seen
     assert seen["differing_draws"] == 0, seen  # the route's exponential draws PyTorch's tokens
+    assert all(seen["hybrid_kernel_on"]), seen  # the hybrid step was compared through the kernel, not eager to eager
 
 
 def test_an_unknown_route_is_refused_with_the_ones_there_are(monkeypatch):

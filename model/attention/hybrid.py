@@ -207,11 +207,14 @@ class HybridAttention(FusedProjections, Attention):
         return (numerator / (denominator[..., None] + self.eps)).flatten(1, 2)
 
     def _kernel_applies(self, q: torch.Tensor, state: HybridState) -> bool:
-        # The kernel reads float32 weights and a contiguous state, on the CPU.
+        # The kernel reads float32 queries and weights and a contiguous state, on the CPU; anything else takes the
+        # eager step rather than the kernel's refusal.
+        weights = [self.mix, *self.feature_map.parameters()]
         return (
             self._kernel_on
             and q.device.type == "cpu"
-            and self.mix.dtype == torch.float32
+            and q.dtype == torch.float32
+            and all(w.dtype == torch.float32 for w in weights)
             and all(t.is_contiguous() for t in (state.k, state.v, state.s, state.z))
         )
 

@@ -117,7 +117,7 @@ void categorical_draw(const torch::Tensor& logits, const torch::Tensor& temperat
   auto out = drawn.accessor<int64_t, 1>();
   const float* rows = logits.data_ptr<float>();
   const int64_t row_stride = logits.stride(0);
-  // Rows apart on torch's threads, a few dozen a task: a row is a few microseconds.
+  // Rows apart on torch's threads, a few dozen a task: one row is too little work for a task of its own.
   at::parallel_for(0, m, 32, [&](int64_t first, int64_t last) {
     std::vector<float> scaled(v);
     std::vector<int32_t> weights(v);

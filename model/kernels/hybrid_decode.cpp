@@ -3,7 +3,7 @@
 // slot, then each query head of the key head's group attends with exact softmax over the ring and phi(q) over the
 // sums, sharing one normaliser mixed by g = sigmoid(mix).
 //
-// Why a kernel: in PyTorch the step is some twenty small operators per layer (gathers, scatters, a batched
+// Why a kernel: in PyTorch the step is many small operators per layer (gathers, scatters, a batched
 // product per term, the feature map's), each a pass over a batch's state and a dispatch; here each row's ring
 // and sums are read once while in cache, and phi (elu + 1, t2r or Hedgehog) is computed in registers, for the
 // leaving key and each query. Built by model/kernels/loader.py.

@@ -39,26 +39,47 @@ def generate(
     tokens = torch.empty(b, total_len, dtype=torch.long, device=model.device)
     tokens[:, :p] = prompt
     decoder = _empty_decoder(model, b, decoder, compiled)
-    state = decoder.state
-    # The prompt after the model's lead (its start token, if it reads one) predicts position P; one chunk prefills it.
-    inputs = torch.cat([torch.tensor(lead, dtype=torch.long, device=model.device).expand(b, -1), prompt], dim=1)
     if p == total_len:
         return tokens
-    # A prompt of the lead alone (a sample from scratch) is one decode step: the decoder's, not a prefill's pass.
-    logits = decoder(inputs[:, 0]) if inputs.shape[1] == 1 else model(inputs, state)[0][:, -1]  # (B, V)
+    logits = _prefill(model, decoder, lead, prompt)
+    tokens[:, p:] = _draw_after(decoder, logits, sampling, forced, p, total_len).T
+    return tokens
+
+
+def _prefill(model: Transformer, decoder: EagerDecoder, lead: list[int], prompt: torch.Tensor) -> torch.Tensor:
+    """The prompt after the model's lead (its start token, if it reads one) in one chunk: the logits (B, V) that
+    predict position P. A prompt of the lead alone (a sample from scratch) is one decode step: the decoder's, not
+    a prefill's pass."""
+    b = prompt.shape[0]
+    inputs = torch.cat([torch.tensor(lead, dtype=torch.long, device=model.device).expand(b, -1), prompt], dim=1)
+    if inputs.shape[1] == 1:
+        return decoder(inputs[:, 0])
+    logits: torch.Tensor = model(inputs, decoder.state)[0][:, -1]
+    return logits
+
+
+def _draw_after(
+    decoder: EagerDecoder,
+    logits: torch.Tensor,
+    sampling: BatchSampling,
+    forced: torch.Tensor | None,
+    p: int,
+    total_len: int,
+) -> torch.Tensor:
+    """Positions [P, total_len) drawn one by one from `logits` (B, V) on: (total_len - P, B)."""
+    b, device = logits.shape[0], logits.device
     # (T, B): each position's tokens and position numbers contiguous, as a step and a draw take them, viewed once
     # here rather than per token; the loop allocates nothing.
-    by_position = torch.empty(total_len, b, dtype=torch.long, device=model.device)
+    by_position = torch.empty(total_len, b, dtype=torch.long, device=device)
     drawn = by_position.unbind(0)
-    positions = torch.arange(total_len, device=model.device)[:, None].expand(total_len, b).contiguous().unbind(0)
+    positions = torch.arange(total_len, device=device)[:, None].expand(total_len, b).contiguous().unbind(0)
     drawn[p].copy_(decoder.sample(logits, sampling, positions[p]))
     _keep_forced(drawn[p], forced, p)
     for pos in range(p + 1, total_len):
         # The step on the last token, then the draw from its logits: one call where the decoder can.
         decoder.step_and_sample(drawn[pos - 1], sampling, positions[pos], drawn[pos])
         _keep_forced(drawn[pos], forced, pos)
-    tokens[:, p:] = by_position[p:].T
-    return tokens
+    return by_position[p:]
 
 
 def _keep_forced(drawn: torch.Tensor, forced: torch.Tensor | None, pos: int) -> None:

@@ -211,8 +211,9 @@ class LlamaCppDecoder:
             raise RuntimeError("llama.cpp could not make a context")
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
-        self.capacity = max(batch, 512)  # entries one llama_decode call takes
-        self.tokens = llama_cpp.llama_batch_init(self.capacity, 0, batch)
+        self.tokens = llama_cpp.llama_batch_init(max(batch, 512), 0, batch)
+        # Entries one llama_decode call takes: the context lowers n_batch to a short context's size.
+        self.capacity = min(max(batch, 512), llama_cpp.llama_n_batch(self.ctx))
 
     def close(self) -> None:
         self.lib.llama_batch_free(self.tokens)

@@ -185,8 +185,8 @@ class _PlainLayer(nn.Module):
         F.elu(qkv[:, : 2 * d], inplace=True).add_(1)  # phi = elu + 1 on q and k at once
         q, k, v = (t.view(b, self.heads, -1) for t in qkv.split(d, dim=-1))  # (B, H, D) each
         out = sums.step(q, k, v)  # (B, H, D)
-        x = x + self.proj(out.reshape(b, d))
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
+        x = self.proj(out.reshape(b, d)).add_(x)  # residuals added into the products' fresh outputs
+        return self.down(F.gelu(self.up(self.ln2(x)))).add_(x)
 
 
 class LinearSums:

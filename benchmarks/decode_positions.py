@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -48,6 +49,39 @@ class FlatnessResult:
     steps: int  # per position
 
 
+class PositionPeer(Protocol):
+    """Another engine's decoding steps in the position sweep (benchmarks/llamacpp_peer.py): its rows' sequences
+    advanced to a position, then single steps timed there, in the same turns as rnnserve's kinds."""
+
+    def position(self) -> int: ...  # tokens already in every row's sequence
+
+    def advance_to(self, position: int) -> None: ...
+
+    def time_steps(self, steps: int) -> list[float]: ...  # seconds of each step, one token per row
+
+    def state_bytes_per_sequence(self) -> int: ...
+
+
+class _DecoderSteps:
+    """An rnnserve model's decoder as the sweep drives it: prefilled with random tokens, stepped on token 0."""
+
+    def __init__(self, model: Transformer, settings: DecodeSettings, batch: int):
+        self.model, self.decoder = model, step_decoder(model, settings, batch)
+        self.gen = torch.Generator().manual_seed(settings.seed)
+
+    def position(self) -> int:
+        return int(self.decoder.state.lengths[0])
+
+    def advance_to(self, position: int) -> None:
+        _advance(self.model, self.decoder.state, position, self.gen)
+
+    def time_steps(self, steps: int) -> list[float]:
+        return _time_steps(self.decoder, steps)
+
+    def state_bytes_per_sequence(self) -> int:
+        return self.decoder.state.nbytes_in_use() // self.decoder.state.batch_size
+
+
 def choose_positions(max_position: int) -> list[int]:
     """Default sample positions: 100 and 16,000 (the issue's targets) plus a spread up to max_position."""
     wanted = [100, 1000, 2000, 4000, 8000, 12000, 16000, max_position]
@@ -79,36 +113,42 @@ def step_decoder(model: Transformer, settings: DecodeSettings, batch: int) -> Ea
 
 @torch.inference_mode()
 def measure_positions(
-    models: dict[str, Transformer], positions: list[int], settings: DecodeSettings, progress
+    models: dict[str, Transformer],
+    positions: list[int],
+    settings: DecodeSettings,
+    progress,
+    peers: dict[str, PositionPeer] | None = None,
 ) -> dict[str, list[PositionPoint]]:
     """Per kind, one state advanced through increasing positions; timed single-token steps at each,
-    through the decoder the server would use (compiled, CUDA graphs or eager).
+    through the decoder the server would use (compiled, CUDA graphs or eager). `peers`, when given,
+    are other engines stepped the same way in the same turns, under their own names.
 
     At each position the kinds take turns in a few rounds, so a noisy spell
     on a shared machine does not land on one kind only.
     """
-    batch = settings.position_batch
-    decoders = {kind: step_decoder(model, settings, batch) for kind, model in models.items()}
-    gens = {kind: torch.Generator().manual_seed(settings.seed) for kind in models}
-    points: dict[str, list[PositionPoint]] = {kind: [] for kind in models}
+    contestants: dict[str, PositionPeer] = {
+        kind: _DecoderSteps(model, settings, settings.position_batch) for kind, model in models.items()
+    }
+    contestants |= peers or {}
+    points: dict[str, list[PositionPoint]] = {name: [] for name in contestants}
     rounds = min(STEP_ROUNDS, settings.steps_per_position)
-    for decoder in decoders.values():  # warm-up, untimed: first calls allocate and pick kernels
-        _time_steps(decoder, 2)
+    for contestant in contestants.values():  # warm-up, untimed: first calls allocate and pick kernels
+        contestant.time_steps(2)
     for pos in positions:
-        times: dict[str, list[float]] = {kind: [] for kind in models}
-        for kind, model in models.items():
-            if pos < int(decoders[kind].state.lengths[0]):
+        times: dict[str, list[float]] = {name: [] for name in contestants}
+        for contestant in contestants.values():
+            if pos < contestant.position():
                 raise BenchError(
                     f"positions must grow by more than --steps-per-position; {pos} is too close to the one before"
                 )
-            _advance(model, decoders[kind].state, pos, gens[kind])
-        state_bytes = {kind: d.state.nbytes_in_use() // batch for kind, d in decoders.items()}
+            contestant.advance_to(pos)
+        state_bytes = {name: c.state_bytes_per_sequence() for name, c in contestants.items()}
         for r in range(rounds):
             steps = settings.steps_per_position // rounds + (r < settings.steps_per_position % rounds)
-            for kind, decoder in decoders.items():
-                times[kind] += _time_steps(decoder, steps)
-        for kind, t in times.items():
-            points[kind].append(PositionPoint(pos, min(t), statistics.median(t), state_bytes[kind]))
+            for name, contestant in contestants.items():
+                times[name] += contestant.time_steps(steps)
+        for name, t in times.items():
+            points[name].append(PositionPoint(pos, min(t), statistics.median(t), state_bytes[name]))
         progress(
             f"steps   at {pos:6d}: "
             + ", ".join(f"{k} {p[-1].step_seconds_min * 1e3:.3f} ms" for k, p in points.items())

@@ -68,6 +68,7 @@ def _issue16_targets(report: DecodeReport) -> list[dict]:
     targets = []
     for kind, against, minimum in (
         ("linear", "peer: fast-transformers recurrent linear", 2.0),
+        ("linear", "peer: plain PyTorch linear recurrence, in place", 3.0),
         ("softmax", "peer: HF GPT-2 generate, static cache", 2.0),
         ("linformer", "linformer (eager)", 1.5),
     ):

@@ -4,16 +4,20 @@ A `GPT2LMHeadModel` of GPT-2 small's shape (12 layers, 768 dims, 12 heads, 1,024
 parameters; random weights: none can be downloaded here) is written with `save_pretrained` beside a byte-level BPE
 trained on a few lines (a tokenizer is part of an importable folder; its size does not change the model's cost),
 imported by `rnnserve import hf`'s own function, and linearized: the same weights in a linear-attention model with
-Hedgehog's feature map, not fine-tuned (speed does not depend on what the weights are). In one run:
+Hedgehog's feature map, not fine-tuned (speed does not depend on what the weights are). llama.cpp runs on the same
+weights written as GGUF (f32 and f16), at 1 and 2 threads (benchmarks/llamacpp_peer.py; `--no-llamacpp` leaves it
+out). In one run:
 
 1. tokens/s at batch 1 and 16, generating from <|endoftext|> as `generate` does: the imported model and its
    linearized twin through the decode step the server runs (compiled), and Hugging Face `generate` with its static
    KV cache, the contestants taking turns round by round;
 2. the single-step time at positions 100 to 1,000 at batch 1 and 16, softmax (its KV cache grows) beside linear
-   (constant): at batch 1 the step reads GPT-2's 124M weights and little else, so the cache's growth shows at 16;
+   (constant) and llama.cpp (its KV cache grows) in the same turns: at batch 1 the step reads GPT-2's 124M weights
+   and little else, so the cache's growth shows at 16;
 3. with --served: `rnnserve serve` on both files, streamed text requests over HTTP at concurrency 1 and 16.
 
-Results go to a JSON file (--out); benchmarks/results/NOTES.md, "GPT-2 small imported" has the tables.
+Results go to a JSON file (--out); docs/benchmarks.md has the tables of the newest `gpt2-small-DATE.json`
+(`python -m benchmarks.docs_tables`), benchmarks/results/NOTES.md ("GPT-2 small imported") the earlier runs.
 """
 
 from __future__ import annotations
@@ -171,6 +175,34 @@ def measure_throughput(
     return rows
 
 
+def measure_step_times(
+    models: dict[str, Transformer], s: Gpt2Settings, progress, gguf: dict[str, Path] | None = None
+) -> tuple[dict, dict]:
+    """At each of `s.position_batches`: the single-step time of each model (compiled, as the server runs it) at
+    `s.positions`, and of llama.cpp on each GGUF file in `gguf` at each of `s.llamacpp_threads`, all in the same
+    turns (benchmarks/decode_positions.py). Returns ({batch: {name: [point, ...]}}, {batch: {name: growth}}), the
+    growth being the last position's median step over the first's."""
+    by_position, growth = {}, {}
+    for batch in s.position_batches:
+        settings = DecodeSettings(compiled=True, steps_per_position=s.steps_per_position, position_batch=batch)
+        progress(f"step time by position, batch {batch}")
+        peers = {}
+        try:
+            if gguf:
+                peers = llamacpp_peer.position_peers(
+                    gguf, batch, list(s.positions), s.steps_per_position, s.llamacpp_threads
+                )
+            points = measure_positions(models, list(s.positions), settings, progress, peers)
+        finally:
+            for peer in peers.values():
+                peer.close()
+        by_position[batch] = {name: [p.__dict__ for p in rows] for name, rows in points.items()}
+        growth[batch] = {
+            name: rows[-1].step_seconds_median / rows[0].step_seconds_median for name, rows in points.items()
+        }
+    return by_position, growth
+
+
 # ---------------------------------------------------------------- served over HTTP
 
 
@@ -259,30 +291,19 @@ def run(s: Gpt2Settings, progress=print) -> dict:
             tokenizer=read_tokenizer(imported),
         )
         models = {"rnnserve softmax (imported)": softmax, "rnnserve linear (linearized)": linear}
-        peers = None
+        peers, gguf = None, {}
         if s.llamacpp:
             progress("writing the same folder as GGUF (f32, f16) for llama.cpp")
-            files = llamacpp_peer.gguf_files(folder, Path(tmp), ("f32", "f16"))
-            peers = llamacpp_peer.peer_contestants(files, [llamacpp_peer.start_token(folder)], s.llamacpp_threads)
+            gguf = llamacpp_peer.gguf_files(folder, Path(tmp), ("f32", "f16"))
+            peers = llamacpp_peer.peer_contestants(gguf, [llamacpp_peer.start_token(folder)], s.llamacpp_threads)
         report = {
             "environment": environment(DecodeSettings()) | machine_load(),
             "settings": {k: v for k, v in s.__dict__.items()},
             "parameters": {"softmax": softmax.num_parameters(), "linear": linear.num_parameters()},
             "throughput": measure_throughput(models, folder, s, progress, peers=peers),
         }
-        report["step_time_by_position"], report["step_time_growth"] = {}, {}
-        for batch in s.position_batches:
-            position_settings = DecodeSettings(
-                compiled=True, steps_per_position=s.steps_per_position, position_batch=batch
-            )
-            progress(f"step time by position, batch {batch}")
-            points = measure_positions(
-                {"softmax": softmax, "linear": linear}, list(s.positions), position_settings, progress
-            )
-            report["step_time_by_position"][batch] = {kind: [p.__dict__ for p in rows] for kind, rows in points.items()}
-            report["step_time_growth"][batch] = {  # last position's median step over the first's
-                kind: rows[-1].step_seconds_median / rows[0].step_seconds_median for kind, rows in points.items()
-            }
+        positions = measure_step_times({"softmax": softmax, "linear": linear}, s, progress, gguf)
+        report["step_time_by_position"], report["step_time_growth"] = positions
         if s.served:
             report["served"] = measure_served(sorted(files.glob("*.safetensors")), s, progress)
         report["load_after"] = machine_load()

@@ -10,8 +10,10 @@ Beside them, the imported model linearized: its linear-attention twin (hedgehog 
 grouped-query attention kept: sums per key head) holding every one of its weights, the feature map as drawn (what
 `rnnserve linearize` starts from; training changes no shape, so not the speed). In the same turns, llama.cpp on the
 same folder written as GGUF (f32 for float32, bf16 for bfloat16), 1 and 2 threads, batch 16 as its parallel
-sequences (benchmarks/llamacpp_peer.py; `--no-llamacpp` leaves it out). Results go to a JSON file (--out);
-docs/benchmarks.md has the table (`python -m benchmarks.docs_tables`).
+sequences (benchmarks/llamacpp_peer.py; `--no-llamacpp` leaves it out). Then, for each dtype, the single-step time
+at positions 128 to 2,000 at batch 1 and 16 of the imported model (its KV cache grows), its linearized twin (its
+state does not) and llama.cpp at each thread count (its KV cache grows), in the same turns. Results go to a JSON
+file (--out); docs/benchmarks.md has the tables (`python -m benchmarks.docs_tables`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,15 @@ from model.io.weights import load_model
 from . import llamacpp_peer
 from .decode_environment import environment, machine_load
 from .decode_settings import DecodeSettings
-from .gpt2_small import CORPUS, Gpt2Settings, add_llamacpp_flag, llamacpp_wanted, measure_throughput, write_report
+from .gpt2_small import (
+    CORPUS,
+    Gpt2Settings,
+    add_llamacpp_flag,
+    llamacpp_wanted,
+    measure_step_times,
+    measure_throughput,
+    write_report,
+)
 
 SMOLLM_135M = dict(
     hidden_size=576,
@@ -46,6 +56,8 @@ SMOLLM_135M = dict(
 )
 TINY = {**SMOLLM_135M, "num_hidden_layers": 2, "hidden_size": 72, "intermediate_size": 96, "vocab_size": 1000}
 START, END = "<s>", "</s>"
+POSITIONS = (128, 512, 1024, 2000)  # where the step is timed: up to the shape's 2,048 positions, less the steps
+TINY_POSITIONS = (20, 60, 120)
 LINEARIZED_MAP = "hedgehog"  # the map linearizing with attention transfer learns (LoLCATs)
 
 
@@ -78,6 +90,8 @@ def linearized_twin(model: Transformer) -> Transformer:
 
 def run(sizes: dict, s: Gpt2Settings, progress=print) -> dict:
     report = {"environment": environment(DecodeSettings()) | machine_load(), "sizes": sizes, "throughput": []}
+    report["settings"] = {k: v for k, v in s.__dict__.items() if k != "sizes"}
+    report["step_time_by_position"], report["step_time_growth"] = {}, {}  # per dtype, then as gpt2_small's
     with tempfile.TemporaryDirectory(prefix="llama-small-") as tmp:
         for dtype in (torch.float32, torch.bfloat16):
             name = str(dtype).removeprefix("torch.")
@@ -91,11 +105,14 @@ def run(sizes: dict, s: Gpt2Settings, progress=print) -> dict:
                 f"rnnserve softmax (imported, {name})": model,
                 f"rnnserve linear (linearized, {name})": linearized_twin(model),
             }
-            peers = None
+            peers, gguf = None, {}
             if s.llamacpp:  # the same weights, in the same dtype (bfloat16 stays bfloat16 in GGUF)
-                files = llamacpp_peer.gguf_files(folder, Path(tmp), ("f32" if dtype == torch.float32 else "bf16",))
-                peers = llamacpp_peer.peer_contestants(files, [llamacpp_peer.start_token(folder)], s.llamacpp_threads)
+                gguf = llamacpp_peer.gguf_files(folder, Path(tmp), ("f32" if dtype == torch.float32 else "bf16",))
+                peers = llamacpp_peer.peer_contestants(gguf, [llamacpp_peer.start_token(folder)], s.llamacpp_threads)
             report["throughput"] += measure_throughput(models, folder, s, progress, dtype, peers=peers)
+            kinds = dict(zip(("softmax", "linear"), models.values(), strict=True))
+            by_position, growth = measure_step_times(kinds, s, progress, gguf)
+            report["step_time_by_position"][name], report["step_time_growth"][name] = by_position, growth
     report["load_after"] = machine_load()
     return report
 
@@ -111,7 +128,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    settings = Gpt2Settings(sizes={}, new_tokens=args.new_tokens, rounds=args.rounds, llamacpp=llamacpp_wanted(args))
+    settings = Gpt2Settings(
+        sizes={},
+        new_tokens=args.new_tokens,
+        rounds=args.rounds,
+        positions=TINY_POSITIONS if args.tiny else POSITIONS,
+        steps_per_position=4 if args.tiny else Gpt2Settings.steps_per_position,
+        llamacpp=llamacpp_wanted(args),
+    )
     report = run(TINY if args.tiny else SMOLLM_135M, settings, lambda line: print(line, file=sys.stderr, flush=True))
     write_report(report, args.out)
     return 0

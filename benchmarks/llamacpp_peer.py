@@ -5,13 +5,16 @@ and it refuses a byte-level BPE whose pre-tokenizer it does not know, as the ben
 tensor names and metadata as llama.cpp reads them for its `llama` and `gpt2` architectures, and the folder's
 BPE vocabulary and merges as a `gpt2`-style tokenizer. The contestant decodes through llama-cpp-python's
 low-level batch API: one sequence per row of the batch in one context, every row's next token in one
-`llama_decode` call, greedy (argmax of the logits).
+`llama_decode` call, greedy (argmax of the logits). For the step-time-against-position sweep
+(benchmarks/decode_positions.py), `LlamaCppSteps` advances every row's sequence with random tokens and times single
+`llama_decode` steps there.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -209,28 +212,34 @@ class LlamaCppDecoder:
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.tokens = llama_cpp.llama_batch_init(max(batch, 512), 0, batch)
+        # Entries one llama_decode call takes: the context lowers n_batch to a short context's size.
+        self.capacity = min(max(batch, 512), llama_cpp.llama_n_batch(self.ctx))
 
     def close(self) -> None:
         self.lib.llama_batch_free(self.tokens)
         self.lib.llama_free(self.ctx)
         self.lib.llama_model_free(self.model)
 
+    def clear(self) -> None:
+        """Every sequence emptied from the cache."""
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
+
     def generate(self, prompt: list[int], new_tokens: int) -> torch.Tensor:
         """[batch, new_tokens] greedy tokens, every row from `prompt` (its own sequence in the shared cache)."""
-        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
+        self.clear()
         last = len(prompt) - 1  # every row's prompt is its own sequence, all of them in one decode call
-        self._fill([(t, pos, row, pos == last) for row in range(self.batch) for pos, t in enumerate(prompt)])
-        self._decode()
+        self.fill([(t, pos, row, pos == last) for row in range(self.batch) for pos, t in enumerate(prompt)])
+        self.decode()
         out = np.empty((self.batch, new_tokens), dtype=np.int64)
         out[:, 0] = self._argmax(self.batch)
         for step in range(1, new_tokens):
             position = len(prompt) + step - 1
-            self._fill([(int(out[row, step - 1]), position, row, True) for row in range(self.batch)])
-            self._decode()
+            self.fill([(int(out[row, step - 1]), position, row, True) for row in range(self.batch)])
+            self.decode()
             out[:, step] = self._argmax(self.batch)
         return torch.from_numpy(out)
 
-    def _fill(self, entries: list[tuple[int, int, int, bool]]) -> None:
+    def fill(self, entries: list[tuple[int, int, int, bool]]) -> None:
         """(token, position, sequence, wants logits) per entry, into the reusable llama_batch."""
         b = self.tokens
         b.n_tokens = len(entries)
@@ -238,7 +247,7 @@ class LlamaCppDecoder:
             b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, position, 1, logits
             b.seq_id[i][0] = sequence
 
-    def _decode(self) -> None:
+    def decode(self) -> None:
         status = self.lib.llama_decode(self.ctx, self.tokens)
         if status != 0:
             raise RuntimeError(f"llama_decode returned {status}")
@@ -247,6 +256,49 @@ class LlamaCppDecoder:
         logits = self.lib.llama_get_logits(self.ctx)  # the rows that asked for logits, in batch order
         view = np.ctypeslib.as_array(ctypes.cast(logits, ctypes.POINTER(ctypes.c_float)), shape=(rows, self.n_vocab))
         return view.argmax(axis=1)
+
+
+class LlamaCppSteps:
+    """llama.cpp in the position sweep (benchmarks/decode_positions.py, `PositionPeer`): every row's sequence
+    advanced by prefilling random tokens, then single steps of one token per row, each a `llama_decode` call that
+    attends over the row's whole cache and computes every row's logits (as a generating step does)."""
+
+    def __init__(self, gguf_file: Path, batch: int, context: int, threads: int, seed: int = 0):
+        self.decoder = LlamaCppDecoder(gguf_file, batch, context, threads)
+        self.decoder.clear()
+        self.rng = np.random.default_rng(seed)
+        self.tokens_in_cache = 0  # per row: every row's sequence holds the same number
+
+    def close(self) -> None:
+        self.decoder.close()
+
+    def position(self) -> int:
+        return self.tokens_in_cache
+
+    def advance_to(self, position: int) -> None:
+        rows = self.decoder.batch
+        per_call = max(1, self.decoder.capacity // rows)  # tokens per row in one prefill call
+        while self.tokens_in_cache < position:
+            n = min(per_call, position - self.tokens_in_cache)
+            tokens = self.rng.integers(0, self.decoder.n_vocab, (rows, n))
+            start = self.tokens_in_cache
+            self.decoder.fill([(int(tokens[r, i]), start + i, r, i == n - 1) for r in range(rows) for i in range(n)])
+            self.decoder.decode()
+            self.tokens_in_cache += n
+
+    def time_steps(self, steps: int) -> list[float]:
+        seconds = []
+        for _ in range(steps):
+            self.decoder.fill([(0, self.tokens_in_cache, r, True) for r in range(self.decoder.batch)])
+            start = time.perf_counter()
+            self.decoder.decode()
+            seconds.append(time.perf_counter() - start)
+            self.tokens_in_cache += 1
+        return seconds
+
+    def state_bytes_per_sequence(self) -> int:
+        """What llama.cpp would save of one row's sequence (its KV cache cells, f16 by default), in bytes."""
+        return int(self.decoder.lib.llama_state_seq_get_size(self.decoder.ctx, 0))
 
 
 # ---------------------------------------------------------------- contestants of the benchmarks
@@ -273,8 +325,29 @@ def peer_contestants(files: dict[str, Path], prompt: list[int], threads: tuple[i
             for n in threads:
                 decoder = LlamaCppDecoder(path, batch, len(prompt) + new_tokens + 1, n)
                 fields = {"dtype": dtype, "threads": n, "engine": f"llama-cpp-python {version()}", "greedy": True}
-                name = f"llama.cpp ({dtype} GGUF, {n} thread{'s' if n > 1 else ''})"
-                runs[name] = (lambda d=decoder: d.generate(prompt, new_tokens), fields, decoder.close)
+                runs[contestant_name(dtype, n)] = (
+                    lambda d=decoder: d.generate(prompt, new_tokens),
+                    fields,
+                    decoder.close,
+                )
         return runs
 
     return make
+
+
+def position_peers(
+    files: dict[str, Path], batch: int, positions: list[int], steps: int, threads: tuple[int, ...] = (1, 2)
+) -> dict[str, LlamaCppSteps]:
+    """The sweep's llama.cpp contestants at `batch`: one per GGUF file and thread count, each with a context long
+    enough for the last position, its timed steps and the sweep's warm-up."""
+    context = max(positions) + steps + 8
+    return {
+        contestant_name(dtype, n): LlamaCppSteps(path, batch, context, n)
+        for dtype, path in files.items()
+        for n in threads
+    }
+
+
+def contestant_name(dtype: str, threads: int) -> str:
+    """How the benchmarks' rows name llama.cpp on a GGUF dtype and thread count (docs_tables reads them back)."""
+    return f"llama.cpp ({dtype} GGUF, {threads} thread{'s' if threads > 1 else ''})"

@@ -4,8 +4,11 @@ preset's sizes and timed in the same run as rnnserve's kinds.
   * fast-transformers' recurrent linear transformer (`RecurrentEncoderBuilder`, attention "linear":
     phi = elu + 1, post-norm layers), with an embedding, learned positions and an output layer
     around it; one `encoder(x, state)` call per token;
-  * a plain PyTorch recurrence of the same pre-norm model: S += phi(k) v^T and Z += phi(k) as
-    separate tensors, out = phi(q)^T S / phi(q)^T Z, one einsum each;
+  * a plain PyTorch recurrence of the same pre-norm model, as fast as plain PyTorch makes it: S and Z
+    of every (row, head) kept in one preallocated tensor [S | Z]^T and updated in place
+    ([S | Z]^T += [v; 1] phi(k)^T, one `addcmul_` per layer), read with one batched product over
+    batch x heads (phi(q)^T S and phi(q)^T Z together), phi applied in place, in inference mode;
+    fast-transformers (above) is the out-of-place recurrence, new S and Z every step;
   * Hugging Face transformers' GPT-2 (`GPT2LMHeadModel.generate`), with its static cache
     (preallocated for the whole length, every step attends over all of it with a mask) and with
     its default dynamic cache (grown by concatenation);
@@ -40,6 +43,8 @@ from .errors import BenchError
 
 HF_VOCAB = BYTE_VOCAB + 1  # bytes and BOS in one vocabulary: HF models predict over their input vocabulary
 REFORMER_CHUNK, REFORMER_BUCKETS = 32, 32
+PLAIN_RECURRENCE = "plain PyTorch linear recurrence, in place"
+LINEAR_EPS = 1e-6  # added to phi(q)^T Z, as the peers always have
 
 
 @dataclass(frozen=True)
@@ -58,9 +63,9 @@ PEERS = (
         "rnnserve's inverse-CDF draw, temperature 1",
     ),
     PeerSpec(
-        "plain PyTorch linear recurrence",
+        PLAIN_RECURRENCE,
         "linear",
-        "S and Z as separate tensors",
+        "[S | Z] per layer, one preallocated tensor updated in place",
         "rnnserve's inverse-CDF draw, temperature 1",
     ),
     PeerSpec(
@@ -111,7 +116,7 @@ def build_peers(preset: str, max_len: int, seed: int, dtype: torch.dtype = torch
         raise BenchError(
             f"--peers needs transformers and fast-transformers ({exc}); install them with benchmarks/install_peers.sh"
         ) from None
-    builders = (_fast_transformers, _plain_recurrence, _gpt2_static, _gpt2_dynamic, _reformer)
+    builders = (_fast_transformers, plain_recurrence, _gpt2_static, _gpt2_dynamic, _reformer)
     peers = []
     for spec, build in zip(PEERS, builders, strict=True):
         torch.manual_seed(seed)
@@ -131,6 +136,7 @@ class _Recurrent(nn.Module):
         self.tok, self.pos, self.step_module = nn.Embedding(BYTE_VOCAB + 1, d), nn.Embedding(max_len, d), step
         self.head = nn.Linear(d, BYTE_VOCAB)
 
+    @torch.inference_mode()
     def generate(self, batch: int, tokens: int) -> torch.Tensor:
         sampling = BatchSampling.from_params([SamplingParams(temperature=1.0, seed=i) for i in range(batch)])
         out = torch.empty(batch, tokens, dtype=torch.long)
@@ -169,16 +175,42 @@ class _PlainLayer(nn.Module):
         self.ln1, self.qkv, self.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.ln2, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, d_ff), nn.Linear(d_ff, d)
 
-    def forward(self, x: torch.Tensor, state):
-        b = x.shape[0]
-        q, k, v = (t.view(b, self.heads, -1) for t in self.qkv(self.ln1(x)).chunk(3, dim=-1))  # (B, H, D)
-        q, k = F.elu(q) + 1, F.elu(k) + 1
-        s, z = state if state is not None else (k.new_zeros(*k.shape, k.shape[-1]), torch.zeros_like(k))
-        s = s + torch.einsum("bhd,bhe->bhde", k, v)
-        z = z + k
-        out = torch.einsum("bhd,bhde->bhe", q, s) / (torch.einsum("bhd,bhd->bh", q, z)[..., None] + 1e-6)
-        x = x + self.proj(out.reshape(b, -1))
-        return x + self.down(F.gelu(self.up(self.ln2(x)))), (s, z)
+    def new_sums(self, batch: int, d: int, dtype: torch.dtype) -> LinearSums:
+        return LinearSums(batch, self.heads, d // self.heads, dtype)
+
+    def forward(self, x: torch.Tensor, sums: LinearSums) -> torch.Tensor:
+        """One token per row: x (B, d) -> (B, d); `sums` advanced in place."""
+        b, d = x.shape
+        qkv = self.qkv(self.ln1(x))  # (B, 3d): a fresh tensor, so phi may overwrite its q and k in place
+        F.elu(qkv[:, : 2 * d], inplace=True).add_(1)  # phi = elu + 1 on q and k at once
+        q, k, v = (t.view(b, self.heads, -1) for t in qkv.split(d, dim=-1))  # (B, H, D) each
+        out = sums.step(q, k, v)  # (B, H, D)
+        x = self.proj(out.reshape(b, d)).add_(x)  # residuals added into the products' fresh outputs
+        return self.down(F.gelu(self.up(self.ln2(x)))).add_(x)
+
+
+class LinearSums:
+    """One layer's S and Z for every row and head, in one preallocated tensor that every step updates in place.
+
+    Stored as [S | Z]^T, (B, H, D + 1, D): row e < D holds S[:, e] (sum of v_e phi(k)), row D holds Z (sum of
+    phi(k)). A step is one elementwise rank-1 update and one batched product that gives numerator and denominator
+    together; the elementwise update is the quicker of the two in-place updates PyTorch offers on a CPU (rnnserve's
+    own eager step chose it over a batched `baddbmm_`: benchmarks/results/NOTES.md, "Measurements behind design
+    choices")."""
+
+    def __init__(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype):
+        self.sz_t = torch.zeros(batch, heads, head_dim + 1, head_dim, dtype=dtype)  # (B, H, D + 1, D)
+        self.v1 = torch.ones(batch, heads, head_dim + 1, dtype=dtype)  # (B, H, D + 1): [v; 1], the 1 kept
+        self.read = torch.empty(batch * heads, head_dim + 1, 1, dtype=dtype)  # (B*H, D + 1, 1)
+
+    def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q, k feature-mapped and v, (B, H, D) each -> phi(q)^T S / (phi(q)^T Z + eps), (B, H, D)."""
+        b, h, d = v.shape
+        self.v1[..., :d].copy_(v)
+        self.sz_t.addcmul_(self.v1[..., :, None], k[..., None, :])  # [S | Z]^T += [v; 1] phi(k)^T
+        torch.bmm(self.sz_t.view(b * h, d + 1, d), q.reshape(b * h, d, 1), out=self.read)  # over batch x heads
+        read = self.read.view(b, h, d + 1)
+        return read[..., :d] / read[..., d:].add_(LINEAR_EPS)
 
 
 class _PlainStack(nn.Module):
@@ -189,14 +221,17 @@ class _PlainStack(nn.Module):
         )
         self.norm = nn.LayerNorm(sizes["d_model"])
 
-    def forward(self, x: torch.Tensor, state):
-        state = state or [None] * len(self.layers)
-        for i, layer in enumerate(self.layers):
-            x, state[i] = layer(x, state[i])
+    def forward(self, x: torch.Tensor, state: list[LinearSums] | None):
+        """x (B, d) -> (B, d) and the layers' sums: made at the first step, the same tensors at every later one."""
+        if state is None:
+            state = [layer.new_sums(x.shape[0], x.shape[1], x.dtype) for layer in self.layers]
+        for layer, sums in zip(self.layers, state, strict=True):
+            x = layer(x, sums)
         return self.norm(x), state
 
 
-def _plain_recurrence(sizes: dict, max_len: int, dtype: torch.dtype):
+def plain_recurrence(sizes: dict, max_len: int, dtype: torch.dtype = torch.float32):
+    """The plain PyTorch peer alone (it needs neither fast-transformers nor transformers): (model, generate)."""
     model = _Recurrent(sizes, max_len, _PlainStack(sizes)).to(dtype).eval()
     return model, model.generate
 

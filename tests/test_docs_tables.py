@@ -97,7 +97,7 @@ def test_a_capped_run_from_before_its_draws_were_built_for_its_width_carries_a_c
 def test_the_imported_llama_table_is_the_newest_run_s_with_hugging_face_s_figure_beside(tmp_path):
     from benchmarks.docs_tables import imported_tables
 
-    assert imported_tables(tmp_path) == "No run yet."
+    assert imported_tables(tmp_path).startswith("No run yet.")
     for day, ours in (("2026-12-01", 150.0), ("2026-12-06", 300.0)):
         rows = [
             {"contestant": "rnnserve softmax (imported, float32)", "batch": 16, "dtype": "float32"},
@@ -121,3 +121,83 @@ def test_the_imported_llama_table_is_the_newest_run_s_with_hugging_face_s_figure
     assert "llama-small-2026-12-06.json" in table and "30 layers" in table and "AVX2 (Some CPU), 2 threads" in table
     assert "| float32 | 16 | 300.0 | 600.0 | 100.0 | 3.00x | 6.00x |" in table and "best of 3 turns" in table
     assert "| bfloat16 | 1 | 20.0 | not run | 10.0 | 2.00x | - |" in table  # a dtype whose twin did not run
+
+
+def position_points(milliseconds: list[float], state_bytes: list[int]) -> list[dict]:
+    """A contestant's points of a step-time sweep at positions 128, 512 and 2,000, as the benchmarks write them."""
+    return [
+        {
+            "position": position,
+            "step_seconds_min": ms / 2e3,
+            "step_seconds_median": ms / 1e3,
+            "state_bytes_per_sequence": b,
+        }
+        for position, ms, b in zip((128, 512, 2000), milliseconds, state_bytes, strict=True)
+    ]
+
+
+def gpt2_report(softmax_tokens_per_s: float) -> dict:
+    rows = [
+        {"contestant": "rnnserve softmax (imported)", "tokens_per_s": softmax_tokens_per_s},
+        {"contestant": "rnnserve linear (linearized)", "tokens_per_s": 2 * softmax_tokens_per_s},
+        {"contestant": "Hugging Face generate, static cache", "tokens_per_s": 100.0},
+        {"contestant": "llama.cpp (f16 GGUF, 2 threads)", "tokens_per_s": 50.0, "dtype": "f16", "threads": 2},
+    ]
+    for row in rows:
+        row.setdefault("dtype", "float32")
+        row |= {"batch": 16, "model_dtype": "float32", "new_tokens": 128, "seconds": [1.0, 1.1]}
+        row |= {"vs_hf_static": row["tokens_per_s"] / 100.0, "engine": "llama-cpp-python 0.3.36"}
+    return {
+        "environment": {"cpu_class": "AVX-512", "processor": "Some CPU", "torch_threads": 2, "cpu_route": "avx512"},
+        "settings": {
+            "sizes": {"n_layer": 12, "n_embd": 768, "n_head": 12, "n_positions": 1024},
+            "steps_per_position": 16,
+        },
+        "parameters": {"softmax": 124e6, "linear": 124e6},
+        "throughput": rows,
+        "step_time_by_position": {
+            "16": {
+                "softmax": position_points([10.0, 15.0, 30.0], [36864, 147456, 589824]),
+                "linear": position_points([8.0, 8.0, 8.4], [200_000] * 3),
+                "llama.cpp (f16 GGUF, 2 threads)": position_points([12.0, 24.0, 60.0], [4000, 18000, 72000]),
+            }
+        },
+        "load_after": {"load_1min": 0.3},
+    }
+
+
+def test_the_gpt2_tables_give_llamacpp_beside_rnnserve_and_each_step_against_position(tmp_path):
+    from benchmarks.docs_tables import gpt2_small_tables
+
+    assert gpt2_small_tables(tmp_path).startswith("No `benchmarks.gpt2_small` run yet")
+    for day, ours in (("2026-12-01", 150.0), ("2026-12-08", 300.0)):
+        (tmp_path / f"gpt2-small-{day}.json").write_text(json.dumps(gpt2_report(ours)))
+    (tmp_path / "gpt2-small-2026-11-28-avx512-run1.json").write_text("not a dated run: never read")
+    tables = gpt2_small_tables(tmp_path)
+    assert "From `gpt2-small-2026-12-08.json`" in tables and "12 layers, 768 dims, 12 heads, 1,024 positions" in tables
+    assert "| float32 | 16 | 300.0 | 600.0 | 100.0 | 3.00x | 6.00x |" in tables
+    assert "| float32 | f16 | 16 | 2 | 50.0 | 300.0 | 600.0 | 6.00x | 12x |" in tables
+    assert "median of 16 steps" in tables and "| batch | contestant | ms at 128 | ms at 512 | ms at 2,000 |" in tables
+    assert "| 16 | rnnserve softmax | 10.00 | 15.00 | 30.00 | 3.00x | 576 KiB |" in tables
+    assert "| 16 | linearized (linear attention) | 8.00 | 8.00 | 8.40 | 1.05x | 195 KiB |" in tables
+    assert "| 16 | llama.cpp (f16 GGUF, 2 threads) | 12.00 | 24.00 | 60.00 | 5.00x | 70 KiB |" in tables
+
+
+def test_the_llama_tables_give_a_position_table_per_dtype_swept(tmp_path):
+    from benchmarks.docs_tables import llama_small_tables
+
+    report = gpt2_report(300.0)
+    for row in report["throughput"]:
+        row["contestant"] = row["contestant"].replace("(imported)", "(imported, float32)")
+    sweep = report.pop("step_time_by_position")["16"]
+    report |= {
+        "sizes": {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3},
+        "parameters": 134e6,
+        "step_time_by_position": {"float32": {"1": sweep, "16": sweep}, "bfloat16": {"16": sweep}},
+    }
+    (tmp_path / "llama-small-2026-12-08.json").write_text(json.dumps(report))
+    tables = llama_small_tables(tmp_path)
+    assert "Step time against position, float32 model" in tables and "Step time against position, bfloat16" in tables
+    float32 = tables.split("Step time against position, float32 model")[1].split("bfloat16 model")[0]
+    assert "| 1 | rnnserve softmax | 10.00 | 15.00 | 30.00 | 3.00x |" in float32
+    assert float32.index("| 1 | llama.cpp") < float32.index("| 16 | rnnserve softmax")  # batch by batch

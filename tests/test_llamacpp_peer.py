@@ -108,3 +108,40 @@ def test_llamacpp_takes_its_turns_in_the_benchmarks_throughput_run(tmp_path):
     }
     assert all(r["model_dtype"] == "float32" and r["engine"].startswith("llama-cpp-python") for r in peer_rows)
     assert all(r["tokens_per_s"] > 0 and len(r["seconds"]) == 1 for r in peer_rows)
+
+
+def test_llamacpp_steps_in_the_position_sweep_beside_rnnserve_its_cache_growing_with_position(tmp_path):
+    """llama.cpp's contestants join the step-time sweep's turns beside an imported model's own (eager here:
+    compiling takes minutes): every row's sequence holds the tokens the sweep put there, and its cache grows with
+    position while the linearized twin's state does not."""
+    from benchmarks.decode_positions import measure_positions
+    from benchmarks.decode_settings import DecodeSettings
+    from benchmarks.llama_small import linearized_twin, write_llama_folder
+    from model.io.hf_import import import_folder
+    from model.io.weights import load_model
+
+    folder = tmp_path / "llama"
+    write_llama_folder(folder, LLAMA, torch.float32, seed=0)
+    import_folder(folder, tmp_path / "llama.safetensors")
+    softmax, _ = load_model(tmp_path / "llama.safetensors")
+    files = llamacpp_peer.gguf_files(folder, tmp_path, ("f32",))
+    positions, steps, batch = [10, 40, 90], 4, 3
+    peers = llamacpp_peer.position_peers(files, batch, positions, steps, threads=(1, 2))
+    settings = DecodeSettings(compiled=False, steps_per_position=steps, position_batch=batch)
+    try:
+        models = {"softmax": softmax, "linear": linearized_twin(softmax)}
+        points = measure_positions(models, positions, settings, lambda line: None, peers)
+        for peer in peers.values():
+            memory = peer.decoder.lib.llama_get_memory(peer.decoder.ctx)
+            last = [peer.decoder.lib.llama_memory_seq_pos_max(memory, row) for row in range(batch)]
+            assert last == [positions[-1] + steps - 1] * batch  # every row stepped to the same position
+    finally:
+        for peer in peers.values():
+            peer.close()
+    assert set(points) == {"softmax", "linear", "llama.cpp (f32 GGUF, 1 thread)", "llama.cpp (f32 GGUF, 2 threads)"}
+    for name, rows in points.items():
+        assert [p.position for p in rows] == positions and all(p.step_seconds_min > 0 for p in rows), name
+    for name in ("softmax", "llama.cpp (f32 GGUF, 1 thread)"):
+        sizes = [p.state_bytes_per_sequence for p in points[name]]
+        assert sizes[0] < sizes[1] < sizes[2], (name, sizes)  # a KV cache: one more entry per token
+    assert len({p.state_bytes_per_sequence for p in points["linear"]}) == 1

@@ -154,6 +154,24 @@ def test_the_compiled_decoder_runs_it_as_soon_as_the_kernels_load():
 
 
 @packed_decoders
+def test_a_batch_that_shrinks_and_grows_again_steps_its_rows_where_they_were_left():
+    """The decoder makes the one call on each row count's views once and keeps it: rows left out for a while, then
+    stepped again, go on from the state the other row counts' calls left them in, as the eager decoder's do."""
+    model, rows = taken_model(), 4
+    with torch.inference_mode():
+        eager = EagerDecoder(model, model.new_state(rows))
+        decoder = CompiledDecoder(model, model.new_state(rows))
+        decoder.use_kernels()
+        assert decoder.one_call_steps
+        for seed, n in enumerate((rows, 2, rows, 1, 2, rows)):
+            tokens = random_bytes(seed, n, 1)[:, 0]
+            assert float((eager(tokens) - decoder(tokens)).abs().max()) < TOLERANCE
+        assert torch.equal(eager.state.lengths, decoder.state.lengths)
+        for want, got in zip(eager.state.layers, decoder.state.layers):
+            torch.testing.assert_close(got.sz_t, want.sz_t, rtol=1e-5, atol=1e-4)
+
+
+@packed_decoders
 def test_a_decoder_kept_on_its_graphs_does_not_take_the_one_call_step():
     """What benchmarks/step_bounds.py compares the one call with: the same model's compiled graph steps."""
     model = taken_model()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -29,19 +28,16 @@ from model.attention.reformer.attention import ReformerAttention
 from model.attention.softmax import SoftmaxAttention, attend_one_query
 
 from conftest import TINY_MAX_LEN, make_tiny_model, make_tokens
+from kernel_support import loaded_kernels  # noqa: F401  (the `kernels` fixture)
+from kernel_support import needs_compiler
 
 KERNEL_TOLERANCE = 1e-5
 # The kernels are C++ built on this machine: without a compiler there is nothing to test.
-pytestmark = pytest.mark.skipif(
-    not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
-    reason="no C++ compiler on PATH: the CPU kernels cannot be built here",
-)
+pytestmark = needs_compiler
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    build = load_kernels()
-    assert build.ok, build.error
+def kernel(kernels):
     return torch.ops.rnnserve.softmax_decode_attention
 
 

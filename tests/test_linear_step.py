@@ -5,7 +5,6 @@ other routes, forced)."""
 from __future__ import annotations
 
 import logging
-import shutil
 
 import pytest
 import torch
@@ -19,19 +18,11 @@ from model.decode.sampling import BatchSampling, SamplingParams
 from model.decode.eager_and_cuda_graphs import EagerDecoder
 
 from conftest import make_tiny_model, random_bytes
+from kernel_support import loaded_kernels  # noqa: F401  (the `kernels` fixture)
+from kernel_support import needs_compiler
 
 TOLERANCE = 1e-4
-pytestmark = pytest.mark.skipif(
-    not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
-    reason="no C++ compiler on PATH: the CPU kernels cannot be built here",
-)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    build = load_kernels()
-    assert build.ok, build.error
-    return build
+pytestmark = [needs_compiler, pytest.mark.usefixtures("kernels")]
 
 
 def taken_model(**overrides):

@@ -13,7 +13,6 @@ import json
 import multiprocessing
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +41,7 @@ from model import ModelConfig, build_model
 from model.attention.classes import capabilities
 from model.io.weights import save_model
 from conftest import CONSTANT_STATE_KINDS, KINDS
+from kernel_support import compiler_on_path, needs_compiler
 from server_support import free_port, metric_value, save_tiny_model, stop_process, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -200,9 +200,7 @@ def _layout_settings(**changes) -> decode_settings.DecodeSettings:
     return dataclasses.replace(base, **changes)
 
 
-@pytest.mark.skipif(
-    not any(shutil.which(c) for c in ("g++", "clang++", "c++")), reason="no C++ compiler: no kernels, no one-call step"
-)
+@needs_compiler
 @pytest.mark.skipif(not packed_linear_wins(), reason="this CPU's route keeps PyTorch's linear layers: no one-call step")
 def test_the_report_names_the_kinds_whose_steps_are_one_call():
     """The tiny preset's linear heads (16 numbers) are whole vectors on every route: its compiled steps are one
@@ -733,7 +731,7 @@ def test_the_fma_probe_measures_each_vector_width_the_cpu_has():
     flags = read_cpu_features().flags
     if not {"avx2", "fma"} <= flags:
         pytest.skip("the FMA probe is x86-only (AVX2 and FMA)")
-    if not any(shutil.which(c) for c in ("g++", "clang++", "c++")):
+    if not compiler_on_path():
         pytest.skip("no C++ compiler on PATH")
     result = fma_peak.measure()
     assert result["avx2_gflops"] > 0
@@ -772,7 +770,7 @@ def test_the_bench_records_the_core_s_fma_peak_beside_its_product_rate():
 
     machine = roofline.probe_machine(torch.float32)
     flags = read_cpu_features().flags
-    if not {"avx2", "fma"} <= flags or not any(shutil.which(c) for c in ("g++", "clang++", "c++")):
+    if not {"avx2", "fma"} <= flags or not compiler_on_path():
         assert "fma_peak_skipped" in machine and "fma_peak" not in machine
         return
     assert "fma_peak" in machine, machine.get("fma_peak_skipped")  # x86 with a compiler: the probe runs

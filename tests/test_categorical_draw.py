@@ -4,8 +4,6 @@ decoder that draws inside its steps against the eager decoder's."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -14,25 +12,17 @@ from model.decode.compiled.linear_step import whole_linear_step
 from model.decode.eager_and_cuda_graphs import EagerDecoder
 from model.decode.generate import generate
 from model.decode.sampling import BatchSampling, SamplingParams, sample
-from model.kernels.loader import load_kernels, packed_linear_wins
+from model.kernels.loader import packed_linear_wins
 from model.kernels.packed_linear import make_twin
 
 from conftest import make_tiny_model, random_bytes
+from kernel_support import loaded_kernels  # noqa: F401  (the `kernels` fixture)
+from kernel_support import needs_compiler
 from test_sampling import chi_square, chi_square_bound
 
-pytestmark = pytest.mark.skipif(
-    not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
-    reason="no C++ compiler on PATH: the CPU kernels cannot be built here",
-)
+pytestmark = [needs_compiler, pytest.mark.usefixtures("kernels")]
 # Temperatures 0 (greedy), below the clamp, and either side of 1.
 TEMPERATURES = [0.0, 1e-6, 0.3, 0.7, 1.0, 1.5, 3.0]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    build = load_kernels()
-    assert build.ok, build.error
-    return build
 
 
 def unfiltered(temperatures: list[float], seeds: list[int]) -> BatchSampling:

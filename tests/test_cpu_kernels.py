@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -29,19 +28,16 @@ from model.attention.reformer.attention import ReformerAttention
 from model.attention.softmax import SoftmaxAttention, attend_one_query
 
 from conftest import TINY_MAX_LEN, make_tiny_model, make_tokens
+from kernel_support import loaded_kernels  # noqa: F401  (the `kernels` fixture)
+from kernel_support import needs_compiler
 
 KERNEL_TOLERANCE = 1e-5
 # The kernels are C++ built on this machine: without a compiler there is nothing to test.
-pytestmark = pytest.mark.skipif(
-    not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
-    reason="no C++ compiler on PATH: the CPU kernels cannot be built here",
-)
+pytestmark = needs_compiler
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    build = load_kernels()
-    assert build.ok, build.error
+def kernel(kernels):
     return torch.ops.rnnserve.softmax_decode_attention
 
 
@@ -159,10 +155,12 @@ def test_the_reformer_kernel_equals_the_masked_step(kernel, head_dim, rounds, bu
     q = torch.randn(rows, heads, 1, head_dim, generator=gen)
     k, v = q / q.norm(dim=-1, keepdim=True), torch.randn(rows, heads, 1, head_dim, generator=gen)
     query_buckets = torch.randint(0, buckets, (rows, heads, rounds, 1), generator=gen)
-    pos = torch.tensor([0, 1, 5, 33, max_len - 1])  # rows at different positions, the first with no earlier key
+    # (B, 1): rows at different positions, the first with no earlier key
+    pos = torch.tensor([0, 1, 5, 33, max_len - 1])[:, None]
     other = dataclasses.replace(cache, **{name: getattr(cache, name).clone() for name in ("k", "v", "buckets")})
-    masked = reformer_decode.decode_step(q, k, v, query_buckets, pos, cache, window, kernel=False)
-    through_kernel = reformer_decode.decode_step(q, k, v, query_buckets, pos, other, window, kernel=True)
+    step = reformer_decode.CachedChunk(q, k, v, query_buckets, pos, cache, window)
+    masked = reformer_decode.decode_step(step, kernel=False)
+    through_kernel = reformer_decode.decode_step(dataclasses.replace(step, cache=other), kernel=True)
     torch.testing.assert_close(through_kernel, masked, atol=KERNEL_TOLERANCE, rtol=0)
     assert all(torch.equal(a, b) for a, b in zip(cache.tensors(), other.tensors()))  # the same writes
 

@@ -8,30 +8,21 @@ Built once per machine by the first test that needs it, then found in torch's ca
 from __future__ import annotations
 
 import copy
-import shutil
 
 import pytest
 import torch
 
 from conftest import make_tiny_model, make_tokens
+from kernel_support import loaded_kernels  # noqa: F401  (the `kernels` fixture)
+from kernel_support import needs_compiler
 from model.attention.hybrid import HybridAttention, HybridState
 from model.config import ModelConfig
 from model.decode.compiled.decoder import CompiledDecoder
 from model.decode.eager_and_cuda_graphs import EagerDecoder
-from model.kernels.loader import load_kernels, turn_off_cpu_kernels, use_cpu_kernels
+from model.kernels.loader import turn_off_cpu_kernels, use_cpu_kernels
 
 TOLERANCE = 1e-5
-pytestmark = pytest.mark.skipif(
-    not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
-    reason="no C++ compiler on PATH: the CPU kernels cannot be built here",
-)
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    build = load_kernels()
-    assert build.ok, build.error
-    return build
+pytestmark = needs_compiler
 
 
 def hybrid_layer(feature_map: str, window: int, head_dim: int, kv_heads: int = 0, seed: int = 0) -> HybridAttention:

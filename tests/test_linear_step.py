@@ -5,7 +5,6 @@ other routes, forced)."""
 from __future__ import annotations
 
 import logging
-import shutil
 
 import pytest
 import torch
@@ -19,19 +18,11 @@ from model.decode.sampling import BatchSampling, SamplingParams
 from model.decode.eager_and_cuda_graphs import EagerDecoder
 
 from conftest import make_tiny_model, random_bytes
+from kernel_support import loaded_kernels  # noqa: F401  (the `kernels` fixture)
+from kernel_support import needs_compiler
 
 TOLERANCE = 1e-4
-pytestmark = pytest.mark.skipif(
-    not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
-    reason="no C++ compiler on PATH: the CPU kernels cannot be built here",
-)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def kernels():
-    build = load_kernels()
-    assert build.ok, build.error
-    return build
+pytestmark = [needs_compiler, pytest.mark.usefixtures("kernels")]
 
 
 def taken_model(**overrides):
@@ -151,6 +142,24 @@ def test_the_compiled_decoder_runs_it_as_soon_as_the_kernels_load():
             assert float((want - got).abs().max()) < TOLERANCE
             tokens = want.argmax(-1)
         assert torch.equal(eager.state.lengths, decoder.state.lengths)
+
+
+@packed_decoders
+def test_a_batch_that_shrinks_and_grows_again_steps_its_rows_where_they_were_left():
+    """The decoder makes the one call on each row count's views once and keeps it: rows left out for a while, then
+    stepped again, go on from the state the other row counts' calls left them in, as the eager decoder's do."""
+    model, rows = taken_model(), 4
+    with torch.inference_mode():
+        eager = EagerDecoder(model, model.new_state(rows))
+        decoder = CompiledDecoder(model, model.new_state(rows))
+        decoder.use_kernels()
+        assert decoder.one_call_steps
+        for seed, n in enumerate((rows, 2, rows, 1, 2, rows)):
+            tokens = random_bytes(seed, n, 1)[:, 0]
+            assert float((eager(tokens) - decoder(tokens)).abs().max()) < TOLERANCE
+        assert torch.equal(eager.state.lengths, decoder.state.lengths)
+        for want, got in zip(eager.state.layers, decoder.state.layers):
+            torch.testing.assert_close(got.sz_t, want.sz_t, rtol=1e-5, atol=1e-4)
 
 
 @packed_decoders

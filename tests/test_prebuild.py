@@ -9,23 +9,19 @@ in the server's process tree, its compile child included) runs.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from benchmarks.start_to_compiled import compiling
+from kernel_support import needs_compiler
 from server_support import free_port, save_tiny_model, stop_process, wait_healthy
 
 RNNSERVE = str(Path(sys.executable).parent / "rnnserve")
-pytestmark = pytest.mark.skipif(
-    not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
-    reason="no C++ compiler on PATH: nothing can be built ahead here",
-)
+pytestmark = needs_compiler
 
 
 def cache_env(cache: Path) -> dict[str, str]:

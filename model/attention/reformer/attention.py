@@ -108,10 +108,9 @@ class ReformerAttention(Attention):
         pos = chunk_positions(start, t)  # (B, T)
         if state is None:
             y = self._attend_sequence(q, k, v, buckets)
-        elif t == 1:
-            y = decode.decode_step(q, k, v, buckets, pos[:, 0], state, self.window, self.cpu_decode_kernel)
         else:
-            y = decode.attend_chunk(q, k, v, buckets, pos, state, self.window)
+            chunk = decode.CachedChunk(q, k, v, buckets, pos, state, self.window)
+            y = decode.decode_step(chunk, self.cpu_decode_kernel) if t == 1 else decode.attend_chunk(chunk)
         return self.proj(merge_heads(y.to(q.dtype))), state
 
     def _attend_sequence(

@@ -71,60 +71,62 @@ def new_cache(
     )
 
 
-def write(state: LSHCache, k: torch.Tensor, v: torch.Tensor, buckets: torch.Tensor, pos: torch.Tensor) -> None:
-    """Store a chunk's keys, values and buckets by position: k, v (B, H, T, D), buckets (B, H, R, T), pos (B, T)."""
-    rows = torch.arange(k.shape[0], device=k.device)[:, None]
+@dataclass(frozen=True)
+class CachedChunk:
+    """What attending over the cache takes: a chunk of T tokens per row (one for a decode step) right after what
+    the cache holds, which it is written into and then read from."""
+
+    q: torch.Tensor  # (B, H, T, D)
+    k: torch.Tensor  # (B, H, T, D) normalised keys
+    v: torch.Tensor  # (B, H, T, D)
+    buckets: torch.Tensor  # (B, H, R, T) each key's bucket, per round
+    pos: torch.Tensor  # (B, T) the tokens' positions
+    cache: LSHCache
+    window: int  # the local window every query sees besides its bucket mates
+
+
+def write(chunk: CachedChunk) -> None:
+    """Store a chunk's keys, values and buckets in its cache by position."""
+    cache, pos = chunk.cache, chunk.pos
+    rows = torch.arange(chunk.k.shape[0], device=chunk.k.device)[:, None]
     # Advanced indices on dims 0 and 2 (3 for buckets) put (B, T) first.
-    state.k[rows, :, pos] = k.transpose(1, 2).to(state.k.dtype)
-    state.v[rows, :, pos] = v.transpose(1, 2).to(state.v.dtype)
-    state.buckets[rows, :, :, pos] = buckets.permute(0, 3, 1, 2).to(state.buckets.dtype)
+    cache.k[rows, :, pos] = chunk.k.transpose(1, 2).to(cache.k.dtype)
+    cache.v[rows, :, pos] = chunk.v.transpose(1, 2).to(cache.v.dtype)
+    cache.buckets[rows, :, :, pos] = chunk.buckets.permute(0, 3, 1, 2).to(cache.buckets.dtype)
 
 
-def attend_chunk(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    buckets: torch.Tensor,
-    pos: torch.Tensor,
-    state: LSHCache,
-    window: int,
-) -> torch.Tensor:
-    """A chunk of T tokens per row after what the cache holds: the dense form over the cache."""
-    write(state, k, v, buckets, pos)
-    used = int(pos.max()) + 1
+def attend_chunk(chunk: CachedChunk) -> torch.Tensor:
+    """The chunk's attention, the dense form over the cache -> (B, H, T, D)."""
+    write(chunk)
+    q, cache = chunk.q, chunk.cache
+    used = int(chunk.pos.max()) + 1
     key_pos = torch.arange(used, device=q.device).expand(q.shape[0], used)
-    keys, values = state.k[:, :, :used].to(q.dtype), state.v[:, :, :used].to(q.dtype)
-    return lsh_attend(q, keys, values, buckets, state.buckets[..., :used].long(), pos, key_pos, window)
+    keys, values = cache.k[:, :, :used].to(q.dtype), cache.v[:, :, :used].to(q.dtype)
+    return lsh_attend(
+        q, keys, values, chunk.buckets, cache.buckets[..., :used].long(), chunk.pos, key_pos, chunk.window
+    )
 
 
-def decode_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    buckets: torch.Tensor,
-    pos: torch.Tensor,
-    state: LSHCache,
-    window: int,
-    kernel: bool = False,
-) -> torch.Tensor:
-    """One token per row: q, k, v (B, H, 1, D), buckets (B, H, R, 1), pos (B,) -> (B, H, 1, D).
+def decode_step(step: CachedChunk, kernel: bool = False) -> torch.Tensor:
+    """One token per row (T = 1) -> (B, H, 1, D).
 
     The written prefix is masked by how many rounds show each key (as `lsh_attend`), and the rounds mix
     as one softmax over it, with log(count) added to the scores. kernel: through the CPU kernel where it
     applies, which reads only the keys shown."""
-    write(state, k, v, buckets, pos[:, None])
-    if kernel and _kernel_applies(q, state):
+    write(step)
+    q, cache, pos = step.q, step.cache, step.pos[:, 0]  # pos (B,)
+    if kernel and _kernel_applies(q, cache):
         attended: torch.Tensor = torch.ops.rnnserve.reformer_decode_attention(
-            q, state.k, state.v, state.buckets, buckets[..., 0], pos, window
+            q, cache.k, cache.v, cache.buckets, step.buckets[..., 0], pos, step.window
         )
         return attended.to(q.dtype)
     used = int(pos.max()) + 1  # attend only to the written prefix
     # For torch.compile, which cannot see the value: at least one key, and narrow (not a slice) gives exactly
     # `used` of them.
     torch._check(used > 0)  # type: ignore[no-untyped-call]  # torch leaves _check unannotated
-    keys, values = state.k.narrow(2, 0, used), state.v.narrow(2, 0, used)  # (B, H, L, D)
+    keys, values = cache.k.narrow(2, 0, used), cache.v.narrow(2, 0, used)  # (B, H, L, D)
     key_pos = torch.arange(used, device=q.device).expand(q.shape[0], used)  # (B, L)
-    count = key_counts(buckets, state.buckets.narrow(3, 0, used), pos[:, None], key_pos, window)  # (B, H, 1, L)
+    count = key_counts(step.buckets, cache.buckets.narrow(3, 0, used), step.pos, key_pos, step.window)  # (B, H, 1, L)
     return attend_counted(q, keys, values, count)
 
 

@@ -82,7 +82,7 @@ from .compile_child import PARTLY_COMPILED, CompileJob, become_compile_child, co
 from .drawing import draw_inputs, kernel_draw_rows, kernel_takes_logits
 from .graphs import progress_bars_lock_this_process_only, same_cache_keys_in_every_process
 from .lifecycle import CompileLog, classes_to_compile, first_line
-from .linear_step import WholeLinearStep, whole_linear_step
+from .linear_step import LinearStepOnRows, WholeLinearStep, whole_linear_step
 from .routing import ROW_CLASSES, RowClass, RowRoutes
 from .warm_up import ClassGraphs
 
@@ -119,6 +119,7 @@ class CompiledDecoder(EagerDecoder):
         self._row_views: dict[int, ModelState] = {}
         self._twin: Transformer | None = None  # the model's decode twin, once the kernels are built (use_kernels)
         self._whole_step: WholeLinearStep | None = None  # its steps as one C++ call, for the models that takes
+        self._whole_step_rows: dict[int, LinearStepOnRows] = {}  # that call on the row views, made once per n
         self._compiled_elsewhere = threading.Event()  # a background compile's child is done: adopt its graphs
         self._background_batch: int | None = None
 
@@ -169,7 +170,7 @@ class CompiledDecoder(EagerDecoder):
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[0]
         if self._whole_step is not None and self.one_call_steps:  # needs no graph: from the moment the kernels load
-            return self._whole_step(self._tokens(tokens), self._rows(n))
+            return self._one_call_rows(self._whole_step, n)(self._tokens(tokens))
         row_class = self.class_for(n)
         if row_class is not None:
             try:  # no dynamo config patch per step (entering one is not free): it only matters when compiling, in _warm_up
@@ -207,6 +208,13 @@ class CompiledDecoder(EagerDecoder):
         if n not in self._row_views:
             self._row_views[n] = self.state.slice(0, n)
         return self._row_views[n]
+
+    def _one_call_rows(self, step: WholeLinearStep, n: int) -> LinearStepOnRows:
+        """The one-call step on the state's rows [0, n), made once per n as their views are: its arguments, the
+        per-layer state tensors among them, are the same every step."""
+        if n not in self._whole_step_rows:
+            self._whole_step_rows[n] = step.on_rows(self._rows(n))
+        return self._whole_step_rows[n]
 
     def _tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """The step's tokens in a buffer of unit stride: a strided column would compile again."""
@@ -249,7 +257,7 @@ class CompiledDecoder(EagerDecoder):
         step = self._whole_step
         if rows is None or step is None or not step.head_inside or drawn.dtype != torch.long:
             return super().step_and_sample(tokens, params, position, drawn)
-        return step.with_draw(self._tokens(tokens), self._rows(n), rows, drawn)
+        return self._one_call_rows(step, n).with_draw(self._tokens(tokens), rows, drawn)
 
     @property
     def _draws_in_kernel(self) -> bool:

@@ -116,21 +116,39 @@ class WholeLinearStep:
         return cls(twin, embeddings, weights, head_inside)
 
     def __call__(self, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.rnnserve.linear_decode_step(*self._arguments(tokens, state))
-        return out if self.head_inside else self.twin.head(out)
+        return self.on_rows(state)(tokens)
 
     def with_draw(self, tokens: torch.Tensor, state: ModelState, rows: DrawRows, drawn: torch.Tensor) -> torch.Tensor:
         """A step, then each row's next token drawn from its logits into `drawn` (n,) as `categorical_draw` draws
         it, in the same call: for a twin whose head runs inside it (`head_inside`). Returns the logits (n, V)."""
-        assert self.head_inside  # the draw needs the head's logits, which the call returns only then
-        logits: torch.Tensor = torch.ops.rnnserve.linear_decode_step_draw(*self._arguments(tokens, state), *rows, drawn)
-        return logits
+        return self.on_rows(state).with_draw(tokens, rows, drawn)
 
-    def _arguments(self, tokens: torch.Tensor, state: ModelState) -> tuple[object, ...]:
-        """linear_decode_step's arguments for these tokens (n,) on these rows of a state."""
+    def on_rows(self, state: ModelState) -> "LinearStepOnRows":
+        """The step on these rows of a state, its call's arguments gathered once: a caller that steps the same rows
+        again and again (the compiled decoder's row views) keeps it rather than gathering them every token."""
         cfg = self.twin.config
         states = [cast(LinearState, layer).sz_t for layer in state.layers]
-        return (tokens, state.lengths, *self.embeddings, self.weights, states, cfg.n_heads, cfg.ln_eps, cfg.linear_eps)
+        after_tokens = (state.lengths, *self.embeddings, self.weights, states, cfg.n_heads, cfg.ln_eps, cfg.linear_eps)
+        return LinearStepOnRows(self, after_tokens)
+
+
+@dataclass(frozen=True)
+class LinearStepOnRows:
+    """A `WholeLinearStep` on one state's rows: tokens (n,) -> logits (n, V). It holds that state's tensors, which
+    the call updates in place, so it stays right for as long as the state keeps them."""
+
+    step: WholeLinearStep
+    after_tokens: tuple[object, ...]  # linear_decode_step's arguments after the tokens
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.rnnserve.linear_decode_step(tokens, *self.after_tokens)
+        return out if self.step.head_inside else self.step.twin.head(out)
+
+    def with_draw(self, tokens: torch.Tensor, rows: DrawRows, drawn: torch.Tensor) -> torch.Tensor:
+        """`WholeLinearStep.with_draw` on these rows."""
+        assert self.step.head_inside  # the draw needs the head's logits, which the call returns only then
+        logits: torch.Tensor = torch.ops.rnnserve.linear_decode_step_draw(tokens, *self.after_tokens, *rows, drawn)
+        return logits
 
 
 def whole_linear_step(twin: Transformer) -> WholeLinearStep | None:

@@ -1,6 +1,6 @@
 """C++ kernels for CPU decode steps, built on first use with the machine's C++ compiler.
 
-Five kernels, registered as operators so that eager steps call them and
+Kernels registered as operators so that eager steps call them and
 torch.compile keeps each as one call inside its graphs:
   * `torch.ops.rnnserve.softmax_decode_attention`: softmax attention of one
     query per row over its KV cache (model/kernels/softmax_decode.cpp), which

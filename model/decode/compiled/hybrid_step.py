@@ -69,23 +69,19 @@ class WholeHybridStep:
         return cls(twin, *step_weights(twin), mixes, maps, layers[0].map_kind() if layers else 0)
 
     def __call__(self, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.rnnserve.hybrid_decode_step(*self._arguments(tokens, state))
-        return out if self.head_inside else self.twin.head(out)
+        return self.on_rows(state)(tokens)
 
     def with_draw(self, tokens: torch.Tensor, state: ModelState, rows: DrawRows, drawn: torch.Tensor) -> torch.Tensor:
         """A step, then each row's next token drawn from its logits into `drawn` (n,) as `categorical_draw` draws
         it: for a twin whose head runs inside the step (`head_inside`). Returns the logits (n, V)."""
-        assert self.head_inside  # the draw needs the head's logits, which the call returns only then
-        logits = self(tokens, state)
-        torch.ops.rnnserve.categorical_draw(logits, *rows, drawn)
-        return logits
+        return self.on_rows(state).with_draw(tokens, rows, drawn)
 
-    def _arguments(self, tokens: torch.Tensor, state: ModelState) -> tuple[object, ...]:
-        """hybrid_decode_step's arguments for these tokens (n,) on these rows of a state."""
+    def on_rows(self, state: ModelState) -> "HybridStepOnRows":
+        """The step on these rows of a state, its call's arguments gathered once (as `WholeLinearStep.on_rows`): a
+        caller that steps the same rows again and again keeps it rather than gathering them every token."""
         cfg = self.twin.config
         states = [t for layer in state.layers for t in _state_tensors(cast(HybridState, layer))]
-        return (
-            tokens,
+        after_tokens = (
             state.lengths,
             *self.embeddings,
             self.weights,
@@ -98,6 +94,27 @@ class WholeHybridStep:
             cfg.ln_eps,
             cfg.hybrid_eps,
         )
+        return HybridStepOnRows(self, after_tokens)
+
+
+@dataclass(frozen=True)
+class HybridStepOnRows:
+    """A `WholeHybridStep` on one state's rows: tokens (n,) -> logits (n, V). It holds that state's tensors, which
+    the call updates in place, so it stays right for as long as the state keeps them."""
+
+    step: WholeHybridStep
+    after_tokens: tuple[object, ...]  # hybrid_decode_step's arguments after the tokens
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.rnnserve.hybrid_decode_step(tokens, *self.after_tokens)
+        return out if self.step.head_inside else self.step.twin.head(out)
+
+    def with_draw(self, tokens: torch.Tensor, rows: DrawRows, drawn: torch.Tensor) -> torch.Tensor:
+        """`WholeHybridStep.with_draw` on these rows: the step's call, then categorical_draw's."""
+        assert self.step.head_inside  # the draw needs the head's logits, which the call returns only then
+        logits = self(tokens)
+        torch.ops.rnnserve.categorical_draw(logits, *rows, drawn)
+        return logits
 
 
 def _state_tensors(layer: HybridState) -> list[torch.Tensor]:

@@ -120,16 +120,8 @@ def test_a_single_row_steps_as_a_batch_row_does():
 def test_models_it_does_not_take_are_named_with_why(kernels, kind, overrides, named):
     if kernels.route == "scalar" and "17" in named:
         pytest.skip("the scalar build has one lane, so it takes every head size")
-    model = make_tiny_model(kind, **{"d_model": 64, **overrides})
-    use_cpu_kernels(model)
-    twin = make_twin(model)
+    twin = make_twin(make_tiny_model(kind, **{"d_model": 64, **overrides}))
     assert named in hybrid_step_refusal(twin) and one_call_step(twin) is None
-
-
-def test_a_model_whose_attention_kernel_is_off_keeps_the_compiled_step():
-    model = taken_model()
-    turn_off_cpu_kernels(model)
-    assert "the kernels are off" in hybrid_step_refusal(make_twin(model))
 
 
 @pytest.mark.parametrize(

@@ -98,13 +98,15 @@ class HybridAttention(FusedProjections, Attention):
         """model/kernels/loader.py turns the kernel on once it is loaded. It stays off for sizes the build does not
         take and for weights it does not read (it reads float32 mixes and maps): both fixed from here on, so asked
         here, once, rather than at every step."""
+        self._kernel_on = bool(on) and self.kernel_takes()
+
+    def kernel_takes(self) -> bool:
+        """Whether the loaded kernels take this layer: its sizes (head, map, window) in this build, float32 weights."""
         projection = self.projection()
         projected = projection.weight.shape[1] if projection is not None else 0  # P
         weights = [self.mix, *self.feature_map.parameters()]
-        self._kernel_on = (
-            bool(on)
-            and all(w.dtype == torch.float32 for w in weights)
-            and bool(torch.ops.rnnserve.hybrid_step_takes(self.d_head, projected, self.window))
+        return all(w.dtype == torch.float32 for w in weights) and bool(
+            torch.ops.rnnserve.hybrid_step_takes(self.d_head, projected, self.window)
         )
 
     def projection(self) -> ProjectedFeatureMap | None:

@@ -31,10 +31,10 @@ def hybrid_step_refusal(twin: Transformer) -> str | None:
     refusal = block_refusal(twin)
     if refusal is not None:
         return refusal
-    if not all(_attention(block).cpu_decode_kernel for block in blocks_of(twin)):
+    if not all(_attention(block).kernel_takes() for block in blocks_of(twin)):
         return (
             f"heads of {cfg.d_head} numbers, a window of {cfg.hybrid_window} and {cfg.hybrid_feature_map} features "
-            "(not taken by this CPU route's attention kernel, or the kernels are off)"
+            "(not taken by this CPU route's attention kernel)"
         )
     return None
 

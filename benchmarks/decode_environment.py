@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from model.decode.compiled.linear_step import whole_step_refusal
+from model.decode.compiled.one_call import one_call_refusal
 from model.kernels.cpu_features import read_cpu_features
 from model.kernels.loader import ATEN_CAPABILITY_VARIABLE, cpu_route, load_kernels, packed_linear_wins, route_forced
 from model.kernels.packed_linear import decode_twin, packs
@@ -72,11 +72,11 @@ def environment(settings: DecodeSettings) -> dict:
 
 
 def one_call_kinds(models: dict[str, Transformer], settings: DecodeSettings) -> list[str]:
-    """The kinds whose rnnserve steps ran as one C++ call each (model/decode/compiled/linear_step.py), as the bench's
+    """The kinds whose rnnserve steps ran as one C++ call each (model/decode/compiled/one_call.py), as the bench's
     compiled decoders found them once their kernels had loaded."""
     if not settings.compiled or settings.device != "cpu" or not load_kernels().ok:
         return []
-    return [kind for kind, model in models.items() if packs(model) and whole_step_refusal(decode_twin(model)) is None]
+    return [kind for kind, model in models.items() if packs(model) and one_call_refusal(decode_twin(model)) is None]
 
 
 def _cpu_name() -> str:

@@ -5,7 +5,7 @@
 
 Random weights of the `cpu` preset. Per batch size, each the best of `rounds` rounds that take the three in turn:
   * step: the step as the bench's and the server's decoders run it (model.decode.choice.make_decoder): one C++ call
-    for the linear models model/decode/compiled/linear_step.py takes, a compiled graph for the others;
+    for the linear and hybrid models model/decode/compiled/one_call.py takes, a compiled graph for the others;
   * graph step: the compiled graph's step, where the step is one call (else the same as step): what one call saves;
   * products: the step's linear layers alone, one after another in the model's order, on the weights the
     compiled step uses (the decode twin's packed ones where the CPU kernel takes them, else torch's), and

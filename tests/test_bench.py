@@ -203,11 +203,11 @@ def _layout_settings(**changes) -> decode_settings.DecodeSettings:
 @needs_compiler
 @pytest.mark.skipif(not packed_linear_wins(), reason="this CPU's route keeps PyTorch's linear layers: no one-call step")
 def test_the_report_names_the_kinds_whose_steps_are_one_call():
-    """The tiny preset's linear heads (16 numbers) are whole vectors on every route: its compiled steps are one
-    C++ call (model/decode/compiled/linear_step.py), and the machine line says so; eager runs have none."""
-    settings = _layout_settings(kinds=("linear", "softmax"), compiled=True)
+    """The tiny preset's linear and hybrid heads (16 numbers) are whole vectors on every route: their compiled steps
+    are one C++ call (model/decode/compiled/one_call.py), and the machine line says so; eager runs have none."""
+    settings = _layout_settings(kinds=("linear", "hybrid", "softmax"), compiled=True)
     models = {kind: model for kind, (model, _) in decode_models.image_models(settings).items()}
-    assert decode_environment.one_call_kinds(models, settings) == ["linear"]
+    assert decode_environment.one_call_kinds(models, settings) == ["linear", "hybrid"]
     assert decode_environment.one_call_kinds(models, dataclasses.replace(settings, compiled=False)) == []
     assert tables.one_call_text({"one_call_steps": ["linear"]}) == "; linear steps as one C++ call"
     assert tables.one_call_text({}) == ""  # a report of before the call existed

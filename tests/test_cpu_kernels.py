@@ -448,9 +448,26 @@ for head_dim, feature_map, kv_heads in ((16, "hedgehog", 0), (24, "t2r", 2), (32
             outputs.append([layer(x, start, moved)[0], moved.s, moved.z, moved.k, moved.v])
     hybrid_kernel_on.append(layer._kernel_on)
     errors += [float((a - b).abs().max()) for a, b in zip(*outputs)]
+from model.decode.compiled.hybrid_step import whole_hybrid_step
+from model.kernels.loader import turn_off_cpu_kernels, use_cpu_kernels
+hybrid = build_model(ModelConfig(attention="hybrid", d_model=64, n_heads=2, kv_heads=1, d_ff=72, n_layers=2, max_len=64,
+                                 hybrid_window=5, hybrid_feature_map="hedgehog", hybrid_features=16)).eval()
+with torch.no_grad():
+    for p in hybrid.parameters():
+        p.normal_(std=0.3)
+use_cpu_kernels(hybrid)
+hybrid_step = whole_hybrid_step(make_twin(hybrid))  # the hybrid's whole step in one call: heads of 32, maps of 16
+turn_off_cpu_kernels(hybrid)  # the reference: PyTorch's step
+with torch.inference_mode():
+    eager, one_call = hybrid.new_state(3), hybrid.new_state(3)
+    tokens = torch.tensor([1, 2, 3])
+    for _ in range(8 if hybrid_step is not None else 0):  # across the window's edge
+        want, got = hybrid.decode_step(tokens, eager), hybrid_step(tokens, one_call)
+        errors.append(float((want - got).abs().max()))
+        tokens = want.argmax(-1)
 print(json.dumps({"ok": build.ok, "route": build.route, "here": cpu_route(), "packed": packed_linear_wins(),
                   "max_error": max(errors), "differing_draws": differing_draws,
-                  "hybrid_kernel_on": hybrid_kernel_on}))
+                  "hybrid_kernel_on": hybrid_kernel_on, "hybrid_one_call": hybrid_step is not None}))
 """
 
 
@@ -489,6 +506,7 @@ def test_a_forced_route_builds_its_own_kernels_and_computes_what_pytorch_does(ro
     assert seen["max_error"] < 1e-4, seen
     assert seen["differing_draws"] == 0, seen  # the route's exponential draws PyTorch's tokens
     assert all(seen["hybrid_kernel_on"]), seen  # the hybrid step was compared through the kernel, not eager to eager
+    assert seen["hybrid_one_call"], seen  # and the hybrid's whole step through its one call
 
 
 def test_an_unknown_route_is_refused_with_the_ones_there_are(monkeypatch):

@@ -95,18 +95,26 @@ class HybridAttention(FusedProjections, Attention):
 
     @cpu_decode_kernel.setter
     def cpu_decode_kernel(self, on: bool) -> None:
-        """model/kernels/loader.py turns the kernel on once it is loaded; it stays off for sizes the build does not
-        take (asked here, once, rather than at every step)."""
-        projection = self._projection()
-        projected = projection.weight.shape[1] if projection is not None else 0  # P
-        self._kernel_on = bool(on) and bool(torch.ops.rnnserve.hybrid_step_takes(self.d_head, projected, self.window))
+        """model/kernels/loader.py turns the kernel on once it is loaded. It stays off for sizes the build does not
+        take and for weights it does not read (it reads float32 mixes and maps): both fixed from here on, so asked
+        here, once, rather than at every step."""
+        self._kernel_on = bool(on) and self.kernel_takes()
 
-    def _projection(self) -> ProjectedFeatureMap | None:
+    def kernel_takes(self) -> bool:
+        """Whether the loaded kernels take this layer: its sizes (head, map, window) in this build, float32 weights."""
+        projection = self.projection()
+        projected = projection.weight.shape[1] if projection is not None else 0  # P
+        weights = [self.mix, *self.feature_map.parameters()]
+        return all(w.dtype == torch.float32 for w in weights) and bool(
+            torch.ops.rnnserve.hybrid_step_takes(self.d_head, projected, self.window)
+        )
+
+    def projection(self) -> ProjectedFeatureMap | None:
         """The learned map's projection (t2r, Hedgehog), or None for elu + 1."""
         return self.feature_map if isinstance(self.feature_map, ProjectedFeatureMap) else None
 
-    def _map_kind(self) -> int:
-        """The kernel's number for this layer's feature map: 0 elu + 1, 1 t2r, 2 Hedgehog."""
+    def map_kind(self) -> int:
+        """The kernels' number for this layer's feature map: 0 elu + 1, 1 t2r, 2 Hedgehog."""
         if isinstance(self.feature_map, HedgehogFeatureMap):
             return 2
         return 1 if isinstance(self.feature_map, T2RFeatureMap) else 0
@@ -207,14 +215,12 @@ class HybridAttention(FusedProjections, Attention):
         return (numerator / (denominator[..., None] + self.eps)).flatten(1, 2)
 
     def _kernel_applies(self, q: torch.Tensor, state: HybridState) -> bool:
-        # The kernel reads float32 queries and weights and a contiguous state, on the CPU; anything else takes the
-        # eager step rather than the kernel's refusal.
-        weights = [self.mix, *self.feature_map.parameters()]
+        # The kernel reads float32 CPU queries (`_project` widens them) and a contiguous state, which a state's row
+        # operations could change; anything else takes the eager step rather than the kernel's refusal.
         return (
             self._kernel_on
             and q.device.type == "cpu"
             and q.dtype == torch.float32
-            and all(w.dtype == torch.float32 for w in weights)
             and all(t.is_contiguous() for t in (state.k, state.v, state.s, state.z))
         )
 
@@ -222,7 +228,7 @@ class HybridAttention(FusedProjections, Attention):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, state: HybridState
     ) -> torch.Tensor:
         """`_step` as one C++ call (model/kernels/hybrid_decode.cpp): the same sums, the state moved on in place."""
-        projection = self._projection()
+        projection = self.projection()
         weight = projection.weight.detach() if projection is not None else None  # (KV, P, D)
         bias = projection.bias.detach() if projection is not None else None  # (KV, P)
         out: torch.Tensor = torch.ops.rnnserve.hybrid_decode_attention(
@@ -237,7 +243,7 @@ class HybridAttention(FusedProjections, Attention):
             self.mix.detach(),
             weight,
             bias,
-            self._map_kind(),
+            self.map_kind(),
             self.eps,
         )
         return out

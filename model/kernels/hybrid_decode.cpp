@@ -1,275 +1,39 @@
-// A hybrid-attention decode step (model/attention/hybrid.py, `_step`) for every row and key head in one call: the
-// key leaving the window moves from its ring slot into the linear sums S and Z, the new key and value take the
-// slot, then each query head of the key head's group attends with exact softmax over the ring and phi(q) over the
-// sums, sharing one normaliser mixed by g = sigmoid(mix).
+// A hybrid-attention decode step of one layer (model/attention/hybrid.py, `_step`) as one operator call: every row
+// and key head of model/kernels/hybrid_attention.h, on q, k and v as the layer's projection leaves them.
 //
 // Why a kernel: in PyTorch the step is many small operators per layer (gathers, scatters, a batched
-// product per term, the feature map's), each a pass over a batch's state and a dispatch; here each row's ring
-// and sums are read once while in cache, and phi (elu + 1, t2r or Hedgehog) is computed in registers, for the
-// leaving key and each query. Built by model/kernels/loader.py.
+// product per term, the feature map's), each a pass over a batch's state and a dispatch. Built by
+// model/kernels/loader.py.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 
-#include <algorithm>
-#include <cmath>
-#include <limits>
-#include <vector>
-
-#include "vectors.h"
+#include "hybrid_attention.h"
 
 namespace {
 
-constexpr int64_t kMaxHeadDim = 512;  // the longest head kept on the stack
-constexpr int64_t kMaxFeatures = 1024;  // the longest phi (and projection) kept on the stack
-constexpr int64_t kMaxWindow = 4096;  // the longest window whose scores are kept on the stack
-
-enum class MapKind : int64_t { kElu = 0, kT2R = 1, kHedgehog = 2 };
-
-// The feature map of one key head: elu + 1 (F = D), or x -> W x + b (P outputs) then relu (F = P) or Hedgehog's
-// [softmax(p), softmax(-p)] (F = 2P). `weight_t` is W transposed, (D, P), so that the projection runs along P.
-struct FeatureMap {
-  MapKind kind;
-  const float* weight_t;  // (D, P), or null for elu
-  const float* bias;  // (P,), or null for elu
-  int64_t d, p;
-};
-
-// The largest and smallest of x[0 .. n), n a whole number of vectors: lane-wise, then across the lanes.
-float largest(const float* x, int64_t n) {
-  V top = vload(x);
-  for (int64_t i = kLanes; i < n; i += kLanes) top = vmax(top, vload(x + i));
-  alignas(64) float lanes[kLanes];
-  vstore(lanes, top);
-  return *std::max_element(lanes, lanes + kLanes);
-}
-
-float smallest(const float* x, int64_t n) {
-  V bottom = vload(x);
-  for (int64_t i = kLanes; i < n; i += kLanes) bottom = vmin(bottom, vload(x + i));
-  alignas(64) float lanes[kLanes];
-  vstore(lanes, bottom);
-  return *std::min_element(lanes, lanes + kLanes);
-}
-
-// projected = W x + b (P outputs, PC vectors of them; PC = 0: as many as P takes, summed in memory). Two
-// accumulator chains along D, held in registers, so that the products do not wait on one another.
-template <int PC>
-void project(const FeatureMap& map, const float* x, float* projected) {
-  if constexpr (PC == 0) {
-    for (int64_t i = 0; i < map.p; i += kLanes) vstore(projected + i, vload(map.bias + i));
-    for (int64_t j = 0; j < map.d; ++j) {
-      const V xj = vbroadcast(x[j]);
-      const float* line = map.weight_t + j * map.p;
-      for (int64_t i = 0; i < map.p; i += kLanes) vstore(projected + i, vfma(xj, vload(line + i), vload(projected + i)));
-    }
-  } else {
-    V sums[2][PC];
-    for (int64_t c = 0; c < PC; ++c) sums[0][c] = vload(map.bias + c * kLanes), sums[1][c] = vbroadcast(0.f);
-    for (int64_t j = 0; j < map.d; j += 2)  // D is a whole number of vectors: even
-      for (int64_t a = 0; a < 2 && j + a < map.d; ++a) {
-        const V xj = vbroadcast(x[j + a]);
-        const float* line = map.weight_t + (j + a) * map.p;
-        for (int64_t c = 0; c < PC; ++c) sums[a][c] = vfma(xj, vload(line + c * kLanes), sums[a][c]);
-      }
-    for (int64_t c = 0; c < PC; ++c) vstore(projected + c * kLanes, sums[0][c] + sums[1][c]);
-  }
-}
-
-// out[i] = exp(x[i] * sign - top) / sum of them, i < n (n a whole number of vectors; sign * x[i] - top <= 0).
-void softmax_into(const float* x, float sign, float top, float* out, int64_t n) {
-  V sum = vbroadcast(0.f);
-  for (int64_t i = 0; i < n; i += kLanes) {
-    const V e = exp_of_nonpositive(vload(x + i) * vbroadcast(sign) - vbroadcast(top));
-    vstore(out + i, e);
-    sum = sum + e;
-  }
-  const V total = vbroadcast(hsum(sum));
-  for (int64_t i = 0; i < n; i += kLanes) vstore(out + i, vload(out + i) / total);
-}
-
-// phi(x): x (D,) -> out (F,).
-void feature_map(const FeatureMap& map, const float* x, float* out) {
-  if (map.kind == MapKind::kElu) {
-    for (int64_t i = 0; i < map.d; i += kLanes) vstore(out + i, elu_plus_one(vload(x + i)));
-    return;
-  }
-  alignas(64) float projected[kMaxFeatures];
-  switch (map.p / kLanes) {
-    case 1: project<1>(map, x, projected); break;
-    case 2: project<2>(map, x, projected); break;
-    case 4: project<4>(map, x, projected); break;
-    default: project<0>(map, x, projected); break;
-  }
-  if (map.kind == MapKind::kT2R) {
-    for (int64_t i = 0; i < map.p; i += kLanes) vstore(out + i, vmax(vload(projected + i), vbroadcast(0.f)));
-    return;
-  }
-  // softmax(-p) = exp(min(p) - p) / sum: both halves' exponents are at most 0.
-  softmax_into(projected, 1.f, largest(projected, map.p), out, map.p);
-  softmax_into(projected, -1.f, -smallest(projected, map.p), out + map.p, map.p);
-}
-
-float dot(const float* a, const float* b, int64_t n) {
-  V sum = vbroadcast(0.f);
-  for (int64_t i = 0; i < n; i += kLanes) sum = vfma(vload(a + i), vload(b + i), sum);
-  return hsum(sum);
-}
-
-// The sizes of a call, shared by every row and key head.
-struct Shape {
-  int64_t d, w, f, groups;  // head size, window, features, query heads per key head
-  float scale, eps;
-};
-
-// One row's one key head: its state, the new key and value at `position`, the group's queries and outputs.
-struct KeyHead {
-  float *ring_k, *ring_v, *s, *z;  // (W, D), (W, D), (F, D), (F,)
-  const float *k, *v;  // (D,) each
-  const float* q;  // the group's first query (D,); the next ones `q_stride` apart
-  int64_t q_stride, position;
-  const float* gates;  // the group's g = sigmoid(mix), (G,)
-  float* out;  // (G, D), contiguous
-};
-
-// The key written W positions ago leaves the ring slot the new one takes: S += phi(k_old) v_old^T, Z += phi(k_old).
-void move_into_sums(const KeyHead& h, const FeatureMap& map, const Shape& shape, int64_t slot) {
-  float* old_k = h.ring_k + slot * shape.d;
-  float* old_v = h.ring_v + slot * shape.d;
-  if (h.position >= shape.w) {
-    alignas(64) float phi[kMaxFeatures];
-    feature_map(map, old_k, phi);
-    for (int64_t i = 0; i < shape.f; ++i) {
-      const V weight = vbroadcast(phi[i]);
-      float* line = h.s + i * shape.d;
-      for (int64_t c = 0; c < shape.d; c += kLanes) vstore(line + c, vfma(weight, vload(old_v + c), vload(line + c)));
-    }
-    for (int64_t i = 0; i < shape.f; i += kLanes) vstore(h.z + i, vload(h.z + i) + vload(phi + i));
-  }
-  std::copy(h.k, h.k + shape.d, old_k);
-  std::copy(h.v, h.v + shape.d, old_v);
-}
-
-// One query over the ring's first `written` slots and the sums: out = (g sum_w e_w v_w + (1 - g) phi(q)^T S) /
-// (g sum_w e_w + (1 - g) phi(q)^T Z + eps), e_w = exp(s_w - max s). C vectors a head, or (C = 0) as many as it
-// takes; the weighted sums keep kChains accumulators each, so that their additions do not wait on one another.
-template <int C>
-void attend_one(const KeyHead& h, const FeatureMap& map, const Shape& shape, const float* q, float g, float* out,
-                int64_t written) {
-  constexpr int64_t kChains = 4;
-  constexpr int64_t kHeld = C ? C : kMaxHeadDim / kLanes;
-  const int64_t d = shape.d, chunks = C ? C : d / kLanes;
-  alignas(64) float scores[kMaxWindow + kLanes];
-  for (int64_t slot = 0; slot < written; ++slot) scores[slot] = dot(q, h.ring_k + slot * d, d) * shape.scale;
-  const int64_t padded = (written + kLanes - 1) / kLanes * kLanes;
-  for (int64_t slot = written; slot < padded; ++slot) scores[slot] = scores[0];  // lanes past the ring: no new top
-  const float top = largest(scores, padded);
-  for (int64_t slot = written; slot < padded; ++slot) scores[slot] = top;  // zeroed below
-  for (int64_t slot = 0; slot < padded; slot += kLanes)
-    vstore(scores + slot, exp_of_nonpositive(vload(scores + slot) - vbroadcast(top)));
-  for (int64_t slot = written; slot < padded; ++slot) scores[slot] = 0.f;
-  V window_sum = vbroadcast(0.f);
-  for (int64_t slot = 0; slot < padded; slot += kLanes) window_sum = window_sum + vload(scores + slot);
-
-  alignas(64) float phi[kMaxFeatures];
-  feature_map(map, q, phi);
-  V window[kChains][kHeld], linear[kChains][kHeld];
-  for (int64_t a = 0; a < kChains; ++a)
-    for (int64_t c = 0; c < chunks; ++c) window[a][c] = linear[a][c] = vbroadcast(0.f);
-  int64_t slot = 0;
-  for (; slot + kChains <= written; slot += kChains)
-    for (int64_t a = 0; a < kChains; ++a) {
-      const V e = vbroadcast(scores[slot + a]);
-      const float* value = h.ring_v + (slot + a) * d;
-      for (int64_t c = 0; c < chunks; ++c) window[a][c] = vfma(e, vload(value + c * kLanes), window[a][c]);
-    }
-  for (; slot < written; ++slot) {
-    const V e = vbroadcast(scores[slot]);
-    for (int64_t c = 0; c < chunks; ++c) window[0][c] = vfma(e, vload(h.ring_v + slot * d + c * kLanes), window[0][c]);
-  }
-  int64_t i = 0;
-  for (; i + kChains <= shape.f; i += kChains)
-    for (int64_t a = 0; a < kChains; ++a) {
-      const V weight = vbroadcast(phi[i + a]);
-      const float* line = h.s + (i + a) * d;
-      for (int64_t c = 0; c < chunks; ++c) linear[a][c] = vfma(weight, vload(line + c * kLanes), linear[a][c]);
-    }
-  for (; i < shape.f; ++i)
-    for (int64_t c = 0; c < chunks; ++c)
-      linear[0][c] = vfma(vbroadcast(phi[i]), vload(h.s + i * d + c * kLanes), linear[0][c]);
-  const float denominator = g * hsum(window_sum) + (1.f - g) * dot(phi, h.z, shape.f) + shape.eps;
-  const V vg = vbroadcast(g), rest = vbroadcast(1.f - g), below = vbroadcast(denominator);
-  for (int64_t c = 0; c < chunks; ++c) {
-    const V windowed = (window[0][c] + window[1][c]) + (window[2][c] + window[3][c]);
-    const V linear_read = (linear[0][c] + linear[1][c]) + (linear[2][c] + linear[3][c]);
-    vstore(out + c * kLanes, (vg * windowed + rest * linear_read) / below);
-  }
-}
-
-template <int C>
-void step_key_head(const KeyHead& h, const FeatureMap& map, const Shape& shape) {
-  move_into_sums(h, map, shape, h.position % shape.w);
-  const int64_t written = std::min(h.position + 1, shape.w);  // slots 0 .. position are written before the ring wraps
-  for (int64_t i = 0; i < shape.groups; ++i)
-    attend_one<C>(h, map, shape, h.q + i * h.q_stride, h.gates[i], h.out + i * shape.d, written);
-}
-
-void step_key_head(const KeyHead& h, const FeatureMap& map, const Shape& shape) {
-  switch (shape.d / kLanes) {
-    case 1: step_key_head<1>(h, map, shape); break;
-    case 2: step_key_head<2>(h, map, shape); break;
-    case 4: step_key_head<4>(h, map, shape); break;
-    case 8: step_key_head<8>(h, map, shape); break;
-    default: step_key_head<0>(h, map, shape); break;
-  }
-}
-
-bool sizes_taken(int64_t d, int64_t projected, int64_t window) {
-  const bool head = d > 0 && d % kLanes == 0 && d <= kMaxHeadDim;
-  const bool features = projected == 0 || (projected % kLanes == 0 && 2 * projected <= kMaxFeatures);
-  return head && features && d <= kMaxFeatures && window > 0 && window <= kMaxWindow;
-}
+constexpr const char* kOp = "hybrid_decode_attention";
 
 // A vector (B, N, 1, D) whose last dimension is contiguous: q, k or v as the projection's split leaves them.
 void check_one_token(const at::Tensor& t, int64_t b, int64_t d, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 4 && t.size(0) == b && t.size(2) == 1 && t.size(3) == d &&
                   t.stride(3) == 1,
-              "hybrid_decode_attention: ", what, " must be float32 (B, heads, 1, D) = (", b, ", heads, 1, ", d,
+              kOp, ": ", what, " must be float32 (B, heads, 1, D) = (", b, ", heads, 1, ", d,
               ") with contiguous heads, got ", t.sizes(), " strides ", t.strides());
 }
 
-void check_state(const at::Tensor& t, at::IntArrayRef shape, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.sizes() == shape, "hybrid_decode_attention: ",
-              what, " must be a contiguous float32 ", shape, ", got ", t.sizes());
-}
-
-// The map's weight (KV, P, D) transposed to (KV, D, P), once per call; empty for elu.
-std::vector<float> transposed_weights(const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
-                                      MapKind kind, int64_t kv, int64_t d, int64_t f) {
-  if (kind == MapKind::kElu) {
-    TORCH_CHECK(f == d, "hybrid_decode_attention: elu + 1 features are one per head number (", d, "), the sums hold ",
-                f);
-    return {};
-  }
-  TORCH_CHECK(weight.has_value() && bias.has_value(), "hybrid_decode_attention: a t2r or Hedgehog map needs its weight "
-              "and bias");
-  const at::Tensor w = weight->contiguous(), b = *bias;
-  const int64_t p = w.size(1);
-  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 3 && w.size(0) == kv && w.size(2) == d,
-              "hybrid_decode_attention: the map's weight must be float32 (KV, P, D) = (", kv, ", P, ", d, "), got ",
-              w.sizes());
-  TORCH_CHECK(b.scalar_type() == at::kFloat && b.is_contiguous() && b.dim() == 2 && b.size(0) == kv && b.size(1) == p,
-              "hybrid_decode_attention: the map's bias must be a contiguous float32 (KV, P) = (", kv, ", ", p,
-              "), got ", b.sizes());
-  TORCH_CHECK(f == (kind == MapKind::kHedgehog ? 2 * p : p), "hybrid_decode_attention: ", p,
-              " projected features make ", kind == MapKind::kHedgehog ? 2 * p : p, " features, the sums hold ", f);
-  TORCH_CHECK(sizes_taken(d, p, 1), "hybrid_decode_attention: ", p, " projected features: this build takes a "
-              "multiple of ", kLanes, " up to ", kMaxFeatures / 2);
-  std::vector<float> out(kv * d * p);
-  const float* src = w.data_ptr<float>();
-  for (int64_t j = 0; j < kv; ++j)
-    for (int64_t i = 0; i < p; ++i)
-      for (int64_t c = 0; c < d; ++c) out[(j * d + c) * p + i] = src[(j * p + i) * d + c];
-  return out;
+// The new tokens' q (B, H, 1, D), k and v (B, KV, 1, D) and their positions start (B,), for a ring of (B, KV, W, D).
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& start,
+                  const at::Tensor& ring_k) {
+  TORCH_CHECK(ring_k.dim() == 4, kOp, ": the ring must be (B, KV, W, D), got ", ring_k.sizes());
+  const int64_t b = ring_k.size(0), kv = ring_k.size(1), d = ring_k.size(3);
+  check_one_token(q, b, d, "q");
+  check_one_token(k, b, d, "k");
+  check_one_token(v, b, d, "v");
+  TORCH_CHECK(k.size(1) == kv && v.size(1) == kv && q.size(1) % kv == 0, kOp, ": ", q.size(1), " query heads over ",
+              kv, " key heads (k ", k.sizes(), ", v ", v.sizes(), ")");
+  TORCH_CHECK(start.scalar_type() == at::kLong && start.dim() == 1 && start.numel() == b,
+              kOp, ": start must be int64 (B,) = (", b, "), got ", start.sizes());
+  const int64_t* pos = start.data_ptr<int64_t>();
+  for (int64_t r = 0; r < b; ++r) TORCH_CHECK(pos[r] >= 0, kOp, ": row ", r, " is at position ", pos[r]);
 }
 
 }  // namespace
@@ -285,68 +49,15 @@ at::Tensor hybrid_decode_attention(const at::Tensor& q, const at::Tensor& k, con
                                    const at::Tensor& s, const at::Tensor& z, const at::Tensor& mix,
                                    const c10::optional<at::Tensor>& map_weight,
                                    const c10::optional<at::Tensor>& map_bias, int64_t map_kind, double eps) {
-  TORCH_CHECK(ring_k.dim() == 4 && s.dim() == 4, "hybrid_decode_attention: the ring must be (B, KV, W, D) and S "
-              "(B, KV, F, D), got ", ring_k.sizes(), " and ", s.sizes());
-  const int64_t b = ring_k.size(0), kv = ring_k.size(1), w = ring_k.size(2), d = ring_k.size(3), f = s.size(2);
-  check_one_token(q, b, d, "q");
-  check_one_token(k, b, d, "k");
-  check_one_token(v, b, d, "v");
-  const int64_t heads = q.size(1);
-  TORCH_CHECK(k.size(1) == kv && v.size(1) == kv && heads % kv == 0, "hybrid_decode_attention: ", heads,
-              " query heads over ", kv, " key heads (k ", k.sizes(), ", v ", v.sizes(), ")");
-  check_state(ring_k, {b, kv, w, d}, "ring_k");
-  check_state(ring_v, {b, kv, w, d}, "ring_v");
-  check_state(s, {b, kv, f, d}, "s");
-  check_state(z, {b, kv, f}, "z");
-  TORCH_CHECK(sizes_taken(d, 0, w) && f <= kMaxFeatures, "hybrid_decode_attention: heads of ", d, " numbers and a ",
-              "window of ", w, ": this build takes a multiple of ", kLanes, " up to ", kMaxHeadDim, " and up to ",
-              kMaxWindow);
-  TORCH_CHECK(mix.scalar_type() == at::kFloat && mix.dim() == 1 && mix.numel() == heads,
-              "hybrid_decode_attention: mix must be float32 (H,) = (", heads, "), got ", mix.sizes());
-  TORCH_CHECK(map_kind >= 0 && map_kind <= 2, "hybrid_decode_attention: map_kind 0 (elu), 1 (t2r) or 2 (Hedgehog), "
-              "got ", map_kind);
-  TORCH_CHECK(start.scalar_type() == at::kLong && start.dim() == 1 && start.numel() == b,
-              "hybrid_decode_attention: start must be int64 (B,) = (", b, "), got ", start.sizes());
   const at::Tensor positions = start.contiguous();
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  for (int64_t r = 0; r < b; ++r)
-    TORCH_CHECK(pos[r] >= 0, "hybrid_decode_attention: row ", r, " is at position ", pos[r]);
-  const MapKind kind = static_cast<MapKind>(map_kind);
+  check_inputs(q, k, v, positions, ring_k);
+  const int64_t b = ring_k.size(0), heads = q.size(1);
   // Every input checked before anything is written: a refused call leaves the state as it was.
-  const std::vector<float> weight_t = transposed_weights(map_weight, map_bias, kind, kv, d, f);
-  const int64_t p = kind == MapKind::kElu ? 0 : map_weight->size(1);
-  const at::Tensor bias = kind == MapKind::kElu ? at::Tensor() : *map_bias;
-  const at::Tensor gates = mix.sigmoid().contiguous();  // as the eager step's torch.sigmoid
-  const Shape shape{d, w, f, heads / kv, static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))),
-                    static_cast<float>(eps)};
-
-  at::Tensor out = at::empty({b, heads, 1, d}, q.options());
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  float *rk = ring_k.data_ptr<float>(), *rv = ring_v.data_ptr<float>(), *sp = s.data_ptr<float>(),
-        *zp = z.data_ptr<float>(), *op = out.data_ptr<float>();
-  const float* gp = gates.data_ptr<float>();
-  const auto key_head = [&](int64_t i) {  // i = r KV + j: row r's key head j
-    const int64_t r = i / kv, j = i % kv;
-    return KeyHead{rk + i * w * d,
-                   rv + i * w * d,
-                   sp + i * f * d,
-                   zp + i * f,
-                   kp + r * k.stride(0) + j * k.stride(1),
-                   vp + r * v.stride(0) + j * v.stride(1),
-                   qp + r * q.stride(0) + j * shape.groups * q.stride(1),
-                   q.stride(1),
-                   pos[r],
-                   gp + j * shape.groups,
-                   op + (r * heads + j * shape.groups) * d};
-  };
-  at::parallel_for(0, b * kv, 1, [&](int64_t first, int64_t last) {
-    for (int64_t i = first; i < last; ++i) {
-      const int64_t j = i % kv;
-      const FeatureMap map{kind, kind == MapKind::kElu ? nullptr : weight_t.data() + j * d * p,
-                           kind == MapKind::kElu ? nullptr : bias.data_ptr<float>() + j * p, d, p};
-      step_key_head(key_head(i), map, shape);
-    }
-  });
+  const HybridLayer layer = hybrid_layer(ring_k, ring_v, s, z, mix, map_weight, map_bias, map_kind, b, heads, eps, kOp);
+  at::Tensor out = at::empty({b, heads, 1, layer.shape.d}, q.options());
+  const NewTokens tokens{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), q.stride(0), q.stride(1),
+                         k.stride(0),         k.stride(1),         v.stride(0),         v.stride(1)};
+  attend_rows(layer, tokens, positions.data_ptr<int64_t>(), b, out.data_ptr<float>());
   return out;
 }
 

@@ -1,6 +1,6 @@
 """C++ kernels for CPU decode steps, built on first use with the machine's C++ compiler.
 
-Five kernels, registered as operators so that eager steps call them and
+Kernels registered as operators so that eager steps call them and
 torch.compile keeps each as one call inside its graphs:
   * `torch.ops.rnnserve.softmax_decode_attention`: softmax attention of one
     query per row over its KV cache (model/kernels/softmax_decode.cpp), which
@@ -21,7 +21,9 @@ torch.compile keeps each as one call inside its graphs:
     its call: what those decoders draw with.
   * `torch.ops.rnnserve.hybrid_decode_attention`: a hybrid-attention decode step
     (model/kernels/hybrid_decode.cpp): the ring's leaving key into the sums, the
-    window's softmax and the linear read with one normaliser, in place.
+    window's softmax and the linear read with one normaliser, in place; and
+    `hybrid_decode_step`, a whole decode step of a hybrid model as linear_decode_step is of a linear one
+    (model/kernels/hybrid_step.cpp, model/decode/compiled/hybrid_step.py).
 
 The build runs once per machine, ahead of serving (`rnnserve build-kernels`, which `make install` and the
 container build run), and uses the vector instructions inductor picks for this CPU. torch keeps the library
@@ -61,10 +63,13 @@ SOURCES = tuple(
         "linear_step.cpp",
         "categorical_draw.cpp",
         "hybrid_decode.cpp",
+        "hybrid_step.cpp",
     )
 )
 # What the sources include (the vector types, the packed product): part of what a build's folder is keyed on.
-HEADERS = tuple(Path(__file__).parent / name for name in ("vectors.h", "packed_product.h"))
+HEADERS = tuple(
+    Path(__file__).parent / name for name in ("vectors.h", "packed_product.h", "decode_block.h", "hybrid_attention.h")
+)
 LIBRARY = "rnnserve_cpu_kernels"
 _BUILD_LOCK = threading.Lock()  # one build per process, whichever model's compile thread asks first
 

@@ -17,7 +17,8 @@ model's decode twin, its layers swapped for packed ones. For float32 models
 on CPUs with AVX-512 or AVX2, once the kernels are built; otherwise the model as it is.
 A linear model of the paper's shape (elu + 1 features, learned positions, exact
 GELU) goes further: each step is one C++ call on the twin's weights
-(model/decode/compiled/linear_step.py), from the moment the kernels load, without a graph;
+(model/decode/compiled/linear_step.py), from the moment the kernels load, without a graph; so does a hybrid
+model of that block whose sizes the hybrid attention kernel takes (model/decode/compiled/hybrid_step.py);
 its unfiltered draws run in C++ too (model/kernels/categorical_draw.cpp), inside the step's call where a
 generation asks for both (`step_and_sample`). Only its draws are compiled, for the batches the C++ draw does
 not take as they are (other dtypes).
@@ -82,7 +83,7 @@ from .compile_child import PARTLY_COMPILED, CompileJob, become_compile_child, co
 from .drawing import draw_inputs, kernel_draw_rows, kernel_takes_logits
 from .graphs import progress_bars_lock_this_process_only, same_cache_keys_in_every_process
 from .lifecycle import CompileLog, classes_to_compile, first_line
-from .linear_step import LinearStepOnRows, WholeLinearStep, whole_linear_step
+from .one_call import StepOnRows, WholeStep, one_call_step
 from .routing import ROW_CLASSES, RowClass, RowRoutes
 from .warm_up import ClassGraphs
 
@@ -118,8 +119,8 @@ class CompiledDecoder(EagerDecoder):
             self._token_buffer = torch.zeros(state.batch_size, dtype=torch.long, device=model.device)
         self._row_views: dict[int, ModelState] = {}
         self._twin: Transformer | None = None  # the model's decode twin, once the kernels are built (use_kernels)
-        self._whole_step: WholeLinearStep | None = None  # its steps as one C++ call, for the models that takes
-        self._whole_step_rows: dict[int, LinearStepOnRows] = {}  # that call on the row views, made once per n
+        self._whole_step: WholeStep | None = None  # its steps as one C++ call, for the models that takes
+        self._whole_step_rows: dict[int, StepOnRows] = {}  # that call on the row views, made once per n
         self._compiled_elsewhere = threading.Event()  # a background compile's child is done: adopt its graphs
         self._background_batch: int | None = None
 
@@ -146,7 +147,7 @@ class CompiledDecoder(EagerDecoder):
 
     @property
     def one_call_steps(self) -> bool:
-        """Whether its steps run as one C++ call each (model/decode/compiled/linear_step.py): from the moment the
+        """Whether its steps run as one C++ call each (model/decode/compiled/one_call.py): from the moment the
         kernels load, for the models that call takes, in eval mode."""
         return self._whole_step is not None and not self.model.training
 
@@ -209,7 +210,7 @@ class CompiledDecoder(EagerDecoder):
             self._row_views[n] = self.state.slice(0, n)
         return self._row_views[n]
 
-    def _one_call_rows(self, step: WholeLinearStep, n: int) -> LinearStepOnRows:
+    def _one_call_rows(self, step: WholeStep, n: int) -> StepOnRows:
         """The one-call step on the state's rows [0, n), made once per n as their views are: its arguments, the
         per-layer state tensors among them, are the same every step."""
         if n not in self._whole_step_rows:
@@ -251,7 +252,7 @@ class CompiledDecoder(EagerDecoder):
         self, tokens: torch.Tensor, params: BatchSampling, position: torch.Tensor, drawn: torch.Tensor
     ) -> torch.Tensor:
         """`EagerDecoder.step_and_sample`: where the steps are one C++ call, an unfiltered batch draws inside it
-        (`WholeLinearStep.with_draw`), with no operator between a step and its draw."""
+        (`WholeLinearStep.with_draw`, `WholeHybridStep.with_draw`), with no operator between a step and its draw."""
         n = tokens.shape[0]
         rows = kernel_draw_rows(params, position) if self._draws_in_kernel else None
         step = self._whole_step
@@ -373,11 +374,11 @@ class CompiledDecoder(EagerDecoder):
                 self._twin = decode_twin(self.model)
                 self._whole_step = self._one_call_step(self._twin) if self._one_call_allowed else None
 
-    def _one_call_step(self, twin: Transformer) -> WholeLinearStep | None:
+    def _one_call_step(self, twin: Transformer) -> WholeStep | None:
         """The twin's one-call step, or None (the compiled graphs then run the steps): should gathering its
         weights fail, that is logged, and nothing else changes (it runs on a background compile's thread)."""
         try:
-            return whole_linear_step(twin)
+            return one_call_step(twin)
         except Exception as exc:
             log.warning("the one-call %s step is off (%s: %s)", self.model.config.attention, type(exc).__name__, exc)
             return None

@@ -22,7 +22,8 @@ from typing import cast
 import torch
 from torch import nn
 
-from ...attention.linear import LinearAttention, LinearState
+from ...attention.linear import LinearState
+from ...attention.projections import FusedProjections
 from ...kernels.packed_linear import PackedLinear
 from ...state import ModelState
 from ...transformer import Block, Transformer
@@ -37,31 +38,40 @@ def whole_step_refusal(twin: Transformer) -> str | None:
         return f"{cfg.attention} attention (it takes linear attention)"
     if cfg.linear_feature_map != "elu":
         return f"{cfg.linear_feature_map} features (it takes elu + 1)"
-    if twin.pos_emb is None:  # rotary positions among them: the call adds a position embedding, turns nothing
-        return f"{cfg.pos_encoding} positions (it takes learned ones)"
+    refusal = block_refusal(twin)
+    if refusal is not None:
+        return refusal
     if cfg.n_kv_heads != cfg.n_heads:  # it reads one state per query head; the compiled step takes the others
         return f"kv_heads {cfg.n_kv_heads} (it takes one key head per query head)"
+    if not torch.ops.rnnserve.linear_step_takes_head(cfg.d_head):
+        return f"heads of {cfg.d_head} numbers (not a whole number of this CPU route's vectors)"
+    return None
+
+
+def block_refusal(twin: Transformer) -> str | None:
+    """Why model/kernels/decode_block.h's step around the attention does not take this decode twin, or None."""
+    cfg = twin.config
+    if twin.pos_emb is None:  # rotary positions among them: the call adds a position embedding, turns nothing
+        return f"{cfg.pos_encoding} positions (it takes learned ones)"
     if (cfg.norm, cfg.feed_forward) != ("layer", "gelu") or not all((cfg.qkv_bias, cfg.attn_out_bias, cfg.ff_bias)):
         return f"{cfg.norm} norms and a {cfg.feed_forward} feed-forward (it takes GPT-2's block with its biases)"
     if cfg.gelu != "exact":
         return f"{cfg.gelu} GELU (it takes the exact one)"
     if twin.dtype != torch.float32 or twin.device.type != "cpu":
         return f"{twin.dtype} weights on {twin.device} (it takes float32 on the CPU)"
-    if not torch.ops.rnnserve.linear_step_takes_head(cfg.d_head):
-        return f"heads of {cfg.d_head} numbers (not a whole number of this CPU route's vectors)"
-    if not all(isinstance(m, PackedLinear) for block in _blocks(twin) for m in _linear_layers(block)):
+    if not all(isinstance(m, PackedLinear) for block in blocks_of(twin) for m in linear_layers(block)):
         return "linear layers that are not packed"
     return None
 
 
-def _blocks(twin: Transformer) -> list[Block]:
+def blocks_of(twin: Transformer) -> list[Block]:
     return [cast(Block, block) for block in twin.blocks]
 
 
-def _linear_layers(block: Block) -> list[nn.Module]:
-    """A block's linear layers, in the order linear_decode_step reads them: PackedLinear in a decode twin (its
+def linear_layers(block: Block) -> list[nn.Module]:
+    """A block's linear layers, in the order the one-call steps read them: PackedLinear in a decode twin (its
     packing swaps them in, which no static type records)."""
-    attn = cast(LinearAttention, block.attn)
+    attn = cast(FusedProjections, block.attn)
     return [attn.qkv, attn.proj, block.ff.up, block.ff.down]
 
 
@@ -69,27 +79,43 @@ def _bias(layer: PackedLinear) -> torch.Tensor:
     return layer.bias if layer.bias is not None else torch.zeros(layer.out_features)
 
 
-def _packed(layer: PackedLinear) -> list[torch.Tensor]:
+def packed(layer: PackedLinear) -> list[torch.Tensor]:
     return [layer.packed, _bias(layer)]
 
 
-def _norm(norm: nn.Module) -> list[torch.Tensor]:
-    """A LayerNorm's weight and bias (whole_step_refusal checked the block has LayerNorms)."""
+def norm_weights(norm: nn.Module) -> list[torch.Tensor]:
+    """A LayerNorm's weight and bias (block_refusal checked the block has LayerNorms)."""
     layer = cast(nn.LayerNorm, norm)
     return [layer.weight, layer.bias]
 
 
-def _block_weights(block: Block) -> list[torch.Tensor]:
-    """In the order linear_decode_step reads them (the twin's layers are packed: whole_step_refusal checked)."""
-    qkv, proj, up, down = (cast(PackedLinear, layer) for layer in _linear_layers(block))
+def block_weights(block: Block) -> list[torch.Tensor]:
+    """In the order the one-call steps read them (the twin's layers are packed: block_refusal checked)."""
+    qkv, proj, up, down = (cast(PackedLinear, layer) for layer in linear_layers(block))
     return [
-        *_norm(block.ln_attn),
-        *_packed(qkv),
-        *_packed(proj),
-        *_norm(block.ln_ff),
-        *_packed(up),
-        *_packed(down),
+        *norm_weights(block.ln_attn),
+        *packed(qkv),
+        *packed(proj),
+        *norm_weights(block.ln_ff),
+        *packed(up),
+        *packed(down),
     ]
+
+
+def step_weights(twin: Transformer) -> tuple[tuple[torch.Tensor, torch.Tensor], list[torch.Tensor], bool]:
+    """A one-call step's embeddings (tokens', positions'), its `weights` list as model/kernels/decode_block.h's
+    `step_weights` reads it, and whether the categorical head runs inside the call (`block_refusal` checked)."""
+    weights = [w for block in blocks_of(twin) for w in block_weights(block)] + norm_weights(twin.ln_f)
+    head: nn.Module = twin.head
+    head_inside = isinstance(head, PackedLinear)
+    if isinstance(head, PackedLinear):
+        weights += packed(head)
+    # Plain tensors, detached once here rather than every step (the call would not take parameters as they
+    # are under inference mode).
+    weights = [w.detach().contiguous() for w in weights]
+    assert twin.pos_emb is not None  # block_refusal: learned positions
+    embeddings = (twin.tok_emb.weight.detach(), twin.pos_emb.weight.detach())
+    return embeddings, weights, head_inside
 
 
 @dataclass(frozen=True)
@@ -103,17 +129,7 @@ class WholeLinearStep:
 
     @classmethod
     def of(cls, twin: Transformer) -> "WholeLinearStep":
-        weights = [w for block in _blocks(twin) for w in _block_weights(block)] + _norm(twin.ln_f)
-        head: nn.Module = twin.head
-        head_inside = isinstance(head, PackedLinear)
-        if isinstance(head, PackedLinear):
-            weights += _packed(head)
-        # Plain tensors, detached once here rather than every step (the call would not take parameters as they
-        # are under inference mode).
-        weights = [w.detach().contiguous() for w in weights]
-        assert twin.pos_emb is not None  # whole_step_refusal: learned positions
-        embeddings = (twin.tok_emb.weight.detach(), twin.pos_emb.weight.detach())
-        return cls(twin, embeddings, weights, head_inside)
+        return cls(twin, *step_weights(twin))
 
     def __call__(self, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
         return self.on_rows(state)(tokens)

@@ -1,0 +1,25 @@
+"""Which one-call step (a whole decode step as one C++ call) a decode twin takes: linear_step.py's for linear
+models, hybrid_step.py's for hybrid ones, or none (the compiled graphs then run its steps)."""
+
+from __future__ import annotations
+
+from ...transformer import Transformer
+from .hybrid_step import HybridStepOnRows, WholeHybridStep, hybrid_step_refusal, whole_hybrid_step
+from .linear_step import LinearStepOnRows, WholeLinearStep, whole_linear_step, whole_step_refusal
+
+WholeStep = WholeLinearStep | WholeHybridStep
+StepOnRows = LinearStepOnRows | HybridStepOnRows  # a one-call step on fixed row views (`on_rows`)
+
+
+def one_call_refusal(twin: Transformer) -> str | None:
+    """Why no one-call step takes this decode twin, or None when one does. Needs the kernels loaded."""
+    if twin.config.attention == "hybrid":
+        return hybrid_step_refusal(twin)
+    return whole_step_refusal(twin)
+
+
+def one_call_step(twin: Transformer) -> WholeStep | None:
+    """The one-call step for this decode twin, or None when none takes it (`one_call_refusal`)."""
+    if twin.config.attention == "hybrid":
+        return whole_hybrid_step(twin)
+    return whole_linear_step(twin)

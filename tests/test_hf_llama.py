@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from model.decode.compiled.decoder import CompiledDecoder
 from model.decode.generate import generate
 from model.decode.sampling import BatchSampling, SamplingParams
 from model.io.weights import load_model
+from model.kernels.loader import packed_linear_wins
+from model.kernels.packed_linear import PackedLinear
 from rnnserve_cli import main
 
 transformers = pytest.importorskip(
@@ -233,3 +236,27 @@ def test_a_mistral_with_a_sentencepiece_tokenizer_continues_text_as_vllm_shows_i
         )
     assert answer.usage.prompt_tokens == ids.shape[1]
     assert answer.choices[0].text == expected
+
+
+@pytest.mark.skipif(
+    not packed_linear_wins(),
+    reason="the packed linear kernel is used on the avx512 and avx2 routes only (model/kernels/loader.py)",
+)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_bfloat16_llama_decodes_the_eager_greedy_tokens_through_its_packed_twin(tmp_path, rows):
+    """The compiled steps of a bfloat16 Llama run its decode twin, every linear layer packed as bfloat16 (the
+    kernel sums in float32 and rounds once, as PyTorch's layer does): the greedy tokens are eager bfloat16's."""
+    folder = save_folder(tmp_path / "llama-bf16", "llama", dtype=torch.bfloat16)
+    model, _ = load_model(imported(folder), dtype=torch.bfloat16)
+    prompt = torch.tensor([[1, 17, 42, 99, 7], [3, 5, 8, 13, 21], [2, 4, 6, 300, 9]])[:rows]
+    greedy = BatchSampling.from_params([SamplingParams(temperature=0.0)] * rows)
+    with torch.inference_mode():
+        decoder = CompiledDecoder(model, model.new_state(rows), one_call=False)
+        assert decoder.compile_now().error is None and decoder.compiled
+        twin = decoder._stepped_model
+        packed = [m for m in twin.modules() if isinstance(m, PackedLinear)]
+        assert twin is not model and len(packed) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+        assert all(m.weight.dtype == torch.bfloat16 for m in packed)
+        compiled = generate(model, prompt, prompt.shape[1] + 40, greedy, decoder=decoder)
+        eager = generate(model, prompt, prompt.shape[1] + 40, greedy, compiled=False)
+    assert torch.equal(compiled, eager)

@@ -22,12 +22,14 @@ import weakref
 import torch
 from torch import nn
 
-from .loader import packed_linear_wins
+from .loader import bf16_dense_rows, packed_linear_wins
 from ..transformer import Transformer
 
 
 class PackedLinear(nn.Module):
-    """`linear(x)` as the CPU kernel computes it: x W^T + b, W packed once (float32, CPU)."""
+    """`linear(x)` as the CPU kernel computes it: x W^T + b, W packed once (float32 or bfloat16, CPU). A bfloat16
+    layer sums in float32 and rounds once, as PyTorch's does; above `dense_rows` rows (where the CPU's matrix
+    units make PyTorch's product the faster) the kernel calls PyTorch's product on the model's own weight."""
 
     packed: torch.Tensor  # a buffer: the kernel's layout of the weight
 
@@ -40,9 +42,13 @@ class PackedLinear(nn.Module):
         # The model's own weight too, for modules that read it rather than call the layer (the mixture head
         # projects in float32 through F.linear): they compute with it, unpacked, as the model does.
         self.weight = linear.weight
+        self.dense_rows = bf16_dense_rows() if linear.weight.dtype == torch.bfloat16 else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        y: torch.Tensor = torch.ops.rnnserve.packed_linear(x, self.packed, self.bias, self.out_features)
+        dense = self.weight if self.dense_rows else None
+        y: torch.Tensor = torch.ops.rnnserve.packed_linear(
+            x, self.packed, self.bias, self.out_features, dense, self.dense_rows
+        )
         return y
 
 
@@ -60,10 +66,11 @@ class DecodeTwins:
 
 
 def packs(model: nn.Module) -> bool:
-    """Whether the kernel takes this model's linear layers: float32, on a CPU route where it beats PyTorch's
-    products (`packed_linear_wins`: AVX-512 and AVX2) or on a forced one."""
+    """Whether the kernel takes this model's linear layers: float32 or bfloat16, on a CPU route where it beats
+    PyTorch's products (`packed_linear_wins`: AVX-512 and AVX2) or on a forced one."""
     weight = next(model.parameters())
-    return weight.dtype == torch.float32 and weight.device.type == "cpu" and packed_linear_wins()
+    packable = weight.dtype in (torch.float32, torch.bfloat16)
+    return packable and weight.device.type == "cpu" and packed_linear_wins()
 
 
 def make_twin(model: Transformer) -> Transformer:

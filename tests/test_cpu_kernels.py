@@ -249,8 +249,8 @@ def bf16_ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 )
 def test_the_bfloat16_packed_linear_kernel_is_pytorch_s_bfloat16_linear_layer(rows, inputs, outputs):
     """bfloat16 in and out, float32 sums rounded once: the float32 product of the same bfloat16 numbers rounded to
-    bfloat16, give or take one step where the sums' order tips a rounding, and PyTorch's bfloat16 layer within the
-    same step. Odd input counts (a pair's partner is a zero) and widths that leave a panel part full."""
+    bfloat16, give or take one step where the sums' order tips a rounding, and PyTorch's bfloat16 layer within
+    bfloat16's precision. Odd input counts (a pair's partner is a zero) and widths that leave a panel part full."""
     assert load_kernels().ok
     gen = torch.Generator().manual_seed(rows * 7 + inputs + outputs)
     x, weight, bias = (
@@ -262,7 +262,9 @@ def test_the_bfloat16_packed_linear_kernel_is_pytorch_s_bfloat16_linear_layer(ro
         assert got.shape == (rows, 1, outputs) and got.dtype == torch.bfloat16
         exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
         assert bf16_ulps_apart(got, exact.bfloat16()).max() <= 1
-        assert bf16_ulps_apart(got, F.linear(x, weight, b)).max() <= 1
+        # PyTorch's layer sums in another order (on AMX tiles, past a few rows): a step or two apart, more in
+        # the small sums where terms cancel
+        torch.testing.assert_close(got, F.linear(x, weight, b), rtol=2**-7, atol=1e-2)
         assert (got == exact.bfloat16()).float().mean() > 0.97  # a step off is the rare tie-breaker, not the rule
 
 

@@ -16,7 +16,7 @@ from model.decode.generate import generate
 from model.decode.sampling import BatchSampling, SamplingParams
 from model.io.weights import load_model
 from model.kernels.loader import load_kernels, packed_linear_wins
-from model.kernels.packed_linear import PackedLinear, decode_twin
+from model.kernels.packed_linear import PackedLinear, PackedTiedHead, decode_twin
 from rnnserve_cli import main
 
 transformers = pytest.importorskip(
@@ -244,8 +244,8 @@ PACKED_ROUTES_ONLY = pytest.mark.skipif(
 )
 
 
-def bfloat16_llama(tmp_path: Path):
-    folder = save_folder(tmp_path / "llama-bf16", "llama", dtype=torch.bfloat16)
+def bfloat16_llama(tmp_path: Path, family: str = "llama"):
+    folder = save_folder(tmp_path / f"{family}-bf16", family, dtype=torch.bfloat16)
     return load_model(imported(folder), dtype=torch.bfloat16)[0]
 
 
@@ -256,15 +256,19 @@ def greedy_rows(rows: int) -> tuple[torch.Tensor, BatchSampling]:
 
 @PACKED_ROUTES_ONLY
 @pytest.mark.parametrize("rows", [1, 3])
-def test_a_bfloat16_llama_s_packed_twin_draws_its_greedy_tokens(tmp_path, rows):
-    """The decode twin of a bfloat16 Llama, every linear layer packed as bfloat16 (the kernel sums in float32 and
-    rounds once, as PyTorch's layer does), decodes the greedy tokens the model does with PyTorch's layers."""
-    model = bfloat16_llama(tmp_path)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # an untied head (a linear layer), a tied one (SmolLM's)
+def test_a_bfloat16_llama_s_packed_twin_draws_its_greedy_tokens(tmp_path, rows, family):
+    """The decode twin of a bfloat16 Llama, every linear layer and a tied head packed as bfloat16 (the kernel sums
+    in float32 and rounds once, as PyTorch's layer does), decodes the greedy tokens the model does with PyTorch's
+    layers."""
+    model = bfloat16_llama(tmp_path, family)
     assert load_kernels().ok
     twin = decode_twin(model)
     packed = [m for m in twin.modules() if isinstance(m, PackedLinear)]
     assert len(packed) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert all(m.weight.dtype == torch.bfloat16 for m in packed)
+    assert isinstance(twin.head, PackedTiedHead if family == "qwen2" else PackedLinear)
+    assert not any(isinstance(m, (PackedLinear, PackedTiedHead)) for m in model.modules())
     prompt, greedy = greedy_rows(rows)
     with torch.inference_mode():
         ours = generate(twin, prompt, prompt.shape[1] + 40, greedy, compiled=False)

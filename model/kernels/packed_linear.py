@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .loader import bf16_dense_rows, packed_linear_wins
+from ..output_heads import TiedHead
 from ..transformer import Transformer
 
 
@@ -52,6 +53,29 @@ class PackedLinear(nn.Module):
         return y
 
 
+class PackedTiedHead(TiedHead):
+    """A bfloat16 tied head (logits from the embedding's matrix) on the packed kernel: at a decode step's few rows
+    it reads the largest matrix of a small model, which PyTorch's bfloat16 product reads at a fraction of the
+    kernel's pace. The embedding keeps its own matrix; the packed copy is the twin's."""
+
+    packed: torch.Tensor  # a buffer: the kernel's layout of the embedding's matrix
+
+    def __init__(self, head: TiedHead):
+        super().__init__(head._embedding[0])
+        weight = head._embedding[0].weight  # (V, d_model)
+        self.out_features = weight.shape[0]
+        with torch.inference_mode(False), torch.no_grad():  # a plain tensor, whatever mode the twin is made in
+            self.register_buffer("packed", torch.ops.rnnserve.pack_linear_weight(weight.detach()))
+        self.dense_rows = bf16_dense_rows()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., d_model) -> (..., V)
+        dense = self._embedding[0].weight if self.dense_rows else None
+        y: torch.Tensor = torch.ops.rnnserve.packed_linear(
+            x, self.packed, None, self.out_features, dense, self.dense_rows
+        )
+        return y
+
+
 class DecodeTwins:
     """One decode twin per live model."""
 
@@ -74,13 +98,16 @@ def packs(model: nn.Module) -> bool:
 
 
 def make_twin(model: Transformer) -> Transformer:
-    """A structural copy of `model` that shares its parameters and buffers, with its nn.Linear layers packed."""
+    """A structural copy of `model` that shares its parameters and buffers, with its nn.Linear layers packed (and,
+    in bfloat16, its tied head)."""
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}  # deepcopy's memo: keep these as they are
     twin = copy.deepcopy(model, shared)
     for parent in list(twin.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, PackedLinear(child))
+            elif isinstance(child, TiedHead) and child._embedding[0].weight.dtype == torch.bfloat16:
+                setattr(parent, name, PackedTiedHead(child))
     return twin
 
 

@@ -273,8 +273,8 @@ def test_the_bfloat16_kernel_hands_rows_past_its_limit_to_pytorch_s_product():
     gen = torch.Generator().manual_seed(3)
     x, weight = torch.randn(12, 64, generator=gen).bfloat16(), torch.randn(40, 64, generator=gen).bfloat16()
     packed = torch.ops.rnnserve.pack_linear_weight(weight)
-    assert torch.equal(torch.ops.rnnserve.packed_linear(x, packed, None, 40, weight, 8), F.linear(x, weight))
-    kernel = torch.ops.rnnserve.packed_linear(x[:8], packed, None, 40, weight, 8)  # at the limit: the kernel's own
+    assert torch.equal(torch.ops.rnnserve.packed_linear_or_dense(x, packed, None, 40, weight, 8), F.linear(x, weight))
+    kernel = torch.ops.rnnserve.packed_linear_or_dense(x[:8], packed, None, 40, weight, 8)  # at the limit: the kernel
     assert torch.equal(kernel, torch.ops.rnnserve.packed_linear(x[:8], packed, None, 40))
 
 

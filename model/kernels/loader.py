@@ -195,6 +195,7 @@ def _load_once(build: bool) -> KernelBuild:
         torch.library.register_fake("rnnserve::softmax_decode_attention")(_fake_softmax_decode_attention)
         torch.library.register_fake("rnnserve::reformer_decode_attention")(_fake_reformer_decode_attention)
         torch.library.register_fake("rnnserve::packed_linear")(_fake_packed_linear)
+        torch.library.register_fake("rnnserve::packed_linear_or_dense")(_fake_packed_linear_or_dense)
         torch.library.register_fake("rnnserve::linear_attention_prefill")(_fake_linear_attention_prefill)
         torch.library.register_fake("rnnserve::hybrid_decode_attention")(_fake_hybrid_decode_attention)
     except Exception as exc:  # no compiler, no Python headers, a read-only cache
@@ -267,15 +268,14 @@ def _fake_reformer_decode_attention(
     return q.new_empty(q.shape)  # (B, H, 1, D), contiguous: what the kernel returns
 
 
-def _fake_packed_linear(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    bias: torch.Tensor | None,
-    n: int,
-    dense_weight: torch.Tensor | None = None,
-    dense_rows: int = 0,
-) -> torch.Tensor:
+def _fake_packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], n))  # contiguous: what the kernel returns
+
+
+def _fake_packed_linear_or_dense(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, dense_weight: torch.Tensor, rows: int
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], n))  # contiguous: what the kernel (or PyTorch's linear) returns
 
 
 def _fake_linear_attention_prefill(

@@ -68,13 +68,8 @@ torch::Tensor packed_linear_bf16(const torch::Tensor& x, const torch::Tensor& pa
 }
 
 // x (..., K) -> (..., N): x W^T + bias, W given packed by pack_linear_weight (bfloat16 x: packed_linear_bf16).
-// dense_weight, W itself, with dense_rows > 0: inputs of more than dense_rows rows are PyTorch's linear of it
-// instead (for bfloat16, whose products PyTorch runs on matrix units where the CPU has them: faster than the
-// kernel's from a few rows up, slower below, where a decode step's time is the weights' bytes).
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                            int64_t n, const c10::optional<torch::Tensor>& dense_weight, int64_t dense_rows) {
-  const int64_t rows = x.size(-1) ? x.numel() / x.size(-1) : 0;
-  if (dense_weight.has_value() && dense_rows > 0 && rows > dense_rows) return at::linear(x, *dense_weight, bias);
+                            int64_t n) {
   if (x.scalar_type() == torch::kBFloat16) return packed_linear_bf16(x, packed, bias, n);
   TORCH_CHECK(x.scalar_type() == torch::kFloat && packed.scalar_type() == torch::kFloat && packed.dim() == 3 &&
                   packed.size(2) == kLanes && packed.size(0) * kLanes >= n && x.size(-1) == packed.size(1),
@@ -92,12 +87,25 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return out;
 }
 
+// packed_linear, or PyTorch's linear of dense_weight (W itself) for inputs of more than dense_rows rows: for
+// bfloat16, whose products PyTorch runs on matrix units where the CPU has them (faster than the kernel's from a
+// few rows up, slower below, where a decode step's time is the weights' bytes).
+torch::Tensor packed_linear_or_dense(const torch::Tensor& x, const torch::Tensor& packed,
+                                     const c10::optional<torch::Tensor>& bias, int64_t n,
+                                     const torch::Tensor& dense_weight, int64_t dense_rows) {
+  const int64_t rows = x.size(-1) ? x.numel() / x.size(-1) : 0;
+  if (rows > dense_rows) return at::linear(x, dense_weight, bias);
+  return packed_linear(x, packed, bias, n);
+}
+
 TORCH_LIBRARY_FRAGMENT(rnnserve, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
-  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n, Tensor? dense_weight=None, int dense_rows=0) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias, int n) -> Tensor");
+  m.def("packed_linear_or_dense(Tensor x, Tensor packed, Tensor? bias, int n, Tensor dense_weight, int dense_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(rnnserve, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
   m.impl("packed_linear", &packed_linear);
+  m.impl("packed_linear_or_dense", &packed_linear_or_dense);
 }

@@ -46,11 +46,7 @@ class PackedLinear(nn.Module):
         self.dense_rows = bf16_dense_rows() if linear.weight.dtype == torch.bfloat16 else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        dense = self.weight if self.dense_rows else None
-        y: torch.Tensor = torch.ops.rnnserve.packed_linear(
-            x, self.packed, self.bias, self.out_features, dense, self.dense_rows
-        )
-        return y
+        return packed_product(x, self.packed, self.bias, self.out_features, self.weight, self.dense_rows)
 
 
 class PackedTiedHead(TiedHead):
@@ -69,11 +65,18 @@ class PackedTiedHead(TiedHead):
         self.dense_rows = bf16_dense_rows()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., d_model) -> (..., V)
-        dense = self._embedding[0].weight if self.dense_rows else None
-        y: torch.Tensor = torch.ops.rnnserve.packed_linear(
-            x, self.packed, None, self.out_features, dense, self.dense_rows
-        )
-        return y
+        return packed_product(x, self.packed, None, self.out_features, self._embedding[0].weight, self.dense_rows)
+
+
+def packed_product(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, weight: torch.Tensor, dense_rows: int
+) -> torch.Tensor:
+    """x (..., in) -> (..., n) on the packed kernel; with dense_rows > 0, PyTorch's product of `weight` for more rows."""
+    if dense_rows:
+        y: torch.Tensor = torch.ops.rnnserve.packed_linear_or_dense(x, packed, bias, n, weight, dense_rows)
+    else:
+        y = torch.ops.rnnserve.packed_linear(x, packed, bias, n)
+    return y
 
 
 class DecodeTwins:

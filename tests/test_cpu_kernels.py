@@ -213,13 +213,89 @@ def test_the_packed_linear_kernel_splits_columns_over_threads_to_the_same_result
 
 def test_the_packed_linear_kernel_refuses_what_it_cannot_compute():
     assert load_kernels().ok
-    with pytest.raises(RuntimeError, match="2-D float32 CPU weight"):
+    with pytest.raises(RuntimeError, match="2-D float32 or bfloat16 CPU weight"):
         torch.ops.rnnserve.pack_linear_weight(torch.ones(4, 4, dtype=torch.float64))
     packed = torch.ops.rnnserve.pack_linear_weight(torch.ones(4, 8))
     with pytest.raises(RuntimeError, match="weights packed by pack_linear_weight"):
         torch.ops.rnnserve.packed_linear(torch.ones(2, 6), packed, None, 4)  # 6 inputs for a weight of 8
     with pytest.raises(RuntimeError, match="a float32 bias of 4 numbers"):
         torch.ops.rnnserve.packed_linear(torch.ones(2, 8), packed, torch.ones(3), 4)
+
+
+def bf16_ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bfloat16 steps lie between a and b (bfloat16 tensors): their bit patterns in the integers' order."""
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        bits = t.view(torch.int16).int()
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+@pytest.mark.parametrize(
+    "rows, inputs, outputs",
+    [
+        *((rows, 576, 192) for rows in range(1, 17)),  # every row count a decode step runs, in SmolLM's widths
+        (1, 5, 17),
+        (3, 7, 33),
+        (16, 1536, 576),
+        (9, 1, 1),
+        (2, 33, 31),
+        (13, 40, 24),
+        (1, 576, 1000),
+    ],
+)
+def test_the_bfloat16_packed_linear_kernel_is_pytorch_s_bfloat16_linear_layer(rows, inputs, outputs):
+    """bfloat16 in and out, float32 sums rounded once: the float32 product of the same bfloat16 numbers rounded to
+    bfloat16, give or take one step where the sums' order tips a rounding, and PyTorch's bfloat16 layer within
+    bfloat16's precision. Odd input counts (a pair's partner is a zero) and widths that leave a panel part full."""
+    assert load_kernels().ok
+    gen = torch.Generator().manual_seed(rows * 7 + inputs + outputs)
+    x, weight, bias = (
+        torch.randn(*shape, generator=gen).bfloat16() for shape in ((rows, 1, inputs), (outputs, inputs), (outputs,))
+    )
+    packed = torch.ops.rnnserve.pack_linear_weight(weight)
+    for b in (bias, None):
+        got = torch.ops.rnnserve.packed_linear(x, packed, b, outputs)
+        assert got.shape == (rows, 1, outputs) and got.dtype == torch.bfloat16
+        exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
+        assert bf16_ulps_apart(got, exact.bfloat16()).max() <= 1
+        # PyTorch's layer sums in another order (on AMX tiles, past a few rows): a step or two apart, more in
+        # the small sums where terms cancel
+        torch.testing.assert_close(got, F.linear(x, weight, b), rtol=2**-7, atol=1e-2)
+        assert (got == exact.bfloat16()).float().mean() > 0.97  # a step off is the rare tie-breaker, not the rule
+
+
+def test_the_bfloat16_kernel_hands_rows_past_its_limit_to_pytorch_s_product():
+    assert load_kernels().ok
+    gen = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(12, 64, generator=gen).bfloat16(), torch.randn(40, 64, generator=gen).bfloat16()
+    packed = torch.ops.rnnserve.pack_linear_weight(weight)
+    assert torch.equal(torch.ops.rnnserve.packed_linear_or_dense(x, packed, None, 40, weight, 8), F.linear(x, weight))
+    kernel = torch.ops.rnnserve.packed_linear_or_dense(x[:8], packed, None, 40, weight, 8)  # at the limit: the kernel
+    assert torch.equal(kernel, torch.ops.rnnserve.packed_linear(x[:8], packed, None, 40))
+
+
+def test_the_bfloat16_kernel_splits_columns_over_threads_to_the_same_result():
+    assert load_kernels().ok
+    gen = torch.Generator().manual_seed(6)
+    x, weight = torch.randn(5, 128, generator=gen).bfloat16(), torch.randn(200, 128, generator=gen).bfloat16()
+    packed = torch.ops.rnnserve.pack_linear_weight(weight)
+    alone = torch.ops.rnnserve.packed_linear(x, packed, None, 200)
+    torch.set_num_threads(2)  # the autouse fixture sets one thread back for the next test
+    assert torch.equal(torch.ops.rnnserve.packed_linear(x, packed, None, 200), alone)
+
+
+def test_the_bfloat16_kernel_refuses_what_it_cannot_compute():
+    assert load_kernels().ok
+    packed = torch.ops.rnnserve.pack_linear_weight(torch.ones(4, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="packed by pack_linear_weight from a bfloat16 weight"):
+        torch.ops.rnnserve.packed_linear(torch.ones(2, 6, dtype=torch.bfloat16), packed, None, 4)
+    with pytest.raises(RuntimeError, match="packed by pack_linear_weight from a bfloat16 weight"):
+        float_packed = torch.ops.rnnserve.pack_linear_weight(torch.ones(4, 8))
+        torch.ops.rnnserve.packed_linear(torch.ones(2, 8, dtype=torch.bfloat16), float_packed, None, 4)
+    with pytest.raises(RuntimeError, match="a bfloat16 bias of 4 numbers"):
+        torch.ops.rnnserve.packed_linear(torch.ones(2, 8, dtype=torch.bfloat16), packed, torch.ones(4), 4)
 
 
 def test_models_without_a_kernel_are_left_alone():
@@ -385,6 +461,14 @@ for m, k, n in [(1, 128, 384), (3, 128, 130), (64, 128, 512), (7, 512, 128), (64
     x, w, b = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
     got = torch.ops.rnnserve.packed_linear(x, torch.ops.rnnserve.pack_linear_weight(w), b, n)
     errors.append(float((got - F.linear(x, w, b)).abs().max()))
+bf16_steps = 0  # bfloat16: its panels widened in registers (or dotted, on AVX512_BF16), the sums rounded once
+for m, k, n in [(1, 576, 192), (5, 7, 33), (16, 40, 24)]:
+    x, w, b = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+    got = torch.ops.rnnserve.packed_linear(x, torch.ops.rnnserve.pack_linear_weight(w), b, n)
+    want = F.linear(x.float(), w.float(), b.float()).bfloat16()
+    ordered = [torch.where(t.view(torch.int16) < 0, -(t.view(torch.int16).int() & 0x7FFF), t.view(torch.int16).int())
+               for t in (got, want)]
+    bf16_steps = max(bf16_steps, int((ordered[0] - ordered[1]).abs().max()))
 last = torch.tensor([0, 7, 29, 12, 3])
 mask = torch.arange(30)[None, :] <= last[:, None]
 for head_dim in (24, 64, 128):  # 3, 8 and 16 vectors of 8 (AVX2, generic); 4 and 8 of 16 (AVX-512)
@@ -466,7 +550,7 @@ with torch.inference_mode():
         errors.append(float((want - got).abs().max()))
         tokens = want.argmax(-1)
 print(json.dumps({"ok": build.ok, "route": build.route, "here": cpu_route(), "packed": packed_linear_wins(),
-                  "max_error": max(errors), "differing_draws": differing_draws,
+                  "max_error": max(errors), "differing_draws": differing_draws, "bf16_steps": bf16_steps,
                   "hybrid_kernel_on": hybrid_kernel_on, "hybrid_one_call": hybrid_step is not None}))
 """
 
@@ -504,6 +588,7 @@ def test_a_forced_route_builds_its_own_kernels_and_computes_what_pytorch_does(ro
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["ok"] and seen["route"] == seen["here"] == route and seen["packed"]  # forced: the kernel is used
     assert seen["max_error"] < 1e-4, seen
+    assert seen["bf16_steps"] <= 1, seen  # bfloat16 products: the float32 sums' rounding, give or take one step
     assert seen["differing_draws"] == 0, seen  # the route's exponential draws PyTorch's tokens
     assert all(seen["hybrid_kernel_on"]), seen  # the hybrid step was compared through the kernel, not eager to eager
     assert seen["hybrid_one_call"], seen  # and the hybrid's whole step through its one call

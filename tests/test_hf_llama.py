@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from model.decode.compiled.decoder import CompiledDecoder
 from model.decode.generate import generate
 from model.decode.sampling import BatchSampling, SamplingParams
 from model.io.weights import load_model
+from model.kernels.loader import load_kernels, packed_linear_wins
+from model.kernels.packed_linear import PackedLinear, PackedTiedHead, decode_twin
 from rnnserve_cli import main
 
 transformers = pytest.importorskip(
@@ -233,3 +236,54 @@ def test_a_mistral_with_a_sentencepiece_tokenizer_continues_text_as_vllm_shows_i
         )
     assert answer.usage.prompt_tokens == ids.shape[1]
     assert answer.choices[0].text == expected
+
+
+PACKED_ROUTES_ONLY = pytest.mark.skipif(
+    not packed_linear_wins(),
+    reason="the packed linear kernel is used on the avx512 and avx2 routes only (model/kernels/loader.py)",
+)
+
+
+def bfloat16_llama(tmp_path: Path, family: str = "llama"):
+    folder = save_folder(tmp_path / f"{family}-bf16", family, dtype=torch.bfloat16)
+    return load_model(imported(folder), dtype=torch.bfloat16)[0]
+
+
+def greedy_rows(rows: int) -> tuple[torch.Tensor, BatchSampling]:
+    prompt = torch.tensor([[1, 17, 42, 99, 7], [3, 5, 8, 13, 21], [2, 4, 6, 300, 9]])[:rows]
+    return prompt, BatchSampling.from_params([SamplingParams(temperature=0.0)] * rows)
+
+
+@PACKED_ROUTES_ONLY
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # an untied head (a linear layer), a tied one (SmolLM's)
+def test_a_bfloat16_llama_s_packed_twin_draws_its_greedy_tokens(tmp_path, rows, family):
+    """The decode twin of a bfloat16 Llama, every linear layer and a tied head packed as bfloat16 (the kernel sums
+    in float32 and rounds once, as PyTorch's layer does), decodes the greedy tokens the model does with PyTorch's
+    layers."""
+    model = bfloat16_llama(tmp_path, family)
+    assert load_kernels().ok
+    twin = decode_twin(model)
+    packed = [m for m in twin.modules() if isinstance(m, PackedLinear)]
+    assert len(packed) == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert all(m.weight.dtype == torch.bfloat16 for m in packed)
+    assert isinstance(twin.head, PackedTiedHead if family == "qwen2" else PackedLinear)
+    assert not any(isinstance(m, (PackedLinear, PackedTiedHead)) for m in model.modules())
+    prompt, greedy = greedy_rows(rows)
+    with torch.inference_mode():
+        ours = generate(twin, prompt, prompt.shape[1] + 40, greedy, compiled=False)
+        pytorch_s = generate(model, prompt, prompt.shape[1] + 40, greedy, compiled=False)
+    assert torch.equal(ours, pytorch_s)
+
+
+@PACKED_ROUTES_ONLY
+def test_a_bfloat16_llama_s_compiled_steps_run_its_packed_twin_to_the_eager_greedy_tokens(tmp_path):
+    model = bfloat16_llama(tmp_path)
+    prompt, greedy = greedy_rows(1)
+    with torch.inference_mode():
+        decoder = CompiledDecoder(model, model.new_state(1), one_call=False)
+        assert decoder.compile_now().error is None and decoder.compiled
+        assert decoder._stepped_model is decode_twin(model)
+        compiled = generate(model, prompt, prompt.shape[1] + 40, greedy, decoder=decoder)
+        eager = generate(model, prompt, prompt.shape[1] + 40, greedy, compiled=False)
+    assert torch.equal(compiled, eager)

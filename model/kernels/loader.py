@@ -68,7 +68,8 @@ SOURCES = tuple(
 )
 # What the sources include (the vector types, the packed product): part of what a build's folder is keyed on.
 HEADERS = tuple(
-    Path(__file__).parent / name for name in ("vectors.h", "packed_product.h", "decode_block.h", "hybrid_attention.h")
+    Path(__file__).parent / name
+    for name in ("vectors.h", "packed_product.h", "packed_product_bf16.h", "decode_block.h", "hybrid_attention.h")
 )
 LIBRARY = "rnnserve_cpu_kernels"
 _BUILD_LOCK = threading.Lock()  # one build per process, whichever model's compile thread asks first
@@ -133,11 +134,15 @@ def route_forced() -> bool:
 
 def vector_flags() -> list[str]:
     """Compiler flags for this process's route (see `cpu_route`); on x86 the generic route also gets the
-    CPU's AVX2 and FMA, as a compiler targeting the machine would."""
+    CPU's AVX2 and FMA, as a compiler targeting the machine would, and the avx512 route the bfloat16 dot product
+    where the CPU has it (the bfloat16 packed linear layer multiplies with it)."""
     route = cpu_route()
     flags = list(ROUTE_FLAGS[route])
-    if route == "generic" and {"avx2", "fma"} <= read_cpu_features().flags:
+    cpu_flags = read_cpu_features().flags
+    if route == "generic" and {"avx2", "fma"} <= cpu_flags:
         flags += ["-mavx2", "-mfma"]
+    if route == "avx512" and "avx512_bf16" in cpu_flags:
+        flags += ["-mavx512bf16", "-DRNNSERVE_AVX512_BF16"]
     return flags
 
 
@@ -145,6 +150,18 @@ def packed_linear_wins() -> bool:
     """Whether the decode twin's linear layers run the packed kernel: on the routes where it beats PyTorch's
     products (measured in benchmarks/results/NOTES.md), or on any route that is forced."""
     return route_forced() or cpu_route() in PACKED_LINEAR_ROUTES
+
+
+# Rows from which a bfloat16 linear layer is PyTorch's product rather than the packed kernel's, on CPUs with AMX
+# tiles (oneDNN multiplies bfloat16 on them): a few rows read the weight at the kernel's pace, more are
+# arithmetic, which the tiles do many times faster than vector instructions.
+BF16_DENSE_ROWS = 8
+
+
+def bf16_dense_rows() -> int:
+    """Above how many rows the decode twin's bfloat16 layers hand the product to PyTorch (0: never): on the avx512
+    route of a CPU with AMX; elsewhere (no tiles, or PyTorch capped below them) the kernel takes every row count."""
+    return BF16_DENSE_ROWS if cpu_route() == "avx512" and "amx_bf16" in read_cpu_features().flags else 0
 
 
 def load_kernels(build: bool = True) -> KernelBuild:
@@ -184,6 +201,7 @@ def _load_once(build: bool) -> KernelBuild:
         torch.library.register_fake("rnnserve::softmax_decode_attention")(_fake_softmax_decode_attention)
         torch.library.register_fake("rnnserve::reformer_decode_attention")(_fake_reformer_decode_attention)
         torch.library.register_fake("rnnserve::packed_linear")(_fake_packed_linear)
+        torch.library.register_fake("rnnserve::packed_linear_or_dense")(_fake_packed_linear_or_dense)
         torch.library.register_fake("rnnserve::linear_attention_prefill")(_fake_linear_attention_prefill)
         torch.library.register_fake("rnnserve::hybrid_decode_attention")(_fake_hybrid_decode_attention)
     except Exception as exc:  # no compiler, no Python headers, a read-only cache
@@ -258,6 +276,12 @@ def _fake_reformer_decode_attention(
 
 def _fake_packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], n))  # contiguous: what the kernel returns
+
+
+def _fake_packed_linear_or_dense(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, dense_weight: torch.Tensor, rows: int
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], n))  # contiguous: what the kernel (or PyTorch's linear) returns
 
 
 def _fake_linear_attention_prefill(

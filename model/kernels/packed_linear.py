@@ -22,12 +22,15 @@ import weakref
 import torch
 from torch import nn
 
-from .loader import packed_linear_wins
+from .loader import bf16_dense_rows, packed_linear_wins
+from ..output_heads import TiedHead
 from ..transformer import Transformer
 
 
 class PackedLinear(nn.Module):
-    """`linear(x)` as the CPU kernel computes it: x W^T + b, W packed once (float32, CPU)."""
+    """`linear(x)` as the CPU kernel computes it: x W^T + b, W packed once (float32 or bfloat16, CPU). A bfloat16
+    layer sums in float32 and rounds once, as PyTorch's does; above `dense_rows` rows (where the CPU's matrix
+    units make PyTorch's product the faster) the kernel calls PyTorch's product on the model's own weight."""
 
     packed: torch.Tensor  # a buffer: the kernel's layout of the weight
 
@@ -40,10 +43,40 @@ class PackedLinear(nn.Module):
         # The model's own weight too, for modules that read it rather than call the layer (the mixture head
         # projects in float32 through F.linear): they compute with it, unpacked, as the model does.
         self.weight = linear.weight
+        self.dense_rows = bf16_dense_rows() if linear.weight.dtype == torch.bfloat16 else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        y: torch.Tensor = torch.ops.rnnserve.packed_linear(x, self.packed, self.bias, self.out_features)
-        return y
+        return packed_product(x, self.packed, self.bias, self.out_features, self.weight, self.dense_rows)
+
+
+class PackedTiedHead(TiedHead):
+    """A bfloat16 tied head (logits from the embedding's matrix) on the packed kernel: at a decode step's few rows
+    it reads the largest matrix of a small model, which PyTorch's bfloat16 product reads at a fraction of the
+    kernel's pace. The embedding keeps its own matrix; the packed copy is the twin's."""
+
+    packed: torch.Tensor  # a buffer: the kernel's layout of the embedding's matrix
+
+    def __init__(self, head: TiedHead):
+        super().__init__(head._embedding[0])
+        weight = head._embedding[0].weight  # (V, d_model)
+        self.out_features = weight.shape[0]
+        with torch.inference_mode(False), torch.no_grad():  # a plain tensor, whatever mode the twin is made in
+            self.register_buffer("packed", torch.ops.rnnserve.pack_linear_weight(weight.detach()))
+        self.dense_rows = bf16_dense_rows()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., d_model) -> (..., V)
+        return packed_product(x, self.packed, None, self.out_features, self._embedding[0].weight, self.dense_rows)
+
+
+def packed_product(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int, weight: torch.Tensor, dense_rows: int
+) -> torch.Tensor:
+    """x (..., in) -> (..., n) on the packed kernel; with dense_rows > 0, PyTorch's product of `weight` for more rows."""
+    if dense_rows:
+        y: torch.Tensor = torch.ops.rnnserve.packed_linear_or_dense(x, packed, bias, n, weight, dense_rows)
+    else:
+        y = torch.ops.rnnserve.packed_linear(x, packed, bias, n)
+    return y
 
 
 class DecodeTwins:
@@ -60,20 +93,24 @@ class DecodeTwins:
 
 
 def packs(model: nn.Module) -> bool:
-    """Whether the kernel takes this model's linear layers: float32, on a CPU route where it beats PyTorch's
-    products (`packed_linear_wins`: AVX-512 and AVX2) or on a forced one."""
+    """Whether the kernel takes this model's linear layers: float32 or bfloat16, on a CPU route where it beats
+    PyTorch's products (`packed_linear_wins`: AVX-512 and AVX2) or on a forced one."""
     weight = next(model.parameters())
-    return weight.dtype == torch.float32 and weight.device.type == "cpu" and packed_linear_wins()
+    packable = weight.dtype in (torch.float32, torch.bfloat16)
+    return packable and weight.device.type == "cpu" and packed_linear_wins()
 
 
 def make_twin(model: Transformer) -> Transformer:
-    """A structural copy of `model` that shares its parameters and buffers, with its nn.Linear layers packed."""
+    """A structural copy of `model` that shares its parameters and buffers, with its nn.Linear layers packed (and,
+    in bfloat16, its tied head)."""
     shared = {id(t): t for t in (*model.parameters(), *model.buffers())}  # deepcopy's memo: keep these as they are
     twin = copy.deepcopy(model, shared)
     for parent in list(twin.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, PackedLinear(child))
+            elif isinstance(child, TiedHead) and child._embedding[0].weight.dtype == torch.bfloat16:
+                setattr(parent, name, PackedTiedHead(child))
     return twin
 
 

@@ -52,6 +52,10 @@ class RowState:
 
     # Whether `snapshot_row` keeps everything the row's future depends on (a prefix cache may reuse it).
     snapshots_exact = True
+    # Whether a snapshot's first `length` positions are the state after its first `length` tokens, so that
+    # `restore_row` may take them from a longer one: caches kept by position; not a constant-size state, which
+    # holds no earlier state.
+    snapshots_truncate = False
 
     def snapshot_row(self, row: int, length: int) -> list[torch.Tensor]:
         """A copy of what row `row` holds after `length` tokens: the whole row for a constant-size state."""
@@ -59,7 +63,8 @@ class RowState:
         return [t[row].clone() for t in self.tensors()]
 
     def restore_row(self, row: int, saved: list[torch.Tensor], length: int) -> None:
-        """Write a `snapshot_row` copy back into row `row`."""
+        """Write a `snapshot_row` copy back into row `row` (where `snapshots_truncate`, the first `length`
+        positions of a longer one)."""
         del length
         for t, s in zip(self.tensors(), saved, strict=True):
             t[row].copy_(s)

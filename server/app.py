@@ -29,7 +29,7 @@ from server.api.deps import ServerState
 from server.drain import Drain, DrainMiddleware
 from server.engine.base import EngineHandle
 from server.engine.core import Engine, EngineLimits
-from server.engine.runner import caches_prefixes
+from server.engine.runner import caches_prefixes, snapshot_policy
 from server.engine.output import LocalOutput
 from server.engine.client import EngineClient
 from server.engine.pool import EnginePool, model_bytes, worker_layout
@@ -142,6 +142,7 @@ class Lifecycle:
             compile_decode=settings.compile_decode,
             scheduler_steps=settings.scheduler_steps,
             prefix_cache_memory=settings.prefix_cache_memory,
+            prefix_cache_every=settings.prefix_cache_every,
         )
         budget = usable_cpus()
         threads = budget.engine_threads(len(loaded), settings.threads)
@@ -276,8 +277,14 @@ def slot_limits(loaded: LoadedModel, limits: EngineLimits, plan: SlotPlan) -> En
             plan.budget / MIB,
         )
     prefix = limits.prefix_cache_memory if caches_prefixes(loaded.model) else 0
+    every = snapshot_policy(loaded.model, limits.prefix_cache_every).every if prefix else 0
     return dataclasses.replace(
-        limits, max_batch=plan.rows, slot_bytes=plan.slot_bytes, memory_budget=plan.budget, prefix_cache_memory=prefix
+        limits,
+        max_batch=plan.rows,
+        slot_bytes=plan.slot_bytes,
+        memory_budget=plan.budget,
+        prefix_cache_memory=prefix,
+        prefix_cache_every=every,
     )
 
 

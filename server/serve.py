@@ -43,6 +43,7 @@ SERVER_FLAGS = (
     "kv_cache_memory",
     "kv_cache_memory_fraction",
     "prefix_cache_memory",
+    "prefix_cache_every",
     "scheduler_steps",
     "engine_process",
     "max_body_bytes",
@@ -76,6 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_server_arguments(parser)
     _add_engine_arguments(parser)
     _add_vllm_arguments(parser)
+    _add_prefix_cache_arguments(parser)
     _add_request_arguments(parser)
     _add_time_limit_arguments(parser)
     _add_ray_arguments(parser.add_argument_group("Ray Serve (with --ray; pip install 'rnnserve[ray]')"))
@@ -211,12 +213,23 @@ def _add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         help="as --kv-cache-memory, a fraction of the machine's RAM (of the GPU's memory on CUDA) "
         "(env RNNSERVE_KV_CACHE_MEMORY_FRACTION)",
     )
+
+
+def _add_prefix_cache_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefix-cache-memory",
         metavar="BYTES",
         help="memory each engine keeps decode states in by prefix, e.g. 256MiB, so a prompt that starts as an "
         "earlier one did prefills only its new tokens; 0 turns the prefix cache off "
         "(env RNNSERVE_PREFIX_CACHE_MEMORY, default 256MiB)",
+    )
+    parser.add_argument(
+        "--prefix-cache-every",
+        type=int,
+        metavar="N",
+        help="for models whose decode state is constant-size (linear, Linformer, hybrid), keep the state every N "
+        "tokens of a prompt's prefill too, so that a prompt sharing only the start of an earlier one takes most of "
+        f"it from the prefix cache; 0: only where prompts and sequences end or branch {_default('prefix_cache_every')}",
     )
 
 

@@ -70,6 +70,9 @@ class Settings(BaseSettings):
     kv_cache_memory_fraction: float | None = Field(None, gt=0, le=1)  # of the RAM, or of the GPU's memory on CUDA
     # Bytes of decode states each engine keeps by prefix (server/engine/prefix_cache.py); 0: no prefix cache
     prefix_cache_memory: Bytes = Field(256 * MIB, ge=0)
+    # Tokens read between two decode states a long prompt's prefill keeps, for constant-size states
+    # (server/engine/prefix_plan.py); 0: only at prompt ends, finished sequences and branch points
+    prefix_cache_every: int = Field(64, ge=0, le=1 << 20)
     scheduler_steps: int = Field(8, ge=1, le=1024)  # decode steps per scheduling pass when no client watches each
     engine_process: bool = True  # run each model's engine in a process of its own, apart from request handling
     max_body_bytes: int = Field(4 * MIB, ge=1024)

@@ -29,9 +29,12 @@ class KVCache(RowState):
         # Positions past `length` are masked out of every later step: only the written prefix is kept.
         return [self.k[row, :, :length].clone(), self.v[row, :, :length].clone()]  # (KV, length, D) each
 
+    # Position p's key and value depend only on the tokens up to p: a longer snapshot's first rows are a shorter one.
+    snapshots_truncate = True
+
     def restore_row(self, row: int, saved: list[torch.Tensor], length: int) -> None:
-        self.k[row, :, :length] = saved[0]
-        self.v[row, :, :length] = saved[1]
+        self.k[row, :, :length] = saved[0][:, :length]
+        self.v[row, :, :length] = saved[1][:, :length]
 
 
 class SoftmaxAttention(FusedProjections, Attention):

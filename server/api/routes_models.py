@@ -90,6 +90,12 @@ class ModelCard(BaseModel):
         description="what one cached prefix holds at max_len (its decode state and next-token logits; a linear or "
         "Linformer state is that size at any length, a softmax one grows with it); null: no prefix cache"
     )
+    prefix_cache_every: int = Field(
+        description="tokens read between two decode states a prompt's prefill keeps in the prefix cache "
+        "(--prefix-cache-every), for a constant-size state (linear, Linformer, hybrid); 0: none kept mid-prompt but "
+        "at branch points (turned off, no prefix cache, or a softmax or Reformer cache, whose longer snapshots serve "
+        "any shorter prefix)"
+    )
     metrics: dict[str, Any] = Field(description="evaluation results stored in the weights file")
     config: dict[str, Any]
     ready: bool
@@ -166,6 +172,7 @@ def memory(engine: EngineHandle) -> dict[str, int | None]:
         "prefix_cache_bytes_per_prefix": (
             engine.state_bytes_per_sequence + LOGIT_BYTES * engine.config.vocab_out if cached else None
         ),
+        "prefix_cache_every": engine.limits.prefix_cache_every,
     }
 
 

@@ -28,6 +28,9 @@ class EngineLimits:
     slot_bytes: int = 0  # what one decode slot holds (server/engine/slot_budget.py), for /v1/models; 0: not known
     memory_budget: int | None = None  # the model's share of the decode memory budget; None: no budget
     prefix_cache_memory: int = 0  # bytes of decode states the engine keeps by prefix (server/engine/prefix_cache.py)
+    prefix_cache_every: int = (
+        0  # tokens read between two states a prompt's prefill keeps (server/engine/prefix_plan.py)
+    )
 
 
 class EngineFacts:

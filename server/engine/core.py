@@ -108,9 +108,7 @@ class Engine(EngineFacts):
         self.output = output
         self.metrics = output.metrics  # the model's series, for the handlers (None in an engine process)
         self.scheduler = Scheduler(limits.max_batch, limits.max_waiting, self.vocabulary)
-        self.runner = ModelRunner(
-            model, limits.max_batch, limits.cuda_graphs, limits.compile_decode, compile_gate, limits.prefix_cache_memory
-        )
+        self.runner = make_runner(model, limits, compile_gate)
         self._lock = threading.Lock()  # the scheduler's queue: submissions come from the event loop
         self._wakeup = threading.Event()
         self._ready = threading.Event()
@@ -402,3 +400,16 @@ class Engine(EngineFacts):
 def streams(submissions: list[Submission]) -> list[GenerationStream]:
     """The scheduler's submissions as what they are in an engine: the streams `submit` queued."""
     return cast(list[GenerationStream], submissions)
+
+
+def make_runner(model: Transformer, limits: EngineLimits, compile_gate: CompileGate | None) -> ModelRunner:
+    """The engine's device side, as its limits say (slots, CUDA graphs, compiled steps, prefix cache)."""
+    return ModelRunner(
+        model,
+        limits.max_batch,
+        limits.cuda_graphs,
+        limits.compile_decode,
+        compile_gate,
+        limits.prefix_cache_memory,
+        limits.prefix_cache_every,
+    )

@@ -7,8 +7,13 @@ softmax cache keeps only its first `length` positions (model/state.py `RowState.
 snapshot goes the logits of its last position, so a request whose whole input is cached runs no forward at all,
 and one that goes on runs only its new tokens: its state and logits are those of a full prefill.
 
-Entries are evicted least recently used first, within a byte budget. The engine's single worker thread restores
-an entry before it inserts any other, so an entry being restored is never evicted mid-use.
+A lookup also says how deep the input runs along stored sequences (`Lookup.shared`): past the deepest snapshot on
+its path, the input still matches tokens some deeper snapshot was taken after. A cache kept by position (softmax,
+Reformer) takes the state there from that deeper snapshot's first positions (a partial hit); the runner stores a
+constant-size state at such a branch point as it prefills (server/engine/runner.py).
+
+Entries are evicted least recently used first, within a byte budget. A `Hit` holds its snapshot, so one evicted
+between the lookup and the restore (by a snapshot the same prefill stored) still restores whole.
 """
 
 from __future__ import annotations
@@ -48,14 +53,30 @@ class _Node:
     snapshot: Snapshot | None = None
     parent: _Node | None = None
     token: int = -1
+    key: tuple[int, ...] = ()  # the tokens from the root, while the node holds a snapshot (its LRU key)
 
 
 @dataclass(frozen=True)
 class Hit:
-    """The longest cached prefix of a request's input: `length` tokens, with its snapshot."""
+    """The longest cached prefix of a request's input: `length` tokens, whose state is `snapshot`'s, or (a partial
+    hit, `length` below the snapshot's) the first `length` positions of a longer snapshot's. A partial hit's
+    snapshot logits are not those after `length` tokens: it always leaves at least one token to run."""
 
     length: int
     snapshot: Snapshot
+
+    @property
+    def partial(self) -> bool:
+        return self.length < self.snapshot.length
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """What a lookup found: the longest cached prefix, if any, and how many of the input's tokens run along stored
+    sequences (`shared` >= the hit's length; where the input branches off every stored one)."""
+
+    hit: Hit | None
+    shared: int
 
 
 class PrefixCache:
@@ -89,20 +110,33 @@ class PrefixCache:
     def lookup(self, tokens: list[int], usable: Callable[[Snapshot], bool] | None = None) -> Hit | None:
         """The longest prefix of `tokens` with a snapshot (that `usable` accepts, if given); it becomes the most
         recently used. Counted in `queried_tokens` and `hit_tokens`."""
+        return self.find(tokens, usable).hit
+
+    def find(
+        self, tokens: list[int], usable: Callable[[Snapshot], bool] | None = None, truncate: bool = False
+    ) -> Lookup:
+        """As `lookup`, with how deep `tokens` run along stored sequences. truncate: snapshots kept by position
+        (model/state.py `snapshots_truncate`), so that a deeper snapshot's first positions may serve as a partial
+        hit; never with `usable` (a partial hit has no stored likelihoods)."""
         self.queried_tokens += len(tokens)
-        node, best, best_key = self._root, None, None
-        for i, token in enumerate(tokens):
+        node, shared, best_length = self._root, 0, 0
+        best: _Node | None = None
+        for token in tokens:
             child = node.children.get(token)
             if child is None:
                 break
-            node = child
+            node, shared = child, shared + 1
             if node.snapshot is not None and (usable is None or usable(node.snapshot)):
-                best, best_key = Hit(i + 1, node.snapshot), tuple(tokens[: i + 1])
-        if best is None or best_key is None:
-            return None
-        self._recent.move_to_end(best_key)
-        self.hit_tokens += best.length
-        return best
+                best, best_length = node, shared
+        # A partial hit needs the logits of its last position from a forward: it leaves one token to run.
+        partial_length = min(shared, len(tokens) - 1)
+        if truncate and usable is None and partial_length > best_length:
+            best, best_length = _snapshot_below(node), partial_length
+        if best is None or best.snapshot is None:
+            return Lookup(None, shared)
+        self._recent.move_to_end(best.key)
+        self.hit_tokens += best_length
+        return Lookup(Hit(best_length, best.snapshot), shared)
 
     def insert(self, tokens: list[int], snapshot: Snapshot) -> bool:
         """Keep `snapshot` as the state after `tokens`, evicting the least recently used entries to fit.
@@ -122,7 +156,7 @@ class PrefixCache:
             if child is None:
                 child = node.children[token] = _Node(parent=node, token=token)
             node = child
-        node.snapshot = snapshot
+        node.snapshot, node.key = snapshot, key
         self._recent[key] = node
         self.bytes_held += size
         return True
@@ -131,10 +165,18 @@ class PrefixCache:
         _, node = self._recent.popitem(last=False)
         assert node.snapshot is not None  # every listed node holds one
         self.bytes_held -= node.snapshot.nbytes
-        node.snapshot = None
+        node.snapshot, node.key = None, ()
         while node.parent is not None and not node.children and node.snapshot is None:  # prune the bare branch
             del node.parent.children[node.token]
             node = node.parent
+
+
+def _snapshot_below(node: _Node) -> _Node:
+    """The first node at or below `node` that holds a snapshot: every leaf of the trie holds one (an evicted
+    entry's bare branch is pruned), so following any child gets there."""
+    while node.snapshot is None:
+        node = next(iter(node.children.values()))
+    return node
 
 
 def take_snapshot(state: ModelState, row: int, logits: torch.Tensor) -> Snapshot:
@@ -143,8 +185,12 @@ def take_snapshot(state: ModelState, row: int, logits: torch.Tensor) -> Snapshot
     return Snapshot([layer.snapshot_row(row, length) for layer in state.layers], length, logits.detach().clone())
 
 
-def restore_snapshot(state: ModelState, row: int, snapshot: Snapshot) -> None:
-    """Write `snapshot` into row `row` of `state`: the row is as it was after the snapshot's tokens."""
-    state.lengths[row] = snapshot.length
+def restore_snapshot(state: ModelState, row: int, snapshot: Snapshot, length: int | None = None) -> None:
+    """Write `snapshot` into row `row` of `state`: the row is as it was after the snapshot's tokens, or after its
+    first `length` (a partial hit, for states kept by position only)."""
+    length = snapshot.length if length is None else length
+    if length != snapshot.length and not all(layer.snapshots_truncate for layer in state.layers):
+        raise ValueError(f"a state of this kind cannot be cut to {length} of its snapshot's {snapshot.length} tokens")
+    state.lengths[row] = length
     for layer, saved in zip(state.layers, snapshot.layers, strict=True):
-        layer.restore_row(row, saved, snapshot.length)
+        layer.restore_row(row, saved, length)

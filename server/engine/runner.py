@@ -43,7 +43,8 @@ from model.state import ModelState
 from model.transformer import Transformer, with_bos
 
 from model.decode.particles import RowCopy
-from server.engine.prefix_cache import Hit, PrefixCache, restore_snapshot, take_snapshot
+from server.engine.prefix_cache import PrefixCache, restore_snapshot, take_snapshot
+from server.engine.prefix_plan import PrefillPlan, SnapshotPolicy, plan_prefill, runs_of_equal_keys
 from server.engine.scheduler import Placement
 from server.engine.step import AppliedStep, RunnerOutput, SampleRead, SampleSpan, SchedulerOutput, StepNeeds, StepUpdate
 from server.engine.types import GenerationRequest, PromptScores, TopLogprobs
@@ -208,9 +209,11 @@ class ModelRunner:
         compile_decode: bool = False,
         compile_gate: CompileGate | None = None,
         prefix_cache_bytes: int = 0,
+        prefix_cache_every: int = 0,
     ):
         """prefix_cache_bytes: the budget of the prefix cache of decode states (0, or a kind whose state cannot be
-        snapshot exactly: no cache)."""
+        snapshot exactly: no cache). prefix_cache_every: tokens read between two snapshots a long prompt's prefill
+        stores, for a constant-size state (0: none; server/engine/prefix_plan.py)."""
         self.model = model.eval()
         self.rows = rows
         self.cuda_graphs = cuda_graphs
@@ -223,6 +226,7 @@ class ModelRunner:
         self.prefix_cache = (
             PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 and caches_prefixes(model) else None
         )
+        self.prefix_policy = snapshot_policy(model, prefix_cache_every)
         self.cached: list[int] = []  # the last prefill's prompt tokens per request that the prefix cache gave
 
     def allocate(self) -> None:
@@ -262,25 +266,27 @@ class ModelRunner:
     def prefill(self, requests: list[GenerationRequest], first: int) -> list[float]:
         """Prompts of equal length into rows [first, first + len(requests)): each takes the longest prefix of what
         it reads from the prefix cache and runs only the rest, one by one; the others run in one forward per run
-        of neighbouring rows. Returns each prompt's log-likelihood under its sampling distribution (0.0 where not
-        weighed); `cached` then holds each request's prompt tokens the cache gave."""
-        hits = [self._lookup(r) for r in requests]
+        of neighbouring rows that store states at the same positions (server/engine/prefix_plan.py). Returns each
+        prompt's log-likelihood under its sampling distribution (0.0 where not weighed); `cached` then holds each
+        request's prompt tokens the cache gave."""
+        plans = [self._plan(r) for r in requests]
         likelihoods = [0.0] * len(requests)
         self.cached = [0] * len(requests)
-        for start, stop in _runs([i for i, hit in enumerate(hits) if hit is None]):
-            likelihoods[start:stop] = self._prefill_run(requests[start:stop], first + start)
-        for i, hit in enumerate(hits):
-            if hit is not None:
-                self.cached[i], likelihoods[i] = self._prefill_hit(requests[i], first + i, hit)
+        for start, stop in runs_of_equal_keys([None if p.hit is not None else p.stops for p in plans]):
+            likelihoods[start:stop] = self._prefill_run(requests[start:stop], first + start, plans[start].stops)
+        for i, plan in enumerate(plans):
+            if plan.hit is not None:
+                self.cached[i], likelihoods[i] = self._prefill_hit(requests[i], first + i, plan)
         for i, request in enumerate(requests):
             self._fill_row(first + i, request)
             self._remember(request, first + i, likelihoods[i])
         return likelihoods
 
-    def _prefill_run(self, requests: list[GenerationRequest], first: int) -> list[float]:
-        """One forward over prompts of equal length, into rows [first, first + len(requests))."""
+    def _prefill_run(self, requests: list[GenerationRequest], first: int, stops: tuple[int, ...]) -> list[float]:
+        """One forward over prompts of equal length (one per piece between `stops`), into rows
+        [first, first + len(requests))."""
         rows = slice(first, first + len(requests))
-        logits = self._run_prompts(requests, self.slots.state.slice(rows.start, rows.stop))  # (count, lead + P, V)
+        logits = self._run_prompts(requests, first, stops)  # (count, lead + P, V)
         self.slots.logits[rows] = logits[:, -1].float()
         return [
             prompt_log_likelihood(logits[i, :-1], r) if r.particles is not None and r.prompt else 0.0
@@ -291,37 +297,62 @@ class ModelRunner:
         """What the model reads for a prompt: its lead, then the prompt."""
         return [*self.model.config.prompt_lead(len(request.prompt)), *request.prompt]
 
-    def _lookup(self, request: GenerationRequest) -> Hit | None:
-        """The longest cached prefix of what `request` reads; None for an empty prompt (its state is computed
-        once at start). A weighed request (particles) takes only a prefix whose likelihood under its sampling
-        distribution is known: it needs its whole prompt's."""
+    def _plan(self, request: GenerationRequest) -> PrefillPlan:
+        """The longest cached prefix of what `request` reads, and where its prefill stores states; nothing for an
+        empty prompt (its state is computed once at start). A weighed request (particles) takes only a prefix
+        whose likelihood under its sampling distribution is known (it needs its whole prompt's), and stores no
+        state mid-prefill."""
         if self.prefix_cache is None or not request.prompt:
-            return None
+            return PrefillPlan()
+        tokens = self._read_tokens(request)
         if request.particles is None:
-            return self.prefix_cache.lookup(self._read_tokens(request))
+            found = self.prefix_cache.find(tokens, truncate=self.prefix_policy.truncates)
+            return plan_prefill(found, len(tokens), self.prefix_policy)
         key = _likelihood_key(request)
-        return self.prefix_cache.lookup(self._read_tokens(request), lambda snapshot: key in snapshot.likelihoods)
+        return PrefillPlan(self.prefix_cache.lookup(tokens, lambda snapshot: key in snapshot.likelihoods))
 
-    def _prefill_hit(self, request: GenerationRequest, row: int, hit: Hit) -> tuple[int, float]:
+    def _prefill_hit(self, request: GenerationRequest, row: int, plan: PrefillPlan) -> tuple[int, float]:
         """Restore the cached state into `row` and run the tokens after it -> the prompt tokens the cache gave,
-        and the prompt's log-likelihood (0.0 unless weighed)."""
-        tokens, state, snapshot = self._read_tokens(request), self.slots.state, hit.snapshot
+        and the prompt's log-likelihood (0.0 unless weighed; a weighed request's hit is never partial, so its
+        snapshot's logits are those after its length)."""
+        assert plan.hit is not None  # the caller checked
+        tokens, state, hit = self._read_tokens(request), self.slots.state, plan.hit
         state.reset_rows([row])
-        restore_snapshot(state, row, snapshot)
-        predicting = snapshot.logits[None]  # (1, V): the logits that predict the first token after the prefix
+        restore_snapshot(state, row, hit.snapshot, hit.length)
+        predicting = hit.snapshot.logits[None]  # (1, V): the logits that predict the first token after the prefix
         if hit.length < len(tokens):
-            rest = torch.tensor([tokens[hit.length :]], device=self.model.device)  # (1, T - hit)
-            logits, _ = self.model(rest, state.slice(row, row + 1))  # (1, T - hit, V)
+            logits = self._read_in_pieces([tokens], row, hit.length, plan.stops)  # (1, T - hit, V)
             predicting = torch.cat([predicting, logits[0, :-1].float()])  # (T - hit, V)
             self.slots.logits[row] = logits[0, -1].float()
         else:  # all of it: the snapshot's logits are the next token's
-            self.slots.logits[row] = snapshot.logits
+            self.slots.logits[row] = hit.snapshot.logits
         likelihood = 0.0
         if request.particles is not None:
-            before = snapshot.likelihoods[_likelihood_key(request)]
+            before = hit.snapshot.likelihoods[_likelihood_key(request)]
             rest_likelihood = prompt_log_likelihood(predicting, request) if hit.length < len(tokens) else 0.0
             likelihood = before + rest_likelihood
         return max(0, hit.length - (len(tokens) - len(request.prompt))), likelihood
+
+    def _read_in_pieces(self, tokens: list[list[int]], first: int, start: int, stops: tuple[int, ...]) -> torch.Tensor:
+        """Rows [first, first + len(tokens)), whose states hold their first `start` tokens, read the rest of
+        `tokens` (each as long), one forward per piece between `stops`; the state after each stop goes to the
+        prefix cache -> (count, T - start, V) logits."""
+        rows, total = self.slots.state.slice(first, first + len(tokens)), len(tokens[0])
+        pieces: list[torch.Tensor] = []
+        for begin, end in zip([start, *stops], [*stops, total]):
+            chunk = torch.tensor([t[begin:end] for t in tokens], device=self.model.device)  # (count, end - begin)
+            logits, _ = self.model(chunk, rows)  # (count, end - begin, V)
+            pieces.append(logits)
+            if end < total:
+                for i, read in enumerate(tokens):
+                    self._keep(read[:end], first + i, logits[i, -1])
+        return torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
+
+    def _keep(self, tokens: list[int], row: int, logits: torch.Tensor) -> None:
+        """Row `row`'s state as it is now, after `tokens`, with its (V,) next-token logits, unless already kept."""
+        assert self.prefix_cache is not None  # only a plan of the cache's stops here
+        if not self.prefix_cache.holds(tokens):
+            self.prefix_cache.insert(tokens, take_snapshot(self.slots.state, row, logits.float()))
 
     def _remember(self, request: GenerationRequest, row: int, likelihood: float) -> None:
         """Keep the state after the prompt, unless the cache already holds it; a weighed request's prompt
@@ -345,19 +376,18 @@ class ModelRunner:
                 [p.seed for p, _ in copies], device=self.slots.position.device
             )
 
-    def _run_prompts(self, requests: list[GenerationRequest], row_state: ModelState) -> torch.Tensor:
-        """Prefill one row per request with its lead (the start token, for models that read one first) and its
-        prompt -> (count, lead + P, V) logits. Empty prompts (e.g. images with no known first pixel) copy the
-        state after BOS alone, computed once at start-up, instead of running the model."""
+    def _run_prompts(self, requests: list[GenerationRequest], first: int, stops: tuple[int, ...]) -> torch.Tensor:
+        """Prefill rows [first, first + len(requests)), one per request, with its lead (the start token, for models
+        that read one first) and its prompt, storing their states after `stops` -> (count, lead + P, V) logits.
+        Empty prompts (e.g. images with no known first pixel) copy the state after BOS alone, computed once at
+        start-up, instead of running the model."""
+        row_state = self.slots.state.slice(first, first + len(requests))
         if not requests[0].prompt:
             after_bos, logits = self._after_bos
             row_state.write_rows(range(len(requests)), after_bos)
             return logits[:, None].expand(len(requests), 1, -1)
         row_state.reset_rows(range(len(requests)))
-        lead = self.model.config.prompt_lead(len(requests[0].prompt))
-        tokens = torch.tensor([[*lead, *r.prompt] for r in requests], device=self.model.device)
-        logits, _ = self.model(tokens, row_state)
-        return logits
+        return self._read_in_pieces([self._read_tokens(r) for r in requests], first, 0, stops)
 
     def _prefill_bos(self) -> tuple[ModelState, torch.Tensor]:
         """The state after BOS alone and its next-token logits (1, V): where every empty prompt starts."""
@@ -545,6 +575,13 @@ class ModelRunner:
         return scores
 
 
+def snapshot_policy(model: Transformer, every: int) -> SnapshotPolicy:
+    """Where the model's prefills store states mid-prompt: periodic snapshots (`every` tokens read) for a
+    constant-size state only; a state kept by position serves branch points from longer snapshots."""
+    truncates = all(layer.snapshots_truncate for layer in model.new_state(1).layers)
+    return SnapshotPolicy(every if model.capabilities.constant_state else 0, truncates)
+
+
 def caches_prefixes(model: Transformer) -> bool:
     """Whether the model's decode state can be snapshot at any prefix exactly (every kind's declares it)."""
     return all(layer.snapshots_exact for layer in model.new_state(1).layers)
@@ -554,17 +591,6 @@ def _likelihood_key(request: GenerationRequest) -> tuple[float, ...]:
     """What a prompt's log-likelihood under a request's sampling distribution depends on besides its tokens."""
     p = request.sampling
     return (p.temperature, p.top_k, p.top_p, p.min_p)
-
-
-def _runs(indices: list[int]) -> list[tuple[int, int]]:
-    """Sorted indices as [start, stop) runs of neighbours: [0, 1, 3] -> [(0, 2), (3, 4)]."""
-    runs: list[tuple[int, int]] = []
-    for i in indices:
-        if runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    return runs
 
 
 def prompt_log_likelihood(logits: torch.Tensor, request: GenerationRequest) -> float:

@@ -43,10 +43,14 @@ class LSHCache(RowState):
             self.buckets[row, ..., :length].clone(),
         ]
 
+    # Position p's key, value and buckets depend only on the tokens up to p (causal attention): a longer
+    # snapshot's first positions are a shorter one.
+    snapshots_truncate = True
+
     def restore_row(self, row: int, saved: list[torch.Tensor], length: int) -> None:
-        self.k[row, :, :length] = saved[0]
-        self.v[row, :, :length] = saved[1]
-        self.buckets[row, ..., :length] = saved[2]
+        self.k[row, :, :length] = saved[0][:, :length]
+        self.v[row, :, :length] = saved[1][:, :length]
+        self.buckets[row, ..., :length] = saved[2][..., :length]
 
 
 def bucket_id_dtype(n_buckets: int) -> torch.dtype:

@@ -83,9 +83,10 @@ from .compile_child import PARTLY_COMPILED, CompileJob, become_compile_child, co
 from .drawing import draw_inputs, kernel_draw_rows, kernel_takes_logits
 from .graphs import progress_bars_lock_this_process_only, same_cache_keys_in_every_process
 from .lifecycle import CompileLog, classes_to_compile, first_line
-from .one_call import StepOnRows, WholeStep, one_call_step
+from .one_call import one_call_step
 from .routing import ROW_CLASSES, RowClass, RowRoutes
 from .warm_up import ClassGraphs
+from .whole_step import StepOnRows, WholeStep
 
 log = logging.getLogger("rnnserve.compiled_decode")
 
@@ -252,7 +253,7 @@ class CompiledDecoder(EagerDecoder):
         self, tokens: torch.Tensor, params: BatchSampling, position: torch.Tensor, drawn: torch.Tensor
     ) -> torch.Tensor:
         """`EagerDecoder.step_and_sample`: where the steps are one C++ call, an unfiltered batch draws inside it
-        (`WholeLinearStep.with_draw`, `WholeHybridStep.with_draw`), with no operator between a step and its draw."""
+        (`WholeStep.with_draw`), with no operator between a step and its draw."""
         n = tokens.shape[0]
         rows = kernel_draw_rows(params, position) if self._draws_in_kernel else None
         step = self._whole_step

@@ -157,6 +157,23 @@ def test_a_batch_that_shrinks_and_grows_again_steps_its_rows_where_they_were_lef
 
 
 @packed_decoders
+def test_a_step_taken_anew_does_not_step_with_the_last_ones_row_views():
+    """The decoder keeps the one call on each row count's views, for that step: a step taken since (another twin's
+    weights) steps those rows with its own weights, not the kept call's."""
+    model, other, rows = taken_model(), taken_model(seed=1), 3
+    tokens = random_bytes(3, rows, 1)[:, 0]
+    with torch.inference_mode():
+        decoder = CompiledDecoder(model, model.new_state(rows))
+        decoder.use_kernels()
+        assert decoder.one_call_steps
+        decoder(tokens)  # the call on these rows' views, kept
+        decoder.state.reset_rows(range(rows))
+        decoder._whole_step = taken_step(other)
+        want = other.decode_step(tokens, other.new_state(rows))
+        assert float((decoder(tokens) - want).abs().max()) < TOLERANCE
+
+
+@packed_decoders
 def test_a_decoder_kept_on_its_graphs_does_not_take_the_one_call_step():
     """What benchmarks/step_bounds.py compares the one call with: the same model's compiled graph steps."""
     model = taken_model()

@@ -20,7 +20,7 @@ from model.kernels.loader import packed_linear_wins, turn_off_cpu_kernels, use_c
 from model.kernels.packed_linear import make_twin
 
 from conftest import make_tiny_model, random_bytes
-from kernel_support import loaded_kernels, needs_compiler  # noqa: F401  (the 'kernels' fixture)
+from kernel_support import assert_states_close, loaded_kernels, needs_compiler, run_both  # noqa: F401  (the fixture)
 
 TOLERANCE = 1e-4
 pytestmark = [needs_compiler, pytest.mark.usefixtures("kernels")]
@@ -38,36 +38,29 @@ def taken_model(kind: str = "hybrid", **overrides):
     return model
 
 
+def taken_step(model):
+    """The model's one-call step (its twin's, which keeps its layers' kernel); the model itself then steps on
+    PyTorch's operators, the reference."""
+    step = whole_hybrid_step(make_twin(model))
+    assert step is not None, hybrid_step_refusal(make_twin(model))
+    turn_off_cpu_kernels(model)
+    return step
+
+
 def random_states(model, starts: list[int]):
     """Two equal states of rows part-way through their sequences: any ring, sums of nonnegative features."""
     gen = torch.Generator().manual_seed(1)
-    states = model.new_state(len(starts)), model.new_state(len(starts))
-    for layer in range(len(states[0].layers)):
-        values = {name: torch.randn(getattr(states[0].layers[layer], name).shape, generator=gen) for name in "kvs"}
-        values["z"] = torch.rand(states[0].layers[layer].z.shape, generator=gen) * 5 + 0.1
-        for state in states:
-            for name, value in values.items():
-                getattr(state.layers[layer], name).copy_(value)
-    for state in states:
-        state.lengths.copy_(torch.tensor(starts))
-    return states
-
-
-def run_both(model, steps: int, starts: list[int]):
-    """Greedy steps of the eager model (its attention on PyTorch's operators) and of the one-call step from the same
-    rows: the largest logit difference and the two states."""
-    step = whole_hybrid_step(make_twin(model))
-    assert step is not None, hybrid_step_refusal(make_twin(model))
     with torch.inference_mode():
-        eager, one_call = random_states(model, starts)
-        turn_off_cpu_kernels(model)  # the twin keeps its layers' kernel; the reference is PyTorch's step
-        tokens, worst = random_bytes(2, len(starts), 1)[:, 0], 0.0
-        for _ in range(steps):
-            want, got = model.decode_step(tokens, eager), step(tokens, one_call)
-            assert got.shape == want.shape
-            worst = max(worst, float((want - got).abs().max()))
-            tokens = want.argmax(-1)
-    return worst, eager, one_call
+        states = model.new_state(len(starts)), model.new_state(len(starts))
+        for layer in range(len(states[0].layers)):
+            values = {name: torch.randn(getattr(states[0].layers[layer], name).shape, generator=gen) for name in "kvs"}
+            values["z"] = torch.rand(states[0].layers[layer].z.shape, generator=gen) * 5 + 0.1
+            for state in states:
+                for name, value in values.items():
+                    getattr(state.layers[layer], name).copy_(value)
+        for state in states:
+            state.lengths.copy_(torch.tensor(starts))
+    return states
 
 
 @pytest.mark.parametrize(
@@ -85,17 +78,15 @@ def run_both(model, steps: int, starts: list[int]):
 )
 def test_the_one_call_step_equals_the_eager_model(kind, overrides):
     # Rows at the start, inside the window, at its edge and well past it; twelve steps move all across an edge.
-    worst, eager, one_call = run_both(taken_model(kind, **overrides), steps=12, starts=[0, 3, 4, 5, 40, 70])
-    assert worst < TOLERANCE
-    assert torch.equal(eager.lengths, one_call.lengths)
-    for want, got in zip(eager.layers, one_call.layers):
-        for name in ("k", "v", "s", "z"):
-            torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-4)
+    model = taken_model(kind, **overrides)
+    eager, one_call = random_states(model, starts=[0, 3, 4, 5, 40, 70])
+    assert run_both(model, taken_step(model), eager, one_call, steps=12) < TOLERANCE
+    assert_states_close(one_call, eager, ["k", "v", "s", "z"])
 
 
 def test_a_single_row_steps_as_a_batch_row_does():
-    worst, _, _ = run_both(taken_model(), steps=8, starts=[2])
-    assert worst < TOLERANCE
+    model = taken_model()
+    assert run_both(model, taken_step(model), *random_states(model, starts=[2]), steps=8) < TOLERANCE
 
 
 @pytest.mark.parametrize(

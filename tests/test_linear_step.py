@@ -19,7 +19,7 @@ from model.decode.eager_and_cuda_graphs import EagerDecoder
 
 from conftest import make_tiny_model, random_bytes
 from kernel_support import loaded_kernels  # noqa: F401  (the `kernels` fixture)
-from kernel_support import needs_compiler
+from kernel_support import assert_states_close, needs_compiler, run_both
 
 TOLERANCE = 1e-4
 pytestmark = [needs_compiler, pytest.mark.usefixtures("kernels")]
@@ -30,25 +30,22 @@ def taken_model(**overrides):
     return make_tiny_model("linear", **{"d_model": 64, "n_heads": 4, **overrides})
 
 
-def run_both(model, steps: int, starts: list[int]):
-    """Greedy steps of the eager model and of the one-call step from the same rows (at positions `starts`):
-    the largest logit difference, the two states and the one-call step's row lengths."""
+def taken_step(model):
+    """The model's one-call step (its twin's)."""
     step = whole_linear_step(make_twin(model))
     assert step is not None, whole_step_refusal(make_twin(model))
-    rows = len(starts)
+    return step
+
+
+def partway_states(model, starts: list[int]):
+    """Two equal states of rows part-way through their sequences (at positions `starts`), with sums in their states."""
     with torch.inference_mode():
-        eager, one_call = model.new_state(rows), model.new_state(rows)
-        for state in (eager, one_call):  # rows part-way through their sequences, with sums in their states
+        states = model.new_state(len(starts)), model.new_state(len(starts))
+        for state in states:
             state.lengths.copy_(torch.tensor(starts))
             for layer in state.layers:
                 layer.sz_t.copy_(torch.rand(layer.sz_t.shape, generator=torch.Generator().manual_seed(1)))
-        tokens, worst = random_bytes(2, rows, 1)[:, 0], 0.0
-        for _ in range(steps):
-            want, got = model.decode_step(tokens, eager), step(tokens, one_call)
-            assert got.shape == want.shape
-            worst = max(worst, float((want - got).abs().max()))
-            tokens = want.argmax(-1)
-    return worst, eager, one_call
+    return states
 
 
 @pytest.mark.parametrize(
@@ -63,16 +60,15 @@ def run_both(model, steps: int, starts: list[int]):
     ids=["d16", "d32-ff72", "d48", "mixture-head", "epsilons"],
 )
 def test_the_one_call_step_equals_the_eager_model(overrides):
-    worst, eager, one_call = run_both(taken_model(**overrides), steps=6, starts=[0, 5, 17, 40, 3])
-    assert worst < TOLERANCE
-    assert torch.equal(eager.lengths, one_call.lengths)
-    for want, got in zip(eager.layers, one_call.layers):
-        torch.testing.assert_close(got.sz_t, want.sz_t, rtol=1e-5, atol=1e-4)
+    model = taken_model(**overrides)
+    eager, one_call = partway_states(model, starts=[0, 5, 17, 40, 3])
+    assert run_both(model, taken_step(model), eager, one_call, steps=6) < TOLERANCE
+    assert_states_close(one_call, eager, ["sz_t"])
 
 
 def test_a_single_row_steps_as_a_batch_row_does():
-    worst, _, _ = run_both(taken_model(), steps=4, starts=[9])
-    assert worst < TOLERANCE
+    model = taken_model()
+    assert run_both(model, taken_step(model), *partway_states(model, starts=[9]), steps=4) < TOLERANCE
 
 
 @pytest.mark.parametrize(
@@ -157,9 +153,24 @@ def test_a_batch_that_shrinks_and_grows_again_steps_its_rows_where_they_were_lef
         for seed, n in enumerate((rows, 2, rows, 1, 2, rows)):
             tokens = random_bytes(seed, n, 1)[:, 0]
             assert float((eager(tokens) - decoder(tokens)).abs().max()) < TOLERANCE
-        assert torch.equal(eager.state.lengths, decoder.state.lengths)
-        for want, got in zip(eager.state.layers, decoder.state.layers):
-            torch.testing.assert_close(got.sz_t, want.sz_t, rtol=1e-5, atol=1e-4)
+        assert_states_close(decoder.state, eager.state, ["sz_t"])
+
+
+@packed_decoders
+def test_a_step_taken_anew_does_not_step_with_the_last_ones_row_views():
+    """The decoder keeps the one call on each row count's views, for that step: a step taken since (another twin's
+    weights) steps those rows with its own weights, not the kept call's."""
+    model, other, rows = taken_model(), taken_model(seed=1), 3
+    tokens = random_bytes(3, rows, 1)[:, 0]
+    with torch.inference_mode():
+        decoder = CompiledDecoder(model, model.new_state(rows))
+        decoder.use_kernels()
+        assert decoder.one_call_steps
+        decoder(tokens)  # the call on these rows' views, kept
+        decoder.state.reset_rows(range(rows))
+        decoder._whole_step = taken_step(other)
+        want = other.decode_step(tokens, other.new_state(rows))
+        assert float((decoder(tokens) - want).abs().max()) < TOLERANCE
 
 
 @packed_decoders

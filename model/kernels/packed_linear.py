@@ -27,6 +27,15 @@ from ..output_heads import TiedHead
 from ..transformer import Transformer
 
 
+def _pack(weight: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """A layer's weight (out, in) packed for the kernel; its `out` features; and `dense_rows`, above how many rows
+    the kernel hands a bfloat16 product to PyTorch's (`bf16_dense_rows`; 0 for float32: the kernel takes them all)."""
+    with torch.inference_mode(False), torch.no_grad():  # a plain tensor, whatever mode the twin is made in
+        packed: torch.Tensor = torch.ops.rnnserve.pack_linear_weight(weight.detach())
+    dense_rows = bf16_dense_rows() if weight.dtype == torch.bfloat16 else 0
+    return packed, weight.shape[0], dense_rows
+
+
 class PackedLinear(nn.Module):
     """`linear(x)` as the CPU kernel computes it: x W^T + b, W packed once (float32 or bfloat16, CPU). A bfloat16
     layer sums in float32 and rounds once, as PyTorch's does; above `dense_rows` rows (where the CPU's matrix
@@ -36,14 +45,12 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        self.out_features = linear.out_features
-        with torch.inference_mode(False), torch.no_grad():  # a plain tensor, whatever mode the twin is made in
-            self.register_buffer("packed", torch.ops.rnnserve.pack_linear_weight(linear.weight.detach()))
+        packed, self.out_features, self.dense_rows = _pack(linear.weight)
+        self.register_buffer("packed", packed)
         self.bias = linear.bias  # the model's own parameter
         # The model's own weight too, for modules that read it rather than call the layer (the mixture head
         # projects in float32 through F.linear): they compute with it, unpacked, as the model does.
         self.weight = linear.weight
-        self.dense_rows = bf16_dense_rows() if linear.weight.dtype == torch.bfloat16 else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         return packed_product(x, self.packed, self.bias, self.out_features, self.weight, self.dense_rows)
@@ -58,11 +65,8 @@ class PackedTiedHead(TiedHead):
 
     def __init__(self, head: TiedHead):
         super().__init__(head._embedding[0])
-        weight = head._embedding[0].weight  # (V, d_model)
-        self.out_features = weight.shape[0]
-        with torch.inference_mode(False), torch.no_grad():  # a plain tensor, whatever mode the twin is made in
-            self.register_buffer("packed", torch.ops.rnnserve.pack_linear_weight(weight.detach()))
-        self.dense_rows = bf16_dense_rows()
+        packed, self.out_features, self.dense_rows = _pack(head._embedding[0].weight)  # of the (V, d_model) matrix
+        self.register_buffer("packed", packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., d_model) -> (..., V)
         return packed_product(x, self.packed, None, self.out_features, self._embedding[0].weight, self.dense_rows)

@@ -83,9 +83,10 @@ from .compile_child import PARTLY_COMPILED, CompileJob, become_compile_child, co
 from .drawing import draw_inputs, kernel_draw_rows, kernel_takes_logits
 from .graphs import progress_bars_lock_this_process_only, same_cache_keys_in_every_process
 from .lifecycle import CompileLog, classes_to_compile, first_line
-from .one_call import StepOnRows, WholeStep, one_call_step
+from .one_call import one_call_step
 from .routing import ROW_CLASSES, RowClass, RowRoutes
 from .warm_up import ClassGraphs
+from .whole_step import StepOnRows, WholeStep
 
 log = logging.getLogger("rnnserve.compiled_decode")
 
@@ -120,7 +121,7 @@ class CompiledDecoder(EagerDecoder):
         self._row_views: dict[int, ModelState] = {}
         self._twin: Transformer | None = None  # the model's decode twin, once the kernels are built (use_kernels)
         self._whole_step: WholeStep | None = None  # its steps as one C++ call, for the models that takes
-        self._whole_step_rows: dict[int, StepOnRows] = {}  # that call on the row views, made once per n
+        self._whole_step_rows: dict[int, StepOnRows] = {}  # that call on the row views, made once per n and step
         self._compiled_elsewhere = threading.Event()  # a background compile's child is done: adopt its graphs
         self._background_batch: int | None = None
 
@@ -212,10 +213,12 @@ class CompiledDecoder(EagerDecoder):
 
     def _one_call_rows(self, step: WholeStep, n: int) -> StepOnRows:
         """The one-call step on the state's rows [0, n), made once per n as their views are: its arguments, the
-        per-layer state tensors among them, are the same every step."""
-        if n not in self._whole_step_rows:
-            self._whole_step_rows[n] = step.on_rows(self._rows(n))
-        return self._whole_step_rows[n]
+        per-layer state tensors among them, are the same every step. Kept for that step only: one taken since
+        (`_whole_step` set again) gathers its own weights."""
+        rows = self._whole_step_rows.get(n)
+        if rows is None or rows.step is not step:
+            rows = self._whole_step_rows[n] = step.on_rows(self._rows(n))
+        return rows
 
     def _tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """The step's tokens in a buffer of unit stride: a strided column would compile again."""
@@ -252,7 +255,7 @@ class CompiledDecoder(EagerDecoder):
         self, tokens: torch.Tensor, params: BatchSampling, position: torch.Tensor, drawn: torch.Tensor
     ) -> torch.Tensor:
         """`EagerDecoder.step_and_sample`: where the steps are one C++ call, an unfiltered batch draws inside it
-        (`WholeLinearStep.with_draw`, `WholeHybridStep.with_draw`), with no operator between a step and its draw."""
+        (`WholeStep.with_draw`), with no operator between a step and its draw."""
         n = tokens.shape[0]
         rows = kernel_draw_rows(params, position) if self._draws_in_kernel else None
         step = self._whole_step

@@ -18,8 +18,8 @@ import torch
 from ...attention.hybrid import HybridAttention, HybridState
 from ...state import ModelState
 from ...transformer import Transformer
-from .drawing import DrawRows
 from .linear_step import blocks_of, block_refusal, step_weights
+from .whole_step import StepOperator, WholeStep
 
 
 def hybrid_step_refusal(twin: Transformer) -> str | None:
@@ -50,13 +50,9 @@ def _map_tensors(attn: HybridAttention) -> list[torch.Tensor]:
 
 
 @dataclass(frozen=True)
-class WholeHybridStep:
-    """One decode step of a hybrid twin as one operator call: tokens (n,) for a state's rows -> logits (n, V)."""
+class WholeHybridStep(WholeStep):
+    """A hybrid twin's decode step as one `hybrid_decode_step` call; `categorical_draw` draws after it."""
 
-    twin: Transformer
-    embeddings: tuple[torch.Tensor, torch.Tensor]  # tokens' and positions'
-    weights: list[torch.Tensor]
-    head_inside: bool  # the categorical head runs in the call; else `twin.head` runs on its output
     mixes: list[torch.Tensor]  # per block (H,)
     maps: list[torch.Tensor]  # per block the map's weight and bias, none for elu + 1
     map_kind: int
@@ -68,20 +64,13 @@ class WholeHybridStep:
         maps = [t.contiguous() for attn in layers for t in _map_tensors(attn)]
         return cls(twin, *step_weights(twin), mixes, maps, layers[0].map_kind() if layers else 0)
 
-    def __call__(self, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
-        return self.on_rows(state)(tokens)
+    def operators(self) -> tuple[StepOperator, StepOperator | None]:
+        return torch.ops.rnnserve.hybrid_decode_step, None
 
-    def with_draw(self, tokens: torch.Tensor, state: ModelState, rows: DrawRows, drawn: torch.Tensor) -> torch.Tensor:
-        """A step, then each row's next token drawn from its logits into `drawn` (n,) as `categorical_draw` draws
-        it: for a twin whose head runs inside the step (`head_inside`). Returns the logits (n, V)."""
-        return self.on_rows(state).with_draw(tokens, rows, drawn)
-
-    def on_rows(self, state: ModelState) -> "HybridStepOnRows":
-        """The step on these rows of a state, its call's arguments gathered once (as `WholeLinearStep.on_rows`): a
-        caller that steps the same rows again and again keeps it rather than gathering them every token."""
+    def after_tokens(self, state: ModelState) -> tuple[object, ...]:
         cfg = self.twin.config
         states = [t for layer in state.layers for t in _state_tensors(cast(HybridState, layer))]
-        after_tokens = (
+        return (
             state.lengths,
             *self.embeddings,
             self.weights,
@@ -94,27 +83,6 @@ class WholeHybridStep:
             cfg.ln_eps,
             cfg.hybrid_eps,
         )
-        return HybridStepOnRows(self, after_tokens)
-
-
-@dataclass(frozen=True)
-class HybridStepOnRows:
-    """A `WholeHybridStep` on one state's rows: tokens (n,) -> logits (n, V). It holds that state's tensors, which
-    the call updates in place, so it stays right for as long as the state keeps them."""
-
-    step: WholeHybridStep
-    after_tokens: tuple[object, ...]  # hybrid_decode_step's arguments after the tokens
-
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.rnnserve.hybrid_decode_step(tokens, *self.after_tokens)
-        return out if self.step.head_inside else self.step.twin.head(out)
-
-    def with_draw(self, tokens: torch.Tensor, rows: DrawRows, drawn: torch.Tensor) -> torch.Tensor:
-        """`WholeHybridStep.with_draw` on these rows: the step's call, then categorical_draw's."""
-        assert self.step.head_inside  # the draw needs the head's logits, which the call returns only then
-        logits = self(tokens)
-        torch.ops.rnnserve.categorical_draw(logits, *rows, drawn)
-        return logits
 
 
 def _state_tensors(layer: HybridState) -> list[torch.Tensor]:

@@ -27,7 +27,7 @@ from ...attention.projections import FusedProjections
 from ...kernels.packed_linear import PackedLinear
 from ...state import ModelState
 from ...transformer import Block, Transformer
-from .drawing import DrawRows
+from .whole_step import StepOperator, WholeStep
 
 
 def whole_step_refusal(twin: Transformer) -> str | None:
@@ -119,52 +119,20 @@ def step_weights(twin: Transformer) -> tuple[tuple[torch.Tensor, torch.Tensor], 
 
 
 @dataclass(frozen=True)
-class WholeLinearStep:
-    """One decode step of a twin as one operator call: tokens (n,) for a state's rows -> logits (n, V)."""
-
-    twin: Transformer
-    embeddings: tuple[torch.Tensor, torch.Tensor]  # tokens' and positions'
-    weights: list[torch.Tensor]
-    head_inside: bool  # the categorical head runs in the call; else `twin.head` runs on its output
+class WholeLinearStep(WholeStep):
+    """A linear twin's decode step as one `linear_decode_step` call; `linear_decode_step_draw` draws in it too."""
 
     @classmethod
     def of(cls, twin: Transformer) -> "WholeLinearStep":
         return cls(twin, *step_weights(twin))
 
-    def __call__(self, tokens: torch.Tensor, state: ModelState) -> torch.Tensor:
-        return self.on_rows(state)(tokens)
+    def operators(self) -> tuple[StepOperator, StepOperator | None]:
+        return torch.ops.rnnserve.linear_decode_step, torch.ops.rnnserve.linear_decode_step_draw
 
-    def with_draw(self, tokens: torch.Tensor, state: ModelState, rows: DrawRows, drawn: torch.Tensor) -> torch.Tensor:
-        """A step, then each row's next token drawn from its logits into `drawn` (n,) as `categorical_draw` draws
-        it, in the same call: for a twin whose head runs inside it (`head_inside`). Returns the logits (n, V)."""
-        return self.on_rows(state).with_draw(tokens, rows, drawn)
-
-    def on_rows(self, state: ModelState) -> "LinearStepOnRows":
-        """The step on these rows of a state, its call's arguments gathered once: a caller that steps the same rows
-        again and again (the compiled decoder's row views) keeps it rather than gathering them every token."""
+    def after_tokens(self, state: ModelState) -> tuple[object, ...]:
         cfg = self.twin.config
         states = [cast(LinearState, layer).sz_t for layer in state.layers]
-        after_tokens = (state.lengths, *self.embeddings, self.weights, states, cfg.n_heads, cfg.ln_eps, cfg.linear_eps)
-        return LinearStepOnRows(self, after_tokens)
-
-
-@dataclass(frozen=True)
-class LinearStepOnRows:
-    """A `WholeLinearStep` on one state's rows: tokens (n,) -> logits (n, V). It holds that state's tensors, which
-    the call updates in place, so it stays right for as long as the state keeps them."""
-
-    step: WholeLinearStep
-    after_tokens: tuple[object, ...]  # linear_decode_step's arguments after the tokens
-
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = torch.ops.rnnserve.linear_decode_step(tokens, *self.after_tokens)
-        return out if self.step.head_inside else self.step.twin.head(out)
-
-    def with_draw(self, tokens: torch.Tensor, rows: DrawRows, drawn: torch.Tensor) -> torch.Tensor:
-        """`WholeLinearStep.with_draw` on these rows."""
-        assert self.step.head_inside  # the draw needs the head's logits, which the call returns only then
-        logits: torch.Tensor = torch.ops.rnnserve.linear_decode_step_draw(tokens, *self.after_tokens, *rows, drawn)
-        return logits
+        return (state.lengths, *self.embeddings, self.weights, states, cfg.n_heads, cfg.ln_eps, cfg.linear_eps)
 
 
 def whole_linear_step(twin: Transformer) -> WholeLinearStep | None:

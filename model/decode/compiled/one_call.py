@@ -1,14 +1,12 @@
-"""Which one-call step (a whole decode step as one C++ call) a decode twin takes: linear_step.py's for linear
-models, hybrid_step.py's for hybrid ones, or none (the compiled graphs then run its steps)."""
+"""Which one-call step (a whole decode step as one C++ call, whole_step.py) a decode twin takes: linear_step.py's
+for linear models, hybrid_step.py's for hybrid ones, or none (the compiled graphs then run its steps)."""
 
 from __future__ import annotations
 
 from ...transformer import Transformer
-from .hybrid_step import HybridStepOnRows, WholeHybridStep, hybrid_step_refusal, whole_hybrid_step
-from .linear_step import LinearStepOnRows, WholeLinearStep, whole_linear_step, whole_step_refusal
-
-WholeStep = WholeLinearStep | WholeHybridStep
-StepOnRows = LinearStepOnRows | HybridStepOnRows  # a one-call step on fixed row views (`on_rows`)
+from .hybrid_step import hybrid_step_refusal, whole_hybrid_step
+from .linear_step import whole_linear_step, whole_step_refusal
+from .whole_step import WholeStep
 
 
 def one_call_refusal(twin: Transformer) -> str | None:

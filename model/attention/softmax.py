@@ -107,15 +107,15 @@ class SoftmaxAttention(FusedProjections, Attention):
         )
 
     def _kernel_applies(self, q: torch.Tensor, state: KVCache) -> bool:
-        # The kernel widens a bfloat16 cache to float32 as it reads; q and its sums are float32. It reads one key
-        # head per query head over the whole prefix.
+        # The kernel widens a bfloat16 cache to float32 as it reads; q and its sums are float32. It reads the whole
+        # prefix, each query head its group's key head (grouped-query attention's written-out form in
+        # attend_one_query compiles to far slower loops over a long cache).
         return (
             self.cpu_decode_kernel
             and q.device.type == "cpu"
             and q.dtype == torch.float32
             and state.k.dtype in (torch.float32, torch.bfloat16)
             and q.stride(-1) == 1
-            and not self.grouped
             and not self.window
         )
 

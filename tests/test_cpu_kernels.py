@@ -27,7 +27,7 @@ from model.attention.reformer import decode as reformer_decode
 from model.attention.reformer.attention import ReformerAttention
 from model.attention.softmax import SoftmaxAttention, attend_one_query
 
-from conftest import TINY_MAX_LEN, make_tiny_model, make_tokens
+from conftest import TINY_MAX_LEN, assert_bfloat16_close, make_tiny_model, make_tokens
 from kernel_support import loaded_kernels  # noqa: F401  (the `kernels` fixture)
 from kernel_support import needs_compiler
 
@@ -161,6 +161,26 @@ def test_softmax_decoding_through_the_kernel_equals_the_parallel_pass(kind, size
     calls = [e for e in prof.key_averages() if e.key == "rnnserve::softmax_decode_attention"]
     assert calls and calls[0].count == TINY_MAX_LEN * model.config.n_layers
     torch.testing.assert_close(torch.stack(steps, 1), parallel, atol=1e-4, rtol=0)
+
+
+def test_a_bfloat16_llama_decodes_through_the_kernel_as_through_pytorch_s_operators():
+    # A bfloat16 model's queries go to the kernel widened (its sums are float32, as attend_one_query's), its result
+    # rounded back: the steps stay within bfloat16's tolerance of PyTorch's operators on the same model.
+    model = make_tiny_model("softmax+llama", d_model=128, n_heads=4).to(torch.bfloat16)
+    tokens = make_tokens(4, 3, 40)
+    steps = {}
+    for kernel_on in (False, True):
+        build = use_cpu_kernels(model)
+        assert build is not None and build.ok, build
+        if not kernel_on:
+            turn_off_cpu_kernels(model)
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            state = model.new_state(3)
+            steps[kernel_on] = torch.stack([model.decode_step(tokens[:, t], state) for t in range(40)], 1)
+        calls = [e.count for e in prof.key_averages() if e.key == "rnnserve::softmax_decode_attention"]
+        assert calls == ([40 * model.config.n_layers] if kernel_on else []), calls
+    assert steps[True].dtype == torch.bfloat16
+    assert_bfloat16_close("softmax", steps[True].float(), steps[False].float())
 
 
 # Head sizes of the vector path and of the scalar loops; rounds, buckets and windows that leave queries alone in

@@ -27,7 +27,7 @@ from model.attention.reformer import decode as reformer_decode
 from model.attention.reformer.attention import ReformerAttention
 from model.attention.softmax import SoftmaxAttention, attend_one_query
 
-from conftest import TINY_MAX_LEN, make_tiny_model, make_tokens
+from conftest import TINY_MAX_LEN, assert_bfloat16_close, make_tiny_model, make_tokens
 from kernel_support import loaded_kernels  # noqa: F401  (the `kernels` fixture)
 from kernel_support import needs_compiler
 
@@ -79,6 +79,23 @@ def test_a_bfloat16_cache_is_read_as_its_float32_widening(kernel, head_dim):
     torch.testing.assert_close(got, pytorch_attention(q, k.float(), v.float(), last), atol=KERNEL_TOLERANCE, rtol=0)
 
 
+# Grouped-query attention: each key head serves heads / kv_heads query heads (a Llama's 9 and 3, a Qwen2's 1 key head).
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(9, 3, 64), (4, 1, 32), (6, 2, 24)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_query_heads_each_read_their_group_s_key_head(kernel, heads, kv_heads, head_dim, dtype):
+    gen = torch.Generator().manual_seed(heads)
+    rows, max_len = 4, 50
+    q = split_heads(torch.randn(rows, 1, 2 * heads * head_dim, generator=gen)[..., : heads * head_dim], heads)
+    k, v = (torch.randn(rows, kv_heads, max_len, head_dim, generator=gen).to(dtype) for _ in range(2))
+    last = torch.tensor([0, 13, max_len - 1, 30])
+    got = kernel(q, k, v, last)
+    assert got.shape == (rows, heads, 1, head_dim)
+    torch.testing.assert_close(got, pytorch_attention(q, k.float(), v.float(), last), atol=KERNEL_TOLERANCE, rtol=0)
+    # The same as the key heads repeated for each query head of their group (Hugging Face's repeat_kv).
+    repeated = [t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v)]
+    torch.testing.assert_close(got, kernel(q, *repeated, last), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("direction", [1.0, -1.0])
 def test_scores_that_climb_or_fall_by_hundreds_across_positions_stay_exact(kernel, direction):
     # The kernel keeps a running maximum over blocks of positions: scores climbing past what exp() can hold
@@ -114,6 +131,7 @@ def test_the_kernel_reads_only_the_positions_each_row_can_see(kernel):
         (lambda q, k, v, last: (q, k.bfloat16(), v, last), "must both be float32 or both bfloat16"),
         (lambda q, k, v, last: (q, k.half(), v.half(), last), "must both be float32 or both bfloat16"),
         (lambda q, k, v, last: (q, k, v, last[:1]), "last must be"),
+        (lambda q, k, v, last: (q, *(torch.zeros(2, 3, 30, 32) for _ in range(2)), last), "KV dividing H"),
         (lambda q, k, v, last: (q, k.transpose(2, 3).contiguous().transpose(2, 3), v, last), "unit stride"),
     ],
 )
@@ -123,9 +141,14 @@ def test_bad_inputs_are_refused_with_what_is_wrong(kernel, change, message):
         kernel(*change(q, k, v, torch.tensor([3, 4])))
 
 
-def test_softmax_decoding_through_the_kernel_equals_the_parallel_pass():
-    # Head size 32: the vectorized path on CPUs with 8- or 16-float vectors.
-    model = make_tiny_model("softmax", d_model=64, n_heads=2)
+# Head size 32: the vectorized path on CPUs with 8- or 16-float vectors. A Llama's block: two query heads per key
+# head, which the kernel takes too (rather than leaving grouped-query steps to PyTorch's operators).
+@pytest.mark.parametrize(
+    "kind, sizes", [("softmax", dict(d_model=64, n_heads=2)), ("softmax+llama", dict(d_model=128, n_heads=4))]
+)
+def test_softmax_decoding_through_the_kernel_equals_the_parallel_pass(kind, sizes):
+    model = make_tiny_model(kind, **sizes)
+    assert model.config.n_heads == 2 * model.config.n_kv_heads or kind == "softmax"
     build = use_cpu_kernels(model)
     assert build is not None and build.ok, build
     assert all(m.cpu_decode_kernel for m in model.modules() if isinstance(m, SoftmaxAttention))
@@ -138,6 +161,26 @@ def test_softmax_decoding_through_the_kernel_equals_the_parallel_pass():
     calls = [e for e in prof.key_averages() if e.key == "rnnserve::softmax_decode_attention"]
     assert calls and calls[0].count == TINY_MAX_LEN * model.config.n_layers
     torch.testing.assert_close(torch.stack(steps, 1), parallel, atol=1e-4, rtol=0)
+
+
+def test_a_bfloat16_llama_decodes_through_the_kernel_as_through_pytorch_s_operators():
+    # A bfloat16 model's queries go to the kernel widened (its sums are float32, as attend_one_query's), its result
+    # rounded back: the steps stay within bfloat16's tolerance of PyTorch's operators on the same model.
+    model = make_tiny_model("softmax+llama", d_model=128, n_heads=4).to(torch.bfloat16)
+    tokens = make_tokens(4, 3, 40)
+    steps = {}
+    for kernel_on in (False, True):
+        build = use_cpu_kernels(model)
+        assert build is not None and build.ok, build
+        if not kernel_on:
+            turn_off_cpu_kernels(model)
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            state = model.new_state(3)
+            steps[kernel_on] = torch.stack([model.decode_step(tokens[:, t], state) for t in range(40)], 1)
+        calls = [e.count for e in prof.key_averages() if e.key == "rnnserve::softmax_decode_attention"]
+        assert calls == ([40 * model.config.n_layers] if kernel_on else []), calls
+    assert steps[True].dtype == torch.bfloat16
+    assert_bfloat16_close("softmax", steps[True].float(), steps[False].float())
 
 
 # Head sizes of the vector path and of the scalar loops; rounds, buckets and windows that leave queries alone in

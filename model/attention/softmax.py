@@ -95,8 +95,10 @@ class SoftmaxAttention(FusedProjections, Attention):
         state.k[rows, :, pos] = k.transpose(1, 2).to(state.k.dtype)
         state.v[rows, :, pos] = v.transpose(1, 2).to(state.v.dtype)
         if t == 1 and self._kernel_applies(q, state):
-            attended: torch.Tensor = torch.ops.rnnserve.softmax_decode_attention(q, state.k, state.v, pos[:, 0])
-            return attended
+            # A bfloat16 model's queries widened, the result rounded back: attend_one_query's float32 sums too.
+            query = q.float()  # (B, H, 1, D), q itself when float32
+            attended: torch.Tensor = torch.ops.rnnserve.softmax_decode_attention(query, state.k, state.v, pos[:, 0])
+            return attended.to(q.dtype)
         used = int(pos.max()) + 1  # attend only to the written prefix
         # For torch.compile, which cannot see the value: at least one key, and narrow (not a slice)
         # gives exactly `used` of them.
@@ -110,15 +112,16 @@ class SoftmaxAttention(FusedProjections, Attention):
         )
 
     def _kernel_applies(self, q: torch.Tensor, state: KVCache) -> bool:
-        # The kernel widens a bfloat16 cache to float32 as it reads; q and its sums are float32. It reads one key
-        # head per query head over the whole prefix.
+        # The kernel widens a bfloat16 cache to float32 as it reads; its q (a bfloat16 one widened) and sums are
+        # float32. It reads the whole prefix, each query head its group's key head: grouped-query attention's
+        # written-out form (attend_one_query) compiles to products of every query head with every cached key,
+        # (B, KV, G, L, D) buffers allocated afresh each step.
         return (
             self.cpu_decode_kernel
             and q.device.type == "cpu"
-            and q.dtype == torch.float32
+            and q.dtype in (torch.float32, torch.bfloat16)
             and state.k.dtype in (torch.float32, torch.bfloat16)
             and q.stride(-1) == 1
-            and not self.grouped
             and not self.window
         )
 

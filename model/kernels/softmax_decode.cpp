@@ -194,10 +194,12 @@ void attend(const Row<T>& r, const Row<T>* next, float* scores) {
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& last) {
   TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "q must be (B, H, 1, D), got ", q.sizes());
-  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes(), "k and v caches must both be (B, H, L, D), got ", k.sizes(),
+  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes(), "k and v caches must both be (B, KV, L, D), got ", k.sizes(),
               " and ", v.sizes());
-  TORCH_CHECK(k.size(0) == q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3),
-              "caches ", k.sizes(), " do not match q ", q.sizes());
+  // Grouped-query attention: each key head serves H / KV query heads side by side (query head h reads key head
+  // h / (H / KV), as the eager path's unflatten of the heads into (KV, H / KV) pairs them).
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(1) >= 1 && q.size(1) % k.size(1) == 0 && k.size(3) == q.size(3),
+              "caches ", k.sizes(), " do not match q ", q.sizes(), ": expected (B, KV, L, D) with KV dividing H");
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.stride(3) == 1,
               "q must be a float32 CPU tensor with unit stride along D");
   TORCH_CHECK(k.scalar_type() == v.scalar_type() &&
@@ -210,17 +212,18 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               "last must be (B,) int64, got ", last.sizes());
 }
 
-// Every (row, head) pair in parallel, each fetching ahead into the next pair of its share.
+// Every (row, query head) pair in parallel, each fetching ahead into the next pair of its share. The query heads
+// of one key head are neighbours, so a share reads a key head's cache once from memory and again from cache.
 template <typename T>
 void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* end, at::Tensor& out) {
-  const int64_t heads = q.size(1), d = q.size(3), max_len = k.size(2);
+  const int64_t heads = q.size(1), group = q.size(1) / k.size(1), d = q.size(3), max_len = k.size(2);
   const float* qp = q.data_ptr<float>();
   const T *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
   float* op = out.data_ptr<float>();
   auto row_at = [&](int64_t i) {
-    const int64_t b = i / heads, h = i % heads;
-    return Row<T>{qp + b * q.stride(0) + h * q.stride(1), kp + b * k.stride(0) + h * k.stride(1),
-                  vp + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2), end[b] + 1, d, op + i * d};
+    const int64_t b = i / heads, h = i % heads, kv = h / group;
+    return Row<T>{qp + b * q.stride(0) + h * q.stride(1), kp + b * k.stride(0) + kv * k.stride(1),
+                  vp + b * v.stride(0) + kv * v.stride(1), k.stride(2), v.stride(2), end[b] + 1, d, op + i * d};
   };
   at::parallel_for(0, q.size(0) * heads, 1, [&](int64_t begin, int64_t finish) {
     std::vector<float> scores(max_len);  // the scalar path's
@@ -379,8 +382,8 @@ void attend_shown_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
 }  // namespace
 
-// q (B, H, 1, D) float32 attends to positions [0, last[b]] of caches (B, H, L, D), float32 or bfloat16:
-// returns (B, H, 1, D) float32.
+// q (B, H, 1, D) float32 attends to positions [0, last[b]] of caches (B, KV, L, D), float32 or bfloat16, KV dividing
+// H (grouped-query attention when fewer): returns (B, H, 1, D) float32.
 at::Tensor softmax_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const at::Tensor& last) {
   check_inputs(q, k, v, last);
@@ -405,6 +408,7 @@ at::Tensor reformer_decode_attention(const at::Tensor& q, const at::Tensor& k, c
                                      const at::Tensor& key_buckets, const at::Tensor& query_buckets,
                                      const at::Tensor& last, int64_t window) {
   check_inputs(q, k, v, last);
+  TORCH_CHECK(k.size(1) == q.size(1), "Reformer's caches must have q's ", q.size(1), " heads, got ", k.sizes());
   TORCH_CHECK(key_buckets.dim() == 4 && key_buckets.size(0) == k.size(0) && key_buckets.size(1) == k.size(1) &&
                   key_buckets.size(3) == k.size(2) && key_buckets.size(2) >= 1,
               "key_buckets must be (B, H, R, L) for caches ", k.sizes(), ", got ", key_buckets.sizes());

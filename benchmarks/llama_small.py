@@ -58,6 +58,8 @@ TINY = {**SMOLLM_135M, "num_hidden_layers": 2, "hidden_size": 72, "intermediate_
 START, END = "<s>", "</s>"
 POSITIONS = (128, 512, 1024, 2000)  # where the step is timed: up to the shape's 2,048 positions, less the steps
 TINY_POSITIONS = (20, 60, 120)
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = tuple(DTYPE_NAMES.values())
 LINEARIZED_MAP = "hedgehog"  # the map linearizing with attention transfer learns (LoLCATs)
 
 
@@ -88,12 +90,13 @@ def linearized_twin(model: Transformer) -> Transformer:
     return twin.to(model.dtype).eval()
 
 
-def run(sizes: dict, s: Gpt2Settings, progress=print) -> dict:
+def run(sizes: dict, s: Gpt2Settings, progress=print, dtypes=DTYPES, on_part=lambda report: None) -> dict:
+    """Every dtype in turn; `on_part` gets the report after each, so a run stopped part way keeps what it measured."""
     report = {"environment": environment(DecodeSettings()) | machine_load(), "sizes": sizes, "throughput": []}
     report["settings"] = {k: v for k, v in s.__dict__.items() if k != "sizes"}
     report["step_time_by_position"], report["step_time_growth"] = {}, {}  # per dtype, then as gpt2_small's
     with tempfile.TemporaryDirectory(prefix="llama-small-") as tmp:
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in dtypes:
             name = str(dtype).removeprefix("torch.")
             folder, file = Path(tmp) / name, Path(tmp) / f"smollm-shape-{name}.safetensors"
             progress(f"writing a random Llama of SmolLM-135M's shape in {name} with save_pretrained")
@@ -113,7 +116,8 @@ def run(sizes: dict, s: Gpt2Settings, progress=print) -> dict:
             kinds = dict(zip(("softmax", "linear"), models.values(), strict=True))
             by_position, growth = measure_step_times(kinds, s, progress, gguf)
             report["step_time_by_position"][name], report["step_time_growth"][name] = by_position, growth
-    report["load_after"] = machine_load()
+            report["load_after"] = machine_load()
+            on_part(report)
     return report
 
 
@@ -124,8 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row in the timed runs")
     parser.add_argument("--rounds", type=int, default=3, help="turns each contestant takes at each batch size")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: torch's)")
+    parser.add_argument(
+        "--dtypes", default="float32,bfloat16", help="comma-separated model dtypes to run, in this order"
+    )
     add_llamacpp_flag(parser)
     args = parser.parse_args(argv)
+    dtypes = parse_dtypes(parser, args.dtypes)
     if args.threads:
         torch.set_num_threads(args.threads)
     settings = Gpt2Settings(
@@ -136,9 +144,19 @@ def main(argv: list[str] | None = None) -> int:
         steps_per_position=4 if args.tiny else Gpt2Settings.steps_per_position,
         llamacpp=llamacpp_wanted(args),
     )
-    report = run(TINY if args.tiny else SMOLLM_135M, settings, lambda line: print(line, file=sys.stderr, flush=True))
+    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    on_part = (lambda report: write_report(report, args.out)) if args.out else (lambda report: None)
+    report = run(TINY if args.tiny else SMOLLM_135M, settings, progress, dtypes, on_part)
     write_report(report, args.out)
     return 0
+
+
+def parse_dtypes(parser: argparse.ArgumentParser, text: str) -> tuple[torch.dtype, ...]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in DTYPE_NAMES]
+    if unknown or not names:
+        parser.error(f"--dtypes {text!r}: expected a comma-separated list of {', '.join(DTYPE_NAMES)}")
+    return tuple(DTYPE_NAMES[name] for name in names)
 
 
 if __name__ == "__main__":

@@ -95,23 +95,30 @@ def run_rounds(engine: Engine, rounds: list[list[GenerationRequest]]) -> list[li
         engine.stop()
 
 
-def build_rounds(draws: list[list[tuple[int, list[int], int, int]]]) -> list[list[GenerationRequest]]:
+def build_rounds(
+    draws: list[list[tuple[int, list[int], int, int]]], stems: tuple[list[int], ...] = STEMS
+) -> list[list[GenerationRequest]]:
     """(stem, tail, n, seed) per request per round -> requests: greedy for even seeds, sampled for odd ones."""
     rounds = []
     for r, draw in enumerate(draws):
         requests = []
         for i, (stem, tail, n, seed) in enumerate(draw):
             sampling = SamplingParams(temperature=0.0 if seed % 2 == 0 else 1.0, seed=seed)
-            prompt = [*STEMS[stem], *tail]
+            prompt = [*stems[stem], *tail]
             requests.append(GenerationRequest(f"r{r}-{i}", prompt, 6, sampling, n=n, logprobs=True))
         rounds.append(requests)
     return rounds
 
 
-a_request = st.tuples(
-    st.integers(0, len(STEMS) - 1), st.lists(st.integers(0, 3), max_size=4), st.integers(1, 2), st.integers(0, 5)
-)
-some_rounds = st.lists(st.lists(a_request, min_size=1, max_size=3), min_size=2, max_size=4)
+def rounds_of(stems: tuple[list[int], ...]) -> st.SearchStrategy:
+    """2 to 4 rounds of 1 to 3 requests, each (stem index, tail, n, seed) as build_rounds reads them."""
+    a_request = st.tuples(
+        st.integers(0, len(stems) - 1), st.lists(st.integers(0, 3), max_size=4), st.integers(1, 2), st.integers(0, 5)
+    )
+    return st.lists(st.lists(a_request, min_size=1, max_size=3), min_size=2, max_size=4)
+
+
+some_rounds = rounds_of(STEMS)
 
 
 def assert_same_answers(cached: list[list], plain: list[list]) -> None:

@@ -26,7 +26,7 @@ from server.serve import add_arguments, settings_from_args
 from server.settings import SettingsError, build_settings
 from conftest import make_tiny_model
 from server_support import TEXT_MAX_LEN, metric_value, save_tiny_model, serving_process
-from test_prefix_cache import CACHED_KINDS, assert_same_answers, run_rounds
+from test_prefix_cache import CACHED_KINDS, assert_same_answers, build_rounds, rounds_of, run_rounds
 
 TRUNCATING_KINDS = ["softmax", "reformer", "softmax+llama", "softmax+mistral"]  # caches kept by position
 SHARED = [100 + (7 * i) % 50 for i in range(30)]  # a long start several prompts share
@@ -187,23 +187,7 @@ def test_a_prompt_that_starts_a_kept_one_takes_all_but_its_last_token(kind):
 LONG_STEMS = ([*SHARED[:20], 1, 2, 3], [*SHARED[:20], 4], [*SHARED[:12], 5, 6], [30, 31])
 
 
-def build_rounds(draws: list[list[tuple[int, list[int], int, int]]]) -> list[list[GenerationRequest]]:
-    """(stem, tail, n, seed) per request per round -> requests: greedy for even seeds, sampled for odd ones."""
-    rounds = []
-    for r, draw in enumerate(draws):
-        requests = []
-        for i, (stem, tail, n, seed) in enumerate(draw):
-            sampling = SamplingParams(temperature=0.0 if seed % 2 == 0 else 1.0, seed=seed)
-            prompt = [*LONG_STEMS[stem], *tail]
-            requests.append(GenerationRequest(f"r{r}-{i}", prompt, 6, sampling, n=n, logprobs=True))
-        rounds.append(requests)
-    return rounds
-
-
-a_request = st.tuples(
-    st.integers(0, len(LONG_STEMS) - 1), st.lists(st.integers(0, 3), max_size=4), st.integers(1, 2), st.integers(0, 5)
-)
-some_rounds = st.lists(st.lists(a_request, min_size=1, max_size=3), min_size=2, max_size=4)
+some_rounds = rounds_of(LONG_STEMS)
 
 
 def least_cached(kind: str, rounds: list[list[GenerationRequest]]) -> list[int]:
@@ -235,9 +219,9 @@ def test_answers_with_branch_points_periodic_and_cut_states_are_those_without_th
     """A budget of a few states forces evictions (of states a prefill keeps mid-prompt too); a large one keeps
     every state."""
     per_state = tiny(kind).state_bytes_per_sequence(len(LONG_STEMS[0]) + 10)
-    rounds = build_rounds(draws)
+    rounds = build_rounds(draws, LONG_STEMS)
     cached = run_rounds(make_engine(kind, budget_states * per_state, every), rounds)
-    assert_same_answers(cached, run_rounds(make_engine(kind, 0), build_rounds(draws)))
+    assert_same_answers(cached, run_rounds(make_engine(kind, 0), build_rounds(draws, LONG_STEMS)))
     if budget_states == 1000:
         assert all(a[0][2] >= least for a, least in zip(cached, least_cached(kind, rounds)))
 

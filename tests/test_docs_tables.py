@@ -122,6 +122,14 @@ def test_the_imported_llama_table_is_the_newest_run_s_with_hugging_face_s_figure
     assert "| float32 | 16 | 300.0 | 600.0 | 100.0 | 3.00x | 6.00x |" in table and "best of 3 turns" in table
     assert "| bfloat16 | 1 | 20.0 | not run | 10.0 | 2.00x | - |" in table  # a dtype whose twin did not run
 
+    # A same-day rerun carries a letter after the date and is the newer one; other names are not runs.
+    rerun = json.loads((tmp_path / "llama-small-2026-12-06.json").read_text())
+    rerun["sizes"]["num_hidden_layers"] = 31
+    (tmp_path / "llama-small-2026-12-06b.json").write_text(json.dumps(rerun))
+    (tmp_path / "llama-small-2026-12-06-float32.json").write_text(json.dumps(report))
+    table = imported_tables(tmp_path)
+    assert "llama-small-2026-12-06b.json" in table and "31 layers" in table
+
 
 def position_points(milliseconds: list[float], state_bytes: list[int]) -> list[dict]:
     """A contestant's points of a step-time sweep at positions 128, 512 and 2,000, as the benchmarks write them."""

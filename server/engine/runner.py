@@ -351,8 +351,7 @@ class ModelRunner:
     def _keep(self, tokens: list[int], row: int, logits: torch.Tensor) -> None:
         """Row `row`'s state as it is now, after `tokens`, with its (V,) next-token logits, unless already kept."""
         assert self.prefix_cache is not None  # only a plan of the cache's stops here
-        if not self.prefix_cache.holds(tokens):
-            self.prefix_cache.insert(tokens, take_snapshot(self.slots.state, row, logits.float()))
+        self.prefix_cache.keep(tokens, lambda: take_snapshot(self.slots.state, row, logits.float()))
 
     def _remember(self, request: GenerationRequest, row: int, likelihood: float) -> None:
         """Keep the state after the prompt, unless the cache already holds it; a weighed request's prompt
@@ -360,11 +359,8 @@ class ModelRunner:
         if self.prefix_cache is None or not request.prompt:
             return
         tokens = self._read_tokens(request)
-        snapshot = self.prefix_cache.snapshot_of(tokens)
-        if snapshot is None:
-            snapshot = take_snapshot(self.slots.state, row, self.slots.logits[row])
-            self.prefix_cache.insert(tokens, snapshot)
-        if request.particles is not None:
+        snapshot = self.prefix_cache.keep(tokens, lambda: take_snapshot(self.slots.state, row, self.slots.logits[row]))
+        if snapshot is not None and request.particles is not None:
             snapshot.likelihoods[_likelihood_key(request)] = likelihood
 
     def place_copies(self, places: list[Placement]) -> None:
@@ -466,8 +462,7 @@ class ModelRunner:
             return  # nothing beyond the prompt, whose state is kept already
         start = len(request.prompt)
         tokens = [*read, *self.slots.generated[row, start : start + fed].tolist()]
-        if not self.prefix_cache.holds(tokens):
-            self.prefix_cache.insert(tokens, take_snapshot(self.slots.state, row, self.slots.logits[row]))
+        self.prefix_cache.keep(tokens, lambda: take_snapshot(self.slots.state, row, self.slots.logits[row]))
 
     def feed(self) -> None:
         """The last pass's tokens into its live rows (rows [0, live) after `apply`): their next logits to the slots.

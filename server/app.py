@@ -277,7 +277,7 @@ def slot_limits(loaded: LoadedModel, limits: EngineLimits, plan: SlotPlan) -> En
             plan.budget / MIB,
         )
     prefix = limits.prefix_cache_memory if caches_prefixes(loaded.model) else 0
-    every = snapshot_policy(loaded.model, limits.prefix_cache_every).every if prefix else 0
+    every = snapshot_policy(loaded.model, limits.prefix_cache_every, prefix).every if prefix else 0
     return dataclasses.replace(
         limits,
         max_batch=plan.rows,

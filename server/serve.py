@@ -227,9 +227,10 @@ def _add_prefix_cache_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefix-cache-every",
         type=int,
         metavar="N",
-        help="for models whose decode state is constant-size (linear, Linformer, hybrid), keep the state every N "
-        "tokens of a prompt's prefill too, so that a prompt sharing only the start of an earlier one takes most of "
-        f"it from the prefix cache; 0: only where prompts and sequences end or branch {_default('prefix_cache_every')}",
+        help="for models whose decode state is constant-size (linear, Linformer, hybrid), keep the state after N, 2N, "
+        "4N, ... tokens of a prompt's prefill too (as many as --prefix-cache-memory holds), so that a prompt sharing "
+        "only the start of an earlier one takes at least half of it from the prefix cache; 0: only where prompts and "
+        f"sequences end or branch {_default('prefix_cache_every')}",
     )
 
 

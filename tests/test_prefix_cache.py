@@ -57,6 +57,38 @@ def test_an_evicted_branch_is_pruned_from_the_trie():
     assert cache.lookup([1, 2, 3]) is None and not cache._root.children.get(1)
 
 
+def test_keeping_a_state_copies_it_only_where_none_is_kept_and_makes_it_the_most_recently_used():
+    cache = PrefixCache(budget=2 * 400)
+    copies: list[Snapshot] = []
+
+    def take() -> Snapshot:
+        copies.append(snapshot(400))
+        return copies[-1]
+
+    first = cache.keep([1, 2], take)
+    assert first is copies[0] and cache.keep([3], take) is copies[1]
+    assert cache.keep([1, 2], take) is first and len(copies) == 2  # kept already: no copy, only a use
+    assert cache.keep([4], take) is copies[2]  # [3] is now the least recently used: it goes
+    assert cache.holds([1, 2]) and not cache.holds([3]) and (cache.entries, cache.bytes_held) == (2, 800)
+
+
+def test_a_state_kept_above_the_entry_it_evicts_stays_in_the_trie():
+    """The only entry, [1, 2, 3], makes room for [1, 2]: the pruning of its bare branch stops at [1, 2]."""
+    cache = PrefixCache(budget=400)
+    cache.insert([1, 2, 3], snapshot(400))
+    kept = cache.keep([1, 2], lambda: snapshot(400))
+    assert kept is not None and cache.holds([1, 2]) and not cache.holds([1, 2, 3])
+    hit = cache.lookup([1, 2, 5])
+    assert hit is not None and (hit.length, hit.snapshot) == (2, kept)
+
+
+def test_a_state_larger_than_the_budget_leaves_no_branch_behind():
+    cache = PrefixCache(budget=400)
+    cache.insert([1], snapshot(400))
+    assert cache.keep([1, 2, 3], lambda: snapshot(800)) is None
+    assert cache.entries == 1 and cache.holds([1]) and not cache._root.children[1].children
+
+
 @pytest.mark.parametrize("kind", ["linear", "linformer", "softmax", "softmax+llama", "linear+llama"])
 def test_a_cached_prefix_holds_the_state_of_its_length_and_the_logits(kind):
     """The memory arithmetic docs/operations.md gives: a state at the prefix's length (constant for linear and

@@ -17,9 +17,17 @@ from hypothesis import strategies as st
 from model.decode.sampling import SamplingParams
 from server.engine.core import Engine, EngineLimits
 from server.engine.output import LocalOutput
-from server.engine.prefix_cache import Hit, Lookup, PrefixCache, Snapshot, restore_snapshot, take_snapshot
+from server.engine.prefix_cache import (
+    LOGIT_BYTES,
+    Hit,
+    Lookup,
+    PrefixCache,
+    Snapshot,
+    restore_snapshot,
+    take_snapshot,
+)
 from server.engine.prefix_plan import MIN_BRANCH_TOKENS, SnapshotPolicy, plan_prefill, runs_of_equal_keys
-from server.engine.runner import snapshot_policy
+from server.engine.runner import ModelRunner, snapshot_policy
 from server.engine.types import GenerationRequest
 from server.metrics import Metrics
 from server.serve import add_arguments, settings_from_args
@@ -69,9 +77,11 @@ def test_a_partial_hit_is_a_use_of_the_longer_entry():
     assert cache.holds([1, 2, 3, 4]) and not cache.holds([7, 8])
 
 
-def test_a_prefill_stops_at_multiples_of_every_and_once_at_a_branch_point():
+def test_a_prefill_stops_at_every_and_its_doublings_and_once_at_a_branch_point():
     every = SnapshotPolicy(every=16)
-    assert plan_prefill(Lookup(None, 0), 50, every).stops == (16, 32, 48)  # never at the end: it is kept anyway
+    assert plan_prefill(Lookup(None, 0), 50, every).stops == (16, 32)  # never at the end: it is kept anyway
+    assert plan_prefill(Lookup(None, 0), 200, every).stops == (16, 32, 64, 128)
+    assert plan_prefill(Lookup(Hit(32, snap(32)), 32), 200, every).stops == (64, 128)  # past what the cache gave
     assert plan_prefill(Lookup(Hit(32, snap(40)), 41), 47, every).stops == (41,)  # branch point 9 past the hit
     assert plan_prefill(Lookup(Hit(32, snap(40)), 32 + MIN_BRANCH_TOKENS - 1), 47, every).stops == ()  # too near
     assert plan_prefill(Lookup(None, 31), 80, SnapshotPolicy()).stops == (31,)  # one stop: where it branches
@@ -79,6 +89,19 @@ def test_a_prefill_stops_at_multiples_of_every_and_once_at_a_branch_point():
     assert plan_prefill(Lookup(None, 31), 80, SnapshotPolicy(truncates=True)).stops == ()  # cut from longer ones
     assert plan_prefill(Lookup(None, 5), 80, SnapshotPolicy()).stops == ()  # a trivially short shared start
     assert runs_of_equal_keys([(1,), (1,), None, (1,), (2,)]) == [(0, 2), (3, 4), (4, 5)]
+
+
+def test_a_prefill_takes_only_the_periodic_states_the_budget_holds_besides_its_branch_point_and_end():
+    def stops(budget_states: int, shared: int = 0, sharing: int = 1) -> tuple[int, ...]:
+        policy = SnapshotPolicy(every=16, budget_states=budget_states)
+        return plan_prefill(Lookup(None, shared), 200, policy, sharing).stops
+
+    assert stops(1000) == (16, 32, 64, 128)
+    assert stops(3) == (64, 128)  # the deepest ones, which save the most
+    assert stops(1) == stops(0) == ()  # the end's state alone fills it
+    assert stops(3, shared=100) == (100, 128)  # the branch point's state is kept whatever the room
+    assert stops(1, shared=100) == (100,)
+    assert stops(5, sharing=2) == (128,)  # two prompts keep states in one prefill: two states each
 
 
 def test_the_periodic_interval_is_a_flag_and_an_environment_variable(monkeypatch):
@@ -95,9 +118,54 @@ def test_the_periodic_interval_is_a_flag_and_an_environment_variable(monkeypatch
 
 @pytest.mark.parametrize("kind", CACHED_KINDS)
 def test_each_kind_takes_periodic_snapshots_or_cuts_longer_ones_not_both(kind):
-    policy = snapshot_policy(tiny(kind), 64)
+    model = tiny(kind)
+    policy = snapshot_policy(model, 64, 1 << 24)
     constant = kind.split("+")[0] in ("linear", "linformer", "hybrid")
-    assert policy == SnapshotPolicy(64 if constant else 0, truncates=not constant)
+    assert (policy.every, policy.truncates) == (64 if constant else 0, not constant)
+    if constant:  # as many states as the budget holds, each the state and its logits
+        per_state = model.state_bytes_per_sequence() + LOGIT_BYTES * model.config.vocab_out
+        assert policy.budget_states == (1 << 24) // per_state
+        assert snapshot_policy(model, 64, 2 * per_state).every == 64
+        assert snapshot_policy(model, 64, 2 * per_state - 1).every == 0  # room for a prompt's end state alone
+
+
+@pytest.mark.parametrize("kind", ["linear", "linformer", "hybrid", "hybrid+qwen2"])
+def test_a_long_prompt_prefills_in_periodic_pieces_only_where_the_cache_keeps_their_states(kind):
+    """A budget of no state or of the prompt's end state alone: one forward, no state copied mid-prompt; room for
+    three states: the two deepest periodic ones; room for all: every one. The logits are a full prefill's."""
+    model = tiny(kind)
+    per_state = model.state_bytes_per_sequence() + LOGIT_BYTES * model.config.vocab_out
+    prompt = [1 + (7 * i) % 90 for i in range(90)]  # past 64 tokens read, within the tiny max_len
+    read = [*model.config.prompt_lead(len(prompt)), *prompt]
+    pieces_and_states = {
+        per_state - 1: ([len(read)], []),
+        per_state: ([len(read)], [read]),
+        3 * per_state: ([32, 32, len(read) - 64], [read[:32], read[:64], read]),
+        100 * per_state: ([16, 16, 32, len(read) - 64], [read[:16], read[:32], read[:64], read]),
+    }
+    plain_logits = prefill_one(model, 0, prompt)[1]
+    for budget, (want_pieces, want_kept) in pieces_and_states.items():
+        runner, logits, pieces = prefill_one(model, budget, prompt)
+        assert pieces == want_pieces
+        cache = runner.prefix_cache
+        assert cache is not None and cache.entries == len(want_kept)
+        assert all(cache.holds(tokens) for tokens in want_kept)
+        assert torch.allclose(logits, plain_logits, atol=1e-4)
+
+
+def prefill_one(model, budget: int, prompt: list[int]) -> tuple[ModelRunner, torch.Tensor, list[int]]:
+    """A runner with a prefix cache of `budget` bytes (states every 16 tokens) prefills `prompt`: the runner, the
+    next-token logits (V,), and the tokens each forward read."""
+    runner = ModelRunner(model, 2, cuda_graphs=False, prefix_cache_bytes=budget, prefix_cache_every=16)
+    runner.allocate()
+    pieces: list[int] = []
+    hook = model.register_forward_pre_hook(lambda _, args: pieces.append(args[0].shape[1]))
+    try:
+        with torch.inference_mode():
+            runner.prefill([GenerationRequest("long", prompt, 4, SamplingParams(temperature=0.0))], 0)
+    finally:
+        hook.remove()
+    return runner, runner.slots.logits[0].clone(), pieces
 
 
 @pytest.mark.parametrize("kind", TRUNCATING_KINDS)
@@ -149,12 +217,12 @@ def shared_start_rounds() -> list[list[GenerationRequest]]:
 
 def expected_cached(kind: str, every: int) -> list[int]:
     """A takes nothing. B: a softmax or Reformer cache all of the shared start (cut from A's state); a
-    constant-size one the last multiple of `every` tokens read within it (none without periodic snapshots). C
-    takes all of it: from the state B kept where it left A (or cut from A's or B's)."""
+    constant-size one the deepest of `every`, 2 `every`, 4 `every`, ... tokens read within it (none without periodic
+    snapshots). C takes all of it: from the state B kept where it left A (or cut from A's or B's)."""
     lead = len(tiny(kind).config.prompt_lead(len(SHARED)))
     if kind in TRUNCATING_KINDS:
         return [0, len(SHARED), len(SHARED)]
-    periodic = (lead + len(SHARED)) // every * every if every else 0
+    periodic = max((every << k for k in range(8) if every << k <= lead + len(SHARED)), default=0)
     assert lead + len(SHARED) - periodic >= MIN_BRANCH_TOKENS  # B stops at the branch point
     return [0, max(0, periodic - lead), len(SHARED)]
 

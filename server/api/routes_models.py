@@ -91,10 +91,10 @@ class ModelCard(BaseModel):
         "Linformer state is that size at any length, a softmax one grows with it); null: no prefix cache"
     )
     prefix_cache_every: int = Field(
-        description="tokens read between two decode states a prompt's prefill keeps in the prefix cache "
-        "(--prefix-cache-every), for a constant-size state (linear, Linformer, hybrid); 0: none kept mid-prompt but "
-        "at branch points (turned off, no prefix cache, or a softmax or Reformer cache, whose longer snapshots serve "
-        "any shorter prefix)"
+        description="tokens read before the first of the decode states a prompt's prefill keeps in the prefix cache "
+        "(--prefix-cache-every; then after each doubling of them), for a constant-size state (linear, Linformer, "
+        "hybrid); 0: none kept mid-prompt but at branch points (turned off, no prefix cache, a budget that holds no "
+        "more than one state, or a softmax or Reformer cache, whose longer snapshots serve any shorter prefix)"
     )
     metrics: dict[str, Any] = Field(description="evaluation results stored in the weights file")
     config: dict[str, Any]

@@ -29,7 +29,7 @@ class EngineLimits:
     memory_budget: int | None = None  # the model's share of the decode memory budget; None: no budget
     prefix_cache_memory: int = 0  # bytes of decode states the engine keeps by prefix (server/engine/prefix_cache.py)
     prefix_cache_every: int = (
-        0  # tokens read between two states a prompt's prefill keeps (server/engine/prefix_plan.py)
+        0  # tokens read before the first periodic state a prompt's prefill keeps (server/engine/prefix_plan.py)
     )
 
 

@@ -47,13 +47,12 @@ class Snapshot:
         return held + self.logits.numel() * self.logits.element_size()
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: a node that holds a snapshot is its own LRU key
 class _Node:
     children: dict[int, _Node] = field(default_factory=dict)
     snapshot: Snapshot | None = None
     parent: _Node | None = None
     token: int = -1
-    key: tuple[int, ...] = ()  # the tokens from the root, while the node holds a snapshot (its LRU key)
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,9 @@ class PrefixCache:
     def __init__(self, budget: int):
         self.budget = budget
         self._root = _Node()
-        self._recent: OrderedDict[tuple[int, ...], _Node] = OrderedDict()  # least recently used first
+        self._recent: OrderedDict[_Node, None] = (
+            OrderedDict()
+        )  # the nodes that hold snapshots, least recently used first
         self.bytes_held = 0
         self.queried_tokens = 0  # tokens looked up, and those found cached: counters for the metrics
         self.hit_tokens = 0
@@ -100,12 +101,17 @@ class PrefixCache:
 
     def holds(self, tokens: list[int]) -> bool:
         """Whether a snapshot after exactly `tokens` is kept."""
-        return tuple(tokens) in self._recent
+        return self.snapshot_of(tokens) is not None
 
     def snapshot_of(self, tokens: list[int]) -> Snapshot | None:
         """The snapshot after exactly `tokens`, if kept."""
-        node = self._recent.get(tuple(tokens))
-        return node.snapshot if node is not None else None
+        node = self._root
+        for token in tokens:
+            child = node.children.get(token)
+            if child is None:
+                return None
+            node = child
+        return node.snapshot  # the root holds none
 
     def lookup(self, tokens: list[int], usable: Callable[[Snapshot], bool] | None = None) -> Hit | None:
         """The longest prefix of `tokens` with a snapshot (that `usable` accepts, if given); it becomes the most
@@ -134,41 +140,65 @@ class PrefixCache:
             best, best_length = _snapshot_below(node), partial_length
         if best is None or best.snapshot is None:
             return Lookup(None, shared)
-        self._recent.move_to_end(best.key)
+        self._recent.move_to_end(best)
         self.hit_tokens += best_length
         return Lookup(Hit(best_length, best.snapshot), shared)
 
     def insert(self, tokens: list[int], snapshot: Snapshot) -> bool:
-        """Keep `snapshot` as the state after `tokens`, evicting the least recently used entries to fit.
-        False when it cannot fit at all (larger than the budget)."""
+        """Keep `snapshot` as the state after `tokens`, evicting the least recently used entries to fit (if one is
+        kept there already, it stays: only its use is new). False when it cannot fit at all (larger than the
+        budget)."""
+        return self.keep(tokens, lambda: snapshot) is not None
+
+    def keep(self, tokens: list[int], take: Callable[[], Snapshot]) -> Snapshot | None:
+        """The snapshot after exactly `tokens`: the one kept already (now the most recently used), or else `take()`'s,
+        kept by evicting the least recently used entries to fit; None when that is larger than the whole budget
+        (nothing evicted). One walk down the trie, and `take` (a state's copy) only when nothing is kept there."""
+        if not tokens:
+            return None
+        node = self._path_to(tokens)
+        if node.snapshot is not None:
+            self._recent.move_to_end(node)
+            return node.snapshot
+        try:
+            snapshot = take()
+        except BaseException:
+            _prune(node)  # every leaf holds a snapshot (`_snapshot_below` relies on it)
+            raise
         size = snapshot.nbytes
-        if not tokens or size > self.budget:
-            return False
-        key = tuple(tokens)
-        if key in self._recent:  # the same state again: only its use is new
-            self._recent.move_to_end(key)
-            return True
+        if size > self.budget:
+            _prune(node)
+            return None
+        node.snapshot = snapshot  # before evicting: an evicted branch's pruning stops at a node that holds one
         while self.bytes_held + size > self.budget:
             self._evict_oldest()
+        self._recent[node] = None
+        self.bytes_held += size
+        return snapshot
+
+    def _path_to(self, tokens: list[int]) -> _Node:
+        """The node after `tokens`, made (with the nodes above it) where missing."""
         node = self._root
         for token in tokens:
             child = node.children.get(token)
             if child is None:
                 child = node.children[token] = _Node(parent=node, token=token)
             node = child
-        node.snapshot, node.key = snapshot, key
-        self._recent[key] = node
-        self.bytes_held += size
-        return True
+        return node
 
     def _evict_oldest(self) -> None:
-        _, node = self._recent.popitem(last=False)
+        node, _ = self._recent.popitem(last=False)
         assert node.snapshot is not None  # every listed node holds one
         self.bytes_held -= node.snapshot.nbytes
-        node.snapshot, node.key = None, ()
-        while node.parent is not None and not node.children and node.snapshot is None:  # prune the bare branch
-            del node.parent.children[node.token]
-            node = node.parent
+        node.snapshot = None
+        _prune(node)
+
+
+def _prune(node: _Node) -> None:
+    """Remove `node` and the nodes above it that are left bare: no snapshot, no children."""
+    while node.parent is not None and not node.children and node.snapshot is None:
+        del node.parent.children[node.token]
+        node = node.parent
 
 
 def _snapshot_below(node: _Node) -> _Node:

@@ -10,9 +10,14 @@ A state kept only where a prompt or a finished sequence ended never serves two p
   server/engine/prefix_cache.py), with no snapshot of its own. Not when the branch point is fewer than
   `MIN_BRANCH_TOKENS` past what the cache gave: a stop costs a forward's overhead and a stored state, to save
   later prompts only those few tokens.
-- **periodic snapshots**: for a constant-size state (linear, Linformer, hybrid), every `every` tokens read
-  (`--prefix-cache-every`, at multiples of it from the first token read), so that even the second prompt with a
-  shared start finds most of it. A softmax or Reformer cache needs none: partial hits cut any stored one.
+- **periodic snapshots**: for a constant-size state (linear, Linformer, hybrid), after `every`, 2 `every`,
+  4 `every`, ... tokens read (`--prefix-cache-every`, counted from the first token read), so that even the second
+  prompt with a shared start finds at least half of it. Doubling, not a fixed step: each stop costs every prompt
+  that long a forward's overhead and a state's copy, so a prompt of T tokens stops about log2(T / every) times,
+  not T / every, and keeps as few states. Only as many as the cache's budget holds besides the states the same
+  prefill keeps at branch points and ends (the deepest ones, which save the most): a state the prefill's own
+  later ones would evict, or one larger than the budget, is not worth its stop. A softmax or Reformer cache needs
+  none: partial hits cut any stored one.
 
 A weighed request (particles) needs its prompt's likelihood up to any state it takes, which a mid-prefill
 snapshot does not keep: it stores none.
@@ -30,11 +35,13 @@ MIN_BRANCH_TOKENS = 8  # a branch point nearer than this to the cached part is n
 
 @dataclass(frozen=True)
 class SnapshotPolicy:
-    """What a model's state allows: `every` > 0 takes periodic snapshots; `truncates`: partial hits serve branch
-    points (no branch snapshots)."""
+    """What a model's state allows: `every` > 0 takes periodic snapshots (the first after `every` tokens read);
+    `truncates`: partial hits serve branch points (no branch snapshots); `budget_states`: how many states the
+    cache's budget holds (a constant-size state's; None: no bound)."""
 
     every: int = 0
     truncates: bool = False
+    budget_states: int | None = None
 
 
 @dataclass(frozen=True)
@@ -46,16 +53,32 @@ class PrefillPlan:
     stops: tuple[int, ...] = ()
 
 
-def plan_prefill(found: Lookup, total: int, policy: SnapshotPolicy) -> PrefillPlan:
-    """The plan of a prompt of `total` tokens read, from what the lookup found."""
+def plan_prefill(found: Lookup, total: int, policy: SnapshotPolicy, sharing: int = 1) -> PrefillPlan:
+    """The plan of a prompt of `total` tokens read, from what the lookup found. `sharing`: the prompts one prefill
+    keeps states of (this one included), between which the budget's states are split."""
     done = found.hit.length if found.hit is not None else 0
-    stops: set[int] = set()
-    if policy.every > 0:
-        stops.update(range((done // policy.every + 1) * policy.every, total, policy.every))
+    stops: list[int] = []
     branch = found.shared
     if not policy.truncates and branch < total and branch - done >= MIN_BRANCH_TOKENS:
-        stops.add(branch)
-    return PrefillPlan(found.hit, tuple(sorted(stops)))
+        stops.append(branch)
+    periodic = [stop for stop in periodic_stops(done, total, policy.every) if stop != branch]
+    if policy.budget_states is not None:  # room besides its end's state and its branch point's
+        room = max(0, policy.budget_states // sharing - 1 - len(stops))
+        periodic = periodic[len(periodic) - room :] if room < len(periodic) else periodic
+    return PrefillPlan(found.hit, tuple(sorted([*stops, *periodic])))
+
+
+def periodic_stops(done: int, total: int, every: int) -> list[int]:
+    """every, 2 every, 4 every, ... tokens read: those past `done` (what the cache gave) and before `total` (the
+    end's state is kept anyway); none for `every` 0."""
+    stops: list[int] = []
+    stop = every
+    while 0 < stop <= done:
+        stop *= 2
+    while 0 < stop < total:
+        stops.append(stop)
+        stop *= 2
+    return stops
 
 
 def runs_of_equal_keys(keys: Sequence[Hashable | None]) -> list[tuple[int, int]]:

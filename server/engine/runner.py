@@ -43,7 +43,7 @@ from model.state import ModelState
 from model.transformer import Transformer, with_bos
 
 from model.decode.particles import RowCopy
-from server.engine.prefix_cache import PrefixCache, restore_snapshot, take_snapshot
+from server.engine.prefix_cache import LOGIT_BYTES, PrefixCache, restore_snapshot, take_snapshot
 from server.engine.prefix_plan import PrefillPlan, SnapshotPolicy, plan_prefill, runs_of_equal_keys
 from server.engine.scheduler import Placement
 from server.engine.step import AppliedStep, RunnerOutput, SampleRead, SampleSpan, SchedulerOutput, StepNeeds, StepUpdate
@@ -212,8 +212,8 @@ class ModelRunner:
         prefix_cache_every: int = 0,
     ):
         """prefix_cache_bytes: the budget of the prefix cache of decode states (0, or a kind whose state cannot be
-        snapshot exactly: no cache). prefix_cache_every: tokens read between two snapshots a long prompt's prefill
-        stores, for a constant-size state (0: none; server/engine/prefix_plan.py)."""
+        snapshot exactly: no cache). prefix_cache_every: tokens read before the first of the periodic snapshots a
+        long prompt's prefill stores, for a constant-size state (0: none; server/engine/prefix_plan.py)."""
         self.model = model.eval()
         self.rows = rows
         self.cuda_graphs = cuda_graphs
@@ -226,7 +226,7 @@ class ModelRunner:
         self.prefix_cache = (
             PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 and caches_prefixes(model) else None
         )
-        self.prefix_policy = snapshot_policy(model, prefix_cache_every)
+        self.prefix_policy = snapshot_policy(model, prefix_cache_every, prefix_cache_bytes)
         self.cached: list[int] = []  # the last prefill's prompt tokens per request that the prefix cache gave
 
     def allocate(self) -> None:
@@ -269,7 +269,7 @@ class ModelRunner:
         of neighbouring rows that store states at the same positions (server/engine/prefix_plan.py). Returns each
         prompt's log-likelihood under its sampling distribution (0.0 where not weighed); `cached` then holds each
         request's prompt tokens the cache gave."""
-        plans = [self._plan(r) for r in requests]
+        plans = [self._plan(r, len(requests)) for r in requests]
         likelihoods = [0.0] * len(requests)
         self.cached = [0] * len(requests)
         for start, stop in runs_of_equal_keys([None if p.hit is not None else p.stops for p in plans]):
@@ -297,17 +297,17 @@ class ModelRunner:
         """What the model reads for a prompt: its lead, then the prompt."""
         return [*self.model.config.prompt_lead(len(request.prompt)), *request.prompt]
 
-    def _plan(self, request: GenerationRequest) -> PrefillPlan:
-        """The longest cached prefix of what `request` reads, and where its prefill stores states; nothing for an
-        empty prompt (its state is computed once at start). A weighed request (particles) takes only a prefix
-        whose likelihood under its sampling distribution is known (it needs its whole prompt's), and stores no
-        state mid-prefill."""
+    def _plan(self, request: GenerationRequest, sharing: int) -> PrefillPlan:
+        """The longest cached prefix of what `request` reads, and where its prefill stores states (the cache's room
+        split between the `sharing` prompts of the prefill); nothing for an empty prompt (its state is computed
+        once at start). A weighed request (particles) takes only a prefix whose likelihood under its sampling
+        distribution is known (it needs its whole prompt's), and stores no state mid-prefill."""
         if self.prefix_cache is None or not request.prompt:
             return PrefillPlan()
         tokens = self._read_tokens(request)
         if request.particles is None:
             found = self.prefix_cache.find(tokens, truncate=self.prefix_policy.truncates)
-            return plan_prefill(found, len(tokens), self.prefix_policy)
+            return plan_prefill(found, len(tokens), self.prefix_policy, sharing)
         key = _likelihood_key(request)
         return PrefillPlan(self.prefix_cache.lookup(tokens, lambda snapshot: key in snapshot.likelihoods))
 
@@ -351,8 +351,7 @@ class ModelRunner:
     def _keep(self, tokens: list[int], row: int, logits: torch.Tensor) -> None:
         """Row `row`'s state as it is now, after `tokens`, with its (V,) next-token logits, unless already kept."""
         assert self.prefix_cache is not None  # only a plan of the cache's stops here
-        if not self.prefix_cache.holds(tokens):
-            self.prefix_cache.insert(tokens, take_snapshot(self.slots.state, row, logits.float()))
+        self.prefix_cache.keep(tokens, lambda: take_snapshot(self.slots.state, row, logits.float()))
 
     def _remember(self, request: GenerationRequest, row: int, likelihood: float) -> None:
         """Keep the state after the prompt, unless the cache already holds it; a weighed request's prompt
@@ -360,11 +359,8 @@ class ModelRunner:
         if self.prefix_cache is None or not request.prompt:
             return
         tokens = self._read_tokens(request)
-        snapshot = self.prefix_cache.snapshot_of(tokens)
-        if snapshot is None:
-            snapshot = take_snapshot(self.slots.state, row, self.slots.logits[row])
-            self.prefix_cache.insert(tokens, snapshot)
-        if request.particles is not None:
+        snapshot = self.prefix_cache.keep(tokens, lambda: take_snapshot(self.slots.state, row, self.slots.logits[row]))
+        if snapshot is not None and request.particles is not None:
             snapshot.likelihoods[_likelihood_key(request)] = likelihood
 
     def place_copies(self, places: list[Placement]) -> None:
@@ -466,8 +462,7 @@ class ModelRunner:
             return  # nothing beyond the prompt, whose state is kept already
         start = len(request.prompt)
         tokens = [*read, *self.slots.generated[row, start : start + fed].tolist()]
-        if not self.prefix_cache.holds(tokens):
-            self.prefix_cache.insert(tokens, take_snapshot(self.slots.state, row, self.slots.logits[row]))
+        self.prefix_cache.keep(tokens, lambda: take_snapshot(self.slots.state, row, self.slots.logits[row]))
 
     def feed(self) -> None:
         """The last pass's tokens into its live rows (rows [0, live) after `apply`): their next logits to the slots.
@@ -575,11 +570,15 @@ class ModelRunner:
         return scores
 
 
-def snapshot_policy(model: Transformer, every: int) -> SnapshotPolicy:
-    """Where the model's prefills store states mid-prompt: periodic snapshots (`every` tokens read) for a
-    constant-size state only; a state kept by position serves branch points from longer snapshots."""
+def snapshot_policy(model: Transformer, every: int, budget: int) -> SnapshotPolicy:
+    """Where the model's prefills store states mid-prompt, in a prefix cache of `budget` bytes: periodic snapshots
+    (the first after `every` tokens read) for a constant-size state only, and none when the budget holds no more
+    than a prompt's end state; a state kept by position serves branch points from longer snapshots."""
     truncates = all(layer.snapshots_truncate for layer in model.new_state(1).layers)
-    return SnapshotPolicy(every if model.capabilities.constant_state else 0, truncates)
+    if not model.capabilities.constant_state:
+        return SnapshotPolicy(0, truncates)
+    states = budget // (model.state_bytes_per_sequence() + LOGIT_BYTES * model.config.vocab_out)
+    return SnapshotPolicy(every if states > 1 else 0, truncates, states)
 
 
 def caches_prefixes(model: Transformer) -> bool:

@@ -19,9 +19,9 @@ import pytest
 from model.decode.sampling import SamplingParams
 from server.engine.core import Engine, EngineLimits
 from server.engine.client import EngineClient
-from server.engine.output import LocalOutput
+from server.engine.output import Gauges, LocalOutput
 from server.engine import messages as msg
-from server.engine.process import Pipe, PipeSink
+from server.engine.process import HOLD_SECONDS, Pipe, PipeSink
 from server.metrics import Metrics
 from server.engine.scheduler import QueueFull
 from server.settings import Settings
@@ -148,11 +148,38 @@ def test_a_pass_s_figures_and_events_cross_the_pipe_in_one_message_and_held_even
     stats = StepStats(batch=2, steps=1, tokens=2, running=2, waiting=0, state_bytes=64)
     sink.step(stats, {streamed: [token], whole: ["held until its end"]})
     first = api_end.recv()
-    assert first == msg.Step(stats, [(7, [token])])  # the non-streamed request's event waits for its end
+    assert first == msg.Step([stats], [(7, [token])])  # the non-streamed request's event waits for its end
     sink.step(stats, {whole: [DONE]})
-    assert api_end.recv() == msg.Step(stats, [(8, ["held until its end", DONE])])
+    assert api_end.recv() == msg.Step([stats], [(8, ["held until its end", DONE])])
     assert sink.streams == {7: streamed}  # an ended stream is unbound
-    assert not api_end.poll(0.1)  # nothing else was sent: no separate record, no deferral
+    assert not api_end.poll(0.1)  # nothing else was sent: no separate record
+
+
+def test_a_pass_without_events_sends_nothing_its_figures_go_with_the_next_message():
+    api_end, engine_end = multiprocessing.Pipe()
+    sink = PipeSink(Pipe(engine_end))
+    stream = GenerationStream(GenerationRequest("w", [1], 3), sink, each_event=False)
+    sink.keys[stream], sink.streams[9] = 9, stream
+    passes = [StepStats(batch=1, steps=8, tokens=8, running=1, waiting=0, state_bytes=32 * i) for i in (1, 2, 3)]
+    sink.step(passes[0], {stream: ["token"]})  # held by the stream until its end: no event this pass
+    sink.step(passes[1], {})
+    assert not api_end.poll(0.05)  # no message wakes the API process for figures alone
+    sink.step(passes[2], {stream: [DONE]})
+    assert api_end.recv() == msg.Step(passes, [(9, ["token", DONE])])  # every pass's figures, before the events
+    sink.step(passes[0], {})
+    sink.gauges(Gauges(0, 0, idle=True))  # an idle engine leaves nothing held
+    assert api_end.recv() == msg.Step([passes[0]], [])
+    assert api_end.recv() == msg.GaugesNow(Gauges(0, 0, idle=True))
+
+
+def test_figures_held_back_wait_at_most_hold_seconds():
+    api_end, engine_end = multiprocessing.Pipe()
+    sink = PipeSink(Pipe(engine_end))
+    stats = StepStats(batch=1, steps=8, tokens=8, running=1, waiting=0, state_bytes=32)
+    sink.step(stats, {})
+    time.sleep(HOLD_SECONDS)
+    sink.step(stats, {})  # a long request's passes: its figures still reach /metrics while it runs
+    assert api_end.recv() == msg.Step([stats, stats], [])
 
 
 def test_refusals_keep_their_kind_across_the_pipe():

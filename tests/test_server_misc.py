@@ -258,6 +258,21 @@ def test_metrics_exports_every_name_and_moves(server):
     assert metric_value(after, "rnnserve_running_sequences", **labels) == 0
 
 
+def test_every_step_of_a_whole_image_is_counted_when_its_answer_arrives(server):
+    """An engine process sends nothing for a pass without answers (a whole image's steps before its last): the
+    figures it holds back go with the answer, so none is missing from /metrics once the answer is in."""
+    labels = {"model": "linear-mnist", "attention": "linear"}
+    names = ("rnnserve_generated_tokens_total", "rnnserve_decode_steps_total", "rnnserve_decode_step_seconds_count")
+    before = server.get("/metrics").text
+    digit = [[255 * ((x + y) % 2) for x in range(28)] for y in range(28)]
+    response = server.post("/v1/images/completions", json={"model": "linear-mnist", "pixels": digit, "keep_rows": 14})
+    assert response.status_code == 200
+    after = server.get("/metrics").text
+    moved = {name: metric_value(after, name, **labels) - metric_value(before, name, **labels) for name in names}
+    assert moved["rnnserve_generated_tokens_total"] == 14 * 28  # the unknown rows, in passes of several steps
+    assert moved["rnnserve_decode_step_seconds_count"] == moved["rnnserve_decode_steps_total"] >= 14 * 28 - 1
+
+
 def test_a_406_counts_under_the_model_it_names(server):
     def not_acceptable() -> float:
         return metric_value(

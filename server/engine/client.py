@@ -368,8 +368,9 @@ class EngineClient(EngineFacts):
 
     def _dispatch(self, message: object) -> None:
         match message:
-            case msg.Step(stats, events):
-                self.metrics.record_step(stats)  # first: a client that has its answer finds the step counted
+            case msg.Step(passes, events):
+                for stats in passes:  # first: a client that has its answer finds the step counted
+                    self.metrics.record_step(stats)
                 self._hand_over(events)
             case msg.Events(events):
                 self._hand_over(events)

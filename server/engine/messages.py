@@ -4,7 +4,9 @@
     engine -> API:  Started | StartFailed   Accepted | Refused   Scored   Step   Events   GaugesNow   Compiled
 
 A pass's figures and its events travel in one `Step`, so the API process records the figures before it hands
-the events on (a client that has its answer finds the step counted when it scrapes /metrics).
+the events on (a client that has its answer finds the step counted when it scrapes /metrics). A pass that hands
+out no events keeps its figures back for the next message (server/engine/process.py's `PipeSink`): every message
+wakes the API process, whose reader then runs beside the engine's step.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ class Scored:
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    stats: StepStats
+    stats: list[StepStats]  # the figures of the passes since the last message, oldest first
     events: TaggedEvents
 
 

@@ -6,7 +6,10 @@ vLLM's V1 split: the API process parses requests and writes answers; the engine 
 engine process's main. They talk over one pipe, in the typed messages of server/engine/messages.py.
 
 Metrics are kept by the API process, which serves /metrics: the engine's output here (`PipeSink`) sends each
-pass's figures in the same message as the pass's events, and the API process records them on arrival.
+pass's figures in the same message as the pass's events, and the API process records them on arrival. A pass
+that hands out no events (a non-streamed request's steps before it ends) sends nothing: its figures wait, at most
+HOLD_SECONDS, for the next message. Every message wakes the API process's reader, and the kernel tends to run a
+thread woken through a pipe on the writer's core, where it takes time from the engine's next step.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import gc
 import logging
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -52,6 +56,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("rnnserve.engine_process")
 PROCESS_NAME_PREFIX = "rnnserve:"  # an engine process's name is this and its model's name
 PR_SET_NAME = 15  # prctl(2)
+HOLD_SECONDS = 0.1  # how long the figures of passes without events may wait for a message to go with: /metrics lag
 
 
 @dataclass(frozen=True)
@@ -110,16 +115,40 @@ class PipeSink:
         self.lock = threading.Lock()  # held while a stream is bound, so its first events find its key
         self.keys: dict[EventTarget, int] = {}
         self.streams: dict[int, GenerationStream] = {}
+        self._held: list[StepStats] = []  # figures of passes that handed out no events, not sent yet
+        self._held_since = 0.0  # time.monotonic() of the oldest of them
+        self._held_lock = threading.Lock()
 
     def put_events(self, batch: list[tuple[EventTarget, list[Event]]]) -> None:
-        self.pipe.send(msg.Events(self._tagged(batch)))
+        """Events outside a pass (`streams.finish`), after the figures held back: figures before events."""
+        events, held = self._tagged(batch), self._take_held()
+        self.pipe.send(msg.Step(held, events) if held else msg.Events(events))
 
     def step(self, stats: StepStats, outbox: Outbox) -> None:
-        """A pass's figures and events, in one message."""
-        self.pipe.send(msg.Step(stats, self._tagged(released(outbox))))
+        """A pass's figures and events, in one message with the figures held back before them. A pass without
+        events sends nothing unless the oldest figures held have waited HOLD_SECONDS."""
+        events = self._tagged(released(outbox))
+        now = time.monotonic()
+        with self._held_lock:
+            if not self._held:
+                self._held_since = now
+            self._held.append(stats)
+            if not events and now - self._held_since < HOLD_SECONDS:
+                return
+            held, self._held = self._held, []
+        self.pipe.send(msg.Step(held, events))
 
     def gauges(self, gauges: Gauges) -> None:
+        """The queue's gauges, after the figures held back (an idle engine sends them: nothing stays held)."""
+        held = self._take_held()
+        if held:
+            self.pipe.send(msg.Step(held, []))
         self.pipe.send(msg.GaugesNow(gauges))
+
+    def _take_held(self) -> list[StepStats]:
+        with self._held_lock:
+            held, self._held = self._held, []
+        return held
 
     def _tagged(self, batch: list[tuple[EventTarget, list[Event]]]) -> msg.TaggedEvents:
         with self.lock:

@@ -65,21 +65,38 @@ struct FeatureMap {
 float largest(const float* x, int64_t n) {
   V top = vload(x);
   for (int64_t i = kLanes; i < n; i += kLanes) top = vmax(top, vload(x + i));
-  alignas(64) float lanes[kLanes];
-  vstore(lanes, top);
-  return *std::max_element(lanes, lanes + kLanes);
+  return hmax(top);
 }
 
 float smallest(const float* x, int64_t n) {
   V bottom = vload(x);
   for (int64_t i = kLanes; i < n; i += kLanes) bottom = vmin(bottom, vload(x + i));
-  alignas(64) float lanes[kLanes];
-  vstore(lanes, bottom);
-  return *std::min_element(lanes, lanes + kLanes);
+  return hmin(bottom);
 }
 
-// projected = W x + b (P outputs, PC vectors of them; PC = 0: as many as P takes, summed in memory). Two
-// accumulator chains along D, held in registers, so that the products do not wait on one another.
+// projected = W x + b for PC vectors of outputs (PC > 0), into registers. Accumulator chains along D (four for
+// up to two vectors of outputs, else two), so that the products do not wait on one another.
+template <int PC>
+void project_held(const FeatureMap& map, const float* x, V* projected) {
+  constexpr int64_t kSets = PC <= 2 ? 4 : 2;
+  V sums[kSets][PC];
+  for (int64_t c = 0; c < PC; ++c) {
+    sums[0][c] = vload(map.bias + c * kLanes);
+    for (int64_t a = 1; a < kSets; ++a) sums[a][c] = vbroadcast(0.f);
+  }
+  for (int64_t j = 0; j < map.d; j += kSets)
+    for (int64_t a = 0; a < kSets && j + a < map.d; ++a) {
+      const V xj = vbroadcast(x[j + a]);
+      const float* line = map.weight_t + (j + a) * map.p;
+      for (int64_t c = 0; c < PC; ++c) sums[a][c] = vfma(xj, vload(line + c * kLanes), sums[a][c]);
+    }
+  for (int64_t c = 0; c < PC; ++c) {
+    projected[c] = sums[0][c];
+    for (int64_t a = 1; a < kSets; ++a) projected[c] = projected[c] + sums[a][c];
+  }
+}
+
+// projected = W x + b (P outputs, PC vectors of them; PC = 0: as many as P takes, summed in memory).
 template <int PC>
 void project(const FeatureMap& map, const float* x, float* projected) {
   if constexpr (PC == 0) {
@@ -90,15 +107,32 @@ void project(const FeatureMap& map, const float* x, float* projected) {
       for (int64_t i = 0; i < map.p; i += kLanes) vstore(projected + i, vfma(xj, vload(line + i), vload(projected + i)));
     }
   } else {
-    V sums[2][PC];
-    for (int64_t c = 0; c < PC; ++c) sums[0][c] = vload(map.bias + c * kLanes), sums[1][c] = vbroadcast(0.f);
-    for (int64_t j = 0; j < map.d; j += 2)  // D is a whole number of vectors: even
-      for (int64_t a = 0; a < 2 && j + a < map.d; ++a) {
-        const V xj = vbroadcast(x[j + a]);
-        const float* line = map.weight_t + (j + a) * map.p;
-        for (int64_t c = 0; c < PC; ++c) sums[a][c] = vfma(xj, vload(line + c * kLanes), sums[a][c]);
-      }
-    for (int64_t c = 0; c < PC; ++c) vstore(projected + c * kLanes, sums[0][c] + sums[1][c]);
+    V held[PC];
+    project_held<PC>(map, x, held);
+    for (int64_t c = 0; c < PC; ++c) vstore(projected + c * kLanes, held[c]);
+  }
+}
+
+// Hedgehog's phi of x for PC vectors of projected outputs, all in registers: [softmax(p), softmax(-p)] into out
+// (2P,), as softmax_into computes each half (the same operations in the same order), without a pass through memory.
+template <int PC>
+void hedgehog_held(const FeatureMap& map, const float* x, float* out) {
+  V p[PC];
+  project_held<PC>(map, x, p);
+  V top = p[0], bottom = p[0];
+  for (int64_t c = 1; c < PC; ++c) top = vmax(top, p[c]), bottom = vmin(bottom, p[c]);
+  const V high = vbroadcast(hmax(top)), low = vbroadcast(hmin(bottom));
+  V up[PC], down[PC], up_sum = vbroadcast(0.f), down_sum = vbroadcast(0.f);
+  for (int64_t c = 0; c < PC; ++c) {
+    up[c] = exp_of_nonpositive(p[c] - high);
+    down[c] = exp_of_nonpositive(p[c] * vbroadcast(-1.f) - low * vbroadcast(-1.f));
+    up_sum = up_sum + up[c];
+    down_sum = down_sum + down[c];
+  }
+  const V up_total = vbroadcast(hsum(up_sum)), down_total = vbroadcast(hsum(down_sum));
+  for (int64_t c = 0; c < PC; ++c) {
+    vstore(out + c * kLanes, up[c] / up_total);
+    vstore(out + map.p + c * kLanes, down[c] / down_total);
   }
 }
 
@@ -119,6 +153,14 @@ void feature_map(const FeatureMap& map, const float* x, float* out) {
   if (map.kind == MapKind::kElu) {
     for (int64_t i = 0; i < map.d; i += kLanes) vstore(out + i, elu_plus_one(vload(x + i)));
     return;
+  }
+  if (map.kind == MapKind::kHedgehog) {
+    switch (map.p / kLanes) {
+      case 1: return hedgehog_held<1>(map, x, out);
+      case 2: return hedgehog_held<2>(map, x, out);
+      case 4: return hedgehog_held<4>(map, x, out);
+      default: break;  // longer projections: through memory, below
+    }
   }
   alignas(64) float projected[kMaxFeatures];
   switch (map.p / kLanes) {

@@ -101,6 +101,31 @@ inline V vload_bf16(const uint16_t* p) {
 inline V vmin(V a, V b) { return a < b ? a : b; }  // lane-wise on every route (GCC's vector conditionals)
 inline V vmax(V a, V b) { return a > b ? a : b; }
 
+// The largest and the smallest lane of v (exact in any order, unlike a sum).
+inline float hmax(V v) {
+#if defined(CPU_CAPABILITY_AVX512) && !defined(RNNSERVE_GENERIC_VECTORS)
+  return _mm512_reduce_max_ps(v);
+#else
+  alignas(64) float lanes[kLanes];
+  std::memcpy(lanes, &v, sizeof(V));
+  float top = lanes[0];
+  for (int64_t i = 1; i < kLanes; ++i) top = lanes[i] > top ? lanes[i] : top;
+  return top;
+#endif
+}
+
+inline float hmin(V v) {
+#if defined(CPU_CAPABILITY_AVX512) && !defined(RNNSERVE_GENERIC_VECTORS)
+  return _mm512_reduce_min_ps(v);
+#else
+  alignas(64) float lanes[kLanes];
+  std::memcpy(lanes, &v, sizeof(V));
+  float bottom = lanes[0];
+  for (int64_t i = 1; i < kLanes; ++i) bottom = lanes[i] < bottom ? lanes[i] : bottom;
+  return bottom;
+#endif
+}
+
 // e^y for y <= 0 (larger y is not asked for), to float32's last bit or so: 2^n e^r with n = round(y / ln 2),
 // r = y - n ln 2 in two parts, e^r by its Taylor polynomial; below -87 the result is flushed towards 0.
 inline V exp_of_nonpositive(V y) {

@@ -28,7 +28,7 @@ class DecodeSettings:
     nocache_samples: int = 4
     device: str = "cpu"
     dtype: str = "float32"  # model weights; linear and Linformer states stay float32
-    kv_cache_dtype: str | None = None  # softmax's cached keys and values; None: as dtype
+    kv_cache_dtype: str | None = None  # softmax's cached keys and values, the hybrid's ring; None: as dtype
     cuda_graphs: bool = True  # on CUDA, decode steps of graphable kinds replay captured graphs
     compiled: bool = True  # on the CPU, decode steps of compilable kinds run through torch.compile
     eager_too: bool = True  # with compiled: also time each compiled kind's eager path, "KIND (eager)"

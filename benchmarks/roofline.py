@@ -48,11 +48,17 @@ def dense_flops(cfg: ModelConfig) -> int:
     return 2 * _matrix_params(cfg)
 
 
-def attention_cost(cfg: ModelConfig, t: float) -> tuple[float, float]:
+def attention_cost(cfg: ModelConfig, t: float, bytes_per_cached: int = FP32) -> tuple[float, float]:
     """(FLOPs, state bytes read + written) of all layers' attention for one token at position t,
-    from the kind's own `token_cost` (model/attention/base.py)."""
-    cost = attention_class(cfg.attention).token_cost(cfg, t)
-    return cfg.n_layers * cost.flops, cfg.n_layers * cost.state_bytes
+    from the kind's own `token_cost` (model/attention/base.py); `bytes_per_cached`: a number of the
+    cached keys and values of kinds that keep them in the cache dtype (softmax's cache, the hybrid's ring)."""
+    kind = attention_class(cfg.attention)
+    cost = kind.token_cost(cfg, t)
+    state = cost.state_bytes
+    if kind.kv_cache:
+        cached = cost.state_bytes if cost.cached_bytes is None else cost.cached_bytes
+        state -= cached * (1 - bytes_per_cached / FP32)
+    return cfg.n_layers * cost.flops, cfg.n_layers * state
 
 
 def weight_bytes(cfg: ModelConfig, bytes_per_weight: int = FP32) -> int:
@@ -64,9 +70,7 @@ def token_cost(
 ) -> dict:
     """Per generated token at position t in a batch of `batch` sequences; `bytes_per_cached`: a number of
     the KV cache (kinds' costs count float32 states)."""
-    attn_flops, state_moved = attention_cost(cfg, t)
-    if attention_class(cfg.attention).kv_cache:
-        state_moved *= bytes_per_cached / FP32
+    attn_flops, state_moved = attention_cost(cfg, t, bytes_per_cached)
     return {
         "position": t,
         "batch": batch,

@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ins.add_argument(
         "--kv-cache-dtype",
         choices=("float32", "bfloat16"),
-        help="the numbers softmax models cache keys and values in, as the server's flag (default: as --dtype); "
+        help="the numbers softmax models cache keys and values in, and hybrid models their ring (not its sums), "
+        "as the server's flag (default: as --dtype); "
         "the peers keep theirs in --dtype",
     )
     ins.add_argument(

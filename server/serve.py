@@ -133,8 +133,9 @@ def _add_device_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-dtype",
         choices=("auto", "float32", "bfloat16"),
-        help="the numbers softmax models cache keys and values in; bfloat16 on a float32 model halves their "
-        "decode state at the same --max-batch and the bytes a compiled CPU step reads, and rounds each cached "
+        help="the numbers softmax models cache keys and values in, and hybrid models their ring of recent ones "
+        "(their sums stay float32); bfloat16 on a float32 model halves those caches at the same --max-batch and "
+        "the bytes a compiled CPU step reads from them, and rounds each cached "
         "number to 8 significant bits (eager steps without the CPU kernels run slower with it); "
         f"auto = as --dtype {default('kv_cache_dtype')}",
     )

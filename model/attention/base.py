@@ -36,6 +36,9 @@ class TokenCost:
 
     flops: float
     state_bytes: float  # decode-state bytes read plus written
+    # Of state_bytes, those of cached keys and values, which a kind with `kv_cache` stores in the cache dtype
+    # (counted here as float32); None: all of them for such a kind.
+    cached_bytes: float | None = None
 
 
 class Attention(nn.Module, ABC):

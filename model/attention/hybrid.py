@@ -44,8 +44,8 @@ from ..state import RowState
 
 @dataclass
 class HybridState(RowState):
-    k: torch.Tensor  # (B, KV, W, D) float32: the window's keys, slot = position mod W (rotary-turned, if any)
-    v: torch.Tensor  # (B, KV, W, D) float32: its values
+    k: torch.Tensor  # (B, KV, W, D) in the cache dtype: the window's keys, slot = position mod W (rotary-turned)
+    v: torch.Tensor  # (B, KV, W, D) in the cache dtype: its values
     s: torch.Tensor  # (B, KV, F, D) float32: sum of phi(k) v^T over the keys that left the window
     z: torch.Tensor  # (B, KV, F) float32: sum of phi(k) over them
 
@@ -63,6 +63,9 @@ class Past:
 
 class HybridAttention(FusedProjections, Attention):
     capabilities = Capabilities(constant_state=True, graphable=False, paddable=True, compilable=True)
+    # The ring is a cache of keys and values: it takes the model's --kv-cache-dtype (bfloat16 halves the bytes a
+    # step reads from it; the sums S and Z stay float32 whatever the dtype, as they add up every key that left).
+    kv_cache = True
 
     @classmethod
     def token_cost(cls, cfg: ModelConfig, t: float) -> TokenCost:
@@ -71,8 +74,9 @@ class HybridAttention(FusedProjections, Attention):
         f = feature_count(cfg.hybrid_feature_map, d, cfg.hybrid_features)
         mapping = 0 if cfg.hybrid_feature_map == "elu" else 2 * (h + kv) * d * projected_count(d, cfg.hybrid_features)
         flops = 4 * h * min(t, w) * d + 2 * (h + kv) * f * d + mapping
-        state = 2 * kv * (2 * w * d + f * d + f) * STATE_NUMBER_BYTES
-        return TokenCost(flops=flops, state_bytes=state)
+        ring = 2 * kv * 2 * w * d * STATE_NUMBER_BYTES  # read, and its slot written: the cached part
+        state = ring + 2 * kv * (f * d + f) * STATE_NUMBER_BYTES
+        return TokenCost(flops=flops, state_bytes=state, cached_bytes=ring)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -120,13 +124,16 @@ class HybridAttention(FusedProjections, Attention):
         return 1 if isinstance(self.feature_map, T2RFeatureMap) else 0
 
     def new_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> HybridState:
-        del dtype  # float32 whatever the model's dtype, as linear attention's sums
+        """The ring in `dtype` (the cache dtype), the sums float32 as linear attention's."""
         kv, w, d, f = self.n_kv_heads, self.window, self.d_head, self.features
 
-        def zeros(*shape: int) -> torch.Tensor:
-            return torch.zeros(*shape, device=device)
+        def zeros(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.zeros(*shape, device=device, dtype=dtype)
 
-        return HybridState(zeros(batch, kv, w, d), zeros(batch, kv, w, d), zeros(batch, kv, f, d), zeros(batch, kv, f))
+        ring = (batch, kv, w, d)
+        return HybridState(
+            zeros(*ring, dtype=dtype), zeros(*ring, dtype=dtype), zeros(batch, kv, f, d), zeros(batch, kv, f)
+        )
 
     def forward(
         self, x: torch.Tensor, start: torch.Tensor, state: HybridState | None
@@ -198,18 +205,19 @@ class HybridAttention(FusedProjections, Attention):
         w, kv_heads = self.window, self.n_kv_heads
         slot = start.remainder(w)[:, None, None, None].expand(-1, kv_heads, 1, self.d_head)  # (B, KV, 1, D)
         leaving = (start >= w).to(q.dtype)[:, None, None, None]  # (B, 1, 1, 1): a key written W positions ago
-        phi_old = self.feature_map(state.k.gather(2, slot)) * leaving  # (B, KV, 1, F)
-        state.s.add_(phi_old.transpose(-1, -2) @ state.v.gather(2, slot))
+        phi_old = self.feature_map(state.k.gather(2, slot).float()) * leaving  # (B, KV, 1, F)
+        state.s.add_(phi_old.transpose(-1, -2) @ state.v.gather(2, slot).float())
         state.z.add_(phi_old[:, :, 0])
-        state.k.scatter_(2, slot, k)
-        state.v.scatter_(2, slot, v)
+        state.k.scatter_(2, slot, k.to(state.k.dtype))  # rounded to the cache dtype, as the kernel stores it
+        state.v.scatter_(2, slot, v.to(state.v.dtype))
+        ring_k, ring_v = state.k.float(), state.v.float()  # (B, KV, W, D): the cache widened, as the kernel loads it
         written = torch.arange(w, device=start.device)[None, :] <= start[:, None]  # (B, W): slots reached so far
         phi_q = torch.unflatten(self.feature_map(q), 1, (kv_heads, -1))  # (B, KV, G, 1, F)
-        scores = (torch.unflatten(q, 1, (kv_heads, -1)) @ state.k[:, :, None].transpose(-1, -2)) * self.d_head**-0.5
+        scores = (torch.unflatten(q, 1, (kv_heads, -1)) @ ring_k[:, :, None].transpose(-1, -2)) * self.d_head**-0.5
         scores = scores.masked_fill(~written[:, None, None, None, :], float("-inf"))  # (B, KV, G, 1, W)
         window = torch.exp(scores - scores.amax(-1, keepdim=True))
         g = torch.sigmoid(self.mix.float()).view(1, kv_heads, -1, 1, 1)  # (1, KV, G, 1, 1)
-        numerator = g * (window @ state.v[:, :, None]) + (1 - g) * (phi_q @ state.s[:, :, None])  # (B, KV, G, 1, D)
+        numerator = g * (window @ ring_v[:, :, None]) + (1 - g) * (phi_q @ state.s[:, :, None])  # (B, KV, G, 1, D)
         linear_sum = (phi_q @ state.z[:, :, None, :, None])[..., 0]  # (B, KV, G, 1)
         denominator = g[..., 0] * window.sum(-1) + (1 - g[..., 0]) * linear_sum
         return (numerator / (denominator[..., None] + self.eps)).flatten(1, 2)
@@ -252,7 +260,11 @@ class HybridAttention(FusedProjections, Attention):
         """The ring's keys and values ordered by position (start - W .. start - 1) and the sums, as copies."""
         positions = start[:, None] - self.window + torch.arange(self.window, device=start.device)  # (B, W)
         slots = positions.remainder(self.window)[:, None, :, None].expand(-1, self.n_kv_heads, -1, self.d_head)
-        return Past(state.k.gather(2, slots), state.v.gather(2, slots), positions, state.s.clone(), state.z.clone())
+        keys, values = (
+            state.k.gather(2, slots).float(),
+            state.v.gather(2, slots).float(),
+        )  # widened from the cache dtype
+        return Past(keys, values, positions, state.s.clone(), state.z.clone())
 
     def _attend(
         self,
@@ -304,5 +316,5 @@ class HybridAttention(FusedProjections, Attention):
         last = min(k.shape[2], self.window)
         slots = positions[:, -last:].remainder(self.window)[:, None, :, None]
         slots = slots.expand(-1, self.n_kv_heads, -1, self.d_head)
-        state.k.scatter_(2, slots, k[:, :, -last:])
-        state.v.scatter_(2, slots, v[:, :, -last:])
+        state.k.scatter_(2, slots, k[:, :, -last:].to(state.k.dtype))
+        state.v.scatter_(2, slots, v[:, :, -last:].to(state.v.dtype))

@@ -3,16 +3,19 @@
 // slot, then each query head of the key head's group attends with exact softmax over the ring and phi(q) over the
 // sums, sharing one normaliser mixed by g = sigmoid(mix). Each row's ring and sums are read once while in cache,
 // the next key head's asked for meanwhile, and phi (elu + 1, t2r or Hedgehog) is computed in registers, for the
-// leaving key and each query. The attention alone is model/kernels/hybrid_decode.cpp's operator; a whole step
+// leaving key and each query. The ring holds float32 numbers or bfloat16 ones (the model's --kv-cache-dtype), widened
+// to float32 as they load; the sums are float32 either way, and so is every product. The attention alone is model/kernels/hybrid_decode.cpp's operator; a whole step
 // around it, model/kernels/hybrid_step.cpp's.
 #pragma once
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vectors.h"
@@ -22,6 +25,30 @@ namespace {
 constexpr int64_t kMaxHeadDim = 512;  // the longest head kept on the stack
 constexpr int64_t kMaxFeatures = 1024;  // the longest phi (and projection) kept on the stack
 constexpr int64_t kMaxWindow = 4096;  // the longest window whose scores are kept on the stack
+
+using Bf16 = c10::BFloat16;
+
+// A vector of a ring's numbers as float32: T is float, or bfloat16 widened as it loads.
+inline V load_ring(const float* p) { return vload(p); }
+inline V load_ring(const Bf16* p) { return vload_bf16(reinterpret_cast<const uint16_t*>(p)); }
+
+// x (n,) into a ring slot; a bfloat16 ring rounds each number to nearest even, as torch's .to() does.
+inline void store_ring(const float* x, int64_t n, float* slot) { std::copy(x, x + n, slot); }
+inline void store_ring(const float* x, int64_t n, Bf16* slot) {
+  for (int64_t i = 0; i < n; ++i) slot[i] = Bf16(x[i]);
+}
+
+// A slot's n numbers (a whole number of vectors) as float32: the slot itself for a float32 ring, else widened into
+// `buffer`.
+template <typename T>
+const float* widened(const T* slot, int64_t n, float* buffer) {
+  if constexpr (std::is_same_v<T, float>) {
+    return slot;
+  } else {
+    for (int64_t i = 0; i < n; i += kLanes) vstore(buffer + i, load_ring(slot + i));
+    return buffer;
+  }
+}
 
 enum class MapKind : int64_t { kElu = 0, kT2R = 1, kHedgehog = 2 };
 
@@ -38,21 +65,38 @@ struct FeatureMap {
 float largest(const float* x, int64_t n) {
   V top = vload(x);
   for (int64_t i = kLanes; i < n; i += kLanes) top = vmax(top, vload(x + i));
-  alignas(64) float lanes[kLanes];
-  vstore(lanes, top);
-  return *std::max_element(lanes, lanes + kLanes);
+  return hmax(top);
 }
 
 float smallest(const float* x, int64_t n) {
   V bottom = vload(x);
   for (int64_t i = kLanes; i < n; i += kLanes) bottom = vmin(bottom, vload(x + i));
-  alignas(64) float lanes[kLanes];
-  vstore(lanes, bottom);
-  return *std::min_element(lanes, lanes + kLanes);
+  return hmin(bottom);
 }
 
-// projected = W x + b (P outputs, PC vectors of them; PC = 0: as many as P takes, summed in memory). Two
-// accumulator chains along D, held in registers, so that the products do not wait on one another.
+// projected = W x + b for PC vectors of outputs (PC > 0), into registers. Accumulator chains along D (four for
+// up to two vectors of outputs, else two), so that the products do not wait on one another.
+template <int PC>
+void project_held(const FeatureMap& map, const float* x, V* projected) {
+  constexpr int64_t kSets = PC <= 2 ? 4 : 2;
+  V sums[kSets][PC];
+  for (int64_t c = 0; c < PC; ++c) {
+    sums[0][c] = vload(map.bias + c * kLanes);
+    for (int64_t a = 1; a < kSets; ++a) sums[a][c] = vbroadcast(0.f);
+  }
+  for (int64_t j = 0; j < map.d; j += kSets)
+    for (int64_t a = 0; a < kSets && j + a < map.d; ++a) {
+      const V xj = vbroadcast(x[j + a]);
+      const float* line = map.weight_t + (j + a) * map.p;
+      for (int64_t c = 0; c < PC; ++c) sums[a][c] = vfma(xj, vload(line + c * kLanes), sums[a][c]);
+    }
+  for (int64_t c = 0; c < PC; ++c) {
+    projected[c] = sums[0][c];
+    for (int64_t a = 1; a < kSets; ++a) projected[c] = projected[c] + sums[a][c];
+  }
+}
+
+// projected = W x + b (P outputs, PC vectors of them; PC = 0: as many as P takes, summed in memory).
 template <int PC>
 void project(const FeatureMap& map, const float* x, float* projected) {
   if constexpr (PC == 0) {
@@ -63,15 +107,32 @@ void project(const FeatureMap& map, const float* x, float* projected) {
       for (int64_t i = 0; i < map.p; i += kLanes) vstore(projected + i, vfma(xj, vload(line + i), vload(projected + i)));
     }
   } else {
-    V sums[2][PC];
-    for (int64_t c = 0; c < PC; ++c) sums[0][c] = vload(map.bias + c * kLanes), sums[1][c] = vbroadcast(0.f);
-    for (int64_t j = 0; j < map.d; j += 2)  // D is a whole number of vectors: even
-      for (int64_t a = 0; a < 2 && j + a < map.d; ++a) {
-        const V xj = vbroadcast(x[j + a]);
-        const float* line = map.weight_t + (j + a) * map.p;
-        for (int64_t c = 0; c < PC; ++c) sums[a][c] = vfma(xj, vload(line + c * kLanes), sums[a][c]);
-      }
-    for (int64_t c = 0; c < PC; ++c) vstore(projected + c * kLanes, sums[0][c] + sums[1][c]);
+    V held[PC];
+    project_held<PC>(map, x, held);
+    for (int64_t c = 0; c < PC; ++c) vstore(projected + c * kLanes, held[c]);
+  }
+}
+
+// Hedgehog's phi of x for PC vectors of projected outputs, all in registers: [softmax(p), softmax(-p)] into out
+// (2P,), as softmax_into computes each half (the same operations in the same order), without a pass through memory.
+template <int PC>
+void hedgehog_held(const FeatureMap& map, const float* x, float* out) {
+  V p[PC];
+  project_held<PC>(map, x, p);
+  V top = p[0], bottom = p[0];
+  for (int64_t c = 1; c < PC; ++c) top = vmax(top, p[c]), bottom = vmin(bottom, p[c]);
+  const V high = vbroadcast(hmax(top)), low = vbroadcast(hmin(bottom));
+  V up[PC], down[PC], up_sum = vbroadcast(0.f), down_sum = vbroadcast(0.f);
+  for (int64_t c = 0; c < PC; ++c) {
+    up[c] = exp_of_nonpositive(p[c] - high);
+    down[c] = exp_of_nonpositive(p[c] * vbroadcast(-1.f) - low * vbroadcast(-1.f));
+    up_sum = up_sum + up[c];
+    down_sum = down_sum + down[c];
+  }
+  const V up_total = vbroadcast(hsum(up_sum)), down_total = vbroadcast(hsum(down_sum));
+  for (int64_t c = 0; c < PC; ++c) {
+    vstore(out + c * kLanes, up[c] / up_total);
+    vstore(out + map.p + c * kLanes, down[c] / down_total);
   }
 }
 
@@ -92,6 +153,14 @@ void feature_map(const FeatureMap& map, const float* x, float* out) {
   if (map.kind == MapKind::kElu) {
     for (int64_t i = 0; i < map.d; i += kLanes) vstore(out + i, elu_plus_one(vload(x + i)));
     return;
+  }
+  if (map.kind == MapKind::kHedgehog) {
+    switch (map.p / kLanes) {
+      case 1: return hedgehog_held<1>(map, x, out);
+      case 2: return hedgehog_held<2>(map, x, out);
+      case 4: return hedgehog_held<4>(map, x, out);
+      default: break;  // longer projections: through memory, below
+    }
   }
   alignas(64) float projected[kMaxFeatures];
   switch (map.p / kLanes) {
@@ -121,9 +190,12 @@ struct Shape {
   float scale, eps;
 };
 
-// One row's one key head: its state, the new key and value at `position`, the group's queries and outputs.
+// One row's one key head: its state, the new key and value at `position`, the group's queries and outputs. T: the
+// ring's numbers, float or bfloat16.
+template <typename T>
 struct KeyHead {
-  float *ring_k, *ring_v, *s, *z;  // (W, D), (W, D), (F, D), (F,)
+  T *ring_k, *ring_v;  // (W, D) each
+  float *s, *z;  // (F, D), (F,)
   const float *k, *v;  // (D,) each
   const float* q;  // the group's first query (D,); the next ones `q_stride` apart
   int64_t q_stride, position;
@@ -134,53 +206,60 @@ struct KeyHead {
 // The state lines of the key head worked on next, asked for from memory while this one computes, since a
 // batch's states do not fit in the caches (as softmax_decode.cpp does for its next positions). Null past a
 // thread's last key head.
+template <typename T>
 struct Ahead {
-  const float *ring_k, *ring_v, *s;
+  const T *ring_k, *ring_v;
+  const float* s;
 
-  void line(const float* base, int64_t at) const {
+  template <typename N>
+  void line(const N* base, int64_t at) const {
     if (base) __builtin_prefetch(base + at);
   }
-  // The numbers [at, at + n) of one of the next state's arrays, a cache line (16 floats) at a time.
-  void lines(const float* base, int64_t at, int64_t n) const {
-    for (int64_t i = 0; i < n; i += 16) line(base, at + i);
+  // The numbers [at, at + n) of one of the next state's arrays, a cache line (64 bytes) at a time.
+  template <typename N>
+  void lines(const N* base, int64_t at, int64_t n) const {
+    for (int64_t i = 0; i < n; i += 64 / static_cast<int64_t>(sizeof(N))) line(base, at + i);
   }
 };
 
 // The key written W positions ago leaves the ring slot the new one takes: S += phi(k_old) v_old^T, Z += phi(k_old).
-void move_into_sums(const KeyHead& h, const FeatureMap& map, const Shape& shape, int64_t slot, const Ahead& ahead) {
-  float* old_k = h.ring_k + slot * shape.d;
-  float* old_v = h.ring_v + slot * shape.d;
+template <typename T>
+void move_into_sums(const KeyHead<T>& h, const FeatureMap& map, const Shape& shape, int64_t slot,
+                    const Ahead<T>& ahead) {
+  T* old_k = h.ring_k + slot * shape.d;
+  T* old_v = h.ring_v + slot * shape.d;
   if (h.position >= shape.w) {
-    alignas(64) float phi[kMaxFeatures];
-    feature_map(map, old_k, phi);
+    alignas(64) float phi[kMaxFeatures], key_buffer[kMaxHeadDim], value_buffer[kMaxHeadDim];
+    feature_map(map, widened(old_k, shape.d, key_buffer), phi);
+    const float* value = widened(old_v, shape.d, value_buffer);
     for (int64_t i = 0; i < shape.f; ++i) {
       const V weight = vbroadcast(phi[i]);
       float* line = h.s + i * shape.d;
       ahead.lines(ahead.s, i * shape.d, shape.d);
-      for (int64_t c = 0; c < shape.d; c += kLanes) vstore(line + c, vfma(weight, vload(old_v + c), vload(line + c)));
+      for (int64_t c = 0; c < shape.d; c += kLanes) vstore(line + c, vfma(weight, vload(value + c), vload(line + c)));
     }
     for (int64_t i = 0; i < shape.f; i += kLanes) vstore(h.z + i, vload(h.z + i) + vload(phi + i));
   } else {
     ahead.lines(ahead.s, 0, shape.f * shape.d);
   }
-  std::copy(h.k, h.k + shape.d, old_k);
-  std::copy(h.v, h.v + shape.d, old_v);
+  store_ring(h.k, shape.d, old_k);
+  store_ring(h.v, shape.d, old_v);
 }
 
 // q . key for C vectors a head (C = 0: `chunks` of them), q held in registers.
-template <int C>
-float dot_held(const V* q, const float* key, int64_t chunks) {
+template <int C, typename T>
+float dot_held(const V* q, const T* key, int64_t chunks) {
   const int64_t count = C ? C : chunks;
-  V sum = q[0] * vload(key);
-  for (int64_t c = 1; c < count; ++c) sum = vfma(q[c], vload(key + c * kLanes), sum);
+  V sum = q[0] * load_ring(key);
+  for (int64_t c = 1; c < count; ++c) sum = vfma(q[c], load_ring(key + c * kLanes), sum);
   return hsum(sum);
 }
 
 // The window's scores of one query, exponentiated: scores[slot] = exp(s - max s) for the first `written` slots,
 // 0 up to a whole number of vectors; returns their sum.
-template <int C>
-float window_weights(const KeyHead& h, const Shape& shape, const float* q, int64_t written, float* scores,
-                     const Ahead& ahead) {
+template <int C, typename T>
+float window_weights(const KeyHead<T>& h, const Shape& shape, const float* q, int64_t written, float* scores,
+                     const Ahead<T>& ahead) {
   constexpr int64_t kHeld = C ? C : kMaxHeadDim / kLanes;
   const int64_t d = shape.d, chunks = C ? C : d / kLanes;
   V held[kHeld];
@@ -204,9 +283,9 @@ float window_weights(const KeyHead& h, const Shape& shape, const float* q, int64
 // One query over the ring's first `written` slots and the sums: out = (g sum_w e_w v_w + (1 - g) phi(q)^T S) /
 // (g sum_w e_w + (1 - g) phi(q)^T Z + eps), e_w = exp(s_w - max s). C vectors a head, or (C = 0) as many as it
 // takes; the weighted sums keep kChains accumulators each, so that their additions do not wait on one another.
-template <int C>
-void attend_one(const KeyHead& h, const FeatureMap& map, const Shape& shape, const float* q, float g, float* out,
-                int64_t written, const Ahead& ahead) {
+template <int C, typename T>
+void attend_one(const KeyHead<T>& h, const FeatureMap& map, const Shape& shape, const float* q, float g, float* out,
+                int64_t written, const Ahead<T>& ahead) {
   constexpr int64_t kChains = 4;
   constexpr int64_t kHeld = C ? C : kMaxHeadDim / kLanes;
   const int64_t d = shape.d, chunks = C ? C : d / kLanes;
@@ -222,14 +301,15 @@ void attend_one(const KeyHead& h, const FeatureMap& map, const Shape& shape, con
   for (; slot + kChains <= written; slot += kChains)
     for (int64_t a = 0; a < kChains; ++a) {
       const V e = vbroadcast(scores[slot + a]);
-      const float* value = h.ring_v + (slot + a) * d;
+      const T* value = h.ring_v + (slot + a) * d;
       ahead.lines(ahead.ring_v, (slot + a) * d, d);
-      for (int64_t c = 0; c < chunks; ++c) window[a][c] = vfma(e, vload(value + c * kLanes), window[a][c]);
+      for (int64_t c = 0; c < chunks; ++c) window[a][c] = vfma(e, load_ring(value + c * kLanes), window[a][c]);
     }
   for (; slot < written; ++slot) {
     const V e = vbroadcast(scores[slot]);
     ahead.lines(ahead.ring_v, slot * d, d);
-    for (int64_t c = 0; c < chunks; ++c) window[0][c] = vfma(e, vload(h.ring_v + slot * d + c * kLanes), window[0][c]);
+    for (int64_t c = 0; c < chunks; ++c)
+      window[0][c] = vfma(e, load_ring(h.ring_v + slot * d + c * kLanes), window[0][c]);
   }
   int64_t i = 0;
   for (; i + kChains <= shape.f; i += kChains)
@@ -250,17 +330,18 @@ void attend_one(const KeyHead& h, const FeatureMap& map, const Shape& shape, con
   }
 }
 
-template <int C>
-void step_key_head(const KeyHead& h, const FeatureMap& map, const Shape& shape, const Ahead& ahead) {
+template <int C, typename T>
+void step_key_head(const KeyHead<T>& h, const FeatureMap& map, const Shape& shape, const Ahead<T>& ahead) {
   move_into_sums(h, map, shape, h.position % shape.w, ahead);
   const int64_t written = std::min(h.position + 1, shape.w);  // slots 0 .. position are written before the ring wraps
   // The group's first query brings the next key head's ring in; the others find this one's in cache.
   for (int64_t i = 0; i < shape.groups; ++i)
     attend_one<C>(h, map, shape, h.q + i * h.q_stride, h.gates[i], h.out + i * shape.d, written,
-                  i == 0 ? ahead : Ahead{});
+                  i == 0 ? ahead : Ahead<T>{});
 }
 
-void step_key_head(const KeyHead& h, const FeatureMap& map, const Shape& shape, const Ahead& ahead) {
+template <typename T>
+void step_key_head(const KeyHead<T>& h, const FeatureMap& map, const Shape& shape, const Ahead<T>& ahead) {
   switch (shape.d / kLanes) {
     case 1: step_key_head<1>(h, map, shape, ahead); break;
     case 2: step_key_head<2>(h, map, shape, ahead); break;
@@ -281,10 +362,20 @@ void check_state(const at::Tensor& t, at::IntArrayRef shape, const char* op, con
               " must be a contiguous float32 ", shape, ", got ", t.sizes());
 }
 
+// The ring's keys or values: contiguous (B, KV, W, D), float32 or bfloat16 as the other of the pair.
+void check_ring(const at::Tensor& t, const at::Tensor& keys, at::IntArrayRef shape, const char* op, const char* what) {
+  TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) &&
+                  t.scalar_type() == keys.scalar_type() && t.is_contiguous() && t.sizes() == shape,
+              op, ": ", what, " must be a contiguous float32 or bfloat16 ", shape,
+              " (both of the ring's halves in one dtype), got ", t.scalar_type(), " ", t.sizes());
+}
+
 // One layer's hybrid attention, checked: its state (moved on in place), its map (W transposed, once per call) and
 // its gates.
 struct HybridLayer {
-  float *ring_k, *ring_v, *s, *z;  // (B, KV, W, D), (B, KV, W, D), (B, KV, F, D), (B, KV, F)
+  void *ring_k, *ring_v;  // (B, KV, W, D) each, float or bfloat16 (`bf16_ring`)
+  bool bf16_ring;
+  float *s, *z;  // (B, KV, F, D), (B, KV, F)
   int64_t kv;
   Shape shape;
   MapKind kind;
@@ -335,8 +426,8 @@ HybridLayer hybrid_layer(const at::Tensor& ring_k, const at::Tensor& ring_v, con
   TORCH_CHECK(ring_k.dim() == 4 && s.dim() == 4, op, ": the ring must be (B, KV, W, D) and S (B, KV, F, D), got ",
               ring_k.sizes(), " and ", s.sizes());
   const int64_t kv = ring_k.size(1), w = ring_k.size(2), d = ring_k.size(3), f = s.size(2);
-  check_state(ring_k, {b, kv, w, d}, op, "ring_k");
-  check_state(ring_v, {b, kv, w, d}, op, "ring_v");
+  check_ring(ring_k, ring_k, {b, kv, w, d}, op, "ring_k");
+  check_ring(ring_v, ring_k, {b, kv, w, d}, op, "ring_v");
   check_state(s, {b, kv, f, d}, op, "s");
   check_state(z, {b, kv, f}, op, "z");
   TORCH_CHECK(kv > 0 && heads % kv == 0, op, ": ", heads, " query heads over ", kv, " key heads");
@@ -350,7 +441,8 @@ HybridLayer hybrid_layer(const at::Tensor& ring_k, const at::Tensor& ring_v, con
   const bool elu = kind == MapKind::kElu;
   const Shape shape{d, w, f, heads / kv, static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))),
                     static_cast<float>(eps)};
-  return {ring_k.data_ptr<float>(), ring_v.data_ptr<float>(), s.data_ptr<float>(), z.data_ptr<float>(), kv, shape,
+  return {ring_k.data_ptr(), ring_v.data_ptr(), ring_k.scalar_type() == at::kBFloat16, s.data_ptr<float>(),
+          z.data_ptr<float>(), kv, shape,
           kind, std::move(weight_t), elu ? nullptr : map_bias->data_ptr<float>(), elu ? 0 : map_weight->size(1),
           mix.sigmoid().contiguous()};
 }
@@ -362,14 +454,18 @@ struct NewTokens {
   int64_t q_row, q_head, k_row, k_head, v_row, v_head;
 };
 
-// Every row's key heads of one layer: rows at `positions` (B,), outputs into out (B, H, D), the state in place.
-void attend_rows(const HybridLayer& layer, const NewTokens& t, const int64_t* positions, int64_t b, float* out) {
+// Every row's key heads of one layer: rows at `positions` (B,), outputs into out (B, H, D), the state in place; T the
+// ring's numbers.
+template <typename T>
+void attend_rows_of(const HybridLayer& layer, const NewTokens& t, const int64_t* positions, int64_t b, float* out) {
   const int64_t kv = layer.kv, w = layer.shape.w, d = layer.shape.d, f = layer.shape.f, g = layer.shape.groups;
   const float* gates = layer.gates.data_ptr<float>();
+  T* const ring_k = static_cast<T*>(layer.ring_k);
+  T* const ring_v = static_cast<T*>(layer.ring_v);
   const auto key_head = [&](int64_t i) {  // i = r KV + j: row r's key head j
     const int64_t r = i / kv, j = i % kv;
-    return KeyHead{layer.ring_k + i * w * d,
-                   layer.ring_v + i * w * d,
+    return KeyHead<T>{ring_k + i * w * d,
+                   ring_v + i * w * d,
                    layer.s + i * f * d,
                    layer.z + i * f,
                    t.k + r * t.k_row + j * t.k_head,
@@ -383,11 +479,18 @@ void attend_rows(const HybridLayer& layer, const NewTokens& t, const int64_t* po
   at::parallel_for(0, b * kv, 1, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
       const bool more = i + 1 < last;
-      const Ahead ahead{more ? layer.ring_k + (i + 1) * w * d : nullptr, more ? layer.ring_v + (i + 1) * w * d : nullptr,
-                        more ? layer.s + (i + 1) * f * d : nullptr};
+      const Ahead<T> ahead{more ? ring_k + (i + 1) * w * d : nullptr, more ? ring_v + (i + 1) * w * d : nullptr,
+                           more ? layer.s + (i + 1) * f * d : nullptr};
       step_key_head(key_head(i), layer.map_of(i % kv), layer.shape, ahead);
     }
   });
+}
+
+void attend_rows(const HybridLayer& layer, const NewTokens& t, const int64_t* positions, int64_t b, float* out) {
+  if (layer.bf16_ring)
+    attend_rows_of<Bf16>(layer, t, positions, b, out);
+  else
+    attend_rows_of<float>(layer, t, positions, b, out);
 }
 
 }  // namespace

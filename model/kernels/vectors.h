@@ -81,8 +81,50 @@ inline void store_part(float* p, V v, int64_t left) {
 
 inline VI bits(V x) { VI i; std::memcpy(&i, &x, sizeof(V)); return i; }
 inline V from_bits(VI i) { V x; std::memcpy(&x, &i, sizeof(V)); return x; }
+// kLanes bfloat16 numbers (their bits) widened to float32: a bfloat16 is a float32's high half.
+inline V vload_bf16(const uint16_t* p) {
+#if defined(RNNSERVE_GENERIC_VECTORS) || !(defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2))
+  alignas(64) uint32_t lanes[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) lanes[i] = static_cast<uint32_t>(p[i]) << 16;
+  V x;
+  std::memcpy(&x, lanes, sizeof(V));
+  return x;
+#elif defined(CPU_CAPABILITY_AVX512)
+  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+#else
+  const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+#endif
+}
+
 inline V vmin(V a, V b) { return a < b ? a : b; }  // lane-wise on every route (GCC's vector conditionals)
 inline V vmax(V a, V b) { return a > b ? a : b; }
+
+// The largest and the smallest lane of v (exact in any order, unlike a sum).
+inline float hmax(V v) {
+#if defined(CPU_CAPABILITY_AVX512) && !defined(RNNSERVE_GENERIC_VECTORS)
+  return _mm512_reduce_max_ps(v);
+#else
+  alignas(64) float lanes[kLanes];
+  std::memcpy(lanes, &v, sizeof(V));
+  float top = lanes[0];
+  for (int64_t i = 1; i < kLanes; ++i) top = lanes[i] > top ? lanes[i] : top;
+  return top;
+#endif
+}
+
+inline float hmin(V v) {
+#if defined(CPU_CAPABILITY_AVX512) && !defined(RNNSERVE_GENERIC_VECTORS)
+  return _mm512_reduce_min_ps(v);
+#else
+  alignas(64) float lanes[kLanes];
+  std::memcpy(lanes, &v, sizeof(V));
+  float bottom = lanes[0];
+  for (int64_t i = 1; i < kLanes; ++i) bottom = lanes[i] < bottom ? lanes[i] : bottom;
+  return bottom;
+#endif
+}
 
 // e^y for y <= 0 (larger y is not asked for), to float32's last bit or so: 2^n e^r with n = round(y / ln 2),
 // r = y - n ln 2 in two parts, e^r by its Taylor polynomial; below -87 the result is flushed towards 0.

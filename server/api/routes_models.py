@@ -38,9 +38,9 @@ class ModelCard(BaseModel):
     device: str
     dtype: str
     kv_cache_dtype: str | None = Field(
-        description="the numbers a softmax model's cached keys and values are stored in (--kv-cache-dtype); "
-        "null for kinds that keep theirs in the model's dtype (Reformer) or whose state is recurrent sums (linear, "
-        "Linformer: float32)"
+        description="the numbers a softmax model's cached keys and values, or a hybrid model's ring of its last "
+        "keys and values, are stored in (--kv-cache-dtype; a hybrid's sums stay float32); null for kinds that keep "
+        "theirs in the model's dtype (Reformer) or whose state is recurrent sums (linear, Linformer: float32)"
     )
     cuda_graphs: bool
     compiled_decode: bool = Field(

@@ -11,10 +11,6 @@ sums, held to 1e-5 as the float32 kernel is, and write the same rounded numbers 
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
@@ -29,10 +25,9 @@ from model.kernels.loader import turn_off_cpu_kernels
 from conftest import make_tiny_model, make_tokens
 from kernel_support import loaded_kernels  # noqa: F401  (the `kernels` fixture)
 from kernel_support import needs_compiler
-from server_support import free_port, save_tiny_model, stop_process, wait_healthy
+from server_support import save_tiny_model, serving_process
 from test_hybrid_kernel import hybrid_layer, one_step, random_state
 
-REPO = Path(__file__).resolve().parents[1]
 KIND = "hybrid+hedgehog"  # the shipped models' map
 STEPS = 14  # past the window of 5 twice: keys leave the ring into the sums
 ROUNDED = 0.05  # logits over a bfloat16 ring against float32 ones (see the module's docstring)
@@ -156,21 +151,10 @@ def test_the_roofline_halves_the_ring_s_bytes_only():
 
 def test_the_server_reports_a_bfloat16_ring_and_its_bytes(tmp_path):
     weights = save_tiny_model(tmp_path, "text-hybrid", "hybrid", "text", hybrid_window=5, hybrid_feature_map="hedgehog")
-    port, log = free_port(), tmp_path / "server.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RNNSERVE_")} | {"OMP_NUM_THREADS": "1"}
-    flags = ["--weights", str(tmp_path), "--port", str(port), "--kv-cache-dtype", "bfloat16", "--no-compile-decode"]
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "server", "serve", *flags], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(process, url, log)
+    with serving_process(tmp_path, "--kv-cache-dtype", "bfloat16") as url:
         [card] = httpx.get(f"{url}/v1/models").json()["data"]
         body = {"model": "text-hybrid", "prompt": "abcdefgh", "max_tokens": 12, "temperature": 0.0}
         answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-    finally:
-        stop_process(process)
     model, _ = load_model(weights, "cpu")
     float_bytes = model.state_bytes_per_sequence()
     assert card["kv_cache_dtype"] == "bfloat16"

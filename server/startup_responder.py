@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-import select
+import selectors
 import socket
 import threading
 import time
@@ -62,20 +62,25 @@ class StartupResponder:
             log.info("answered %d request(s) with 503 while starting", self.answered)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            readable, _, _ = select.select([self.sock], [], [], POLL_SECONDS)
-            if not readable:
-                continue
-            try:
-                conn, _ = self.sock.accept()
-            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-                continue
-            except OSError as exc:  # e.g. out of file descriptors: wait, as uvicorn would
-                log.warning("could not accept a connection while starting: %s", exc)
-                time.sleep(POLL_SECONDS)
-                continue
-            with conn:
-                self._answer(conn)
+        # a selector, not select.select: a process with many files open (a test run, a busy host) hands out
+        # descriptors past select's limit of 1024
+        with selectors.DefaultSelector() as waiting:
+            waiting.register(self.sock, selectors.EVENT_READ)
+            while not self._stop.is_set():
+                if waiting.select(POLL_SECONDS):
+                    self._accept_one()
+
+    def _accept_one(self) -> None:
+        try:
+            conn, _ = self.sock.accept()
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return
+        except OSError as exc:  # e.g. out of file descriptors: wait, as uvicorn would
+            log.warning("could not accept a connection while starting: %s", exc)
+            time.sleep(POLL_SECONDS)
+            return
+        with conn:
+            self._answer(conn)
 
     def _answer(self, conn: socket.socket) -> None:
         try:

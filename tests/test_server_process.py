@@ -9,6 +9,7 @@ of their own (--engine-process).
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -287,3 +288,26 @@ def test_a_client_trickling_its_request_cannot_hold_up_start_up():
     finally:
         client.close()
         listener.close()
+
+
+def test_the_start_up_responder_answers_on_a_descriptor_past_select_s_limit():
+    """A process with many files open (a test run, a busy host) gets sockets numbered past 1024, which
+    select.select refuses: the responder must still answer 503 on one."""
+    from server.startup_responder import StartupResponder
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1100:
+        pytest.skip(f"this machine allows only {hard} open files; the test needs a descriptor past 1024")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1100), hard))
+    listener = socket.create_server(("127.0.0.1", 0))
+    high = socket.socket(fileno=os.dup2(listener.fileno(), 1050))
+    responder = StartupResponder(high).start()
+    try:
+        with socket.create_connection(listener.getsockname()[:2], timeout=10) as client:
+            client.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert client.recv(64).startswith(b"HTTP/1.1 503")
+    finally:
+        responder.stop()
+        high.close()
+        listener.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

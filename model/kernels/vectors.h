@@ -114,17 +114,7 @@ inline float hmax(V v) {
 #endif
 }
 
-inline float hmin(V v) {
-#if defined(CPU_CAPABILITY_AVX512) && !defined(RNNSERVE_GENERIC_VECTORS)
-  return _mm512_reduce_min_ps(v);
-#else
-  alignas(64) float lanes[kLanes];
-  std::memcpy(lanes, &v, sizeof(V));
-  float bottom = lanes[0];
-  for (int64_t i = 1; i < kLanes; ++i) bottom = lanes[i] < bottom ? lanes[i] : bottom;
-  return bottom;
-#endif
-}
+inline float hmin(V v) { return -hmax(v * vbroadcast(-1.f)); }  // negation is exact, so this is exact too
 
 // e^y for y <= 0 (larger y is not asked for), to float32's last bit or so: 2^n e^r with n = round(y / ln 2),
 // r = y - n ln 2 in two parts, e^r by its Taylor polynomial; below -87 the result is flushed towards 0.

@@ -64,7 +64,7 @@ def plan_prefill(found: Lookup, total: int, policy: SnapshotPolicy, sharing: int
     periodic = [stop for stop in periodic_stops(done, total, policy.every) if stop != branch]
     if policy.budget_states is not None:  # room besides its end's state and its branch point's
         room = max(0, policy.budget_states // sharing - 1 - len(stops))
-        periodic = periodic[len(periodic) - room :] if room < len(periodic) else periodic
+        periodic = periodic[max(0, len(periodic) - room) :]  # the deepest
     return PrefillPlan(found.hit, tuple(sorted([*stops, *periodic])))
 
 

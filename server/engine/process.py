@@ -128,15 +128,9 @@ class PipeSink:
         """A pass's figures and events, in one message with the figures held back before them. A pass without
         events sends nothing unless the oldest figures held have waited HOLD_SECONDS."""
         events = self._tagged(released(outbox))
-        now = time.monotonic()
-        with self._held_lock:
-            if not self._held:
-                self._held_since = now
-            self._held.append(stats)
-            if not events and now - self._held_since < HOLD_SECONDS:
-                return
-            held, self._held = self._held, []
-        self.pipe.send(msg.Step(held, events))
+        held = self._hold(stats, release=bool(events))
+        if held:
+            self.pipe.send(msg.Step(held, events))
 
     def gauges(self, gauges: Gauges) -> None:
         """The queue's gauges, after the figures held back (an idle engine sends them: nothing stays held)."""
@@ -144,6 +138,19 @@ class PipeSink:
         if held:
             self.pipe.send(msg.Step(held, []))
         self.pipe.send(msg.GaugesNow(gauges))
+
+    def _hold(self, stats: StepStats, release: bool) -> list[StepStats]:
+        """Holds `stats` back; returns every figure held (and holds none) when `release` or once the oldest has
+        waited HOLD_SECONDS, else nothing."""
+        now = time.monotonic()
+        with self._held_lock:
+            if not self._held:
+                self._held_since = now
+            self._held.append(stats)
+            if not release and now - self._held_since < HOLD_SECONDS:
+                return []
+            held, self._held = self._held, []
+        return held
 
     def _take_held(self) -> list[StepStats]:
         with self._held_lock:

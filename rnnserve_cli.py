@@ -39,7 +39,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "train a model and save it as .safetensors", "training.arguments:add_train_arguments", "training.train:run"
     ),
     "import": Subcommand(
-        "import a model trained elsewhere (a Hugging Face GPT-2 folder) as an rnnserve file",
+        "import a model trained elsewhere (a Hugging Face GPT-2, Llama, Qwen2 or Mistral folder) as an rnnserve file",
         "model.io.hf_import:add_arguments",
         "model.io.hf_import:run",
     ),

@@ -1,4 +1,4 @@
-"""A fifth attention kind, added the documented way: one class and one registry entry.
+"""A sixth attention kind, added the documented way: one class and one registry entry.
 
 `MeanAttention` below outputs, at each position, the mean of the values of
 every position so far, scaled by a hyperparameter of its own (`mean_scale`,

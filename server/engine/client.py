@@ -25,6 +25,7 @@ from server.engine.core import EngineFacts, EngineLimits
 from server.engine import messages as msg
 from server.engine.output import record_gauges
 from server.engine.process import EngineSpec, rebuild_error, serve_engine
+from server.engine.types import StepStats
 from server.metrics import Metrics
 from server.engine.streams import (
     Event,
@@ -366,15 +367,19 @@ class EngineClient(EngineFacts):
         )
         threading.Thread(target=self._restart, name=f"engine-{self.name}-restart", daemon=True).start()
 
+    def _record_steps(self, passes: list[StepStats]) -> None:
+        for stats in passes:
+            self.metrics.record_step(stats)
+
     def _dispatch(self, message: object) -> None:
         match message:
             case msg.Step(passes, events):
-                for stats in passes:  # first: a client that has its answer finds the step counted
-                    self.metrics.record_step(stats)
+                self._record_steps(passes)  # first: a client that has its answer finds the step counted
                 self._hand_over(events)
             case msg.Events(events):
                 self._hand_over(events)
-            case msg.GaugesNow(gauges):
+            case msg.GaugesNow(gauges, passes):
+                self._record_steps(passes)
                 record_gauges(self.metrics, gauges)
             case msg.Accepted(key, gauges):
                 record_gauges(self.metrics, gauges)

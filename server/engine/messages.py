@@ -11,7 +11,7 @@ wakes the API process, whose reader then runs beside the engine's step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from server.engine.output import Gauges
@@ -92,6 +92,7 @@ class Events:
 @dataclass(frozen=True, slots=True)
 class GaugesNow:
     gauges: Gauges
+    stats: list[StepStats] = field(default_factory=list)  # figures held back, recorded before the gauges
 
 
 @dataclass(frozen=True, slots=True)

@@ -133,11 +133,9 @@ class PipeSink:
             self.pipe.send(msg.Step(held, events))
 
     def gauges(self, gauges: Gauges) -> None:
-        """The queue's gauges, after the figures held back (an idle engine sends them: nothing stays held)."""
-        held = self._take_held()
-        if held:
-            self.pipe.send(msg.Step(held, []))
-        self.pipe.send(msg.GaugesNow(gauges))
+        """The queue's gauges with the figures held back, in one message (an idle engine sends them: nothing
+        stays held)."""
+        self.pipe.send(msg.GaugesNow(gauges, self._take_held()))
 
     def _hold(self, stats: StepStats, release: bool) -> list[StepStats]:
         """Holds `stats` back; returns every figure held (and holds none) when `release` or once the oldest has

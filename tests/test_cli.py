@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -88,10 +89,17 @@ def test_serve_names_a_missing_model_file_before_importing_torch(tmp_path):
     assert f"--model file not found: {missing}" in done.stderr
 
 
-def ray_status(tmp_path: Path) -> subprocess.CompletedProcess:
+def ray_status(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "RAY_TMPDIR": str(tmp_path), "RAY_ADDRESS": ""}
-    command = [str(Path(sys.executable).parent / "rnnserve"), "ray-status"]
+    command = [str(Path(sys.executable).parent / "rnnserve"), "ray-status", *flags]
     return subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+
+
+def ray_node_host() -> str:
+    """The address Ray itself would dial for this machine (it rewrites 127.0.0.1 to it)."""
+    import ray.util
+
+    return ray.util.get_node_ip_address()
 
 
 @pytest.mark.skipif(not HAS_RAY, reason=NO_RAY)
@@ -102,6 +110,40 @@ def test_ray_status_without_a_cluster_says_so_in_one_line(tmp_path):
     assert done.stdout == ""
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("rnnserve ray-status: no Ray cluster at 'auto'") and "rnnserve serve --ray" in line
+
+
+@pytest.mark.skipif(not HAS_RAY, reason=NO_RAY)
+def test_ray_status_with_a_head_that_refuses_says_so_at_once(tmp_path):
+    """A cluster's address left behind by a head that is gone: Ray's client would wait minutes on it."""
+    with socket.socket() as free:
+        free.bind((ray_node_host(), 0))
+        host, port = free.getsockname()[:2]
+    done = ray_status(tmp_path, "--address", f"{host}:{port}", "--timeout", "30")
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"rnnserve ray-status: no Ray cluster at '{host}:{port}' (nothing answers at {host}:{port}")
+
+
+@pytest.mark.skipif(not HAS_RAY, reason=NO_RAY)
+def test_ray_status_with_a_head_that_never_answers_gives_up_at_its_deadline(tmp_path):
+    """A head whose port is open but which says nothing (a cluster shutting down): the deadline ends the wait."""
+    with socket.socket() as silent:
+        silent.bind((ray_node_host(), 0))
+        silent.listen(8)
+        host, port = silent.getsockname()[:2]
+        done = ray_status(tmp_path, "--address", f"{host}:{port}", "--timeout", "2")
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"rnnserve ray-status: the Ray cluster at '{host}:{port}' did not answer within 2 s")
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1", "soon", "inf"])
+def test_ray_status_refuses_a_timeout_that_is_not_a_positive_number(tmp_path, timeout):
+    done = ray_status(tmp_path, "--timeout", timeout)
+    assert done.returncode == 2
+    assert f"argument --timeout: expected a positive number of seconds, got '{timeout}'" in done.stderr
 
 
 @pytest.mark.skipif(HAS_RAY, reason="Ray is installed: the missing extra cannot be seen")

@@ -9,7 +9,7 @@ trained one step at a time at batch 1 x 1,024 tokens, in each of the ways `rnnse
 - `full`: every weight trained (`rnnserve linearize` without --lora-rank), AdamW, distilled from the softmax model
   as linearize does by default (--no-teacher: the data's loss alone);
 - `transfer`: the first stage's step (`--transfer-steps`, output-mse): each layer's attention output against the
-  softmax model's, only the feature maps and the mix trained;
+  softmax model's, only the feature maps and the mix trained, under the same autocast;
 - `lora`: the second stage's step (`--lora-rank 8`): adapters on q/k/v/o, the feature maps and the mix trained,
   every other weight frozen, distilled as `full` is.
 
@@ -109,7 +109,8 @@ def step_function(configuration: str, teacher, student, source: Path, args: argp
     from training.attention_transfer import output_step, taught_parameters
     from training.lora import add_lora
 
-    if configuration == "transfer":  # training/attention_transfer.py's transfer(), one step, no autocast
+    autocast = train.autocast_context(torch.device("cpu"), args.autocast)
+    if configuration == "transfer":  # training/attention_transfer.py's transfer(), one step
         parameters = taught_parameters(student)
         student.requires_grad_(False)
         for parameter in parameters:
@@ -118,14 +119,13 @@ def step_function(configuration: str, teacher, student, source: Path, args: argp
 
         def transfer_step(tokens: torch.Tensor) -> None:
             opt.zero_grad(set_to_none=True)
-            output_step(student, tokens, teacher)
+            output_step(student, tokens, teacher, autocast)
             opt.step()
 
         return transfer_step
     if configuration == "lora":
         add_lora(student, args.lora_rank, 2.0 * args.lora_rank)  # train's default alpha
     opt = train.make_optimizer(student, 1e-4, 0.1)
-    autocast = train.autocast_context(torch.device("cpu"), args.autocast)
     distillation = distillation_from(teacher, source, args)
     return lambda tokens: train.optimizer_step(student, opt, tokens, autocast, distillation)
 
@@ -155,7 +155,7 @@ def run_child(args: argparse.Namespace) -> dict:
         "best_s": min(seconds),
         "peak_rss_mib": high_water_mib(),
         "peak_rss_before_steps_mib": before_steps,
-        "autocast_bf16": args.child != "transfer" and train_uses_autocast(args.autocast),
+        "autocast_bf16": train_uses_autocast(args.autocast),
         "distilled": args.child != "transfer" and not args.no_teacher,
     }
 

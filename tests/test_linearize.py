@@ -16,9 +16,12 @@ from model.transformer import build_model
 from model.io.weights import load_model, read_metadata, save_model
 from rnnserve_cli import main
 from training.errors import TrainError
+from training.train import uses_autocast
 from training.warm_start import init_from
 
 from conftest import make_tiny_config, sharpen_
+
+CPU = torch.device("cpu")
 
 
 @pytest.fixture
@@ -277,6 +280,7 @@ def test_linearize_with_a_first_stage_fine_tunes_from_it_and_a_rerun_reuses_it(t
     first = tmp_path / "lin.transfer.safetensors"
     _, stage = read_metadata(first)
     assert stage["attention_transfer"]["steps"] == 3 and len(stage["lineage"]) == 1  # the softmax model's run
+    assert stage["attention_transfer"]["autocast_bf16"] == uses_autocast(CPU, "auto")  # linearize's default
     _, info = read_metadata(out)
     assert info["init_from"] == str(first) and len(info["lineage"]) == 2
     assert info["lineage"][-1]["examples_seen"] == stage["examples_seen"] == 3 * 16
@@ -295,8 +299,11 @@ def test_a_first_stage_needs_a_learned_map(tmp_path, softmax_file, corpus, capsy
     assert "elu has none" in capsys.readouterr().err and not out.exists()
 
 
-def test_output_transfer_teaches_a_hybrid_s_maps_and_mix_to_stand_in_for_softmax(transfer_setup):
+@pytest.mark.parametrize("autocast", ["off", "bf16"])
+def test_output_transfer_teaches_a_hybrid_s_maps_and_mix_to_stand_in_for_softmax(transfer_setup, autocast):
+    """Under bfloat16 autocast too, as linearize runs it where the CPU has bf16 (the error measured in float32)."""
     from training.attention_transfer import output_step, transfer
+    from training.train import autocast_context
 
     teacher, batch, gen = transfer_setup.teacher, transfer_setup.batch, transfer_setup.gen
     student = transfer_setup.student(attention="hybrid", hybrid_window=4, hybrid_feature_map="hedgehog")
@@ -310,7 +317,7 @@ def test_output_transfer_teaches_a_hybrid_s_maps_and_mix_to_stand_in_for_softmax
     frozen = {n: p.clone() for n, p in student.named_parameters() if "feature_map" not in n and ".mix" not in n}
     mixes = [block.attn.mix.clone() for block in student.blocks]
     before = error_now()
-    transfer(student, teacher, batch, 60, 1e-2, gen, log=lambda line: None)
+    transfer(student, teacher, batch, 60, 1e-2, gen, lambda line: None, autocast=autocast_context(CPU, autocast))
     assert error_now() < 0.5 * before
     assert any(not torch.equal(block.attn.mix, mix) for block, mix in zip(student.blocks, mixes))
     for name, value in student.named_parameters():  # the projections and everything else stayed the teacher's

@@ -9,12 +9,17 @@ the teacher's forward pass, one layer at a time (a layer's graph is freed before
 - `weight-ce` (Hedgehog, Zhang et al. 2024): a linear model's weight on key j for query i, phi(q_i)·phi(k_j)
   normalised over j <= i, against the teacher's softmax(q_i·k_j / sqrt(D)), cross-entropy at a random subset of
   query rows (a 784-pixel image's full T x T weights per head and layer would leave room for few sequences).
+
+The teacher's forward pass and, for output-mse, the student's attention run under the training's autocast (bfloat16
+where the CPU has it natively, as the second stage runs): the teacher's pass is most of a step. The losses are taken
+in float32.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -85,21 +90,35 @@ def teacher_attention_io(teacher: Transformer, tokens: torch.Tensor) -> list[tup
     return [(x.float(), y.float()) for x, y in seen]
 
 
-def output_step(student: Transformer, tokens: torch.Tensor, teacher: Transformer) -> float:
+def output_step(
+    student: Transformer,
+    tokens: torch.Tensor,
+    teacher: Transformer,
+    autocast: AbstractContextManager = nullcontext(),
+) -> float:
     """Back-propagate each layer's relative output error in turn (gradients accumulate); returns their mean."""
     total = 0.0
-    pairs = teacher_attention_io(teacher, tokens)
+    with autocast:
+        pairs = teacher_attention_io(teacher, tokens)
     start = tokens.new_zeros(tokens.shape[0])
     for block, (x, target) in zip(student.blocks, pairs):
-        y, _ = block.attn(x.to(block.attn.proj.weight.dtype), start, None)  # (B, T, C)
+        with autocast:
+            y, _ = block.attn(x.to(block.attn.proj.weight.dtype), start, None)  # (B, T, C)
         loss = (y.float() - target).pow(2).mean() / (target.pow(2).mean() + WEIGHT_EPS) / len(pairs)
         loss.backward()
         total += float(loss.detach())
     return total
 
 
-def weight_step(student: Transformer, tokens: torch.Tensor, teacher: Transformer, generator: torch.Generator) -> float:
-    pairs = teacher_queries_keys(teacher, tokens)
+def weight_step(
+    student: Transformer,
+    tokens: torch.Tensor,
+    teacher: Transformer,
+    generator: torch.Generator,
+    autocast: AbstractContextManager = nullcontext(),
+) -> float:
+    with autocast:
+        pairs = teacher_queries_keys(teacher, tokens)
     length = pairs[0][1].shape[2]
     rows = torch.randperm(length, generator=generator)[: min(QUERY_ROWS, length)].sort().values
     loss = transfer_loss(student, pairs, rows.to(student.device))
@@ -123,8 +142,10 @@ def transfer(
     generator: torch.Generator,
     log,
     loss: str = "output-mse",
+    autocast: AbstractContextManager = nullcontext(),
 ) -> TransferResult:
-    """`steps` AdamW steps on the taught parameters alone; `next_batch()` gives (B, T) token batches."""
+    """`steps` AdamW steps on the taught parameters alone; `next_batch()` gives (B, T) token batches; `autocast` as
+    the training's (train.autocast_context), or none."""
     parameters = taught_parameters(student)
     if not parameters:
         raise ValueError("the feature map has no parameters to teach (elu): attention transfer needs t2r or hedgehog")
@@ -138,9 +159,9 @@ def transfer(
             tokens = next_batch().to(student.device)
             opt.zero_grad(set_to_none=True)
             if loss == "output-mse":
-                losses.append(output_step(student, tokens, teacher))
+                losses.append(output_step(student, tokens, teacher, autocast))
             else:
-                losses.append(weight_step(student, tokens, teacher, generator))
+                losses.append(weight_step(student, tokens, teacher, generator, autocast))
             opt.step()
             if (step + 1) % 50 == 0 or step + 1 == steps:
                 log(f"attention transfer step {step + 1} {loss} {statistics_tail(losses):.4f}")

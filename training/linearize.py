@@ -31,7 +31,8 @@ from .attention_transfer import transfer
 from .data import DataError
 from .errors import TrainError
 from .lineage import inherited_lineage
-from .train import Batches, build_config, checkpoint_path, inherited_from, load_training_data
+from .train import Batches, autocast_context, build_config, checkpoint_path, inherited_from, load_training_data
+from .train import uses_autocast
 from .train import run as run_training
 from .warm_start import init_from
 
@@ -133,8 +134,17 @@ def first_stage(args: argparse.Namespace, train: argparse.Namespace) -> Path:
     generator = torch.Generator().manual_seed(train.seed)
     batches = Batches(data, student.config.max_len, train.batch_size or 16, generator, 0)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    autocast = autocast_context(student.device, train.autocast)
     result = transfer(
-        student, teacher, batches.next, args.transfer_steps, args.transfer_lr, generator, log, args.transfer_loss
+        student,
+        teacher,
+        batches.next,
+        args.transfer_steps,
+        args.transfer_lr,
+        generator,
+        log,
+        args.transfer_loss,
+        autocast,
     )
     info = {
         "command": train.command_line,
@@ -143,6 +153,7 @@ def first_stage(args: argparse.Namespace, train: argparse.Namespace) -> Path:
             "loss": args.transfer_loss,
             "first_loss": result.first_loss,
             "last_loss": result.last_loss,
+            "autocast_bf16": uses_autocast(student.device, train.autocast),
         },
         "examples_seen": result.steps * batches.batch_size,
         "wall_time_s": round(result.seconds, 1),

@@ -21,7 +21,7 @@ from server_support import make_settings, running_server  # noqa: E402
 from test_hf_llama import imported, save_folder  # noqa: E402
 
 from model.transformer import Transformer, build_model  # noqa: E402
-from model.io.weights import load_model, read_chat_template, read_tokenizer, save_model  # noqa: E402
+from model.io.weights import load_model, read_chat_template, read_metadata, read_tokenizer, save_model  # noqa: E402
 from rnnserve_cli import main  # noqa: E402
 from training.warm_start import init_from  # noqa: E402
 
@@ -105,4 +105,34 @@ def test_linearize_turns_an_imported_llama_into_a_linear_model_that_serves(llama
     assert read_tokenizer(out) == read_tokenizer(llama)
     trained = dict(linear.named_parameters())
     assert any(not torch.equal(p, trained[name]) for name, p in softmax.named_parameters())  # fine-tuned from them
+    assert_served_greedy_text_is_the_parallel_form_s(llama.parent, [out])
+
+
+def test_linearize_turns_an_imported_llama_into_a_hybrid_in_two_stages_that_serves(llama, tmp_path):
+    """LoLCATs' two stages on an imported model (grouped-query attention, rotary positions): attention transfer,
+    then LoRA on q/k/v/o merged into the weights; the file serves with constant-size state."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(CORPUS * 3), encoding="utf-8")
+    out = llama.with_name("llama-hybrid-lora.safetensors")
+    stages = ["--kind", "hybrid", "--window", "8", "--transfer-steps", "2", "--lora-rank", "2", "--lr", "1e-2"]
+    flags = ["--data", str(corpus), "--steps", "2", "--batch-size", "2"]
+    run = ["--device", "cpu", "--threads", "1", "--no-progress", "--no-eval", "--checkpoint", str(tmp_path / "h.ckpt")]
+    run += ["--save-dtype", "float32"]  # as imported: frozen weights compare exactly
+    assert main(["linearize", str(llama), "--out", str(out), *stages, *flags, *run]) == 0
+    softmax, _ = load_model(llama)
+    hybrid, info = load_model(out)
+    assert (hybrid.config.attention, hybrid.config.hybrid_window) == ("hybrid", 8)
+    assert hybrid.config.n_kv_heads == softmax.config.n_kv_heads < softmax.config.n_heads
+    assert not [name for name, _ in hybrid.named_parameters() if "parametrizations" in name]  # adapters merged
+    frozen = [n for n, _ in softmax.named_parameters() if not n.endswith(("attn.qkv.weight", "attn.proj.weight"))]
+    trained = dict(hybrid.named_parameters())
+    assert all(torch.equal(p, trained[n]) for n, p in softmax.named_parameters() if n in frozen)
+    changes = [trained[n] - p for n, p in softmax.named_parameters() if n not in frozen]  # q/k/v and o per layer
+    assert len(changes) == 2 * softmax.config.n_layers and any(c.abs().max() > 0 for c in changes)
+    for change in changes:  # W + B A, rank 2 up to float32's rounding of the sum
+        singular = torch.linalg.svdvals(change.detach())
+        assert int((singular > 1e-3 * singular[0]).sum()) <= 2
+    _, stage = read_metadata(tmp_path / "h.transfer.safetensors")
+    assert stage["attention_transfer"]["steps"] == 2 and info["init_from"] == str(tmp_path / "h.transfer.safetensors")
+    assert read_tokenizer(out) == read_tokenizer(llama)
     assert_served_greedy_text_is_the_parallel_form_s(llama.parent, [out])

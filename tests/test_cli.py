@@ -95,6 +95,14 @@ def ray_status(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
 
 
+def one_line_error(done: subprocess.CompletedProcess) -> str:
+    """The one line a command that could not run says: exit code 2, nothing on stdout."""
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    (line,) = done.stderr.strip().splitlines()
+    return line
+
+
 def ray_node_host() -> str:
     """The address Ray itself would dial for this machine (it rewrites 127.0.0.1 to it)."""
     import ray.util
@@ -106,9 +114,7 @@ def ray_node_host() -> str:
 def test_ray_status_without_a_cluster_says_so_in_one_line(tmp_path):
     """Ray's own `serve status` needs the dashboard; ours asks the cluster, and names the missing one."""
     done = ray_status(tmp_path)
-    assert done.returncode == 2, done.stderr
-    assert done.stdout == ""
-    (line,) = done.stderr.strip().splitlines()
+    line = one_line_error(done)
     assert line.startswith("rnnserve ray-status: no Ray cluster at 'auto'") and "rnnserve serve --ray" in line
 
 
@@ -119,9 +125,7 @@ def test_ray_status_with_a_head_that_refuses_says_so_at_once(tmp_path):
         free.bind((ray_node_host(), 0))
         host, port = free.getsockname()[:2]
     done = ray_status(tmp_path, "--address", f"{host}:{port}", "--timeout", "30")
-    assert done.returncode == 2, done.stderr
-    assert done.stdout == ""
-    (line,) = done.stderr.strip().splitlines()
+    line = one_line_error(done)
     assert line.startswith(f"rnnserve ray-status: no Ray cluster at '{host}:{port}' (nothing answers at {host}:{port}")
 
 
@@ -133,9 +137,7 @@ def test_ray_status_with_a_head_that_never_answers_gives_up_at_its_deadline(tmp_
         silent.listen(8)
         host, port = silent.getsockname()[:2]
         done = ray_status(tmp_path, "--address", f"{host}:{port}", "--timeout", "2")
-    assert done.returncode == 2, done.stderr
-    assert done.stdout == ""
-    (line,) = done.stderr.strip().splitlines()
+    line = one_line_error(done)
     assert line.startswith(f"rnnserve ray-status: the Ray cluster at '{host}:{port}' did not answer within 2 s")
 
 
@@ -149,7 +151,5 @@ def test_ray_status_refuses_a_timeout_that_is_not_a_positive_number(tmp_path, ti
 @pytest.mark.skipif(HAS_RAY, reason="Ray is installed: the missing extra cannot be seen")
 def test_ray_status_without_the_ray_extra_says_so_in_one_line(tmp_path):
     done = ray_status(tmp_path)
-    assert done.returncode == 2, done.stderr
-    assert done.stdout == ""
-    (line,) = done.stderr.strip().splitlines()
+    line = one_line_error(done)
     assert line == "rnnserve ray-status: Ray Serve is not installed: pip install 'rnnserve[ray]'"

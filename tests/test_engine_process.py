@@ -243,17 +243,23 @@ def test_a_dead_engine_process_fails_what_waits_on_it_stops_being_ready_and_come
     assert not engine.ready
 
 
+async def a_broken_submit(engine: EngineClient, send) -> None:
+    """A submit whose request is not a GenerationRequest (the client's own checks never let one through), sent
+    with `send`: it fails with the reason."""
+    key, future = -1, asyncio.get_running_loop().create_future()
+    with engine._lock:
+        engine._pending[key] = (asyncio.get_running_loop(), future)
+    send(msg.Submit(key, "not a request", False))
+    with pytest.raises(EngineFailure, match="internal error"):
+        await future
+
+
 def test_a_call_that_fails_in_the_engine_process_is_answered_and_the_process_serves_on():
     """A bug hit by one call (here: a submit whose request is not a GenerationRequest, which the client's own
     checks never let through) fails that call with the reason; the engine process keeps serving."""
 
     async def scenario(engine):
-        key, future = -1, asyncio.get_running_loop().create_future()
-        with engine._lock:
-            engine._pending[key] = (asyncio.get_running_loop(), future)
-        engine._send(msg.Submit(key, "not a request", False))
-        with pytest.raises(EngineFailure, match="internal error"):
-            await future
+        await a_broken_submit(engine, engine._send)
         return await results_of(engine, requests()[:1])
 
     engine = make(EngineClient)
@@ -274,16 +280,8 @@ def test_what_one_loop_turn_submits_crosses_the_pipe_once_and_is_answered_once()
         real_send, real_dispatch = engine._conn.send, engine._dispatch
         engine._conn.send = lambda message: (sent.append(message), real_send(message))[1]
         engine._dispatch = lambda message: (received.append(message), real_dispatch(message))[1]
-
-        async def broken_submit():  # as a handler would post it, in the same turn as the others
-            key, future = -1, asyncio.get_running_loop().create_future()
-            with engine._lock:
-                engine._pending[key] = (asyncio.get_running_loop(), future)
-            engine._post(msg.Submit(key, "not a request", False))
-            with pytest.raises(EngineFailure, match="internal error"):
-                await future
-
-        _, *streams = await asyncio.gather(broken_submit(), *(engine.enqueue(r, each_event=False) for r in requests()))
+        submits = [engine.enqueue(r, each_event=False) for r in requests()]  # posted in one turn, as handlers post
+        _, *streams = await asyncio.gather(a_broken_submit(engine, engine._post), *submits)
         results = [sorted((s.sample, s.tokens) for s in [e async for e in stream]) for stream in streams]
         engine._conn.send, engine._dispatch = real_send, real_dispatch
         return sent, received, results

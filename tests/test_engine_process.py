@@ -271,34 +271,6 @@ def test_a_call_that_fails_in_the_engine_process_is_answered_and_the_process_ser
         engine.stop()
 
 
-def test_what_one_loop_turn_submits_crosses_the_pipe_once_and_is_answered_once():
-    """Clients whose answers came in one step send their next requests at once: one write each way for all of
-    them, not one each. A call among them that fails is answered alone; the others run as they would alone."""
-
-    async def scenario(engine):
-        sent, received = [], []
-        real_send, real_dispatch = engine._conn.send, engine._dispatch
-        engine._conn.send = lambda message: (sent.append(message), real_send(message))[1]
-        engine._dispatch = lambda message: (received.append(message), real_dispatch(message))[1]
-        submits = [engine.enqueue(r, each_event=False) for r in requests()]  # posted in one turn, as handlers post
-        _, *streams = await asyncio.gather(a_broken_submit(engine, engine._post), *submits)
-        results = [sorted((s.sample, s.tokens) for s in [e async for e in stream]) for stream in streams]
-        engine._conn.send, engine._dispatch = real_send, real_dispatch
-        return sent, received, results
-
-    engine = make(EngineClient)
-    engine.start()
-    try:
-        sent, received, results = asyncio.run(scenario(engine))
-    finally:
-        engine.stop()
-    assert len(sent) == 1 and [type(m) for m in msg.unpacked(sent[0])] == [msg.Submit] * 4
-    answers = [m for m in received if isinstance(m, msg.Several)]
-    assert len(answers) == 1 and [type(m) for m in answers[0].messages] == [msg.Refused] + [msg.Accepted] * 3
-    alone = both_ways(lambda engine: results_of(engine, requests()))[0]
-    assert results == [[(sample, tokens) for sample, tokens, _ in samples] for samples in alone]
-
-
 def test_an_engine_process_that_cannot_allocate_its_slots_says_so():
     engine = make(EngineClient, EngineLimits(max_batch=2**40))
     with pytest.raises(EngineFailure, match="failed to start.*lower --max-batch"):

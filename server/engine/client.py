@@ -94,8 +94,7 @@ class EngineClient(EngineFacts):
         self._process: BaseProcess | None = None
         self._conn: Connection | None = None
         self._reader: threading.Thread | None = None
-        self._send_lock = threading.Lock()  # the pipe's write end and the outbox
-        self._outbox: list[object] = []  # submits and scores of this event-loop turn, sent together at its end
+        self._send_lock = threading.Lock()
         self._reaping = threading.Lock()
         self._lock = threading.Lock()  # the two tables below: the event loop adds, the reader thread removes
         self._streams: dict[int, RemoteStream] = {}
@@ -284,7 +283,7 @@ class EngineClient(EngineFacts):
             self._check_alive()
             self._streams[key] = stream
             self._pending[key] = (loop, future)
-        self._post(msg.Submit(key, request, each_event))
+        self._send(msg.Submit(key, request, each_event))
         try:
             await future
         except BaseException:  # refused, or the client went away meanwhile
@@ -299,7 +298,7 @@ class EngineClient(EngineFacts):
         with self._lock:
             self._check_alive()
             self._pending[key] = (loop, future)
-        self._post(msg.Score(key, tokens, top))
+        self._send(msg.Score(key, tokens, top))
         scores: PromptScores = await future
         return scores
 
@@ -315,33 +314,13 @@ class EngineClient(EngineFacts):
         if running:
             self._send(msg.Cancel(key))
 
-    def _post(self, message: object) -> None:
-        """(On the event loop.) Send at the end of this loop turn, with whatever else the turn posts."""
-        with self._send_lock:
-            self._outbox.append(message)
-            first = len(self._outbox) == 1
-        if first:
-            asyncio.get_running_loop().call_soon(self._send_posted)
-
-    def _send_posted(self) -> None:
-        with self._send_lock:
-            self._write([])
-
     def _send(self, message: object) -> None:
-        """Send now, after what is posted (a cancel must not pass its submit)."""
-        with self._send_lock:
-            self._write([message])
-
-    def _write(self, messages: list[object]) -> None:
-        """(With the send lock held.) The outbox, then `messages`, in one write; if the engine process is gone,
-        what waits on it fails (the reader sees it exit)."""
-        messages, self._outbox = self._outbox + messages, []
-        if not messages:
-            return
+        """Send to the engine process; if it is gone, what waits on it fails (the reader sees it exit)."""
         try:
-            if self._conn is None:
-                raise ValueError("no engine process was started")
-            self._conn.send(msg.one_message(messages))
+            with self._send_lock:
+                if self._conn is None:
+                    raise ValueError("no engine process was started")
+                self._conn.send(message)
         except (OSError, ValueError) as exc:  # broken pipe, or closed
             if not self._stopping:
                 log.warning("model %s: cannot reach the engine process: %s", self.name, exc)
@@ -394,9 +373,6 @@ class EngineClient(EngineFacts):
 
     def _dispatch(self, message: object) -> None:
         match message:
-            case msg.Several(messages):
-                for one in messages:
-                    self._dispatch(one)
             case msg.Step(passes, events):
                 self._record_steps(passes)  # first: a client that has its answer finds the step counted
                 self._hand_over(events)
@@ -444,8 +420,6 @@ class EngineClient(EngineFacts):
         call_in_loop(loop, settle, future, result, rebuild_error(error))
 
     def _fail_everything(self, message: str, code: str) -> None:
-        with self._send_lock:  # posted for the process that is gone: not for its successor
-            self._outbox = []
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}
             pending, self._pending = list(self._pending.values()), {}

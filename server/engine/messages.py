@@ -2,16 +2,11 @@
 
     API -> engine:  Submit  Cancel  Score  Stop
     engine -> API:  Started | StartFailed   Accepted | Refused   Scored   Step   Events   GaugesNow   Compiled
-    either way:     Several (messages sent together, read in order)
 
 A pass's figures and its events travel in one `Step`, so the API process records the figures before it hands
 the events on (a client that has its answer finds the step counted when it scrapes /metrics). A pass that hands
 out no events keeps its figures back for the next message (server/engine/process.py's `PipeSink`): every message
 wakes the API process, whose reader then runs beside the engine's step.
-
-For the same reason the API process sends the submits and scores of one event-loop turn together, and the engine
-process answers them together: clients whose answers came in one step send their next requests at once, and one
-write (one wake-up of the other side) for all of them costs less than one each.
 """
 
 from __future__ import annotations
@@ -49,21 +44,6 @@ class Score:
 @dataclass(frozen=True, slots=True)
 class Stop:
     pass
-
-
-# -- either way -------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Several:
-    messages: tuple[Any, ...]
-
-
-def one_message(messages: list[Any]) -> Any:
-    """What to send for `messages` (at least one): the message itself, or all of them together."""
-    return messages[0] if len(messages) == 1 else Several(tuple(messages))
-
-
-def unpacked(message: Any) -> tuple[Any, ...]:
-    return message.messages if isinstance(message, Several) else (message,)
 
 
 # -- engine -> API ----------------------------------------------------------------

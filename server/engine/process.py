@@ -171,36 +171,24 @@ class EngineServer:
         self.engine, self.pipe, self.sink = engine, pipe, sink
 
     def serve(self, conn: Connection) -> None:
-        """Until told to stop, or until the API process goes away (end of file on the pipe). What the API process
-        sent together is answered together: one message for all the submits' acceptances."""
+        """Until told to stop, or until the API process goes away (end of file on the pipe)."""
         while True:
             try:
-                received = conn.recv()
+                message = conn.recv()
             except (EOFError, OSError):
                 break
-            replies: list[object] = []
-            stop = self.handle_all(msg.unpacked(received), replies)
-            if replies:
-                self.pipe.send(msg.one_message(replies))
-            if stop:
-                break
-
-    def handle_all(self, messages: tuple[object, ...], replies: list[object]) -> bool:
-        """Each message in order, up to a Stop (then True)."""
-        for message in messages:
             if isinstance(message, msg.Stop):
-                return True
+                break
             try:
-                self.handle(message, replies)
+                self.handle(message)
             except Exception as exc:  # a bug in one call must not take the model down: answer it and go on
                 log.exception("engine process: %r failed", type(message).__name__)
-                self.answer_failure(message, EngineFailure(f"internal error: {exc}"), replies)
-        return False
+                self.answer_failure(message, EngineFailure(f"internal error: {exc}"))
 
-    def handle(self, message: object, replies: list[object]) -> None:
+    def handle(self, message: object) -> None:
         match message:
             case msg.Submit(key, request, each_event):
-                replies.append(self.submit(key, request, each_event))
+                self.submit(key, request, each_event)
             case msg.Cancel(key):
                 self.cancel(key)
             case msg.Score(key, tokens, top):
@@ -208,14 +196,14 @@ class EngineServer:
             case _:
                 log.error("unknown message %r", type(message).__name__)
 
-    def answer_failure(self, message: object, error: EngineFailure, replies: list[object]) -> None:
+    def answer_failure(self, message: object, error: EngineFailure) -> None:
         """Tell the API process that a submit or a score failed, so nothing waits on it forever."""
         if isinstance(message, msg.Submit):
-            replies.append(msg.Refused(message.key, describe_error(error)))
+            self.pipe.send(msg.Refused(message.key, describe_error(error)))
         elif isinstance(message, msg.Score):
-            replies.append(msg.Scored(message.key, None, describe_error(error)))
+            self.pipe.send(msg.Scored(message.key, None, describe_error(error)))
 
-    def submit(self, key: int, request: GenerationRequest, each_event: bool) -> msg.Accepted | msg.Refused:
+    def submit(self, key: int, request: GenerationRequest, each_event: bool) -> None:
         if not isinstance(request, GenerationRequest):  # the client validated its content; a wrong type is a bug
             raise TypeError(f"a submit carries a GenerationRequest, not {type(request).__name__}")
         try:
@@ -223,8 +211,9 @@ class EngineServer:
                 stream = self.engine.submit(request, each_event, self.sink, checked=True, report_gauges=False)
                 self.sink.keys[stream], self.sink.streams[key] = key, stream
         except (QueueFull, InvalidRequest) as exc:
-            return msg.Refused(key, describe_error(exc))
-        return msg.Accepted(key, Gauges(self.engine.running, self.engine.waiting))
+            self.pipe.send(msg.Refused(key, describe_error(exc)))
+            return
+        self.pipe.send(msg.Accepted(key, Gauges(self.engine.running, self.engine.waiting)))
 
     def cancel(self, key: int) -> None:
         with self.sink.lock:

@@ -11,8 +11,8 @@ the teacher's forward pass, one layer at a time (a layer's graph is freed before
   query rows (a 784-pixel image's full T x T weights per head and layer would leave room for few sequences).
 
 The teacher's forward pass and, for output-mse, the student's attention run under the training's autocast (bfloat16
-where the CPU has it natively, as the second stage runs): the teacher's pass is most of a step. The losses are taken
-in float32.
+where the CPU has it natively, as the second stage runs): in float32 the teacher's pass is half of a step. The
+losses are taken in float32.
 """
 
 from __future__ import annotations

@@ -243,23 +243,17 @@ def test_a_dead_engine_process_fails_what_waits_on_it_stops_being_ready_and_come
     assert not engine.ready
 
 
-async def a_broken_submit(engine: EngineClient, send) -> None:
-    """A submit whose request is not a GenerationRequest (the client's own checks never let one through), sent
-    with `send`: it fails with the reason."""
-    key, future = -1, asyncio.get_running_loop().create_future()
-    with engine._lock:
-        engine._pending[key] = (asyncio.get_running_loop(), future)
-    send(msg.Submit(key, "not a request", False))
-    with pytest.raises(EngineFailure, match="internal error"):
-        await future
-
-
 def test_a_call_that_fails_in_the_engine_process_is_answered_and_the_process_serves_on():
     """A bug hit by one call (here: a submit whose request is not a GenerationRequest, which the client's own
     checks never let through) fails that call with the reason; the engine process keeps serving."""
 
     async def scenario(engine):
-        await a_broken_submit(engine, engine._send)
+        key, future = -1, asyncio.get_running_loop().create_future()
+        with engine._lock:
+            engine._pending[key] = (asyncio.get_running_loop(), future)
+        engine._send(msg.Submit(key, "not a request", False))
+        with pytest.raises(EngineFailure, match="internal error"):
+            await future
         return await results_of(engine, requests()[:1])
 
     engine = make(EngineClient)

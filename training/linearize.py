@@ -31,8 +31,15 @@ from .attention_transfer import transfer
 from .data import DataError
 from .errors import TrainError
 from .lineage import inherited_lineage
-from .train import Batches, autocast_context, build_config, checkpoint_path, inherited_from, load_training_data
-from .train import uses_autocast
+from .train import (
+    Batches,
+    autocast_context,
+    build_config,
+    checkpoint_path,
+    inherited_from,
+    load_training_data,
+    uses_autocast,
+)
 from .train import run as run_training
 from .warm_start import init_from
 
